@@ -1,0 +1,67 @@
+//! `alloctramp sites`: list every allocator call site in an ELF file.
+
+use crate::util::{Input, emit};
+use alloctramp_patcher::{DebugFile, debugfile, output};
+use alloctramp_trampolines::entry::{self, EntryPoint};
+use anyhow::{Context, Result, anyhow};
+use std::path::PathBuf;
+
+/// List every call site that reaches an allocator entry point.
+///
+/// Example: alloctramp sites /usr/bin/git --entry xmalloc:alloc --entry xfree:free
+#[derive(clap::Args)]
+#[command(
+    after_help = "ENTRY SPEC: TARGET:KIND[:FIELD=VALUE,...]\n  TARGET  a symbol name (mangled for C++) or a 0x address in the file\n  KIND    alloc, free or realloc\n  FIELDS  size=argN | size=argN*argM | size=strlen, ptr=argN, out=argN, name=LABEL\n  e.g. --entry xmalloc:alloc --entry xcalloc:alloc:size=arg0*arg1 --entry xfree:free"
+)]
+pub struct Args {
+    /// The ELF file (executable, PIE or shared library).
+    pub file: PathBuf,
+    /// Also count calls to this function (see ENTRY SPEC below).
+    #[arg(long = "entry", value_name = "SPEC")]
+    pub entries: Vec<String>,
+    /// Print one JSON document instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Where separate debug files live (gdb's debug-file-directory).
+    #[arg(long, value_name = "DIR", default_value = debugfile::DEFAULT_DEBUG_DIR)]
+    pub debug_dir: PathBuf,
+}
+
+pub fn parse_entries(specs: &[String]) -> Result<Vec<EntryPoint>> {
+    specs.iter().map(|s| entry::parse_spec(s).map_err(|e| anyhow!(e))).collect()
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let user = parse_entries(&args.entries)?;
+    let path = &args.file;
+    let input = Input::open(path)?;
+    let name = path.to_string_lossy();
+    let data: &[u8] = &input.map;
+
+    // A separate debug file is looked for only when the file has no DWARF.
+    let elf = alloctramp_patcher::Elf::parse(data).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let mut debug_map = None;
+    if !elf.has_dwarf_lines() {
+        for cand in debugfile::candidates(path, &elf, &args.debug_dir) {
+            if let Ok(inp) = Input::open(&cand) {
+                if debugfile::matches(&elf, &inp.map) {
+                    debug_map = Some((cand, inp));
+                    break;
+                }
+            }
+        }
+    }
+    drop(elf);
+    let debug = debug_map.as_ref().map(|(p, inp)| DebugFile { data: &inp.map, label: p.display().to_string() });
+    let analysis =
+        alloctramp_patcher::analyze(data, &name, debug, &user).with_context(|| format!("{}", path.display()))?;
+    for &i in &analysis.scan.unresolved {
+        eprintln!(
+            "alloctramp: warning: {}: entry {} is neither defined nor imported",
+            path.display(),
+            analysis.scan.entries[i].target
+        );
+    }
+    let doc = output::document(&analysis, &name);
+    emit(|w| if args.json { output::write_json(w, &doc) } else { output::write_text(w, &doc) })
+}

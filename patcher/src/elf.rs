@@ -1,0 +1,339 @@
+//! Reading an x86-64 ELF file: header checks that name the offset of what is
+//! wrong, then the few views the scanner needs (sections, symbols, dynamic
+//! relocations, the dynamic table), built on `object`'s ELF reader.
+
+use crate::error::{Error, ErrorKind, Location, Result};
+use alloctramp_trampolines::addr::{FileOffset, Vaddr};
+use object::LittleEndian as LE;
+use object::elf;
+use object::read::elf::{Dyn as _, ElfFile64, FileHeader, ProgramHeader as _, Rela as _, SectionHeader as _, Sym as _};
+use object::{Object, ObjectSection};
+
+type Header = elf::FileHeader64<LE>;
+pub type SectionHeader = elf::SectionHeader64<LE>;
+
+/// What sort of ELF file this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FileType {
+    /// ET_EXEC: a position-dependent executable.
+    Exec,
+    /// ET_DYN with PT_INTERP: a position-independent executable.
+    Pie,
+    /// ET_DYN without PT_INTERP: a shared library.
+    Shared,
+}
+
+/// A section as the scanner sees it.
+#[derive(Clone, Debug)]
+pub struct Section<'a> {
+    pub index: usize,
+    pub name: &'a str,
+    pub addr: Vaddr,
+    pub offset: FileOffset,
+    pub size: u64,
+    pub flags: u64,
+    pub sh_type: u32,
+    /// File contents (empty for SHT_NOBITS).
+    pub data: &'a [u8],
+}
+
+impl Section<'_> {
+    pub fn is_exec(&self) -> bool {
+        self.flags & u64::from(elf::SHF_EXECINSTR.0) != 0
+    }
+    pub fn is_alloc(&self) -> bool {
+        self.flags & u64::from(elf::SHF_ALLOC.0) != 0
+    }
+    pub fn contains(&self, addr: u64) -> bool {
+        addr >= self.addr.0 && addr - self.addr.0 < self.size
+    }
+}
+
+/// A symbol from .symtab or .dynsym.
+#[derive(Clone, Debug)]
+pub struct Symbol<'a> {
+    pub name: &'a str,
+    pub value: u64,
+    pub size: u64,
+    pub defined: bool,
+    pub is_func: bool,
+    pub global: bool,
+}
+
+/// A dynamic relocation naming a symbol (or carrying an addend).
+#[derive(Clone, Copy, Debug)]
+pub struct DynReloc<'a> {
+    pub offset: Vaddr,
+    pub r_type: u32,
+    pub symbol: Option<&'a str>,
+    pub addend: i64,
+}
+
+/// A parsed, checked ELF file.
+pub struct Elf<'a> {
+    pub data: &'a [u8],
+    pub file: ElfFile64<'a, LE>,
+    pub file_type: FileType,
+    pub sections: Vec<Section<'a>>,
+}
+
+fn read_u16(d: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([d[at], d[at + 1]])
+}
+
+/// Checks the parts of the header that decide whether this is a file we
+/// handle, with a message that names what is wrong.
+fn check_ident(data: &[u8]) -> Result<()> {
+    if data.len() < 4 || &data[..4] != b"\x7fELF" {
+        return Err(Error::new(ErrorKind::NotElf, Location::None, "not an ELF file (bad magic)"));
+    }
+    if data.len() < 64 {
+        return Err(Error::malformed_at(0, format!("truncated ELF header: {} bytes, 64 needed", data.len())));
+    }
+    match data[4] {
+        2 => {}
+        1 => return Err(Error::unsupported("32-bit ELF file: only x86-64 (ELFCLASS64) is supported")),
+        c => return Err(Error::malformed_at(4, format!("bad ELF class {c}"))),
+    }
+    if data[5] != 1 {
+        return Err(Error::unsupported("big-endian ELF file: only x86-64 is supported"));
+    }
+    let machine = read_u16(data, 18);
+    if machine != elf::EM_X86_64.0 {
+        return Err(Error::unsupported(format!("ELF machine {machine} is not x86-64 (62)")));
+    }
+    match read_u16(data, 16) {
+        2 | 3 => Ok(()),
+        1 => Err(Error::unsupported("relocatable object file (ET_REL): link it first")),
+        4 => Err(Error::unsupported("core dump (ET_CORE)")),
+        t => Err(Error::unsupported(format!("ELF type {t}: only executables and shared libraries"))),
+    }
+}
+
+fn range_end(offset: u64, size: u64) -> Option<u64> {
+    offset.checked_add(size)
+}
+
+impl<'a> Elf<'a> {
+    pub fn parse(data: &'a [u8]) -> Result<Elf<'a>> {
+        check_ident(data)?;
+        let len = data.len() as u64;
+        let header = Header::parse(data).map_err(|e| Error::malformed_at(0, format!("ELF header: {e}")))?;
+        let e = LE;
+
+        // Program headers.
+        let phoff = header.e_phoff.get(e);
+        let phnum = u64::from(header.e_phnum.get(e));
+        if phnum > 0 {
+            let phentsize = u64::from(header.e_phentsize.get(e));
+            if phentsize != 56 {
+                return Err(Error::malformed_at(54, format!("program header entry size {phentsize}, expected 56")));
+            }
+            if range_end(phoff, phnum * 56).is_none_or(|end| end > len) {
+                return Err(Error::malformed_at(
+                    phoff,
+                    format!("{phnum} program headers at offset {phoff:#x} extend past the end of the file ({len:#x})"),
+                ));
+            }
+        }
+        let phdrs = header
+            .program_headers(e, data)
+            .map_err(|err| Error::malformed_at(phoff, format!("program headers: {err}")))?;
+        for (i, ph) in phdrs.iter().enumerate() {
+            let (off, filesz) = (ph.p_offset(e), ph.p_filesz(e));
+            if range_end(off, filesz).is_none_or(|end| end > len) {
+                return Err(Error::malformed_at(
+                    phoff + i as u64 * 56,
+                    format!(
+                        "program header {i}: segment at offset {off:#x} size {filesz:#x} extends past the end of the file ({len:#x})"
+                    ),
+                ));
+            }
+            if ph.p_type(e) == elf::PT_LOAD && ph.p_memsz(e) < filesz {
+                return Err(Error::malformed_at(
+                    phoff + i as u64 * 56,
+                    format!("program header {i}: memory size is smaller than file size"),
+                ));
+            }
+        }
+
+        // Section headers.
+        let shoff = header.e_shoff.get(e);
+        let shnum_raw = u64::from(header.e_shnum.get(e));
+        if shoff != 0 {
+            let shentsize = u64::from(header.e_shentsize.get(e));
+            if shentsize != 64 {
+                return Err(Error::malformed_at(58, format!("section header entry size {shentsize}, expected 64")));
+            }
+            if range_end(shoff, shnum_raw.max(1) * 64).is_none_or(|end| end > len) {
+                return Err(Error::malformed_at(
+                    shoff,
+                    format!("section headers at offset {shoff:#x} extend past the end of the file ({len:#x})"),
+                ));
+            }
+        }
+        let table =
+            header.sections(e, data).map_err(|err| Error::malformed_at(shoff, format!("section headers: {err}")))?;
+        let mut sections = Vec::with_capacity(table.len());
+        for (index, sh) in table.iter().enumerate() {
+            let name = table.section_name(e, sh).ok().and_then(|n| std::str::from_utf8(n).ok()).unwrap_or("");
+            let sh_type = sh.sh_type(e).0;
+            let (offset, size) = (sh.sh_offset(e), sh.sh_size(e));
+            let at = shoff + index as u64 * 64;
+            let file_data: &[u8] = if sh_type == elf::SHT_NOBITS.0 || sh_type == elf::SHT_NULL.0 {
+                &[]
+            } else {
+                let end = range_end(offset, size).filter(|&end| end <= len).ok_or_else(|| {
+                    Error::malformed_at(
+                        at,
+                        format!(
+                            "section [{index}] {name}: offset {offset:#x} size {size:#x} extends past the end of the file ({len:#x})"
+                        ),
+                    )
+                })?;
+                &data[offset as usize..end as usize]
+            };
+            let addr = sh.sh_addr(e);
+            if addr.checked_add(size).is_none() {
+                return Err(Error::malformed_at(at, format!("section [{index}] {name}: address range overflows")));
+            }
+            sections.push(Section {
+                index,
+                name,
+                addr: Vaddr(addr),
+                offset: FileOffset(offset),
+                size,
+                flags: sh.sh_flags(e).0,
+                sh_type,
+                data: file_data,
+            });
+        }
+
+        let file = ElfFile64::<LE>::parse(data).map_err(|err| Error::malformed_at(0, format!("{err}")))?;
+        let file_type = match header.e_type.get(e).0 {
+            2 => FileType::Exec,
+            _ if phdrs.iter().any(|p| p.p_type(e) == elf::PT_INTERP) => FileType::Pie,
+            _ => FileType::Shared,
+        };
+        Ok(Elf { data, file, file_type, sections })
+    }
+
+    pub fn section_by_name(&self, name: &str) -> Option<&Section<'a>> {
+        self.sections.iter().find(|s| s.name == name)
+    }
+
+    /// The section (with file contents) that holds a virtual address.
+    pub fn section_at(&self, addr: u64) -> Option<&Section<'a>> {
+        self.sections.iter().find(|s| s.is_alloc() && !s.data.is_empty() && s.contains(addr))
+    }
+
+    /// The file offset of a virtual address, from the loadable segments.
+    pub fn offset_of(&self, addr: Vaddr) -> Option<FileOffset> {
+        let e = LE;
+        self.file.elf_program_headers().iter().find_map(|ph| {
+            let (va, filesz) = (ph.p_vaddr(e), ph.p_filesz(e));
+            (ph.p_type(e) == elf::PT_LOAD && addr.0 >= va && addr.0 - va < filesz)
+                .then(|| FileOffset(ph.p_offset(e) + (addr.0 - va)))
+        })
+    }
+
+    /// Symbols of .symtab (`dynamic == false`) or .dynsym.
+    pub fn symbols(&self, dynamic: bool) -> Vec<Symbol<'a>> {
+        let e = LE;
+        let table = if dynamic { self.file.elf_dynamic_symbol_table() } else { self.file.elf_symbol_table() };
+        let strings = table.strings();
+        table
+            .symbols()
+            .iter()
+            .filter_map(|sym| {
+                let name = sym.name(e, strings).ok().and_then(|n| std::str::from_utf8(n).ok())?;
+                if name.is_empty() {
+                    return None;
+                }
+                let st_type = sym.st_type();
+                Some(Symbol {
+                    name,
+                    value: sym.st_value(e),
+                    size: sym.st_size(e),
+                    defined: !sym.is_undefined(e),
+                    is_func: st_type == elf::STT_FUNC || st_type == elf::STT_GNU_IFUNC,
+                    global: sym.st_bind() != elf::STB_LOCAL,
+                })
+            })
+            .collect()
+    }
+
+    /// Dynamic relocations (every SHT_RELA section linked to .dynsym).
+    pub fn dynamic_relocations(&self) -> Vec<DynReloc<'a>> {
+        let e = LE;
+        let dynsym = self.file.elf_dynamic_symbol_table();
+        let strings = dynsym.strings();
+        let table = self.file.elf_section_table();
+        let mut out = Vec::new();
+        for sh in table.iter() {
+            if sh.sh_type(e) != elf::SHT_RELA {
+                continue;
+            }
+            let link = sh.sh_link(e) as usize;
+            if link == 0 || link != dynsym.section().0 {
+                continue;
+            }
+            let Ok(Some((relas, _))) = sh.rela(e, self.data) else { continue };
+            for r in relas {
+                let sym_index = r.r_sym(e, false);
+                let symbol = if sym_index == 0 {
+                    None
+                } else {
+                    dynsym
+                        .symbol(object::SymbolIndex(sym_index as usize))
+                        .ok()
+                        .and_then(|s| s.name(e, strings).ok())
+                        .and_then(|n| std::str::from_utf8(n).ok())
+                };
+                out.push(DynReloc {
+                    offset: Vaddr(r.r_offset(e)),
+                    r_type: r.r_type(e, false).0,
+                    symbol,
+                    addend: r.r_addend(e),
+                });
+            }
+        }
+        out
+    }
+
+    /// DT_SONAME, if the file has one.
+    pub fn soname(&self) -> Option<&'a str> {
+        let table = self.file.elf_dynamic_table().ok()?;
+        let e = LE;
+        table.dynamics().iter().take_while(|d| d.d_tag(e) != elf::DT_NULL).find_map(|d| {
+            if d.d_tag(e) == elf::DT_SONAME {
+                let v = d.d_val(e);
+                let s = table.strings().get(u32::try_from(v).ok()?).ok()?;
+                std::str::from_utf8(s).ok()
+            } else {
+                None
+            }
+        })
+    }
+
+    pub fn build_id(&self) -> Option<&'a [u8]> {
+        self.file.build_id().ok().flatten()
+    }
+
+    pub fn gnu_debuglink(&self) -> Option<(&'a [u8], u32)> {
+        self.file.gnu_debuglink().ok().flatten()
+    }
+
+    /// True when the file carries DWARF line information of its own.
+    pub fn has_dwarf_lines(&self) -> bool {
+        self.file.section_by_name(".debug_line").is_some_and(|s| s.size() > 0)
+    }
+
+    /// Virtual address of the section data at a given address, `len` bytes.
+    pub fn bytes_at(&self, addr: u64, len: usize) -> Option<&'a [u8]> {
+        let s = self.section_at(addr)?;
+        let start = (addr - s.addr.0) as usize;
+        s.data.get(start..start.checked_add(len)?)
+    }
+}

@@ -1,0 +1,187 @@
+//! `alloctramp sites` output: a tab-separated table with a summary, or one
+//! JSON document (schema in docs/formats.md).
+
+use crate::scan::{Form, Reason};
+use crate::symbols::demangle;
+use crate::{Analysis, Location};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+
+/// The JSON document's version; bump on incompatible changes.
+pub const SITES_JSON_VERSION: u32 = 1;
+
+#[derive(Serialize)]
+pub struct SitesDoc<'a> {
+    pub format: &'static str,
+    pub version: u32,
+    pub file: &'a str,
+    pub module: &'a str,
+    #[serde(rename = "type")]
+    pub file_type: crate::FileType,
+    pub debug_info: &'a str,
+    pub sites: Vec<SiteDoc<'a>>,
+    pub unpatchable: Vec<RefDoc<'a>>,
+    pub unresolved_entries: Vec<String>,
+    pub summary: Summary,
+}
+
+#[derive(Serialize)]
+pub struct SiteDoc<'a> {
+    pub address: u64,
+    pub offset: u64,
+    pub length: u8,
+    pub form: Form,
+    pub via: crate::Via,
+    pub target: u64,
+    pub entry: String,
+    pub entry_display: &'a str,
+    pub kind: &'static str,
+    pub function: Option<String>,
+    pub function_mangled: Option<&'a str>,
+    pub file: Option<&'a str>,
+    pub line: Option<u32>,
+    pub module: &'a str,
+}
+
+#[derive(Serialize)]
+pub struct RefDoc<'a> {
+    pub address: u64,
+    pub offset: Option<u64>,
+    pub entry: String,
+    pub entry_display: &'a str,
+    pub reason: Reason,
+    pub reason_text: &'static str,
+}
+
+#[derive(Serialize, Default)]
+pub struct Summary {
+    pub sites: usize,
+    pub by_entry: BTreeMap<String, usize>,
+    pub by_form: BTreeMap<&'static str, usize>,
+    pub by_kind: BTreeMap<&'static str, usize>,
+    pub unpatchable: usize,
+    pub unpatchable_by_reason: BTreeMap<&'static str, usize>,
+}
+
+/// Builds the JSON document (also the single source of the text output).
+pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
+    let entries = &a.scan.entries;
+    let mut summary = Summary { sites: a.scan.sites.len(), ..Summary::default() };
+    let sites = a
+        .scan
+        .sites
+        .iter()
+        .zip(&a.info)
+        .map(|(s, info)| {
+            let e = &entries[s.entry];
+            *summary.by_entry.entry(e.display.clone()).or_default() += 1;
+            *summary.by_form.entry(s.form.as_str()).or_default() += 1;
+            *summary.by_kind.entry(e.sig.kind.as_str()).or_default() += 1;
+            SiteDoc {
+                address: s.vaddr.0,
+                offset: s.offset.0,
+                length: s.len,
+                form: s.form,
+                via: s.via,
+                target: s.target.0,
+                entry: e.target.to_string(),
+                entry_display: &e.display,
+                kind: e.sig.kind.as_str(),
+                function: info.function.as_deref().map(demangle),
+                function_mangled: info.function.as_deref(),
+                file: info.location.as_ref().map(|l: &Location| l.file.as_str()),
+                line: info.location.as_ref().map(|l| l.line),
+                module: &a.module,
+            }
+        })
+        .collect();
+    let unpatchable = a
+        .scan
+        .unpatchable
+        .iter()
+        .map(|r| {
+            let e = &entries[r.entry];
+            *summary.unpatchable_by_reason.entry(r.reason.as_str()).or_default() += 1;
+            RefDoc {
+                address: r.vaddr.0,
+                offset: r.offset.map(|o| o.0),
+                entry: e.target.to_string(),
+                entry_display: &e.display,
+                reason: r.reason,
+                reason_text: r.reason.as_str(),
+            }
+        })
+        .collect::<Vec<_>>();
+    summary.unpatchable = unpatchable.len();
+    SitesDoc {
+        format: "alloctramp-sites",
+        version: SITES_JSON_VERSION,
+        file,
+        module: &a.module,
+        file_type: a.file_type,
+        debug_info: &a.debug_source,
+        sites,
+        unpatchable,
+        unresolved_entries: a.scan.unresolved.iter().map(|&i| entries[i].target.to_string()).collect(),
+        summary,
+    }
+}
+
+/// The text form: a header line, one tab-separated line per site, then the
+/// summary as `#` comment lines.
+pub fn write_text(w: &mut (impl Write + ?Sized), doc: &SitesDoc) -> io::Result<()> {
+    writeln!(w, "# address\toffset\tlen\tform\tkind\tentry\tfunction\tlocation\tmodule")?;
+    for s in &doc.sites {
+        let location = match (s.file, s.line) {
+            (Some(f), Some(l)) => format!("{f}:{l}"),
+            _ => "?".to_string(),
+        };
+        writeln!(
+            w,
+            "{:#x}\t{:#x}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            s.address,
+            s.offset,
+            s.length,
+            s.form.as_str(),
+            s.kind,
+            s.entry_display,
+            s.function.as_deref().unwrap_or("?"),
+            location,
+            s.module
+        )?;
+    }
+    let sum = &doc.summary;
+    writeln!(
+        w,
+        "# {} sites in {} ({}, line info: {})",
+        sum.sites,
+        doc.module,
+        match doc.file_type {
+            crate::FileType::Exec => "executable",
+            crate::FileType::Pie => "PIE executable",
+            crate::FileType::Shared => "shared library",
+        },
+        if doc.debug_info.is_empty() { "none" } else { doc.debug_info }
+    )?;
+    for (name, n) in &sum.by_entry {
+        writeln!(w, "#   entry {name}: {n}")?;
+    }
+    for (form, n) in &sum.by_form {
+        writeln!(w, "#   form {form}: {n}")?;
+    }
+    writeln!(w, "# {} references that cannot be patched", sum.unpatchable)?;
+    for r in &doc.unpatchable {
+        let off = r.offset.map(|o| format!("{o:#x}")).unwrap_or_else(|| "-".into());
+        writeln!(w, "#   {:#x}\t{off}\t{}\t{}", r.address, r.entry_display, r.reason_text)?;
+    }
+    for e in &doc.unresolved_entries {
+        writeln!(w, "# entry {e}: not defined or imported by this file")?;
+    }
+    Ok(())
+}
+
+pub fn write_json(w: &mut (impl Write + ?Sized), doc: &SitesDoc) -> io::Result<()> {
+    serde_json::to_writer_pretty(&mut *w, doc)?;
+    writeln!(w)
+}

@@ -1,0 +1,399 @@
+//! Site discovery: resolve where each allocator entry point can be reached
+//! in a file (PLT stubs, GOT slots, local definitions), then sweep every
+//! executable section once and classify each instruction that reaches one.
+
+use crate::elf::{Elf, FileType, Section};
+use crate::error::{Error, ErrorKind, Location, Result};
+use alloctramp_trampolines::addr::{FileOffset, Vaddr};
+use alloctramp_trampolines::entry::{EntryPoint, Target};
+use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
+use std::collections::HashMap;
+
+/// How a site reaches its entry point, as written in the code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Form {
+    /// `call rel32` (E8), possibly with a prefix.
+    #[serde(rename = "call rel32")]
+    CallRel32,
+    /// `jmp rel32` (E9): a tail call.
+    #[serde(rename = "jmp rel32")]
+    JmpRel32,
+    /// `call [rip+disp]` (FF 15): through a GOT slot.
+    #[serde(rename = "call [rip+disp]")]
+    CallRipMem,
+    /// `jmp [rip+disp]` (FF 25): a tail call through a GOT slot.
+    #[serde(rename = "jmp [rip+disp]")]
+    JmpRipMem,
+}
+
+impl Form {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Form::CallRel32 => "call rel32",
+            Form::JmpRel32 => "jmp rel32",
+            Form::CallRipMem => "call [rip+disp]",
+            Form::JmpRipMem => "jmp [rip+disp]",
+        }
+    }
+    pub fn is_tail(self) -> bool {
+        matches!(self, Form::JmpRel32 | Form::JmpRipMem)
+    }
+    pub fn through_got(self) -> bool {
+        matches!(self, Form::CallRipMem | Form::JmpRipMem)
+    }
+    pub const ALL: [Form; 4] = [Form::CallRel32, Form::JmpRel32, Form::CallRipMem, Form::JmpRipMem];
+}
+
+/// What a site's instruction points at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    /// A PLT stub (in .plt, .plt.sec or .plt.got).
+    Plt,
+    /// A GOT slot filled by the dynamic linker.
+    Got,
+    /// A function defined in this file.
+    Direct,
+}
+
+/// A call site that can be patched.
+#[derive(Clone, Debug)]
+pub struct Site {
+    pub vaddr: Vaddr,
+    pub offset: FileOffset,
+    pub len: u8,
+    pub form: Form,
+    /// Index into [`Scan::entries`].
+    pub entry: usize,
+    pub via: Via,
+    /// The branch target (a PLT stub or a definition) or the GOT slot read.
+    pub target: Vaddr,
+}
+
+/// Why a reference to an entry point cannot be patched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Reason {
+    /// `jcc` to the entry point: a conditional tail call.
+    ConditionalJump,
+    /// `jmp rel8`: too short to be replaced by a jump to a trampoline.
+    ShortJump,
+    /// The entry point's address is computed (`lea`) or used as an
+    /// immediate: a function pointer is taken.
+    AddressTaken,
+    /// A GOT slot is read into a register or memory operand: the call that
+    /// follows goes through a register.
+    GotSlotRead,
+    /// A relocation stores the entry point's address in data.
+    AddressInData,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::ConditionalJump => "conditional jump",
+            Reason::ShortJump => "short jump (rel8)",
+            Reason::AddressTaken => "function address taken",
+            Reason::GotSlotRead => "GOT slot read into a register",
+            Reason::AddressInData => "address stored in data",
+        }
+    }
+}
+
+/// A reference to an entry point that is not patched.
+#[derive(Clone, Debug)]
+pub struct Reference {
+    pub vaddr: Vaddr,
+    /// None for references outside the file's loaded contents.
+    pub offset: Option<FileOffset>,
+    pub entry: usize,
+    pub reason: Reason,
+}
+
+/// The result of a scan.
+#[derive(Clone, Debug, Default)]
+pub struct Scan {
+    pub entries: Vec<EntryPoint>,
+    pub sites: Vec<Site>,
+    pub unpatchable: Vec<Reference>,
+    /// User-named entry points that the file neither defines nor imports.
+    pub unresolved: Vec<usize>,
+    /// Bytes of executable code swept.
+    pub code_bytes: u64,
+}
+
+/// Where entry points can be reached in one file.
+#[derive(Default)]
+struct Targets {
+    /// GOT slot address -> entry.
+    got: HashMap<u64, usize>,
+    /// Code address (PLT stub or definition) -> entry and how.
+    code: HashMap<u64, (usize, Via)>,
+    lo: u64,
+    hi: u64,
+}
+
+impl Targets {
+    fn code_target(&self, addr: u64) -> Option<(usize, Via)> {
+        if addr < self.lo || addr > self.hi { None } else { self.code.get(&addr).copied() }
+    }
+}
+
+fn is_plt(s: &Section) -> bool {
+    matches!(s.name, ".plt" | ".plt.sec" | ".plt.got" | ".iplt")
+}
+
+/// Finds the GOT slot a PLT stub jumps through: the first `jmp [rip+disp]`
+/// from the stub's start, past an optional `endbr64` and NOPs.
+fn plt_stub_slot(elf: &Elf, sec: &Section, addr: u64) -> Option<u64> {
+    let start = (addr - sec.addr.0) as usize;
+    let bytes = sec.data.get(start..)?;
+    let mut dec = Decoder::with_ip(64, bytes, addr, DecoderOptions::NONE);
+    let mut ins = Instruction::default();
+    for _ in 0..4 {
+        if !dec.can_decode() {
+            return None;
+        }
+        dec.decode_out(&mut ins);
+        match ins.code() {
+            Code::Endbr64 => continue,
+            _ if ins.mnemonic() == Mnemonic::Nop => continue,
+            Code::Jmp_rm64 if ins.memory_base() == Register::RIP => {
+                let _ = elf;
+                return Some(ins.ip_rel_memory_address());
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
+    let mut t = Targets::default();
+    let mut found = vec![false; entries.len()];
+    let mut by_name: HashMap<&str, usize> = HashMap::new();
+    // Later entries (user-named) take precedence over earlier (defaults).
+    for (i, e) in entries.iter().enumerate() {
+        match &e.target {
+            Target::Symbol(s) => {
+                by_name.insert(s.as_str(), i);
+            }
+            Target::Address(a) => {
+                if elf.section_at(*a).is_some_and(|s| s.is_exec()) {
+                    t.code.insert(*a, (i, Via::Direct));
+                    found[i] = true;
+                }
+            }
+        }
+    }
+
+    // GOT slots, from the dynamic relocations that name entry symbols.
+    for r in elf.dynamic_relocations() {
+        let Some(name) = r.symbol else { continue };
+        if !matches!(r.r_type, 6 | 7) {
+            // R_X86_64_GLOB_DAT (6), R_X86_64_JUMP_SLOT (7)
+            continue;
+        }
+        if let Some(&i) = by_name.get(name) {
+            t.got.insert(r.offset.0, i);
+            found[i] = true;
+        }
+    }
+
+    // Definitions in this file.
+    for dynamic in [false, true] {
+        for sym in elf.symbols(dynamic) {
+            if !sym.defined || !sym.is_func {
+                continue;
+            }
+            if let Some(&i) = by_name.get(sym.name) {
+                if elf.section_at(sym.value).is_some_and(|s| s.is_exec()) {
+                    t.code.entry(sym.value).or_insert((i, Via::Direct));
+                    found[i] = true;
+                }
+            }
+        }
+    }
+
+    // PLT stubs: decode each stub to find its GOT slot.
+    if !t.got.is_empty() {
+        for sec in elf.sections.iter().filter(|s| is_plt(s) && s.is_exec()) {
+            let step = match sec.name {
+                ".plt.got" => 8,
+                _ => 16,
+            };
+            let mut off = 0u64;
+            while off < sec.size {
+                let addr = sec.addr.0 + off;
+                if let Some(slot) = plt_stub_slot(elf, sec, addr) {
+                    if let Some(&i) = t.got.get(&slot) {
+                        t.code.insert(addr, (i, Via::Plt));
+                    }
+                }
+                off += step;
+            }
+        }
+    }
+    t.lo = t.code.keys().copied().min().unwrap_or(u64::MAX);
+    t.hi = t.code.keys().copied().max().unwrap_or(0);
+    (t, found)
+}
+
+/// Scans a file for calls to the given entry points.
+///
+/// `entries[first_user..]` are the entry points a user named; those the file
+/// neither defines nor imports are listed in [`Scan::unresolved`].
+pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, first_user: usize) -> Result<Scan> {
+    let (targets, found) = resolve_targets(elf, &entries);
+    let mut out =
+        Scan { unresolved: (first_user..entries.len()).filter(|&i| !found[i]).collect(), entries, ..Scan::default() };
+    if targets.got.is_empty() && targets.code.is_empty() {
+        return Ok(out);
+    }
+
+    // Function starts per section, so a sweep that lost step realigns at
+    // every symbol as a disassembler does.
+    let mut starts: Vec<u64> = elf
+        .symbols(false)
+        .into_iter()
+        .chain(elf.symbols(true))
+        .filter(|s| s.defined && s.is_func)
+        .map(|s| s.value)
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
+
+    let absolute_immediates = elf.file_type == FileType::Exec;
+    let mut ins = Instruction::default();
+    for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !is_plt(s)) {
+        if sec.data.len() as u64 != sec.size {
+            continue;
+        }
+        out.code_bytes += sec.size;
+        let base = sec.addr.0;
+        let end = base + sec.size;
+        let mut next_start = starts.partition_point(|&a| a <= base);
+        let mut dec = Decoder::with_ip(64, sec.data, base, DecoderOptions::NONE);
+        while dec.can_decode() {
+            dec.decode_out(&mut ins);
+            let ip = ins.ip();
+            let next = ins.next_ip();
+            // Realign at a function start that this instruction overlaps.
+            while next_start < starts.len() && starts[next_start] <= ip {
+                next_start += 1;
+            }
+            if next_start < starts.len() && starts[next_start] < next && starts[next_start] < end {
+                let s = starts[next_start];
+                dec.set_ip(s);
+                if dec.set_position((s - base) as usize).is_err() {
+                    break;
+                }
+                continue;
+            }
+            classify(elf, &targets, &ins, absolute_immediates, &mut out);
+        }
+    }
+
+    // Addresses of entry points stored in data through relocations.
+    for r in elf.dynamic_relocations() {
+        let entry = match (r.r_type, r.symbol) {
+            (1, Some(name)) => out.entries.iter().position(|e| e.target == Target::Symbol(name.to_string())),
+            (8, _) => u64::try_from(r.addend).ok().and_then(|a| targets.code_target(a)).map(|(i, _)| i),
+            _ => None,
+        };
+        if let Some(entry) = entry {
+            out.unpatchable.push(Reference {
+                vaddr: r.offset,
+                offset: elf.offset_of(r.offset),
+                entry,
+                reason: Reason::AddressInData,
+            });
+        }
+    }
+
+    out.sites.sort_by_key(|s| s.vaddr);
+    out.unpatchable.sort_by_key(|r| (r.vaddr, r.reason));
+    Ok(out)
+}
+
+fn site_offset(elf: &Elf, vaddr: u64) -> Result<FileOffset> {
+    elf.offset_of(Vaddr(vaddr)).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Malformed,
+            Location::Vaddr(Vaddr(vaddr)),
+            "executable section is not covered by a loadable segment",
+        )
+    })
+}
+
+#[inline]
+fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool, out: &mut Scan) {
+    let ip = ins.ip();
+    let site = |form: Form, entry: usize, via: Via, target: u64, out: &mut Scan| {
+        // A section outside every segment cannot be patched at run time.
+        let Ok(offset) = site_offset(elf, ip) else { return };
+        out.sites.push(Site {
+            vaddr: Vaddr(ip),
+            offset,
+            len: ins.len() as u8,
+            form,
+            entry,
+            via,
+            target: Vaddr(target),
+        });
+    };
+    let unpatchable = |entry: usize, reason: Reason, out: &mut Scan| {
+        out.unpatchable.push(Reference { vaddr: Vaddr(ip), offset: elf.offset_of(Vaddr(ip)), entry, reason });
+    };
+    match ins.code() {
+        Code::Call_rel32_64 | Code::Jmp_rel32_64 | Code::Jmp_rel8_64 => {
+            let target = ins.near_branch64();
+            if let Some((entry, via)) = t.code_target(target) {
+                match ins.code() {
+                    Code::Call_rel32_64 => site(Form::CallRel32, entry, via, target, out),
+                    Code::Jmp_rel32_64 => site(Form::JmpRel32, entry, via, target, out),
+                    _ => unpatchable(entry, Reason::ShortJump, out),
+                }
+            }
+            return;
+        }
+        Code::Call_rm64 | Code::Jmp_rm64 if ins.op0_kind() == OpKind::Memory && ins.memory_base() == Register::RIP => {
+            let slot = ins.ip_rel_memory_address();
+            if let Some(&entry) = t.got.get(&slot) {
+                let form = if ins.code() == Code::Call_rm64 { Form::CallRipMem } else { Form::JmpRipMem };
+                site(form, entry, Via::Got, slot, out);
+            }
+            return;
+        }
+        // jcc, loop, jrcxz: the remaining near branches.
+        _ if ins.op0_kind() == OpKind::NearBranch64 => {
+            if let Some((entry, _)) = t.code_target(ins.near_branch64()) {
+                unpatchable(entry, Reason::ConditionalJump, out);
+            }
+            return;
+        }
+        _ => {}
+    }
+    if ins.is_ip_rel_memory_operand() {
+        let addr = ins.ip_rel_memory_address();
+        if let Some(&entry) = t.got.get(&addr) {
+            unpatchable(entry, Reason::GotSlotRead, out);
+        } else if ins.mnemonic() == Mnemonic::Lea {
+            if let Some((entry, _)) = t.code_target(addr) {
+                unpatchable(entry, Reason::AddressTaken, out);
+            }
+        }
+    } else if absolute_immediates {
+        for i in 0..ins.op_count() {
+            let value = match ins.op_kind(i) {
+                OpKind::Immediate32 => u64::from(ins.immediate32()),
+                OpKind::Immediate32to64 => ins.immediate32to64() as u64,
+                OpKind::Immediate64 => ins.immediate64(),
+                _ => continue,
+            };
+            if let Some((entry, _)) = t.code_target(value) {
+                unpatchable(entry, Reason::AddressTaken, out);
+            }
+        }
+    }
+}

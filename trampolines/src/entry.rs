@@ -1,0 +1,374 @@
+//! Allocator entry points: which functions count as allocating, freeing or
+//! reallocating, and where their size and pointer arguments live.
+//!
+//! The patcher uses this to recognise call sites; the runtime uses the same
+//! signatures to know which register holds the size or the pointer at a site.
+
+use std::fmt;
+
+/// What an entry point does to the heap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// Returns new memory.
+    Alloc,
+    /// Releases memory.
+    Free,
+    /// Releases one object and returns another (`realloc`).
+    Realloc,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Alloc => "alloc",
+            Kind::Free => "free",
+            Kind::Realloc => "realloc",
+        }
+    }
+
+    pub fn code(self) -> u8 {
+        match self {
+            Kind::Alloc => 0,
+            Kind::Free => 1,
+            Kind::Realloc => 2,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<Kind> {
+        match code {
+            0 => Some(Kind::Alloc),
+            1 => Some(Kind::Free),
+            2 => Some(Kind::Realloc),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Index of an integer argument in the System V x86-64 calling convention:
+/// 0..=5 are rdi, rsi, rdx, rcx, r8, r9.
+pub type Arg = u8;
+
+/// Number of integer arguments passed in registers.
+pub const REG_ARGS: u8 = 6;
+
+/// How the number of bytes requested is found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Size {
+    /// The entry requests no bytes (frees).
+    None,
+    /// One argument holds the size.
+    Arg(Arg),
+    /// The product of two arguments (`calloc`, `reallocarray`).
+    Product(Arg, Arg),
+    /// The length of the returned string plus one (`strdup`, `strndup`).
+    ResultStrlen,
+}
+
+/// Where the new object appears.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Returns {
+    /// Nothing is allocated.
+    None,
+    /// The return value; NULL means failure.
+    Ret,
+    /// Stored through the pointer in an argument; a zero return means
+    /// success (`posix_memalign`).
+    OutArg(Arg),
+}
+
+/// The calling signature that matters for counting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Signature {
+    pub kind: Kind,
+    pub size: Size,
+    pub result: Returns,
+    /// The argument holding the pointer released (free, delete, realloc).
+    pub freed: Option<Arg>,
+}
+
+impl Signature {
+    pub const fn alloc(size: Size) -> Signature {
+        Signature { kind: Kind::Alloc, size, result: Returns::Ret, freed: None }
+    }
+    pub const fn free(ptr: Arg) -> Signature {
+        Signature { kind: Kind::Free, size: Size::None, result: Returns::None, freed: Some(ptr) }
+    }
+    pub const fn realloc(ptr: Arg, size: Size) -> Signature {
+        Signature { kind: Kind::Realloc, size, result: Returns::Ret, freed: Some(ptr) }
+    }
+
+    /// Every argument register the signature reads.
+    pub fn args_read(&self) -> impl Iterator<Item = Arg> {
+        let size = match self.size {
+            Size::Arg(a) => [Some(a), None],
+            Size::Product(a, b) => [Some(a), Some(b)],
+            Size::None | Size::ResultStrlen => [None, None],
+        };
+        let out = match self.result {
+            Returns::OutArg(a) => Some(a),
+            _ => None,
+        };
+        size.into_iter().chain([out, self.freed]).flatten()
+    }
+}
+
+/// A function whose calls are counted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EntryPoint {
+    /// How it is reached: by symbol name (as written in the symbol tables,
+    /// mangled for C++) or by virtual address in the file.
+    pub target: Target,
+    /// Name shown to people (demangled).
+    pub display: String,
+    pub sig: Signature,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    Symbol(String),
+    Address(u64),
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Symbol(s) => f.write_str(s),
+            Target::Address(a) => write!(f, "{a:#x}"),
+        }
+    }
+}
+
+const A0: Size = Size::Arg(0);
+
+/// The entry points known without being named: the C allocator and every
+/// C++ global operator new and delete.
+pub fn defaults() -> Vec<EntryPoint> {
+    use Size::{Arg, Product, ResultStrlen};
+    let c: &[(&str, Signature)] = &[
+        ("malloc", Signature::alloc(A0)),
+        ("calloc", Signature::alloc(Product(0, 1))),
+        ("realloc", Signature::realloc(0, Arg(1))),
+        ("reallocarray", Signature::realloc(0, Product(1, 2))),
+        ("free", Signature::free(0)),
+        (
+            "posix_memalign",
+            Signature { kind: Kind::Alloc, size: Arg(2), result: Returns::OutArg(0), freed: Option::None },
+        ),
+        ("aligned_alloc", Signature::alloc(Arg(1))),
+        ("memalign", Signature::alloc(Arg(1))),
+        ("valloc", Signature::alloc(A0)),
+        ("pvalloc", Signature::alloc(A0)),
+        ("strdup", Signature::alloc(ResultStrlen)),
+        ("strndup", Signature::alloc(ResultStrlen)),
+    ];
+    let mut out: Vec<EntryPoint> = c
+        .iter()
+        .map(|(name, sig)| EntryPoint {
+            target: Target::Symbol((*name).to_string()),
+            display: (*name).to_string(),
+            sig: *sig,
+        })
+        .collect();
+
+    // operator new / new[]: _Znwm / _Znam, optionally followed by
+    // std::align_val_t (St11align_val_t) and/or std::nothrow_t const&.
+    for (op, arr) in [("nw", ""), ("na", "[]")] {
+        for (aligned, aname) in [("", ""), ("St11align_val_t", ", std::align_val_t")] {
+            for (nothrow, nname) in [("", ""), ("RKSt9nothrow_t", ", std::nothrow_t const&")] {
+                out.push(EntryPoint {
+                    target: Target::Symbol(format!("_Z{op}m{aligned}{nothrow}")),
+                    display: format!("operator new{arr}(unsigned long{aname}{nname})"),
+                    sig: Signature::alloc(A0),
+                });
+            }
+        }
+    }
+    // operator delete / delete[]: _ZdlPv / _ZdaPv, optionally sized (m),
+    // aligned, nothrow. Sized and nothrow do not combine.
+    for (op, arr) in [("dl", ""), ("da", "[]")] {
+        for (sized, sname) in [("", ""), ("m", ", unsigned long")] {
+            for (aligned, aname) in [("", ""), ("St11align_val_t", ", std::align_val_t")] {
+                for (nothrow, nname) in [("", ""), ("RKSt9nothrow_t", ", std::nothrow_t const&")] {
+                    if !sized.is_empty() && !nothrow.is_empty() {
+                        continue;
+                    }
+                    out.push(EntryPoint {
+                        target: Target::Symbol(format!("_Z{op}Pv{sized}{aligned}{nothrow}")),
+                        display: format!("operator delete{arr}(void*{sname}{aname}{nname})"),
+                        sig: Signature::free(0),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// An error in an `--entry` specification.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecError {
+    pub spec: String,
+    pub what: String,
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "entry spec {:?}: {}", self.spec, self.what)
+    }
+}
+
+impl std::error::Error for SpecError {}
+
+/// Parses a user-named entry point:
+///
+/// `TARGET:KIND[:FIELD=VALUE[,FIELD=VALUE]...]`
+///
+/// * `TARGET`: a symbol name as written in the symbol tables (mangled for
+///   C++), or a virtual address in the file written `0x...` (for stripped
+///   files).
+/// * `KIND`: `alloc`, `free` or `realloc`.
+/// * fields: `size=argN` or `size=argN*argM` (bytes requested),
+///   `ptr=argN` (the pointer released by `free`/`realloc`), `out=argN`
+///   (the new object is stored through that argument and a zero return
+///   means success, like `posix_memalign`), `size=strlen` (the length of
+///   the returned string plus one), `name=LABEL` (display name).
+///   Arguments are `arg0`..`arg5` (rdi, rsi, rdx, rcx, r8, r9).
+///
+/// Defaults: `alloc` reads `size=arg0` and returns the object; `free`
+/// releases `ptr=arg0`; `realloc` releases `ptr=arg0` and reads `size=arg1`.
+pub fn parse_spec(spec: &str) -> std::result::Result<EntryPoint, SpecError> {
+    let err = |what: String| SpecError { spec: spec.to_string(), what };
+    let mut parts = spec.splitn(3, ':');
+    let target_s = parts.next().unwrap_or("");
+    let kind_s = parts.next().ok_or_else(|| err("missing ':KIND' (alloc, free or realloc)".into()))?;
+    let fields = parts.next();
+
+    if target_s.is_empty() {
+        return Err(err("empty target: give a symbol name or a 0x address".into()));
+    }
+    let target = if let Some(hex) = target_s.strip_prefix("0x").or_else(|| target_s.strip_prefix("0X")) {
+        let addr = u64::from_str_radix(hex, 16).map_err(|_| err(format!("bad address {target_s:?}")))?;
+        Target::Address(addr)
+    } else {
+        if target_s.chars().any(|c| c.is_whitespace() || c == ',' || c == '=') {
+            return Err(err(format!("bad symbol name {target_s:?}")));
+        }
+        Target::Symbol(target_s.to_string())
+    };
+    let kind = match kind_s {
+        "alloc" => Kind::Alloc,
+        "free" => Kind::Free,
+        "realloc" => Kind::Realloc,
+        other => return Err(err(format!("unknown kind {other:?} (alloc, free or realloc)"))),
+    };
+    let mut sig = match kind {
+        Kind::Alloc => Signature::alloc(A0),
+        Kind::Free => Signature::free(0),
+        Kind::Realloc => Signature::realloc(0, Size::Arg(1)),
+    };
+    let mut name = None;
+    let parse_arg = |s: &str| -> std::result::Result<Arg, SpecError> {
+        let n = s
+            .strip_prefix("arg")
+            .and_then(|d| d.parse::<u8>().ok())
+            .filter(|&n| n < REG_ARGS)
+            .ok_or_else(|| err(format!("bad argument {s:?} (arg0..arg5)")))?;
+        Ok(n)
+    };
+    for field in fields.into_iter().flat_map(|f| f.split(',')) {
+        let (key, value) = field.split_once('=').ok_or_else(|| err(format!("field {field:?} is not KEY=VALUE")))?;
+        match key {
+            "size" if kind == Kind::Free => return Err(err("a free entry takes no size".into())),
+            "size" => {
+                sig.size = if value == "strlen" {
+                    Size::ResultStrlen
+                } else if let Some((a, b)) = value.split_once('*') {
+                    Size::Product(parse_arg(a)?, parse_arg(b)?)
+                } else {
+                    Size::Arg(parse_arg(value)?)
+                }
+            }
+            "ptr" if kind == Kind::Alloc => return Err(err("an alloc entry releases no pointer".into())),
+            "ptr" => sig.freed = Some(parse_arg(value)?),
+            "out" if kind != Kind::Alloc => return Err(err("out= applies to alloc entries".into())),
+            "out" => sig.result = Returns::OutArg(parse_arg(value)?),
+            "name" if value.is_empty() => return Err(err("empty name".into())),
+            "name" => name = Some(value.to_string()),
+            other => return Err(err(format!("unknown field {other:?} (size, ptr, out, name)"))),
+        }
+    }
+    if let (Returns::OutArg(o), Size::ResultStrlen) = (sig.result, sig.size) {
+        return Err(err(format!("size=strlen needs a returned string, not out=arg{o}")));
+    }
+    let display = name.unwrap_or_else(|| target.to_string());
+    Ok(EntryPoint { target, display, sig })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_cover_every_operator_variant() {
+        let d = defaults();
+        let names: Vec<String> = d
+            .iter()
+            .map(|e| match &e.target {
+                Target::Symbol(s) => s.clone(),
+                Target::Address(_) => unreachable!(),
+            })
+            .collect();
+        // 12 C functions, 8 new, 2 * (2*2*2 - 2) = 12 delete.
+        assert_eq!(d.len(), 12 + 8 + 12);
+        for must in [
+            "_Znwm",
+            "_ZnamRKSt9nothrow_t",
+            "_ZnwmSt11align_val_tRKSt9nothrow_t",
+            "_ZdlPvm",
+            "_ZdaPvmSt11align_val_t",
+            "_ZdlPvSt11align_val_tRKSt9nothrow_t",
+        ] {
+            assert!(names.iter().any(|n| n == must), "{must} missing");
+        }
+        let new = d.iter().find(|e| e.target == Target::Symbol("_ZnwmSt11align_val_t".into())).unwrap();
+        assert_eq!(new.display, "operator new(unsigned long, std::align_val_t)");
+    }
+
+    #[test]
+    fn spec_defaults_and_fields() {
+        let e = parse_spec("xmalloc:alloc").unwrap();
+        assert_eq!(e.target, Target::Symbol("xmalloc".into()));
+        assert_eq!(e.sig, Signature::alloc(Size::Arg(0)));
+        let e = parse_spec("0x401200:alloc:size=arg0*arg1,name=pool_calloc").unwrap();
+        assert_eq!(e.target, Target::Address(0x401200));
+        assert_eq!(e.sig.size, Size::Product(0, 1));
+        assert_eq!(e.display, "pool_calloc");
+        let e = parse_spec("xrealloc:realloc:ptr=arg1,size=arg2").unwrap();
+        assert_eq!(e.sig.freed, Some(1));
+        assert_eq!(e.sig.size, Size::Arg(2));
+        let e = parse_spec("my_memalign:alloc:out=arg0,size=arg2").unwrap();
+        assert_eq!(e.sig.result, Returns::OutArg(0));
+    }
+
+    #[test]
+    fn spec_errors_name_the_problem() {
+        for (spec, what) in [
+            ("xmalloc", "missing"),
+            ("xmalloc:grow", "unknown kind"),
+            ("xfree:free:size=arg0", "no size"),
+            ("x:alloc:size=arg6", "bad argument"),
+            ("x:alloc:sz=arg0", "unknown field"),
+            ("0xzz:alloc", "bad address"),
+            (":alloc", "empty target"),
+        ] {
+            let e = parse_spec(spec).unwrap_err();
+            assert!(e.to_string().contains(what), "{spec}: {e}");
+        }
+    }
+}
