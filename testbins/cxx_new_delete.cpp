@@ -9,6 +9,8 @@
  * exception cleanup path calls operator delete), and no standard library
  * header that allocates (only <new>, <cstddef>, <cstdio>).
  * Two nothrow calls request 2^62 bytes and return nullptr (failed=1).
+ * make_raw, drop_raw and drop_int end in an operator call, which is a tail
+ * jump at -O2.
  */
 #include <cstddef>
 #include <cstdio>
@@ -29,6 +31,21 @@ __attribute__((noinline, noclone, noipa)) static void use(void *p, std::size_t n
         c[i] = static_cast<unsigned char>(seed + i * 31u + 1u);
     for (std::size_t i = 0; i < n; i++)
         checksum = checksum * 131u + c[i];
+}
+
+__attribute__((noinline, noclone, noipa)) static void *make_raw(std::size_t n)
+{
+    return ::operator new(n); /* @site _Znwm tail calls=1 bytes=72 */
+}
+
+__attribute__((noinline, noclone, noipa)) static void drop_raw(void *p)
+{
+    ::operator delete(p); /* @site _ZdlPv tail calls=1 bytes=0 */
+}
+
+__attribute__((noinline, noclone, noipa)) static void drop_int(int *p)
+{
+    delete p; /* @site _ZdlPvm tail calls=1 bytes=0 */
 }
 
 int main()
@@ -119,6 +136,14 @@ int main()
     void *v = ::operator new(32); /* @site _Znwm calls=1 bytes=32 */
     use(v, 32, 15);
     ::operator delete(v, 32); /* @site _ZdlPvm calls=1 bytes=0 */
+
+    // tail calls in helpers.
+    void *w = make_raw(72);
+    use(w, 72, 18);
+    drop_raw(w);
+    int *z = new int(9); /* @site _Znwm calls=1 bytes=4 */
+    use(z, sizeof *z, 19);
+    drop_int(z);
 
     // failing nothrow allocations (2^62 bytes).
     void *x = ::operator new(huge_size, std::nothrow); /* @site _ZnwmRKSt9nothrow_t calls=1 bytes=4611686018427387904 failed=1 */

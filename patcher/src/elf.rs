@@ -76,6 +76,8 @@ pub struct Elf<'a> {
     pub file: ElfFile64<'a, LE>,
     pub file_type: FileType,
     pub sections: Vec<Section<'a>>,
+    symtab: std::sync::OnceLock<Vec<Symbol<'a>>>,
+    dynsym: std::sync::OnceLock<Vec<Symbol<'a>>>,
 }
 
 fn read_u16(d: &[u8], at: usize) -> u16 {
@@ -216,7 +218,7 @@ impl<'a> Elf<'a> {
             _ if phdrs.iter().any(|p| p.p_type(e) == elf::PT_INTERP) => FileType::Pie,
             _ => FileType::Shared,
         };
-        Ok(Elf { data, file, file_type, sections })
+        Ok(Elf { data, file, file_type, sections, symtab: Default::default(), dynsym: Default::default() })
     }
 
     pub fn section_by_name(&self, name: &str) -> Option<&Section<'a>> {
@@ -238,8 +240,13 @@ impl<'a> Elf<'a> {
         })
     }
 
-    /// Symbols of .symtab (`dynamic == false`) or .dynsym.
-    pub fn symbols(&self, dynamic: bool) -> Vec<Symbol<'a>> {
+    /// Symbols of .symtab (`dynamic == false`) or .dynsym, read once.
+    pub fn symbols(&self, dynamic: bool) -> &[Symbol<'a>] {
+        let cell = if dynamic { &self.dynsym } else { &self.symtab };
+        cell.get_or_init(|| self.read_symbols(dynamic))
+    }
+
+    fn read_symbols(&self, dynamic: bool) -> Vec<Symbol<'a>> {
         let e = LE;
         let table = if dynamic { self.file.elf_dynamic_symbol_table() } else { self.file.elf_symbol_table() };
         let strings = table.strings();

@@ -68,6 +68,8 @@ pub struct Summary {
 pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
     let entries = &a.scan.entries;
     let mut summary = Summary { sites: a.scan.sites.len(), ..Summary::default() };
+    // Many sites share a function: demangle each name once.
+    let mut demangled: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
     let sites = a
         .scan
         .sites
@@ -88,7 +90,7 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                 entry: e.target.to_string(),
                 entry_display: &e.display,
                 kind: e.sig.kind.as_str(),
-                function: info.function.as_deref().map(demangle),
+                function: info.function.as_deref().map(|f| demangled.entry(f).or_insert_with(|| demangle(f)).clone()),
                 function_mangled: info.function.as_deref(),
                 file: info.location.as_ref().map(|l: &Location| l.file.as_str()),
                 line: info.location.as_ref().map(|l| l.line),

@@ -255,7 +255,7 @@ pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, first_user: usize) -> Result<Sc
     // every symbol as a disassembler does.
     let mut starts: Vec<u64> = elf
         .symbols(false)
-        .into_iter()
+        .iter()
         .chain(elf.symbols(true))
         .filter(|s| s.defined && s.is_func)
         .map(|s| s.value)
@@ -264,34 +264,30 @@ pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, first_user: usize) -> Result<Sc
     starts.dedup();
 
     let absolute_immediates = elf.file_type == FileType::Exec;
-    let mut ins = Instruction::default();
-    for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !is_plt(s)) {
-        if sec.data.len() as u64 != sec.size {
-            continue;
-        }
-        out.code_bytes += sec.size;
-        let base = sec.addr.0;
-        let end = base + sec.size;
-        let mut next_start = starts.partition_point(|&a| a <= base);
-        let mut dec = Decoder::with_ip(64, sec.data, base, DecoderOptions::NONE);
-        while dec.can_decode() {
-            dec.decode_out(&mut ins);
-            let ip = ins.ip();
-            let next = ins.next_ip();
-            // Realign at a function start that this instruction overlaps.
-            while next_start < starts.len() && starts[next_start] <= ip {
-                next_start += 1;
-            }
-            if next_start < starts.len() && starts[next_start] < next && starts[next_start] < end {
-                let s = starts[next_start];
-                dec.set_ip(s);
-                if dec.set_position((s - base) as usize).is_err() {
-                    break;
-                }
-                continue;
-            }
-            classify(elf, &targets, &ins, absolute_immediates, &mut out);
-        }
+    let chunks = plan_chunks(elf, &starts);
+    out.code_bytes = chunks.iter().map(|c| c.2 - c.1).sum();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(chunks.len()).max(1);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut results: Vec<(usize, Found)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(sec, lo, hi)) = chunks.get(i) else { break };
+                        mine.push((i, sweep(elf, &targets, &starts, &elf.sections[sec], lo, hi, absolute_immediates)));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+    });
+    results.sort_by_key(|r| r.0);
+    for (_, found) in results {
+        out.sites.extend(found.sites);
+        out.unpatchable.extend(found.refs);
     }
 
     // Addresses of entry points stored in data through relocations.
@@ -316,6 +312,74 @@ pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, first_user: usize) -> Result<Sc
     Ok(out)
 }
 
+/// What one sweep of a code range found.
+#[derive(Default)]
+struct Found {
+    sites: Vec<Site>,
+    refs: Vec<Reference>,
+}
+
+/// Splits the executable sections into ranges that begin at function starts,
+/// so they can be swept in parallel with the same result as one sweep (a
+/// sweep is realigned at every function start anyway).
+fn plan_chunks(elf: &Elf, starts: &[u64]) -> Vec<(usize, u64, u64)> {
+    const CHUNK: u64 = 1 << 20;
+    let mut chunks = Vec::new();
+    for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !is_plt(s)) {
+        if sec.data.len() as u64 != sec.size || sec.size == 0 {
+            continue;
+        }
+        let (base, end) = (sec.addr.0, sec.addr.0 + sec.size);
+        let mut lo = base;
+        while end - lo > CHUNK {
+            // The first function start at least CHUNK bytes further on.
+            let i = starts.partition_point(|&a| a < lo + CHUNK);
+            match starts.get(i) {
+                Some(&cut) if cut < end => {
+                    chunks.push((sec.index, lo, cut));
+                    lo = cut;
+                }
+                _ => break,
+            }
+        }
+        chunks.push((sec.index, lo, end));
+    }
+    chunks
+}
+
+/// Decodes `[lo, hi)` of a section linearly and classifies every
+/// instruction, realigning at function starts.
+fn sweep(elf: &Elf, targets: &Targets, starts: &[u64], sec: &Section, lo: u64, hi: u64, abs_imm: bool) -> Found {
+    let mut found = Found::default();
+    let base = sec.addr.0;
+    let data = &sec.data[(lo - base) as usize..(hi - base) as usize];
+    let mut next_start = starts.partition_point(|&a| a <= lo);
+    let mut dec = Decoder::with_ip(64, data, lo, DecoderOptions::NONE);
+    let mut ins = Instruction::default();
+    while dec.can_decode() {
+        dec.decode_out(&mut ins);
+        let ip = ins.ip();
+        let next = ins.next_ip();
+        // Realign at a function start that this instruction overlaps.
+        while next_start < starts.len() && starts[next_start] <= ip {
+            next_start += 1;
+        }
+        if next_start < starts.len() && starts[next_start] < next {
+            let s = starts[next_start];
+            if s >= hi {
+                break;
+            }
+            dec.set_ip(s);
+            if dec.set_position((s - lo) as usize).is_err() {
+                break;
+            }
+            continue;
+        }
+        classify(elf, targets, &ins, abs_imm, &mut found);
+    }
+    found
+}
+
 fn site_offset(elf: &Elf, vaddr: u64) -> Result<FileOffset> {
     elf.offset_of(Vaddr(vaddr)).ok_or_else(|| {
         Error::new(
@@ -327,9 +391,9 @@ fn site_offset(elf: &Elf, vaddr: u64) -> Result<FileOffset> {
 }
 
 #[inline]
-fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool, out: &mut Scan) {
+fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool, out: &mut Found) {
     let ip = ins.ip();
-    let site = |form: Form, entry: usize, via: Via, target: u64, out: &mut Scan| {
+    let site = |form: Form, entry: usize, via: Via, target: u64, out: &mut Found| {
         // A section outside every segment cannot be patched at run time.
         let Ok(offset) = site_offset(elf, ip) else { return };
         out.sites.push(Site {
@@ -342,8 +406,8 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
             target: Vaddr(target),
         });
     };
-    let unpatchable = |entry: usize, reason: Reason, out: &mut Scan| {
-        out.unpatchable.push(Reference { vaddr: Vaddr(ip), offset: elf.offset_of(Vaddr(ip)), entry, reason });
+    let unpatchable = |entry: usize, reason: Reason, out: &mut Found| {
+        out.refs.push(Reference { vaddr: Vaddr(ip), offset: elf.offset_of(Vaddr(ip)), entry, reason });
     };
     match ins.code() {
         Code::Call_rel32_64 | Code::Jmp_rel32_64 | Code::Jmp_rel8_64 => {

@@ -23,7 +23,7 @@ impl FunctionIndex {
         let symbols = |dynamic: bool| -> Vec<Range> {
             let mut v: Vec<Range> = elf
                 .symbols(dynamic)
-                .into_iter()
+                .iter()
                 .filter(|s| s.defined && s.is_func && s.size > 0)
                 .map(|s| Range {
                     start: s.value,

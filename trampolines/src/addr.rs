@@ -14,7 +14,7 @@ macro_rules! address_type {
             pub fn get(self) -> u64 {
                 self.0
             }
-            pub fn add(self, n: u64) -> Self {
+            pub fn offset_by(self, n: u64) -> Self {
                 $name(self.0.wrapping_add(n))
             }
         }

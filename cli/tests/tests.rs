@@ -1,0 +1,8 @@
+//! alloctramp's integration tests: one binary, grouped by theme. The tests
+//! build the C and C++ programs in testbins/ with gcc and g++ and run the
+//! real `alloctramp` binary on them.
+
+mod util;
+
+mod bad_input;
+mod sites;

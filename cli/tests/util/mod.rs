@@ -1,0 +1,260 @@
+//! Test support: building the programs in testbins/ in every configuration,
+//! reading their markers, and running the alloctramp binary.
+
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+pub fn testbins_dir() -> PathBuf {
+    workspace().join("testbins")
+}
+
+/// A scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("scratch").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+pub fn alloctramp() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_alloctramp"))
+}
+
+/// Runs alloctramp with arguments; returns the output.
+pub fn run_alloctramp<I, S>(args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    alloctramp().args(args).output().expect("spawn alloctramp")
+}
+
+/// Runs `alloctramp sites --json FILE [extra...]` and parses the document.
+pub fn sites_json(file: &Path, extra: &[&str]) -> Value {
+    let out = alloctramp().arg("sites").arg("--json").arg(file).args(extra).output().unwrap();
+    assert!(
+        out.status.success(),
+        "alloctramp sites {} failed: {}",
+        file.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("sites --json output is JSON")
+}
+
+/// One build configuration of the matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Config {
+    pub opt: &'static str,
+    pub pie: bool,
+    pub extra: &'static str,
+}
+
+impl Config {
+    pub fn all() -> Vec<Config> {
+        let mut v = Vec::new();
+        for opt in ["-O0", "-O2"] {
+            for pie in [true, false] {
+                for extra in ["", "-fno-plt", "-fcf-protection=full"] {
+                    v.push(Config { opt, pie, extra });
+                }
+            }
+        }
+        v
+    }
+    pub fn default_o2() -> Config {
+        Config { opt: "-O2", pie: true, extra: "" }
+    }
+    pub fn name(&self) -> String {
+        let extra = match self.extra {
+            "" => "plt",
+            "-fno-plt" => "noplt",
+            _ => "cet",
+        };
+        format!("{}-{}-{}", &self.opt[1..], if self.pie { "pie" } else { "nopie" }, extra)
+    }
+    pub fn optimized(&self) -> bool {
+        self.opt != "-O0"
+    }
+    pub fn no_plt(&self) -> bool {
+        self.extra == "-fno-plt"
+    }
+}
+
+/// An allocation call marked in a source file.
+#[derive(Clone, Debug)]
+pub struct Marker {
+    pub file: String,
+    pub line: u32,
+    pub entry: String,
+    pub tail: bool,
+    pub calls: u64,
+    pub bytes: u64,
+    pub failed: u64,
+}
+
+/// A program in testbins/ with its build line and markers.
+#[derive(Clone, Debug)]
+pub struct Program {
+    pub name: String,
+    pub src: PathBuf,
+    pub build: String,
+    pub output: String,
+    pub needs: Vec<String>,
+    pub run: Vec<String>,
+    pub markers: Vec<Marker>,
+    /// Calls of program-defined allocation functions, counted only when
+    /// those are named as entry points.
+    pub user_markers: Vec<Marker>,
+    pub is_library: bool,
+}
+
+fn parse_marker(tag: &str, file: &str, line: u32, text: &str) -> Option<Marker> {
+    let open = format!("/* {tag} ");
+    let start = text.find(&open)?;
+    let body = &text[start + open.len()..];
+    let body = &body[..body.find("*/")?];
+    let mut words = body.split_whitespace();
+    let entry = words.next()?.to_string();
+    let mut m = Marker { file: file.to_string(), line, entry, tail: false, calls: 0, bytes: 0, failed: 0 };
+    for w in words {
+        match w.split_once('=') {
+            None if w == "tail" => m.tail = true,
+            Some(("calls", v)) => m.calls = v.parse().unwrap(),
+            Some(("bytes", v)) => m.bytes = v.parse().unwrap(),
+            Some(("failed", v)) => m.failed = v.parse().unwrap(),
+            _ => panic!("{file}:{line}: bad marker word {w:?}"),
+        }
+    }
+    Some(m)
+}
+
+pub fn programs() -> &'static [Program] {
+    static PROGRAMS: OnceLock<Vec<Program>> = OnceLock::new();
+    PROGRAMS.get_or_init(|| {
+        let mut v = Vec::new();
+        let mut entries: Vec<_> = std::fs::read_dir(testbins_dir()).unwrap().map(|e| e.unwrap().path()).collect();
+        entries.sort();
+        for src in entries {
+            let ext = src.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if ext != "c" && ext != "cpp" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&src).unwrap();
+            let stem = src.file_stem().unwrap().to_str().unwrap().to_string();
+            let file = src.file_name().unwrap().to_str().unwrap().to_string();
+            let mut p = Program {
+                name: stem.clone(),
+                src: src.clone(),
+                build: String::new(),
+                output: stem,
+                needs: vec![],
+                run: vec![],
+                markers: vec![],
+                user_markers: vec![],
+                is_library: false,
+            };
+            for (i, line) in text.lines().enumerate() {
+                if let Some(b) = line.strip_prefix("// build: ") {
+                    p.build = b.to_string();
+                } else if let Some(o) = line.strip_prefix("// output: ") {
+                    p.output = o.trim().to_string();
+                } else if let Some(n) = line.strip_prefix("// needs: ") {
+                    p.needs = n.split_whitespace().map(str::to_string).collect();
+                } else if let Some(r) = line.strip_prefix("// run: ") {
+                    p.run = r.split_whitespace().map(str::to_string).collect();
+                }
+                if let Some(m) = parse_marker("@site", &file, i as u32 + 1, line) {
+                    p.markers.push(m);
+                }
+                if let Some(m) = parse_marker("@usersite", &file, i as u32 + 1, line) {
+                    p.user_markers.push(m);
+                }
+            }
+            assert!(!p.build.is_empty(), "{}: no '// build:' line", src.display());
+            p.is_library = p.build.contains("-shared");
+            v.push(p);
+        }
+        // Libraries first, so programs that need them can link.
+        v.sort_by_key(|p| !p.is_library);
+        v
+    })
+}
+
+pub fn program(name: &str) -> &'static Program {
+    programs().iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no test program {name}"))
+}
+
+/// The test programs built in one configuration.
+pub struct Built {
+    pub config: Config,
+    pub dir: PathBuf,
+}
+
+impl Built {
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(&program(name).output)
+    }
+}
+
+fn build_one(p: &Program, config: Config, dir: &Path) {
+    let out = dir.join(&p.output);
+    let cmd = p
+        .build
+        .replace("{cc}", "gcc")
+        .replace("{cxx}", "g++")
+        .replace("{opt}", config.opt)
+        .replace("{pie}", if config.pie { "-fPIE -pie" } else { "-fno-PIE -no-pie" })
+        .replace("{extra}", config.extra)
+        .replace("{src}", p.src.to_str().unwrap())
+        .replace("{out}", out.to_str().unwrap())
+        .replace("{dir}", dir.to_str().unwrap());
+    let status = Command::new("sh").arg("-c").arg(&cmd).output().unwrap();
+    assert!(status.status.success(), "build failed: {cmd}\n{}", String::from_utf8_lossy(&status.stderr));
+}
+
+/// Builds (once per test process) every test program in `config`.
+pub fn built(config: Config) -> Arc<Built> {
+    static CACHE: OnceLock<Mutex<HashMap<Config, Arc<Mutex<Option<Arc<Built>>>>>>> = OnceLock::new();
+    let slot = CACHE.get_or_init(Default::default).lock().unwrap().entry(config).or_default().clone();
+    let mut guard = slot.lock().unwrap();
+    if let Some(b) = &*guard {
+        return b.clone();
+    }
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("testbins").join(config.name());
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for p in programs() {
+        build_one(p, config, &dir);
+    }
+    let b = Arc::new(Built { config, dir });
+    *guard = Some(b.clone());
+    b
+}
+
+/// Runs a program and returns (stdout, stderr, exit code).
+pub fn run_program(path: &Path, args: &[String], env: &[(&str, &str)]) -> (String, String, i32) {
+    let out = Command::new(path).args(args).envs(env.iter().copied()).output().unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.code().unwrap_or(-1),
+    )
+}
+
+pub fn have(tool: &str) -> bool {
+    Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success())
+}
+
+/// The file name part of a path in a JSON site (DWARF paths are absolute).
+pub fn base(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
