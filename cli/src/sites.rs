@@ -43,11 +43,11 @@ pub fn run(args: Args) -> Result<()> {
     let mut debug_map = None;
     if !elf.has_dwarf_lines() {
         for cand in debugfile::candidates(path, &elf, &args.debug_dir) {
-            if let Ok(inp) = Input::open(&cand) {
-                if debugfile::matches(&elf, &inp.map) {
-                    debug_map = Some((cand, inp));
-                    break;
-                }
+            if let Ok(inp) = Input::open(&cand)
+                && debugfile::matches(&elf, &inp.map)
+            {
+                debug_map = Some((cand, inp));
+                break;
             }
         }
     }

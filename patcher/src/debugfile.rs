@@ -16,14 +16,14 @@ pub fn candidates(path: &Path, elf: &Elf, debug_dir: &Path) -> Vec<PathBuf> {
         let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
         out.push(debug_dir.join(".build-id").join(&hex[..2]).join(format!("{}.debug", &hex[2..])));
     }
-    if let Some((name, _crc)) = elf.gnu_debuglink() {
-        if let Ok(name) = std::str::from_utf8(name) {
-            let dir = path.parent().unwrap_or(Path::new("."));
-            let abs_dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-            out.push(dir.join(name));
-            out.push(dir.join(".debug").join(name));
-            out.push(debug_dir.join(abs_dir.strip_prefix("/").unwrap_or(&abs_dir)).join(name));
-        }
+    if let Some((name, _crc)) = elf.gnu_debuglink()
+        && let Ok(name) = std::str::from_utf8(name)
+    {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let abs_dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        out.push(dir.join(name));
+        out.push(dir.join(".debug").join(name));
+        out.push(debug_dir.join(abs_dir.strip_prefix("/").unwrap_or(&abs_dir)).join(name));
     }
     out
 }

@@ -40,10 +40,10 @@ pub struct Section<'a> {
 
 impl Section<'_> {
     pub fn is_exec(&self) -> bool {
-        self.flags & u64::from(elf::SHF_EXECINSTR.0) != 0
+        self.flags & elf::SHF_EXECINSTR.0 != 0
     }
     pub fn is_alloc(&self) -> bool {
-        self.flags & u64::from(elf::SHF_ALLOC.0) != 0
+        self.flags & elf::SHF_ALLOC.0 != 0
     }
     pub fn contains(&self, addr: u64) -> bool {
         addr >= self.addr.0 && addr - self.addr.0 < self.size

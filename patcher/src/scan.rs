@@ -206,11 +206,11 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
             if !sym.defined || !sym.is_func {
                 continue;
             }
-            if let Some(&i) = by_name.get(sym.name) {
-                if elf.section_at(sym.value).is_some_and(|s| s.is_exec()) {
-                    t.code.entry(sym.value).or_insert((i, Via::Direct));
-                    found[i] = true;
-                }
+            if let Some(&i) = by_name.get(sym.name)
+                && elf.section_at(sym.value).is_some_and(|s| s.is_exec())
+            {
+                t.code.entry(sym.value).or_insert((i, Via::Direct));
+                found[i] = true;
             }
         }
     }
@@ -225,10 +225,10 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
             let mut off = 0u64;
             while off < sec.size {
                 let addr = sec.addr.0 + off;
-                if let Some(slot) = plt_stub_slot(elf, sec, addr) {
-                    if let Some(&i) = t.got.get(&slot) {
-                        t.code.insert(addr, (i, Via::Plt));
-                    }
+                if let Some(slot) = plt_stub_slot(elf, sec, addr)
+                    && let Some(&i) = t.got.get(&slot)
+                {
+                    t.code.insert(addr, (i, Via::Plt));
                 }
                 off += step;
             }
@@ -442,10 +442,10 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
         let addr = ins.ip_rel_memory_address();
         if let Some(&entry) = t.got.get(&addr) {
             unpatchable(entry, Reason::GotSlotRead, out);
-        } else if ins.mnemonic() == Mnemonic::Lea {
-            if let Some((entry, _)) = t.code_target(addr) {
-                unpatchable(entry, Reason::AddressTaken, out);
-            }
+        } else if ins.mnemonic() == Mnemonic::Lea
+            && let Some((entry, _)) = t.code_target(addr)
+        {
+            unpatchable(entry, Reason::AddressTaken, out);
         }
     } else if absolute_immediates {
         for i in 0..ins.op_count() {

@@ -78,11 +78,11 @@ fn eh_frame_ranges(elf: &Elf) -> Vec<Range> {
     }
     let mut entries = eh.entries(&bases);
     while let Ok(Some(entry)) = entries.next() {
-        if let CieOrFde::Fde(partial) = entry {
-            if let Ok(fde) = partial.parse(|_, bases, o| eh.cie_from_offset(bases, o)) {
-                let start = fde.initial_address();
-                out.push(Range { start, end: start.saturating_add(fde.len()), name: None, rank: 2 });
-            }
+        if let CieOrFde::Fde(partial) = entry
+            && let Ok(fde) = partial.parse(|_, bases, o| eh.cie_from_offset(bases, o))
+        {
+            let start = fde.initial_address();
+            out.push(Range { start, end: start.saturating_add(fde.len()), name: None, rank: 2 });
         }
     }
     out
@@ -90,17 +90,16 @@ fn eh_frame_ranges(elf: &Elf) -> Vec<Range> {
 
 /// Demangles C++ (Itanium) and Rust symbol names; returns others unchanged.
 pub fn demangle(name: &str) -> String {
-    if name.starts_with("_R") || (name.starts_with("_ZN") && name.ends_with('E') && name.contains("17h")) {
-        if let Ok(d) = rustc_demangle::try_demangle(name) {
-            return format!("{d:#}");
-        }
+    if (name.starts_with("_R") || (name.starts_with("_ZN") && name.ends_with('E') && name.contains("17h")))
+        && let Ok(d) = rustc_demangle::try_demangle(name)
+    {
+        return format!("{d:#}");
     }
-    if name.starts_with("_Z") {
-        if let Ok(sym) = cpp_demangle::Symbol::new(name) {
-            if let Ok(d) = sym.demangle() {
-                return d;
-            }
-        }
+    if name.starts_with("_Z")
+        && let Ok(sym) = cpp_demangle::Symbol::new(name)
+        && let Ok(d) = sym.demangle()
+    {
+        return d;
     }
     name.to_string()
 }

@@ -223,7 +223,8 @@ fn build_one(p: &Program, config: Config, dir: &Path) {
 
 /// Builds (once per test process) every test program in `config`.
 pub fn built(config: Config) -> Arc<Built> {
-    static CACHE: OnceLock<Mutex<HashMap<Config, Arc<Mutex<Option<Arc<Built>>>>>>> = OnceLock::new();
+    type Slot = Arc<Mutex<Option<Arc<Built>>>>;
+    static CACHE: OnceLock<Mutex<HashMap<Config, Slot>>> = OnceLock::new();
     let slot = CACHE.get_or_init(Default::default).lock().unwrap().entry(config).or_default().clone();
     let mut guard = slot.lock().unwrap();
     if let Some(b) = &*guard {
