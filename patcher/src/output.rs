@@ -57,6 +57,8 @@ pub struct RefDoc<'a> {
 #[derive(Serialize, Default)]
 pub struct Summary {
     pub sites: usize,
+    /// Bytes of executable code swept.
+    pub code_bytes: u64,
     pub by_entry: BTreeMap<String, usize>,
     pub by_form: BTreeMap<&'static str, usize>,
     pub by_kind: BTreeMap<&'static str, usize>,
@@ -67,7 +69,7 @@ pub struct Summary {
 /// Builds the JSON document (also the single source of the text output).
 pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
     let entries = &a.scan.entries;
-    let mut summary = Summary { sites: a.scan.sites.len(), ..Summary::default() };
+    let mut summary = Summary { sites: a.scan.sites.len(), code_bytes: a.scan.code_bytes, ..Summary::default() };
     // Many sites share a function: demangle each name once.
     let mut demangled: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
     let sites = a
