@@ -1,6 +1,7 @@
 //! The `alloctramp` command: glue between the command line, files, and the
 //! libraries that do the work.
 
+mod patch;
 mod sites;
 mod util;
 
@@ -21,12 +22,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     Sites(sites::Args),
+    Patch(patch::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Sites(args) => sites::run(args),
+        Command::Patch(args) => patch::run(args),
     };
     util::finish(result)
 }

@@ -4,7 +4,7 @@ use crate::util::{Input, emit};
 use alloctramp_patcher::{DebugFile, debugfile, output};
 use alloctramp_trampolines::entry::{self, EntryPoint};
 use anyhow::{Context, Result, anyhow};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// List every call site that reaches an allocator entry point.
 ///
@@ -31,6 +31,19 @@ pub fn parse_entries(specs: &[String]) -> Result<Vec<EntryPoint>> {
     specs.iter().map(|s| entry::parse_spec(s).map_err(|e| anyhow!(e))).collect()
 }
 
+/// A separate debug file for `data` (read from `path`), found the way gdb
+/// does; only looked for when the file has no DWARF line table.
+pub fn find_debug_in(path: &Path, data: &[u8], debug_dir: &Path) -> Option<(PathBuf, Input)> {
+    let elf = alloctramp_patcher::Elf::parse(data).ok()?;
+    if elf.has_dwarf_lines() {
+        return None;
+    }
+    debugfile::candidates(path, &elf, debug_dir).into_iter().find_map(|cand| {
+        let inp = Input::open(&cand).ok()?;
+        debugfile::matches(&elf, &inp.map).then_some((cand, inp))
+    })
+}
+
 pub fn run(args: Args) -> Result<()> {
     let user = parse_entries(&args.entries)?;
     let path = &args.file;
@@ -38,20 +51,7 @@ pub fn run(args: Args) -> Result<()> {
     let name = path.to_string_lossy();
     let data: &[u8] = &input.map;
 
-    // A separate debug file is looked for only when the file has no DWARF.
-    let elf = alloctramp_patcher::Elf::parse(data).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let mut debug_map = None;
-    if !elf.has_dwarf_lines() {
-        for cand in debugfile::candidates(path, &elf, &args.debug_dir) {
-            if let Ok(inp) = Input::open(&cand)
-                && debugfile::matches(&elf, &inp.map)
-            {
-                debug_map = Some((cand, inp));
-                break;
-            }
-        }
-    }
-    drop(elf);
+    let debug_map = find_debug_in(path, data, &args.debug_dir);
     let debug = debug_map.as_ref().map(|(p, inp)| DebugFile { data: &inp.map, label: p.display().to_string() });
     let analysis =
         alloctramp_patcher::analyze(data, &name, debug, &user).with_context(|| format!("{}", path.display()))?;

@@ -2,6 +2,11 @@
 //!
 //! * [`entry`]: allocator entry points and their calling signatures.
 //! * [`addr`]: typed addresses (file offsets, virtual addresses in a file).
+//! * [`layout`]: the site table, module control block and counters.
+//! * `codegen` (feature `codegen`): the trampolines and stubs.
 
 pub mod addr;
+#[cfg(feature = "codegen")]
+pub mod codegen;
 pub mod entry;
+pub mod layout;

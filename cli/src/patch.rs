@@ -1,0 +1,145 @@
+//! `alloctramp patch`: write a patched copy of an ELF file.
+
+use crate::sites::parse_entries;
+use crate::util::{Input, write_atomic};
+use alloctramp_patcher::write::{PatchOptions, patch};
+use alloctramp_trampolines::layout;
+use anyhow::{Context, Result, anyhow, bail};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+/// How the patched file names the runtime library.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum RuntimeLink {
+    /// `$ORIGIN/liballoctramp_rt.so`, with a copy of the runtime written
+    /// beside the output: the two can be moved together.
+    Origin,
+    /// The runtime's absolute path at patch time (works in setuid programs,
+    /// where $ORIGIN is not expanded).
+    Absolute,
+}
+
+/// Write a patched copy of an ELF file: original code untouched, one
+/// trampoline per allocator call site, used only while profiling is on.
+///
+/// Example: alloctramp patch ./server -o ./server.patched --entry xmalloc:alloc
+#[derive(clap::Args)]
+pub struct Args {
+    /// The ELF file to patch (never modified).
+    pub input: PathBuf,
+    /// Output path [default: ./NAME.patched in the current directory].
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// Also count calls to this function (see `alloctramp sites --help`).
+    #[arg(long = "entry", value_name = "SPEC")]
+    pub entries: Vec<String>,
+    /// The runtime library [default: liballoctramp_rt.so next to this
+    /// program, or $ALLOCTRAMP_RUNTIME].
+    #[arg(long, value_name = "PATH")]
+    pub runtime: Option<PathBuf>,
+    /// How the patched file finds the runtime.
+    #[arg(long, value_enum, default_value = "origin")]
+    pub runtime_link: RuntimeLink,
+    /// Counter shards per module (a power of two; threads on different
+    /// CPUs count into different shards).
+    #[arg(long, default_value_t = 16)]
+    pub shards: u32,
+}
+
+/// Finds the runtime library.
+pub fn find_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = explicit {
+        return Ok(p.to_path_buf());
+    }
+    if let Some(p) = std::env::var_os("ALLOCTRAMP_RUNTIME") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("locating the alloctramp executable")?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    // Next to the executable (cargo's target directory), then an installed
+    // layout; test binaries live one level further down in deps/.
+    for cand in [
+        dir.join(layout::RUNTIME_SONAME),
+        dir.join("../lib/alloctramp").join(layout::RUNTIME_SONAME),
+        dir.join("..").join(layout::RUNTIME_SONAME),
+    ] {
+        if cand.is_file() {
+            return Ok(cand);
+        }
+    }
+    bail!(
+        "runtime library {} not found next to {} (build it with `cargo build --workspace`, or pass --runtime)",
+        layout::RUNTIME_SONAME,
+        exe.display()
+    )
+}
+
+/// Checks that a file is an alloctramp runtime of this version.
+fn check_runtime(path: &Path) -> Result<()> {
+    let input = Input::open(path)?;
+    let elf = alloctramp_patcher::Elf::parse(&input.map).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    if !elf.symbols(true).iter().any(|s| s.defined && s.name == layout::RUNTIME_SYMBOL) {
+        bail!("{}: not an alloctramp runtime (no {} symbol)", path.display(), layout::RUNTIME_SYMBOL);
+    }
+    Ok(())
+}
+
+pub fn default_output(input: &Path) -> PathBuf {
+    let name = input.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    PathBuf::from(format!("{name}.patched"))
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let user = parse_entries(&args.entries)?;
+    let output = args.output.clone().unwrap_or_else(|| default_output(&args.input));
+    let input = Input::open(&args.input)?;
+    let in_meta = std::fs::metadata(&args.input)?;
+    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(&args.input), std::fs::canonicalize(&output)) {
+        if a == b {
+            bail!("{}: the output would overwrite the input", output.display());
+        }
+    }
+    let runtime = find_runtime(args.runtime.as_deref())?;
+    check_runtime(&runtime)?;
+    let runtime = std::fs::canonicalize(&runtime)?;
+
+    let name = args.input.to_string_lossy();
+    let debug_dir = Path::new(alloctramp_patcher::debugfile::DEFAULT_DEBUG_DIR);
+    let debug_map = crate::sites::find_debug_in(&args.input, &input.map, debug_dir);
+    let debug = debug_map
+        .as_ref()
+        .map(|(p, inp)| alloctramp_patcher::DebugFile { data: &inp.map, label: p.display().to_string() });
+    let analysis = alloctramp_patcher::analyze(&input.map, &name, debug, &user)
+        .with_context(|| format!("{}", args.input.display()))?;
+    let needed = match args.runtime_link {
+        RuntimeLink::Origin => format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
+        RuntimeLink::Absolute => runtime.to_string_lossy().into_owned(),
+    };
+    let opts = PatchOptions { runtime_needed: needed, shards: args.shards };
+    let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
+
+    if let RuntimeLink::Origin = args.runtime_link {
+        let dir = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let copy = dir.join(layout::RUNTIME_SONAME);
+        let same = std::fs::canonicalize(&copy).is_ok_and(|c| c == runtime)
+            || std::fs::read(&copy).ok() == std::fs::read(&runtime).ok();
+        if !same {
+            let bytes = std::fs::read(&runtime).with_context(|| format!("{}: cannot read", runtime.display()))?;
+            write_atomic(&copy, &bytes, 0o755)?;
+        }
+    }
+    write_atomic(&output, &patched.bytes, in_meta.permissions().mode() & 0o7777)?;
+    for s in &patched.skipped {
+        let site = &analysis.scan.sites[s.site];
+        eprintln!("alloctramp: {}: site {} not patched: {}", args.input.display(), site.vaddr, s.reason);
+    }
+    eprintln!(
+        "alloctramp: wrote {} ({} sites patched, {} skipped, {} unpatchable references; trampolines {} bytes)",
+        output.display(),
+        patched.sites,
+        patched.skipped.len(),
+        analysis.scan.unpatchable.len(),
+        patched.text_size
+    );
+    Ok(())
+}

@@ -1,0 +1,775 @@
+//! Writing a patched ELF file.
+//!
+//! Every byte of the input stays where it is, except the ELF header's table
+//! pointers. Everything new goes into three PT_LOAD segments appended above
+//! the highest address (read-only, executable, read-write):
+//!
+//! * read-only: the program header table (moved here so it can grow), copies
+//!   of the dynamic-linking tables that must grow (.dynsym with one more
+//!   symbol, .dynstr, .gnu.version, .gnu.hash, .hash, .rela.dyn, .rela.plt)
+//!   and the site table (.alloctramp.sites);
+//! * executable: one trampoline per site plus the init and fini stubs
+//!   (.alloctramp.text);
+//! * read-write: the new .dynamic (one more DT_NEEDED, DT_INIT and DT_FINI
+//!   pointing at the stubs), the module control block with the GOT slot for
+//!   the runtime's API table (.alloctramp.data), and the counters
+//!   (.alloctramp.counters, no file bytes, page-aligned so the runtime can map
+//!   shared memory over them).
+//!
+//! The section headers of the moved tables point at their copies; the old
+//! bytes stay in place, unreferenced. New section headers and a new
+//! .shstrtab follow at the end of the file.
+
+use crate::elf::Elf;
+use crate::error::{Error, ErrorKind, Location, Result};
+use crate::{Analysis, SiteInfo};
+use alloctramp_trampolines::codegen::{self, TrampolineSpec};
+use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
+use object::LittleEndian as LE;
+use object::elf;
+use object::pod::{bytes_of, slice_from_all_bytes};
+use object::read::elf::ProgramHeader as _;
+
+type Phdr = elf::ProgramHeader64<LE>;
+type Shdr = elf::SectionHeader64<LE>;
+type Dyn = elf::Dyn64<LE>;
+type Sym = elf::Sym64<LE>;
+type Rela = elf::Rela64<LE>;
+
+/// Options for [`patch`].
+#[derive(Clone, Debug)]
+pub struct PatchOptions {
+    /// The DT_NEEDED string naming the runtime (a path, possibly with
+    /// `$ORIGIN`, or a SONAME).
+    pub runtime_needed: String,
+    /// Counter shards (a power of two).
+    pub shards: u32,
+}
+
+impl Default for PatchOptions {
+    fn default() -> Self {
+        PatchOptions { runtime_needed: format!("$ORIGIN/{}", layout::RUNTIME_SONAME), shards: 16 }
+    }
+}
+
+/// A site that was not patched, and why.
+#[derive(Clone, Debug)]
+pub struct Skipped {
+    pub site: usize,
+    pub reason: String,
+}
+
+/// The patched file and what was done.
+#[derive(Debug)]
+pub struct Patched {
+    pub bytes: Vec<u8>,
+    pub sites: usize,
+    pub skipped: Vec<Skipped>,
+    pub text_size: u64,
+    pub table_size: u64,
+    pub counters_size: u64,
+}
+
+fn align(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+fn refuse(what: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Unsupported, Location::None, what)
+}
+
+/// Whether a file already carries alloctramp's site table.
+pub fn is_patched(elf: &Elf) -> bool {
+    elf.file.elf_program_headers().iter().any(|p| p.p_type(LE).0 == layout::PT_ALLOCTRAMP)
+        || elf.section_by_name(layout::SEC_SITES).is_some()
+}
+
+/// Reads `count` records of `T` at virtual address `addr`.
+fn table_at<'a, T: object::Pod>(elf: &Elf<'a>, addr: u64, size: u64, what: &str) -> Result<&'a [T]> {
+    let off = elf.offset_of(alloctramp_trampolines::addr::Vaddr(addr)).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Malformed,
+            Location::Vaddr(alloctramp_trampolines::addr::Vaddr(addr)),
+            format!("{what} is not in a loaded segment"),
+        )
+    })?;
+    let bytes = elf
+        .data
+        .get(off.0 as usize..(off.0 as usize).saturating_add(size as usize))
+        .ok_or_else(|| Error::malformed_at(off.0, format!("{what} extends past the end of the file")))?;
+    slice_from_all_bytes::<T>(bytes).map_err(|_| Error::malformed_at(off.0, format!("{what}: bad size {size:#x}")))
+}
+
+fn dyn_val(dynamic: &[(i64, u64)], tag: i64) -> Option<u64> {
+    dynamic.iter().find(|(t, _)| *t == tag).map(|&(_, v)| v)
+}
+
+/// The ELF hash function of the SysV hash table.
+fn sysv_hash(name: &[u8]) -> u32 {
+    let mut h: u32 = 0;
+    for &c in name {
+        h = (h << 4).wrapping_add(u32::from(c));
+        let g = h & 0xf000_0000;
+        if g != 0 {
+            h ^= g >> 24;
+        }
+        h &= !g;
+    }
+    h
+}
+
+fn c_str(strtab: &[u8], off: u32) -> &[u8] {
+    let rest = strtab.get(off as usize..).unwrap_or(&[]);
+    &rest[..rest.iter().position(|&c| c == 0).unwrap_or(rest.len())]
+}
+
+/// One block placed in the new region.
+struct Placed {
+    off: u64,
+    addr: u64,
+    size: u64,
+}
+
+/// Lays out blocks one after another in the new region.
+struct Region {
+    base_off: u64,
+    delta: u64,
+    bytes: Vec<u8>,
+}
+
+impl Region {
+    fn put(&mut self, data: &[u8], alignment: u64) -> Placed {
+        let at = align(self.base_off + self.bytes.len() as u64, alignment);
+        self.bytes.resize((at - self.base_off) as usize, 0);
+        self.bytes.extend_from_slice(data);
+        Placed { off: at, addr: at + self.delta, size: data.len() as u64 }
+    }
+    fn here(&self) -> u64 {
+        self.base_off + self.bytes.len() as u64
+    }
+    fn pad_to(&mut self, alignment: u64) {
+        let at = align(self.here(), alignment);
+        self.bytes.resize((at - self.base_off) as usize, 0);
+    }
+}
+
+/// Patches a file: `data` is the input, `a` its analysis.
+pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> {
+    let e = LE;
+    let elf = Elf::parse(data)?;
+    if is_patched(&elf) {
+        return Err(Error::new(ErrorKind::AlreadyPatched, Location::None, "already patched by alloctramp"));
+    }
+    if !opts.shards.is_power_of_two() || opts.shards > 1024 {
+        return Err(Error::new(ErrorKind::Request, Location::None, "shard count must be a power of two up to 1024"));
+    }
+    let phdrs = elf.file.elf_program_headers();
+    let dyn_ph = phdrs
+        .iter()
+        .find(|p| p.p_type(e) == elf::PT_DYNAMIC)
+        .ok_or_else(|| refuse("statically linked (no PT_DYNAMIC): the runtime library cannot be loaded"))?;
+    if elf.sections.is_empty() {
+        return Err(refuse("no section headers"));
+    }
+    let loads: Vec<&Phdr> = phdrs.iter().filter(|p| p.p_type(e) == elf::PT_LOAD).collect();
+    let first_load = loads.first().ok_or_else(|| refuse("no PT_LOAD segment"))?;
+
+    // The dynamic table.
+    let dyn_off = dyn_ph.p_offset(e);
+    let dyn_bytes = data
+        .get(dyn_off as usize..(dyn_off + dyn_ph.p_filesz(e)) as usize)
+        .ok_or_else(|| Error::malformed_at(dyn_off, "PT_DYNAMIC extends past the end of the file"))?;
+    let dyns = slice_from_all_bytes::<Dyn>(&dyn_bytes[..dyn_bytes.len() / 16 * 16])
+        .map_err(|_| Error::malformed_at(dyn_off, "bad PT_DYNAMIC"))?;
+    let dynamic: Vec<(i64, u64)> =
+        dyns.iter().map(|d| (d.d_tag.get(e).0, d.d_val.get(e))).take_while(|&(t, _)| t != elf::DT_NULL.0).collect();
+    for (tag, what) in [
+        (elf::DT_REL.0, "REL relocations"),
+        (elf::DT_SYMTAB_SHNDX.0, "DT_SYMTAB_SHNDX"),
+        (elf::DT_TEXTREL.0, "text relocations"),
+    ] {
+        if dyn_val(&dynamic, tag).is_some() {
+            return Err(refuse(format!("{what} are not supported")));
+        }
+    }
+    let need = |tag: i64, what: &str| dyn_val(&dynamic, tag).ok_or_else(|| refuse(format!("no {what} in .dynamic")));
+    let strtab_addr = need(elf::DT_STRTAB.0, "DT_STRTAB")?;
+    let strsz = need(elf::DT_STRSZ.0, "DT_STRSZ")?;
+    let symtab_addr = need(elf::DT_SYMTAB.0, "DT_SYMTAB")?;
+    let dynsym_sec = elf
+        .sections
+        .iter()
+        .find(|s| s.sh_type == elf::SHT_DYNSYM.0 && s.addr.0 == symtab_addr)
+        .ok_or_else(|| refuse("no .dynsym section header matching DT_SYMTAB"))?;
+    let nsyms = dynsym_sec.size / 24;
+    let old_syms: &[Sym] = table_at(&elf, symtab_addr, nsyms * 24, ".dynsym")?;
+    let old_strtab: &[u8] = table_at(&elf, strtab_addr, strsz, ".dynstr")?;
+
+    // Where the imported symbol goes: before the hashed symbols of a GNU
+    // hash table, else at the end.
+    let gnu_hash_addr = dyn_val(&dynamic, elf::DT_GNU_HASH.0);
+    let gnu_hash_old: Option<&[u8]> = match gnu_hash_addr {
+        Some(addr) => {
+            let sec = elf.sections.iter().find(|s| s.addr.0 == addr && s.sh_type == elf::SHT_GNU_HASH.0);
+            let size = sec.map(|s| s.size).ok_or_else(|| refuse("no .gnu.hash section header matching DT_GNU_HASH"))?;
+            Some(table_at(&elf, addr, size, ".gnu.hash")?)
+        }
+        None => None,
+    };
+    let insert_at = match gnu_hash_old {
+        Some(h) if h.len() >= 16 => u64::from(u32::from_le_bytes(h[4..8].try_into().unwrap())),
+        Some(_) => return Err(Error::malformed(".gnu.hash is truncated")),
+        None => nsyms,
+    };
+    if insert_at > nsyms || insert_at == 0 {
+        return Err(Error::malformed(format!(".gnu.hash symbol offset {insert_at} does not fit {nsyms} symbols")));
+    }
+    let shift = |i: u32| if u64::from(i) >= insert_at { i + 1 } else { i };
+
+    // New .dynstr: old strings plus the runtime's name and symbol.
+    let mut strtab = old_strtab.to_vec();
+    let needed_off = strtab.len() as u64;
+    strtab.extend_from_slice(opts.runtime_needed.as_bytes());
+    strtab.push(0);
+    let sym_name_off = strtab.len() as u32;
+    strtab.extend_from_slice(layout::RUNTIME_SYMBOL.as_bytes());
+    strtab.push(0);
+
+    // New .dynsym.
+    let mut syms: Vec<u8> = Vec::with_capacity((nsyms as usize + 1) * 24);
+    for s in &old_syms[..insert_at as usize] {
+        syms.extend_from_slice(bytes_of(s));
+    }
+    let new_sym = Sym {
+        st_name: object::U32::new(e, sym_name_off),
+        st_info: elf::SymbolInfo((elf::STB_GLOBAL.0 << 4) | elf::STT_OBJECT.0),
+        st_other: elf::SymbolOther(elf::STV_DEFAULT.0),
+        st_shndx: object::U16::new(e, elf::SHN_UNDEF),
+        st_value: object::U64::new(e, 0),
+        st_size: object::U64::new(e, 0),
+    };
+    syms.extend_from_slice(bytes_of(&new_sym));
+    for s in &old_syms[insert_at as usize..] {
+        syms.extend_from_slice(bytes_of(s));
+    }
+
+    // New .gnu.version.
+    let versym_addr = dyn_val(&dynamic, elf::DT_VERSYM.0);
+    let versym = match versym_addr {
+        Some(addr) => {
+            let old: &[u8] = table_at(&elf, addr, nsyms * 2, ".gnu.version")?;
+            let mut v = old[..insert_at as usize * 2].to_vec();
+            v.extend_from_slice(&1u16.to_le_bytes());
+            v.extend_from_slice(&old[insert_at as usize * 2..]);
+            Some(v)
+        }
+        None => None,
+    };
+
+    // New .gnu.hash: same buckets and chains, symbol indices one higher.
+    let gnu_hash = match gnu_hash_old {
+        Some(h) => {
+            let nbuckets = u32::from_le_bytes(h[0..4].try_into().unwrap()) as usize;
+            let bloom = u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
+            let buckets_at = 16 + bloom * 8;
+            if h.len() < buckets_at + nbuckets * 4 {
+                return Err(Error::malformed(".gnu.hash is truncated"));
+            }
+            let mut v = h.to_vec();
+            v[4..8].copy_from_slice(&(insert_at as u32 + 1).to_le_bytes());
+            for b in 0..nbuckets {
+                let at = buckets_at + b * 4;
+                let idx = u32::from_le_bytes(v[at..at + 4].try_into().unwrap());
+                if idx != 0 {
+                    v[at..at + 4].copy_from_slice(&(idx + 1).to_le_bytes());
+                }
+            }
+            Some(v)
+        }
+        None => None,
+    };
+
+    // New SysV .hash, rebuilt for the new symbol list.
+    let hash_addr = dyn_val(&dynamic, elf::DT_HASH.0);
+    let hash = match hash_addr {
+        Some(addr) => {
+            let head: &[u8] = table_at(&elf, addr, 8, ".hash")?;
+            let nbucket = u32::from_le_bytes(head[0..4].try_into().unwrap()).max(1);
+            let n = nsyms as u32 + 1;
+            let mut buckets = vec![0u32; nbucket as usize];
+            let mut chains = vec![0u32; n as usize];
+            let sym_list: &[Sym] = slice_from_all_bytes(&syms).unwrap();
+            for i in (1..n).rev() {
+                let name = c_str(&strtab, sym_list[i as usize].st_name.get(e));
+                let b = (sysv_hash(name) % nbucket) as usize;
+                chains[i as usize] = buckets[b];
+                buckets[b] = i;
+            }
+            let mut v = Vec::with_capacity(8 + 4 * (buckets.len() + chains.len()));
+            v.extend_from_slice(&nbucket.to_le_bytes());
+            v.extend_from_slice(&n.to_le_bytes());
+            for x in buckets.iter().chain(&chains) {
+                v.extend_from_slice(&x.to_le_bytes());
+            }
+            Some(v)
+        }
+        None => None,
+    };
+
+    // Relocation tables, with symbol indices shifted.
+    let copy_relas = |addr: u64, size: u64, what: &str| -> Result<Vec<u8>> {
+        let old: &[Rela] = table_at(&elf, addr, size, what)?;
+        let mut v = Vec::with_capacity(size as usize + 24);
+        for r in old {
+            let info = r.r_info.get(e);
+            let (sym, typ) = ((info >> 32) as u32, info as u32);
+            let nr = Rela {
+                r_offset: r.r_offset,
+                r_info: object::U64::new(e, (u64::from(shift(sym)) << 32) | u64::from(typ)),
+                r_addend: r.r_addend,
+            };
+            v.extend_from_slice(bytes_of(&nr));
+        }
+        Ok(v)
+    };
+    let rela_addr = dyn_val(&dynamic, elf::DT_RELA.0);
+    let relasz = dyn_val(&dynamic, elf::DT_RELASZ.0).unwrap_or(0);
+    let jmprel_addr = dyn_val(&dynamic, elf::DT_JMPREL.0);
+    let pltrelsz = dyn_val(&dynamic, elf::DT_PLTRELSZ.0).unwrap_or(0);
+    // JMPREL inside the RELA range (some linkers): copied as part of RELA.
+    let jmprel_inside = match (rela_addr, jmprel_addr) {
+        (Some(r), Some(j)) => j >= r && j + pltrelsz <= r + relasz,
+        _ => false,
+    };
+    let mut rela = match rela_addr {
+        Some(addr) => copy_relas(addr, relasz, ".rela.dyn")?,
+        None => Vec::new(),
+    };
+    let jmprel = match jmprel_addr {
+        Some(addr) if !jmprel_inside => Some(copy_relas(addr, pltrelsz, ".rela.plt")?),
+        _ => None,
+    };
+
+    // Layout of the new region: vaddr - offset equals that of the first
+    // PT_LOAD, so that kernels computing AT_PHDR from e_phoff agree.
+    let delta = first_load.p_vaddr(e).wrapping_sub(first_load.p_offset(e));
+    let max_end = loads.iter().map(|p| p.p_vaddr(e) + p.p_memsz(e)).max().unwrap_or(0);
+    let base_off = align((data.len() as u64).max(max_end.saturating_sub(delta)), PAGE);
+    let mut region = Region { base_off, delta, bytes: Vec::new() };
+
+    let old_phnum = phdrs.len();
+    let new_phnum = old_phnum + 4; // 3 PT_LOAD + PT_ALLOCTRAMP
+    let phdr_place = region.put(&vec![0u8; new_phnum * 56], 8);
+    let ro_start = phdr_place.off;
+    let dynsym_place = region.put(&syms, 8);
+    let dynstr_place = region.put(&strtab, 1);
+    let versym_place = versym.as_ref().map(|v| region.put(v, 2));
+    let gnu_hash_place = gnu_hash.as_ref().map(|v| region.put(v, 8));
+    let hash_place = hash.as_ref().map(|v| region.put(v, 8));
+    // The import's relocation is appended once the slot's address is known:
+    // reserve its room now.
+    rela.extend_from_slice(&[0u8; 24]);
+    let rela_place = region.put(&rela, 8);
+    let jmprel_place = jmprel.as_ref().map(|v| region.put(v, 8));
+
+    // Site table: its size is known before the addresses inside it.
+    let n_sites = a.scan.sites.len();
+    let mut strings = layout::Strings::default();
+    let module_name = strings.add(&a.module);
+    let site_strings: Vec<(u32, u32, u32)> = a
+        .info
+        .iter()
+        .map(|SiteInfo { function, location }| {
+            let f = function.as_deref().map_or(layout::NO_STRING, |f| strings.add(&crate::symbols::demangle(f)));
+            let (file, line) = location.as_ref().map_or((layout::NO_STRING, 0), |l| (strings.add(&l.file), l.line));
+            (f, file, line)
+        })
+        .collect();
+    let entry_names: Vec<u32> = a.scan.entries.iter().map(|en| strings.add(&en.display)).collect();
+    let table_len = layout::table_size(n_sites, a.scan.entries.len(), strings.len());
+    let table_place = region.put(&vec![0u8; table_len], 8);
+    let table_addr = table_place.addr;
+    let ro_end = region.here();
+
+    // Read-write segment: .dynamic, the control block, then the counters
+    // (no file bytes) on pages of their own.
+    region.pad_to(PAGE);
+    let rw_start = region.here();
+    let has_init = dyn_val(&dynamic, elf::DT_INIT.0);
+    let has_fini = dyn_val(&dynamic, elf::DT_FINI.0);
+    // Old entries, DT_NEEDED, maybe DT_INIT and DT_FINI, DT_NULL.
+    let dyn_count = dynamic.len() + 1 + usize::from(has_init.is_none()) + usize::from(has_fini.is_none()) + 1;
+    let dynamic_place = region.put(&vec![0u8; dyn_count * 16], 8);
+    let control_place = region.put(&[0u8; layout::CONTROL_SIZE], 64);
+    let control_addr = control_place.addr;
+    let rw_file_end = region.here();
+    let counters_addr = align(control_addr + layout::CONTROL_SIZE as u64, PAGE);
+    let shard_stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
+    if shard_stride > i32::MAX as u64 {
+        return Err(refuse(format!("{n_sites} sites: too many for one module")));
+    }
+    let counters_size = shard_stride * u64::from(opts.shards);
+
+    // Executable segment, above the counters in memory, next in the file.
+    region.pad_to(PAGE);
+    let text_start = region.here();
+    let text_addr = counters_addr + counters_size;
+    let text_delta = text_addr - text_start;
+
+    let stub_err = |err: codegen::CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
+    let init_addr = text_addr;
+    let mut text =
+        codegen::init_stub(init_addr, control_addr, table_addr, layout::api::REGISTER, has_init).map_err(stub_err)?;
+    text.resize(align(text.len() as u64, 16) as usize, 0xcc);
+    let fini_addr = init_addr + text.len() as u64;
+    text.extend_from_slice(
+        &codegen::init_stub(fini_addr, control_addr, table_addr, layout::api::UNREGISTER, has_fini)
+            .map_err(stub_err)?,
+    );
+    text.resize(align(text.len() as u64, 16) as usize, 0xcc);
+
+    let mut table_sites = Vec::with_capacity(n_sites);
+    let mut skipped = Vec::new();
+    for (i, site) in a.scan.sites.iter().enumerate() {
+        let at = text_addr + text.len() as u64;
+        let entry = &a.scan.entries[site.entry];
+        let form = match site.form {
+            crate::Form::CallRel32 => SiteForm::CallRel32,
+            crate::Form::JmpRel32 => SiteForm::JmpRel32,
+            crate::Form::CallRipMem => SiteForm::CallRipMem,
+            crate::Form::JmpRipMem => SiteForm::JmpRipMem,
+        };
+        let spec = TrampolineSpec {
+            site: site.vaddr.0,
+            len: site.len,
+            form,
+            target: site.target.0,
+            sig: entry.sig,
+            index: i as u32,
+            preserve: site.via == crate::Via::Direct,
+            control: control_addr,
+            shard_mask: opts.shards - 1,
+            shard_stride: shard_stride as u32,
+        };
+        let code = if site.len < 5 {
+            Err(format!("site instruction of {} bytes is too short for a jump", site.len))
+        } else {
+            match (codegen::site_jump(site.vaddr.0, at), codegen::trampoline(&spec, at)) {
+                (Some(j), Ok(code)) => Ok((j, code)),
+                (None, _) => Err("trampoline out of rel32 range".to_string()),
+                (_, Err(err)) => Err(format!("trampoline: {err}")),
+            }
+        };
+        let mut original = [0u8; 8];
+        let orig = elf.bytes_at(site.vaddr.0, site.len as usize).unwrap_or(&[]);
+        let n = orig.len().min(8);
+        original[..n].copy_from_slice(&orig[..n]);
+        let (f, file, line) = site_strings[i];
+        let (patched, trampoline) = match code {
+            Ok((j, code)) => {
+                text.extend_from_slice(&code);
+                text.resize(align(text.len() as u64, 16) as usize, 0xcc);
+                (j, at)
+            }
+            // Sites that cannot be patched stay in the table for the report,
+            // without a trampoline: the runtime never rewrites them.
+            Err(reason) => {
+                skipped.push(Skipped { site: i, reason });
+                ([0; 5], 0)
+            }
+        };
+        table_sites.push(layout::Site {
+            addr: site.vaddr.0,
+            trampoline,
+            original,
+            len: site.len,
+            form: form as u8,
+            entry: site.entry as u16,
+            function: f,
+            file,
+            line,
+            patched,
+        });
+    }
+    region.delta = text_delta;
+    let text_place = region.put(&text, 16);
+    let text_end = region.here();
+
+    // New .dynamic.
+    let last_needed = dynamic.iter().rposition(|&(t, _)| t == elf::DT_NEEDED.0);
+    let replace = |tag: i64, val: u64| -> u64 {
+        let moved = |p: &Option<Placed>| p.as_ref().map_or(val, |p| p.addr);
+        match tag {
+            x if x == elf::DT_STRTAB.0 => dynstr_place.addr,
+            x if x == elf::DT_STRSZ.0 => strtab.len() as u64,
+            x if x == elf::DT_SYMTAB.0 => dynsym_place.addr,
+            x if x == elf::DT_VERSYM.0 => moved(&versym_place),
+            x if x == elf::DT_GNU_HASH.0 => moved(&gnu_hash_place),
+            x if x == elf::DT_HASH.0 => moved(&hash_place),
+            x if x == elf::DT_RELA.0 => rela_place.addr,
+            x if x == elf::DT_RELASZ.0 => rela_place.size,
+            x if x == elf::DT_JMPREL.0 => match (&jmprel_place, rela_addr) {
+                (Some(p), _) => p.addr,
+                (None, Some(r)) if jmprel_inside => rela_place.addr + (val - r),
+                _ => val,
+            },
+            x if x == elf::DT_INIT.0 => init_addr,
+            x if x == elf::DT_FINI.0 => fini_addr,
+            _ => val,
+        }
+    };
+    let mut new_dynamic: Vec<(i64, u64)> = Vec::with_capacity(dyn_count);
+    let needed = (elf::DT_NEEDED.0, needed_off);
+    if last_needed.is_none() {
+        new_dynamic.push(needed);
+    }
+    for (i, &(tag, val)) in dynamic.iter().enumerate() {
+        new_dynamic.push((tag, replace(tag, val)));
+        if Some(i) == last_needed {
+            new_dynamic.push(needed);
+        }
+    }
+    if has_init.is_none() {
+        new_dynamic.push((elf::DT_INIT.0, init_addr));
+    }
+    if has_fini.is_none() {
+        new_dynamic.push((elf::DT_FINI.0, fini_addr));
+    }
+    new_dynamic.push((0, 0));
+    debug_assert_eq!(new_dynamic.len(), dyn_count);
+    let d_at = (dynamic_place.off - base_off) as usize;
+    for (k, (t, v)) in new_dynamic.iter().enumerate() {
+        region.bytes[d_at + k * 16..d_at + k * 16 + 8].copy_from_slice(&t.to_le_bytes());
+        region.bytes[d_at + k * 16 + 8..d_at + k * 16 + 16].copy_from_slice(&v.to_le_bytes());
+    }
+
+    // The relocation that fills the runtime slot.
+    let glob_dat = Rela {
+        r_offset: object::U64::new(e, control_addr + u64::from(layout::control::RUNTIME)),
+        r_info: object::U64::new(e, (insert_at << 32) | u64::from(elf::R_X86_64_GLOB_DAT.0)),
+        r_addend: object::I64::new(e, 0),
+    };
+    let rela_slot = (rela_place.off + rela_place.size - 24 - base_off) as usize;
+    region.bytes[rela_slot..rela_slot + 24].copy_from_slice(bytes_of(&glob_dat));
+
+    // Site table.
+    let build_id = elf.build_id().unwrap_or(&[]);
+    let mut id = [0u8; 20];
+    id[..build_id.len().min(20)].copy_from_slice(&build_id[..build_id.len().min(20)]);
+    let header = layout::Header {
+        flags: layout::flags::PRESERVE_DIRECT,
+        shard_count: opts.shards,
+        shard_stride,
+        table_addr,
+        control_addr,
+        counters_addr,
+        counters_size,
+        text_addr: text_place.addr,
+        text_size: text_place.size,
+        module_name,
+        build_id: id,
+        build_id_len: build_id.len().min(20) as u8,
+        ..layout::Header::default()
+    };
+    let entries: Vec<layout::Entry> = a
+        .scan
+        .entries
+        .iter()
+        .zip(&entry_names)
+        .map(|(en, &name)| layout::Entry { name, kind: en.sig.kind.code(), sig: layout::encode_sig(&en.sig) })
+        .collect();
+    let table = layout::encode(header, &table_sites, &entries, &strings);
+    debug_assert_eq!(table.len(), table_len);
+    let t_at = (table_place.off - base_off) as usize;
+    region.bytes[t_at..t_at + table.len()].copy_from_slice(&table);
+
+    // Program headers.
+    let mk = |p_type: elf::ProgramType, flags: u32, off: u64, filesz: u64, memsz: u64, align_: u64| Phdr {
+        p_type: object::U32::new(e, p_type),
+        p_flags: object::U32::new(e, elf::ProgramFlags(flags)),
+        p_offset: object::U64::new(e, off),
+        p_vaddr: object::U64::new(e, off + delta),
+        p_paddr: object::U64::new(e, off + delta),
+        p_filesz: object::U64::new(e, filesz),
+        p_memsz: object::U64::new(e, memsz),
+        p_align: object::U64::new(e, align_),
+    };
+    let mut text_load =
+        mk(elf::PT_LOAD, elf::PF_R.0 | elf::PF_X.0, text_start, text_end - text_start, text_end - text_start, PAGE);
+    text_load.p_vaddr.set(e, text_addr);
+    text_load.p_paddr.set(e, text_addr);
+    let new_loads = [
+        mk(elf::PT_LOAD, elf::PF_R.0, ro_start, ro_end - ro_start, ro_end - ro_start, PAGE),
+        mk(
+            elf::PT_LOAD,
+            elf::PF_R.0 | elf::PF_W.0,
+            rw_start,
+            rw_file_end - rw_start,
+            counters_addr + counters_size - delta - rw_start,
+            PAGE,
+        ),
+        text_load,
+    ];
+    let last_load = phdrs.iter().rposition(|p| p.p_type(e) == elf::PT_LOAD).unwrap();
+    let mut new_phdrs: Vec<Phdr> = Vec::with_capacity(new_phnum);
+    for (i, p) in phdrs.iter().enumerate() {
+        let mut p = *p;
+        if p.p_type(e) == elf::PT_PHDR {
+            p = mk(elf::PT_PHDR, elf::PF_R.0, phdr_place.off, phdr_place.size, phdr_place.size, 8);
+        } else if p.p_type(e) == elf::PT_DYNAMIC {
+            p = mk(
+                elf::PT_DYNAMIC,
+                elf::PF_R.0 | elf::PF_W.0,
+                dynamic_place.off,
+                dynamic_place.size,
+                dynamic_place.size,
+                8,
+            );
+        }
+        new_phdrs.push(p);
+        if i == last_load {
+            new_phdrs.extend_from_slice(&new_loads);
+        }
+    }
+    new_phdrs.push(mk(
+        elf::ProgramType(layout::PT_ALLOCTRAMP),
+        elf::PF_R.0,
+        table_place.off,
+        table_place.size,
+        table_place.size,
+        8,
+    ));
+    debug_assert_eq!(new_phdrs.len(), new_phnum);
+    let ph_at = (phdr_place.off - base_off) as usize;
+    for (k, p) in new_phdrs.iter().enumerate() {
+        region.bytes[ph_at + k * 56..ph_at + (k + 1) * 56].copy_from_slice(bytes_of(p));
+    }
+
+    // Section headers and a new .shstrtab at the end.
+    let header_raw = elf.file.elf_header();
+    let shstrndx = usize::from(header_raw.e_shstrndx.get(e).0);
+    let old_shstrtab = elf.sections.get(shstrndx).map(|s| s.data).unwrap_or(&[]);
+    let mut shstrtab = old_shstrtab.to_vec();
+    let mut name = |n: &str| -> u32 {
+        let o = shstrtab.len() as u32;
+        shstrtab.extend_from_slice(n.as_bytes());
+        shstrtab.push(0);
+        o
+    };
+    let new_names =
+        [name(layout::SEC_SITES), name(layout::SEC_TEXT), name(layout::SEC_DATA), name(layout::SEC_COUNTERS)];
+    let shstrtab_place = region.put(&shstrtab, 1);
+
+    let old_shdrs: &[Shdr] = {
+        let shoff = header_raw.e_shoff.get(e) as usize;
+        let n = elf.sections.len();
+        slice_from_all_bytes(&data[shoff..shoff + n * 64]).map_err(|_| Error::malformed("section headers"))?
+    };
+    let mut shdrs: Vec<Shdr> = old_shdrs.to_vec();
+    let repoint = |sh: &mut Shdr, p: &Placed| {
+        sh.sh_addr.set(e, p.addr);
+        sh.sh_offset.set(e, p.off);
+        sh.sh_size.set(e, p.size);
+    };
+    for sh in shdrs.iter_mut() {
+        let addr = sh.sh_addr.get(e);
+        let t = sh.sh_type.get(e);
+        if addr == 0 {
+            continue;
+        }
+        if t == elf::SHT_DYNSYM && addr == symtab_addr {
+            repoint(sh, &dynsym_place);
+            if u64::from(sh.sh_info.get(e)) > insert_at {
+                sh.sh_info.set(e, sh.sh_info.get(e) + 1);
+            }
+        } else if t == elf::SHT_STRTAB && addr == strtab_addr {
+            repoint(sh, &dynstr_place);
+        } else if t == elf::SHT_GNU_VERSYM && Some(addr) == versym_addr {
+            repoint(sh, versym_place.as_ref().unwrap());
+        } else if t == elf::SHT_GNU_HASH && Some(addr) == gnu_hash_addr {
+            repoint(sh, gnu_hash_place.as_ref().unwrap());
+        } else if t == elf::SHT_HASH && Some(addr) == hash_addr {
+            repoint(sh, hash_place.as_ref().unwrap());
+        } else if t == elf::SHT_RELA && Some(addr) == rela_addr {
+            repoint(sh, &rela_place);
+        } else if t == elf::SHT_RELA && Some(addr) == jmprel_addr && !jmprel_inside {
+            repoint(sh, jmprel_place.as_ref().unwrap());
+        } else if t == elf::SHT_DYNAMIC {
+            repoint(sh, &dynamic_place);
+        }
+    }
+    if let Some(sh) = shdrs.get_mut(shstrndx) {
+        sh.sh_offset.set(e, shstrtab_place.off);
+        sh.sh_size.set(e, shstrtab_place.size);
+    }
+    let mksec = |name: u32, t: elf::SectionType, flags: u64, addr: u64, off: u64, size: u64, align_: u64| Shdr {
+        sh_name: object::U32::new(e, name),
+        sh_type: object::U32::new(e, t),
+        sh_flags: object::U64::new(e, elf::SectionFlags(flags)),
+        sh_addr: object::U64::new(e, addr),
+        sh_offset: object::U64::new(e, off),
+        sh_size: object::U64::new(e, size),
+        sh_link: object::U32::new(e, 0),
+        sh_info: object::U32::new(e, 0),
+        sh_addralign: object::U64::new(e, align_),
+        sh_entsize: object::U64::new(e, 0),
+    };
+    let (shf_a, shf_x, shf_w) = (elf::SHF_ALLOC.0, elf::SHF_EXECINSTR.0, elf::SHF_WRITE.0);
+    shdrs.push(mksec(new_names[0], elf::SHT_PROGBITS, shf_a, table_place.addr, table_place.off, table_place.size, 8));
+    shdrs.push(mksec(
+        new_names[1],
+        elf::SHT_PROGBITS,
+        shf_a | shf_x,
+        text_place.addr,
+        text_place.off,
+        text_place.size,
+        16,
+    ));
+    shdrs.push(mksec(
+        new_names[2],
+        elf::SHT_PROGBITS,
+        shf_a | shf_w,
+        control_place.addr,
+        control_place.off,
+        control_place.size,
+        64,
+    ));
+    shdrs.push(mksec(
+        new_names[3],
+        elf::SHT_NOBITS,
+        shf_a | shf_w,
+        counters_addr,
+        counters_addr - delta,
+        counters_size,
+        PAGE,
+    ));
+    let mut shdr_bytes = Vec::with_capacity(shdrs.len() * 64);
+    for sh in &shdrs {
+        shdr_bytes.extend_from_slice(bytes_of(sh));
+    }
+    let shdr_place = region.put(&shdr_bytes, 8);
+
+    // Assemble the file: the input, padding, the new region.
+    let mut out = Vec::with_capacity(base_off as usize + region.bytes.len());
+    out.extend_from_slice(data);
+    out.resize(base_off as usize, 0);
+    out.extend_from_slice(&region.bytes);
+    // ELF header: tables moved.
+    out[32..40].copy_from_slice(&phdr_place.off.to_le_bytes());
+    out[40..48].copy_from_slice(&shdr_place.off.to_le_bytes());
+    out[56..58].copy_from_slice(&(new_phnum as u16).to_le_bytes());
+    let shnum = shdrs.len();
+    if shnum >= 0xff00 {
+        return Err(refuse("too many sections"));
+    }
+    out[60..62].copy_from_slice(&(shnum as u16).to_le_bytes());
+
+    Ok(Patched {
+        bytes: out,
+        sites: n_sites - skipped.len(),
+        skipped,
+        text_size: text_place.size,
+        table_size: table_place.size,
+        counters_size,
+    })
+}
