@@ -80,8 +80,7 @@ fn refuse(what: impl Into<String>) -> Error {
 
 /// Whether a file already carries alloctramp's site table.
 pub fn is_patched(elf: &Elf) -> bool {
-    elf.file.elf_program_headers().iter().any(|p| p.p_type(LE).0 == layout::PT_ALLOCTRAMP)
-        || elf.section_by_name(layout::SEC_SITES).is_some()
+    elf.section_by_name(layout::SEC_SITES).is_some() || layout::table_after_phdrs(elf.data).is_some()
 }
 
 /// Reads `count` records of `T` at virtual address `addr`.
@@ -172,7 +171,9 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         return Err(refuse("no section headers"));
     }
     let loads: Vec<&Phdr> = phdrs.iter().filter(|p| p.p_type(e) == elf::PT_LOAD).collect();
-    let first_load = loads.first().ok_or_else(|| refuse("no PT_LOAD segment"))?;
+    if loads.is_empty() {
+        return Err(refuse("no PT_LOAD segment"));
+    }
 
     // The dynamic table.
     let dyn_off = dyn_ph.p_offset(e);
@@ -350,29 +351,11 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         _ => None,
     };
 
-    // Layout of the new region: vaddr - offset equals that of the first
-    // PT_LOAD, so that kernels computing AT_PHDR from e_phoff agree.
-    let delta = first_load.p_vaddr(e).wrapping_sub(first_load.p_offset(e));
-    let max_end = loads.iter().map(|p| p.p_vaddr(e) + p.p_memsz(e)).max().unwrap_or(0);
-    let base_off = align((data.len() as u64).max(max_end.saturating_sub(delta)), PAGE);
-    let mut region = Region { base_off, delta, bytes: Vec::new() };
-
-    let old_phnum = phdrs.len();
-    let new_phnum = old_phnum + 4; // 3 PT_LOAD + PT_ALLOCTRAMP
-    let phdr_place = region.put(&vec![0u8; new_phnum * 56], 8);
-    let ro_start = phdr_place.off;
-    let dynsym_place = region.put(&syms, 8);
-    let dynstr_place = region.put(&strtab, 1);
-    let versym_place = versym.as_ref().map(|v| region.put(v, 2));
-    let gnu_hash_place = gnu_hash.as_ref().map(|v| region.put(v, 8));
-    let hash_place = hash.as_ref().map(|v| region.put(v, 8));
-    // The import's relocation is appended once the slot's address is known:
-    // reserve its room now.
+    // The import's relocation goes last in .rela.dyn; its slot's address is
+    // known once the read-write segment is placed.
     rela.extend_from_slice(&[0u8; 24]);
-    let rela_place = region.put(&rela, 8);
-    let jmprel_place = jmprel.as_ref().map(|v| region.put(v, 8));
 
-    // Site table: its size is known before the addresses inside it.
+    // Site table contents that do not depend on addresses.
     let n_sites = a.scan.sites.len();
     let mut strings = layout::Strings::default();
     let module_name = strings.add(&a.module);
@@ -387,14 +370,47 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         .collect();
     let entry_names: Vec<u32> = a.scan.entries.iter().map(|en| strings.add(&en.display)).collect();
     let table_len = layout::table_size(n_sites, a.scan.entries.len(), strings.len());
+
+    // Layout. The file starts with a new read-only segment: the ELF header,
+    // the program header table (where strip and every loader expect it,
+    // right after the ELF header, now with room for the new entries) and the
+    // grown dynamic tables. The original file follows, shifted by a multiple
+    // of the largest segment alignment so that every original segment keeps
+    // its address. Then the read-write and executable segments, and the
+    // section headers.
+    let max_align = loads.iter().map(|p| p.p_align(e)).max().unwrap_or(PAGE).max(PAGE);
+    if !max_align.is_power_of_two() || max_align > 1 << 30 {
+        return Err(Error::malformed(format!("segment alignment {max_align:#x}")));
+    }
+    let max_end = loads.iter().map(|p| p.p_vaddr(e) + p.p_memsz(e)).max().unwrap_or(0);
+    let ro_addr = align(max_end, max_align);
+    let new_phnum = phdrs.len() + 3; // the new PT_LOADs
+    let mut region = Region { base_off: 0, delta: ro_addr, bytes: Vec::new() };
+    region.bytes.resize(64, 0);
+    let phdr_place = region.put(&vec![0u8; new_phnum * 56], 8);
+    // The site table follows the program headers: the runtime finds it
+    // there (see `layout::table_after_phdrs`).
     let table_place = region.put(&vec![0u8; table_len], 8);
     let table_addr = table_place.addr;
-    let ro_end = region.here();
+    let dynsym_place = region.put(&syms, 8);
+    let dynstr_place = region.put(&strtab, 1);
+    let versym_place = versym.as_ref().map(|v| region.put(v, 2));
+    let gnu_hash_place = gnu_hash.as_ref().map(|v| region.put(v, 8));
+    let hash_place = hash.as_ref().map(|v| region.put(v, 8));
+    let rela_place = region.put(&rela, 8);
+    let jmprel_place = jmprel.as_ref().map(|v| region.put(v, 8));
+    let ro_size = region.here();
+    let shift = align(ro_size, max_align);
+
+    // The original file.
+    region.bytes.resize(shift as usize, 0);
+    region.bytes.extend_from_slice(data);
 
     // Read-write segment: .dynamic, the control block, then the counters
     // (no file bytes) on pages of their own.
     region.pad_to(PAGE);
     let rw_start = region.here();
+    region.delta = align(ro_addr + ro_size, PAGE) - rw_start;
     let has_init = dyn_val(&dynamic, elf::DT_INIT.0);
     let has_fini = dyn_val(&dynamic, elf::DT_FINI.0);
     // Old entries, DT_NEEDED, maybe DT_INIT and DT_FINI, DT_NULL.
@@ -403,6 +419,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     let control_place = region.put(&[0u8; layout::CONTROL_SIZE], 64);
     let control_addr = control_place.addr;
     let rw_file_end = region.here();
+    let rw_addr = rw_start + region.delta;
     let counters_addr = align(control_addr + layout::CONTROL_SIZE as u64, PAGE);
     let shard_stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
     if shard_stride > i32::MAX as u64 {
@@ -410,11 +427,11 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     }
     let counters_size = shard_stride * u64::from(opts.shards);
 
-    // Executable segment, above the counters in memory, next in the file.
+    // Executable segment, above the counters.
     region.pad_to(PAGE);
     let text_start = region.here();
     let text_addr = counters_addr + counters_size;
-    let text_delta = text_addr - text_start;
+    region.delta = text_addr - text_start;
 
     let stub_err = |err: codegen::CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let init_addr = text_addr;
@@ -491,7 +508,6 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
             patched,
         });
     }
-    region.delta = text_delta;
     let text_place = region.put(&text, 16);
     let text_end = region.here();
 
@@ -537,7 +553,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     }
     new_dynamic.push((0, 0));
     debug_assert_eq!(new_dynamic.len(), dyn_count);
-    let d_at = (dynamic_place.off - base_off) as usize;
+    let d_at = dynamic_place.off as usize;
     for (k, (t, v)) in new_dynamic.iter().enumerate() {
         region.bytes[d_at + k * 16..d_at + k * 16 + 8].copy_from_slice(&t.to_le_bytes());
         region.bytes[d_at + k * 16 + 8..d_at + k * 16 + 16].copy_from_slice(&v.to_le_bytes());
@@ -549,13 +565,14 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         r_info: object::U64::new(e, (insert_at << 32) | u64::from(elf::R_X86_64_GLOB_DAT.0)),
         r_addend: object::I64::new(e, 0),
     };
-    let rela_slot = (rela_place.off + rela_place.size - 24 - base_off) as usize;
+    let rela_slot = (rela_place.off + rela_place.size - 24) as usize;
     region.bytes[rela_slot..rela_slot + 24].copy_from_slice(bytes_of(&glob_dat));
 
     // Site table.
     let build_id = elf.build_id().unwrap_or(&[]);
+    let id_len = build_id.len().min(20);
     let mut id = [0u8; 20];
-    id[..build_id.len().min(20)].copy_from_slice(&build_id[..build_id.len().min(20)]);
+    id[..id_len].copy_from_slice(&build_id[..id_len]);
     let header = layout::Header {
         flags: layout::flags::PRESERVE_DIRECT,
         shard_count: opts.shards,
@@ -568,7 +585,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         text_size: text_place.size,
         module_name,
         build_id: id,
-        build_id_len: build_id.len().min(20) as u8,
+        build_id_len: id_len as u8,
         ..layout::Header::default()
     };
     let entries: Vec<layout::Entry> = a
@@ -580,72 +597,60 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         .collect();
     let table = layout::encode(header, &table_sites, &entries, &strings);
     debug_assert_eq!(table.len(), table_len);
-    let t_at = (table_place.off - base_off) as usize;
-    region.bytes[t_at..t_at + table.len()].copy_from_slice(&table);
+    region.bytes[table_place.off as usize..table_place.off as usize + table.len()].copy_from_slice(&table);
 
-    // Program headers.
-    let mk = |p_type: elf::ProgramType, flags: u32, off: u64, filesz: u64, memsz: u64, align_: u64| Phdr {
+    // Program headers: the original ones shifted, PT_PHDR and PT_DYNAMIC
+    // pointing at the new tables, the new PT_LOADs after the last one.
+    let mk = |p_type: elf::ProgramType, flags: u32, off: u64, addr: u64, filesz: u64, memsz: u64, align_: u64| Phdr {
         p_type: object::U32::new(e, p_type),
         p_flags: object::U32::new(e, elf::ProgramFlags(flags)),
         p_offset: object::U64::new(e, off),
-        p_vaddr: object::U64::new(e, off + delta),
-        p_paddr: object::U64::new(e, off + delta),
+        p_vaddr: object::U64::new(e, addr),
+        p_paddr: object::U64::new(e, addr),
         p_filesz: object::U64::new(e, filesz),
         p_memsz: object::U64::new(e, memsz),
         p_align: object::U64::new(e, align_),
     };
-    let mut text_load =
-        mk(elf::PT_LOAD, elf::PF_R.0 | elf::PF_X.0, text_start, text_end - text_start, text_end - text_start, PAGE);
-    text_load.p_vaddr.set(e, text_addr);
-    text_load.p_paddr.set(e, text_addr);
+    let (pf_r, pf_w, pf_x) = (elf::PF_R.0, elf::PF_W.0, elf::PF_X.0);
     let new_loads = [
-        mk(elf::PT_LOAD, elf::PF_R.0, ro_start, ro_end - ro_start, ro_end - ro_start, PAGE),
+        mk(elf::PT_LOAD, pf_r, 0, ro_addr, ro_size, ro_size, max_align),
         mk(
             elf::PT_LOAD,
-            elf::PF_R.0 | elf::PF_W.0,
+            pf_r | pf_w,
             rw_start,
+            rw_addr,
             rw_file_end - rw_start,
-            counters_addr + counters_size - delta - rw_start,
+            counters_addr + counters_size - rw_addr,
             PAGE,
         ),
-        text_load,
+        mk(elf::PT_LOAD, pf_r | pf_x, text_start, text_place.addr, text_end - text_start, text_end - text_start, PAGE),
     ];
     let last_load = phdrs.iter().rposition(|p| p.p_type(e) == elf::PT_LOAD).unwrap();
     let mut new_phdrs: Vec<Phdr> = Vec::with_capacity(new_phnum);
     for (i, p) in phdrs.iter().enumerate() {
         let mut p = *p;
-        if p.p_type(e) == elf::PT_PHDR {
-            p = mk(elf::PT_PHDR, elf::PF_R.0, phdr_place.off, phdr_place.size, phdr_place.size, 8);
-        } else if p.p_type(e) == elf::PT_DYNAMIC {
-            p = mk(
-                elf::PT_DYNAMIC,
-                elf::PF_R.0 | elf::PF_W.0,
-                dynamic_place.off,
-                dynamic_place.size,
-                dynamic_place.size,
-                8,
-            );
+        let t = p.p_type(e);
+        if t == elf::PT_PHDR {
+            p = mk(elf::PT_PHDR, pf_r, phdr_place.off, phdr_place.addr, phdr_place.size, phdr_place.size, 8);
+        } else if t == elf::PT_DYNAMIC {
+            let (o, a_, sz) = (dynamic_place.off, dynamic_place.addr, dynamic_place.size);
+            p = mk(elf::PT_DYNAMIC, pf_r | pf_w, o, a_, sz, sz, 8);
+        } else if p.p_filesz(e) > 0 || p.p_offset(e) > 0 {
+            p.p_offset.set(e, p.p_offset(e) + shift);
         }
         new_phdrs.push(p);
         if i == last_load {
             new_phdrs.extend_from_slice(&new_loads);
         }
     }
-    new_phdrs.push(mk(
-        elf::ProgramType(layout::PT_ALLOCTRAMP),
-        elf::PF_R.0,
-        table_place.off,
-        table_place.size,
-        table_place.size,
-        8,
-    ));
     debug_assert_eq!(new_phdrs.len(), new_phnum);
-    let ph_at = (phdr_place.off - base_off) as usize;
+    let ph_at = phdr_place.off as usize;
     for (k, p) in new_phdrs.iter().enumerate() {
         region.bytes[ph_at + k * 56..ph_at + (k + 1) * 56].copy_from_slice(bytes_of(p));
     }
 
-    // Section headers and a new .shstrtab at the end.
+    // Section headers (the original ones shifted, the moved tables
+    // repointed, the new sections appended) and a new .shstrtab.
     let header_raw = elf.file.elf_header();
     let shstrndx = usize::from(header_raw.e_shstrndx.get(e).0);
     let old_shstrtab = elf.sections.get(shstrndx).map(|s| s.data).unwrap_or(&[]);
@@ -657,7 +662,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         o
     };
     let new_names =
-        [name(layout::SEC_SITES), name(layout::SEC_TEXT), name(layout::SEC_DATA), name(layout::SEC_COUNTERS)];
+        [name(layout::SEC_SITES), name(layout::SEC_DATA), name(layout::SEC_COUNTERS), name(layout::SEC_TEXT)];
     let shstrtab_place = region.put(&shstrtab, 1);
 
     let old_shdrs: &[Shdr] = {
@@ -671,7 +676,11 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         sh.sh_offset.set(e, p.off);
         sh.sh_size.set(e, p.size);
     };
-    for sh in shdrs.iter_mut() {
+    for (i, sh) in shdrs.iter_mut().enumerate() {
+        if i == 0 {
+            continue;
+        }
+        sh.sh_offset.set(e, sh.sh_offset.get(e) + shift);
         let addr = sh.sh_addr.get(e);
         let t = sh.sh_type.get(e);
         if addr == 0 {
@@ -702,74 +711,61 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         sh.sh_offset.set(e, shstrtab_place.off);
         sh.sh_size.set(e, shstrtab_place.size);
     }
-    let mksec = |name: u32, t: elf::SectionType, flags: u64, addr: u64, off: u64, size: u64, align_: u64| Shdr {
+    let mksec = |name: u32, t: elf::SectionType, flags: u64, p: &Placed, align_: u64| Shdr {
         sh_name: object::U32::new(e, name),
         sh_type: object::U32::new(e, t),
         sh_flags: object::U64::new(e, elf::SectionFlags(flags)),
-        sh_addr: object::U64::new(e, addr),
-        sh_offset: object::U64::new(e, off),
-        sh_size: object::U64::new(e, size),
+        sh_addr: object::U64::new(e, p.addr),
+        sh_offset: object::U64::new(e, p.off),
+        sh_size: object::U64::new(e, p.size),
         sh_link: object::U32::new(e, 0),
         sh_info: object::U32::new(e, 0),
         sh_addralign: object::U64::new(e, align_),
         sh_entsize: object::U64::new(e, 0),
     };
     let (shf_a, shf_x, shf_w) = (elf::SHF_ALLOC.0, elf::SHF_EXECINSTR.0, elf::SHF_WRITE.0);
-    shdrs.push(mksec(new_names[0], elf::SHT_PROGBITS, shf_a, table_place.addr, table_place.off, table_place.size, 8));
-    shdrs.push(mksec(
-        new_names[1],
-        elf::SHT_PROGBITS,
-        shf_a | shf_x,
-        text_place.addr,
-        text_place.off,
-        text_place.size,
-        16,
-    ));
-    shdrs.push(mksec(
-        new_names[2],
-        elf::SHT_PROGBITS,
-        shf_a | shf_w,
-        control_place.addr,
-        control_place.off,
-        control_place.size,
-        64,
-    ));
-    shdrs.push(mksec(
-        new_names[3],
-        elf::SHT_NOBITS,
-        shf_a | shf_w,
-        counters_addr,
-        counters_addr - delta,
-        counters_size,
-        PAGE,
-    ));
-    let mut shdr_bytes = Vec::with_capacity(shdrs.len() * 64);
+    let counters_place = Placed { off: text_start, addr: counters_addr, size: counters_size };
+    shdrs.push(mksec(new_names[0], elf::SHT_PROGBITS, shf_a, &table_place, 8));
+    shdrs.push(mksec(new_names[1], elf::SHT_PROGBITS, shf_a | shf_w, &control_place, 64));
+    shdrs.push(mksec(new_names[2], elf::SHT_NOBITS, shf_a | shf_w, &counters_place, PAGE));
+    shdrs.push(mksec(new_names[3], elf::SHT_PROGBITS, shf_a | shf_x, &text_place, 16));
+    let shnum = shdrs.len();
+    if shnum >= 0xff00 {
+        return Err(refuse("too many sections"));
+    }
+    let mut shdr_bytes = Vec::with_capacity(shnum * 64);
     for sh in &shdrs {
         shdr_bytes.extend_from_slice(bytes_of(sh));
     }
     let shdr_place = region.put(&shdr_bytes, 8);
 
-    // Assemble the file: the input, padding, the new region.
-    let mut out = Vec::with_capacity(base_off as usize + region.bytes.len());
-    out.extend_from_slice(data);
-    out.resize(base_off as usize, 0);
-    out.extend_from_slice(&region.bytes);
-    // ELF header: tables moved.
+    // The ELF header: the original with the tables' new places.
+    let mut out = region.bytes;
+    out[..64].copy_from_slice(&data[..64]);
     out[32..40].copy_from_slice(&phdr_place.off.to_le_bytes());
     out[40..48].copy_from_slice(&shdr_place.off.to_le_bytes());
     out[56..58].copy_from_slice(&(new_phnum as u16).to_le_bytes());
-    let shnum = shdrs.len();
-    if shnum >= 0xff00 {
-        return Err(refuse("too many sections"));
-    }
     out[60..62].copy_from_slice(&(shnum as u16).to_le_bytes());
+
+    // The linker's _DYNAMIC symbol in .symtab follows the dynamic table.
+    let old_dynamic_addr = dyn_ph.p_vaddr(e);
+    if let Some(symtab) = elf.sections.iter().find(|s| s.sh_type == elf::SHT_SYMTAB.0) {
+        let strtab = elf.sections.get(old_shdrs[symtab.index].sh_link.get(e) as usize).map_or(&[][..], |s| s.data);
+        let syms: &[Sym] = slice_from_all_bytes(&symtab.data[..symtab.data.len() / 24 * 24]).unwrap_or(&[]);
+        for (i, sym) in syms.iter().enumerate() {
+            if sym.st_value.get(e) == old_dynamic_addr && c_str(strtab, sym.st_name.get(e)) == b"_DYNAMIC" {
+                let at = (shift + symtab.offset.0) as usize + i * 24 + 8;
+                out[at..at + 8].copy_from_slice(&dynamic_place.addr.to_le_bytes());
+            }
+        }
+    }
 
     Ok(Patched {
         bytes: out,
         sites: n_sites - skipped.len(),
         skipped,
         text_size: text_place.size,
-        table_size: table_place.size,
+        table_size: table_len as u64,
         counters_size,
     })
 }

@@ -5,7 +5,8 @@
 //! the magic and the version and refuses anything else.
 //!
 //! ```text
-//! .alloctramp.sites (read-only, found through the PT_ALLOCTRAMP segment)
+//! .alloctramp.sites (read-only, right after the program header table; see
+//!                    [`table_after_phdrs`])
 //!   Header            HEADER_SIZE bytes
 //!   Site[site_count]  SITE_SIZE bytes each, sorted by address
 //!   Entry[entry_count] ENTRY_SIZE bytes each
@@ -22,9 +23,20 @@ pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
 pub const VERSION: u32 = 1;
 
-/// Program header type that locates the site table in a patched module
-/// (in the OS-specific range PT_LOOS..PT_HIOS).
-pub const PT_ALLOCTRAMP: u32 = 0x6174_7230;
+/// Where the site table is: in a patched file, the ELF header and the
+/// program header table start the file and a read-only PT_LOAD that maps
+/// them at the top of the address space; the site table follows the program
+/// headers (8-byte aligned). Given the first bytes of such a segment (the
+/// ELF header onwards), returns the table's offset in them.
+pub fn table_after_phdrs(segment: &[u8]) -> Option<usize> {
+    if segment.len() < 64 || segment[..4] != *b"\x7fELF" {
+        return None;
+    }
+    let phoff = u64_at(segment, 32) as usize;
+    let phnum = u16::from_le_bytes([segment[56], segment[57]]) as usize;
+    let at = phoff.checked_add(phnum.checked_mul(56)?)?.div_ceil(8) * 8;
+    (segment.get(at..at + 8)? == MAGIC).then_some(at)
+}
 
 /// Section names.
 pub const SEC_TEXT: &str = ".alloctramp.text";
