@@ -141,7 +141,7 @@ impl Region {
         let at = align(self.base_off + self.bytes.len() as u64, alignment);
         self.bytes.resize((at - self.base_off) as usize, 0);
         self.bytes.extend_from_slice(data);
-        Placed { off: at, addr: at + self.delta, size: data.len() as u64 }
+        Placed { off: at, addr: at.wrapping_add(self.delta), size: data.len() as u64 }
     }
     fn here(&self) -> u64 {
         self.base_off + self.bytes.len() as u64
@@ -400,38 +400,23 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     let rela_place = region.put(&rela, 8);
     let jmprel_place = jmprel.as_ref().map(|v| region.put(v, 8));
     let ro_size = region.here();
-    let shift = align(ro_size, max_align);
 
-    // The original file.
-    region.bytes.resize(shift as usize, 0);
-    region.bytes.extend_from_slice(data);
-
-    // Read-write segment: .dynamic, the control block, then the counters
-    // (no file bytes) on pages of their own.
-    region.pad_to(PAGE);
-    let rw_start = region.here();
-    region.delta = align(ro_addr + ro_size, PAGE) - rw_start;
+    // Addresses: read-write segment (.dynamic, the control block, then the
+    // counters, with no file bytes, on pages of their own), then the
+    // executable segment above the counters.
     let has_init = dyn_val(&dynamic, elf::DT_INIT.0);
     let has_fini = dyn_val(&dynamic, elf::DT_FINI.0);
     // Old entries, DT_NEEDED, maybe DT_INIT and DT_FINI, DT_NULL.
     let dyn_count = dynamic.len() + 1 + usize::from(has_init.is_none()) + usize::from(has_fini.is_none()) + 1;
-    let dynamic_place = region.put(&vec![0u8; dyn_count * 16], 8);
-    let control_place = region.put(&[0u8; layout::CONTROL_SIZE], 64);
-    let control_addr = control_place.addr;
-    let rw_file_end = region.here();
-    let rw_addr = rw_start + region.delta;
+    let rw_addr = align(ro_addr + ro_size, PAGE);
+    let control_addr = align(rw_addr + dyn_count as u64 * 16, 64);
     let counters_addr = align(control_addr + layout::CONTROL_SIZE as u64, PAGE);
     let shard_stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
     if shard_stride > i32::MAX as u64 {
         return Err(refuse(format!("{n_sites} sites: too many for one module")));
     }
     let counters_size = shard_stride * u64::from(opts.shards);
-
-    // Executable segment, above the counters.
-    region.pad_to(PAGE);
-    let text_start = region.here();
     let text_addr = counters_addr + counters_size;
-    region.delta = text_addr - text_start;
 
     let stub_err = |err: codegen::CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let init_addr = text_addr;
@@ -508,8 +493,29 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
             patched,
         });
     }
+    // File order: the read-only segment, the executable one, the
+    // read-write one, then the original file shifted to a multiple of the
+    // largest alignment (so the new segments' file ranges, counters
+    // included, never overlap an original segment's).
+    region.pad_to(PAGE);
+    let text_start = region.here();
+    region.delta = text_addr.wrapping_sub(text_start);
     let text_place = region.put(&text, 16);
     let text_end = region.here();
+    region.pad_to(PAGE);
+    let rw_start = region.here();
+    region.delta = rw_addr.wrapping_sub(rw_start);
+    let dynamic_place = region.put(&vec![0u8; dyn_count * 16], 8);
+    let control_place = region.put(&[0u8; layout::CONTROL_SIZE], 64);
+    debug_assert_eq!(dynamic_place.addr, rw_addr);
+    debug_assert_eq!(control_place.addr, control_addr);
+    let rw_file_end = region.here();
+    // The counters' nominal file offset (they have no bytes) stays before
+    // the original file too, so no original segment seems to hold them.
+    let counters_off = rw_start + (counters_addr - rw_addr);
+    let shift = align(rw_file_end.max(counters_off + 1), max_align);
+    region.bytes.resize(shift as usize, 0);
+    region.bytes.extend_from_slice(data);
 
     // New .dynamic.
     let last_needed = dynamic.iter().rposition(|&(t, _)| t == elf::DT_NEEDED.0);
@@ -724,7 +730,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         sh_entsize: object::U64::new(e, 0),
     };
     let (shf_a, shf_x, shf_w) = (elf::SHF_ALLOC.0, elf::SHF_EXECINSTR.0, elf::SHF_WRITE.0);
-    let counters_place = Placed { off: text_start, addr: counters_addr, size: counters_size };
+    let counters_place = Placed { off: counters_off, addr: counters_addr, size: counters_size };
     shdrs.push(mksec(new_names[0], elf::SHT_PROGBITS, shf_a, &table_place, 8));
     shdrs.push(mksec(new_names[1], elf::SHT_PROGBITS, shf_a | shf_w, &control_place, 64));
     shdrs.push(mksec(new_names[2], elf::SHT_NOBITS, shf_a | shf_w, &counters_place, PAGE));
