@@ -94,10 +94,10 @@ pub fn run(args: Args) -> Result<()> {
     let output = args.output.clone().unwrap_or_else(|| default_output(&args.input));
     let input = Input::open(&args.input)?;
     let in_meta = std::fs::metadata(&args.input)?;
-    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(&args.input), std::fs::canonicalize(&output)) {
-        if a == b {
-            bail!("{}: the output would overwrite the input", output.display());
-        }
+    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(&args.input), std::fs::canonicalize(&output))
+        && a == b
+    {
+        bail!("{}: the output would overwrite the input", output.display());
     }
     let runtime = find_runtime(args.runtime.as_deref())?;
     check_runtime(&runtime)?;

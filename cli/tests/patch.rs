@@ -165,7 +165,7 @@ fn gdb_sets_breakpoints_and_shows_source_lines() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(text.contains(&format!("Breakpoint 1, main () at ")), "{text}");
+    assert!(text.contains("Breakpoint 1, main () at "), "{text}");
     assert!(text.contains(&format!("basic.c:{line}")), "{text}");
     assert!(text.contains("@site malloc"), "gdb lists the source: {text}");
 }
