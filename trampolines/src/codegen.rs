@@ -306,3 +306,98 @@ pub fn disassemble(code: &[u8], at: u64) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod golden {
+    //! The disassembly of every trampoline form, compared with the files in
+    //! `trampolines/golden/`. After an intended change, regenerate them with
+    //! `ALLOCTRAMP_UPDATE_GOLDEN=1 cargo test -p alloctramp-trampolines --features codegen golden`.
+
+    use super::*;
+    use crate::entry::{self, Target};
+
+    const SITE: u64 = 0x401136;
+    const TARGET: u64 = 0x401030;
+    const SLOT: u64 = 0x403fd8;
+    const CONTROL: u64 = 0x416000;
+    const AT: u64 = 0x428000;
+
+    fn sig(name: &str) -> Signature {
+        entry::defaults().into_iter().find(|e| e.target == Target::Symbol(name.into())).unwrap().sig
+    }
+
+    fn spec(name: &str, form: SiteForm, preserve: bool) -> TrampolineSpec {
+        let len = if form.through_got() { 6 } else { 5 };
+        TrampolineSpec {
+            site: SITE,
+            len,
+            form,
+            target: if form.through_got() { SLOT } else { TARGET },
+            sig: sig(name),
+            index: 3,
+            preserve,
+            control: CONTROL,
+            shard_mask: 15,
+            shard_stride: 0x2000,
+        }
+    }
+
+    fn cases() -> Vec<(&'static str, String)> {
+        let mut v = Vec::new();
+        for (file, name, form, preserve) in [
+            ("malloc-call-rel32", "malloc", SiteForm::CallRel32, false),
+            ("malloc-jmp-rel32", "malloc", SiteForm::JmpRel32, false),
+            ("malloc-call-rip", "malloc", SiteForm::CallRipMem, false),
+            ("malloc-jmp-rip", "malloc", SiteForm::JmpRipMem, false),
+            ("malloc-call-rel32-direct", "malloc", SiteForm::CallRel32, true),
+            ("free-call-rel32", "free", SiteForm::CallRel32, false),
+            ("free-jmp-rel32", "free", SiteForm::JmpRel32, false),
+            ("free-call-rip", "free", SiteForm::CallRipMem, false),
+            ("free-jmp-rip", "free", SiteForm::JmpRipMem, false),
+            ("calloc-call-rel32", "calloc", SiteForm::CallRel32, false),
+            ("realloc-call-rel32", "realloc", SiteForm::CallRel32, false),
+            ("posix_memalign-call-rel32", "posix_memalign", SiteForm::CallRel32, false),
+            ("strdup-call-rel32", "strdup", SiteForm::CallRel32, false),
+            ("strdup-call-rel32-direct", "strdup", SiteForm::CallRel32, true),
+        ] {
+            let code = trampoline(&spec(name, form, preserve), AT).unwrap();
+            v.push((file, disassemble(&code, AT)));
+        }
+        let init = init_stub(AT, CONTROL, 0x415040, crate::layout::api::REGISTER, Some(0x401000)).unwrap();
+        v.push(("init-stub", disassemble(&init, AT)));
+        let fini = init_stub(AT, CONTROL, 0x415040, crate::layout::api::UNREGISTER, None).unwrap();
+        v.push(("fini-stub-no-original", disassemble(&fini, AT)));
+        v
+    }
+
+    #[test]
+    fn golden_disassembly() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("golden");
+        let update = std::env::var_os("ALLOCTRAMP_UPDATE_GOLDEN").is_some();
+        let mut stale = Vec::new();
+        for (name, text) in cases() {
+            let path = dir.join(format!("{name}.txt"));
+            if update {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, &text).unwrap();
+            } else if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+                stale.push(format!("--- {}\n{text}", path.display()));
+            }
+        }
+        assert!(
+            stale.is_empty(),
+            "generated code differs from the golden files; if intended, run\n  \
+             ALLOCTRAMP_UPDATE_GOLDEN=1 cargo test -p alloctramp-trampolines --features codegen golden\n{}",
+            stale.join("\n")
+        );
+    }
+
+    #[test]
+    fn site_jump_reaches_the_trampoline_or_refuses() {
+        let j = site_jump(0x1000, 0x2000).unwrap();
+        assert_eq!(j[0], 0xe9);
+        assert_eq!(i32::from_le_bytes([j[1], j[2], j[3], j[4]]), 0x2000 - 0x1005);
+        assert!(site_jump(0x1000, 0x1_0000_1000).is_none());
+        assert!(site_jump(0x1_0000_1000, 0x1000).is_none());
+    }
+}
