@@ -1,7 +1,7 @@
 //! `alloctramp patch`: write a patched copy of an ELF file.
 
 use crate::sites::parse_entries;
-use crate::util::{Input, write_atomic};
+use crate::util::{Input, write_atomic, write_atomic_with};
 use alloctramp_patcher::write::{PatchOptions, patch};
 use alloctramp_trampolines::layout;
 use anyhow::{Context, Result, anyhow, bail};
@@ -128,7 +128,7 @@ pub fn run(args: Args) -> Result<()> {
             write_atomic(&copy, &bytes, 0o755)?;
         }
     }
-    write_atomic(&output, &patched.bytes, in_meta.permissions().mode() & 0o7777)?;
+    write_atomic_with(&output, in_meta.permissions().mode() & 0o7777, |w| patched.write_to(w))?;
     for s in &patched.skipped {
         let site = &analysis.scan.sites[s.site];
         eprintln!("alloctramp: {}: site {} not patched: {}", args.input.display(), site.vaddr, s.reason);

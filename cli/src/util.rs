@@ -55,15 +55,22 @@ pub fn finish(result: Result<()>) -> ExitCode {
 
 /// Writes `<path>` atomically: a temporary file in the same directory,
 /// renamed over the target once complete.
-#[allow(dead_code)]
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<()> {
+    write_atomic_with(path, mode, |w| w.write_all(data))
+}
+
+/// Like [`write_atomic`], with the contents produced by `fill`.
+pub fn write_atomic_with(path: &Path, mode: u32, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().context("output path has no file name")?.to_string_lossy().into_owned();
     let tmp = dir.join(format!(".{name}.alloctramp-{}", std::process::id()));
     let res = (|| -> Result<()> {
-        let mut f = File::create(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
-        f.write_all(data).with_context(|| format!("{}: cannot write", tmp.display()))?;
+        let f = File::create(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+        let mut buf = io::BufWriter::with_capacity(1 << 20, f);
+        fill(&mut buf).with_context(|| format!("{}: cannot write", tmp.display()))?;
+        let f =
+            buf.into_inner().map_err(|e| e.into_error()).with_context(|| format!("{}: cannot write", tmp.display()))?;
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
         f.sync_all().ok();
         std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot rename into place", path.display()))?;

@@ -59,15 +59,46 @@ pub struct Skipped {
     pub reason: String,
 }
 
-/// The patched file and what was done.
+/// The patched file and what was done. The file is `head`, then the
+/// original file with `fixups` applied, then `tail`: the original is
+/// borrowed, not copied.
 #[derive(Debug)]
-pub struct Patched {
-    pub bytes: Vec<u8>,
+pub struct Patched<'a> {
+    pub head: Vec<u8>,
+    pub original: &'a [u8],
+    /// (offset in the original, new bytes).
+    pub fixups: Vec<(u64, [u8; 8])>,
+    pub tail: Vec<u8>,
     pub sites: usize,
     pub skipped: Vec<Skipped>,
     pub text_size: u64,
     pub table_size: u64,
     pub counters_size: u64,
+}
+
+impl Patched<'_> {
+    /// Writes the patched file.
+    pub fn write_to(&self, w: &mut (impl std::io::Write + ?Sized)) -> std::io::Result<()> {
+        w.write_all(&self.head)?;
+        let mut at = 0usize;
+        let mut fixups = self.fixups.clone();
+        fixups.sort();
+        for (off, bytes) in fixups {
+            let off = off as usize;
+            w.write_all(&self.original[at..off])?;
+            w.write_all(&bytes)?;
+            at = off + bytes.len();
+        }
+        w.write_all(&self.original[at..])?;
+        w.write_all(&self.tail)
+    }
+
+    /// The patched file in one buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.head.len() + self.original.len() + self.tail.len());
+        self.write_to(&mut v).expect("writing to a Vec");
+        v
+    }
 }
 
 fn align(v: u64, a: u64) -> u64 {
@@ -153,7 +184,7 @@ impl Region {
 }
 
 /// Patches a file: `data` is the input, `a` its analysis.
-pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> {
+pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched<'a>> {
     let e = LE;
     let elf = Elf::parse(data)?;
     if is_patched(&elf) {
@@ -515,7 +546,9 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     let counters_off = rw_start + (counters_addr - rw_addr);
     let shift = align(rw_file_end.max(counters_off + 1), max_align);
     region.bytes.resize(shift as usize, 0);
-    region.bytes.extend_from_slice(data);
+    // The original file is not copied: the output is head, original, tail.
+    let mut head = std::mem::take(&mut region.bytes);
+    region.base_off = shift + data.len() as u64;
 
     // New .dynamic.
     let last_needed = dynamic.iter().rposition(|&(t, _)| t == elf::DT_NEEDED.0);
@@ -561,8 +594,8 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     debug_assert_eq!(new_dynamic.len(), dyn_count);
     let d_at = dynamic_place.off as usize;
     for (k, (t, v)) in new_dynamic.iter().enumerate() {
-        region.bytes[d_at + k * 16..d_at + k * 16 + 8].copy_from_slice(&t.to_le_bytes());
-        region.bytes[d_at + k * 16 + 8..d_at + k * 16 + 16].copy_from_slice(&v.to_le_bytes());
+        head[d_at + k * 16..d_at + k * 16 + 8].copy_from_slice(&t.to_le_bytes());
+        head[d_at + k * 16 + 8..d_at + k * 16 + 16].copy_from_slice(&v.to_le_bytes());
     }
 
     // The relocation that fills the runtime slot.
@@ -572,7 +605,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         r_addend: object::I64::new(e, 0),
     };
     let rela_slot = (rela_place.off + rela_place.size - 24) as usize;
-    region.bytes[rela_slot..rela_slot + 24].copy_from_slice(bytes_of(&glob_dat));
+    head[rela_slot..rela_slot + 24].copy_from_slice(bytes_of(&glob_dat));
 
     // Site table.
     let build_id = elf.build_id().unwrap_or(&[]);
@@ -603,7 +636,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
         .collect();
     let table = layout::encode(header, &table_sites, &entries, &strings);
     debug_assert_eq!(table.len(), table_len);
-    region.bytes[table_place.off as usize..table_place.off as usize + table.len()].copy_from_slice(&table);
+    head[table_place.off as usize..table_place.off as usize + table.len()].copy_from_slice(&table);
 
     // Program headers: the original ones shifted, PT_PHDR and PT_DYNAMIC
     // pointing at the new tables, the new PT_LOADs after the last one.
@@ -652,7 +685,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     debug_assert_eq!(new_phdrs.len(), new_phnum);
     let ph_at = phdr_place.off as usize;
     for (k, p) in new_phdrs.iter().enumerate() {
-        region.bytes[ph_at + k * 56..ph_at + (k + 1) * 56].copy_from_slice(bytes_of(p));
+        head[ph_at + k * 56..ph_at + (k + 1) * 56].copy_from_slice(bytes_of(p));
     }
 
     // Section headers (the original ones shifted, the moved tables
@@ -746,7 +779,7 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     let shdr_place = region.put(&shdr_bytes, 8);
 
     // The ELF header: the original with the tables' new places.
-    let mut out = region.bytes;
+    let out = &mut head;
     out[..64].copy_from_slice(&data[..64]);
     out[32..40].copy_from_slice(&phdr_place.off.to_le_bytes());
     out[40..48].copy_from_slice(&shdr_place.off.to_le_bytes());
@@ -754,20 +787,23 @@ pub fn patch(data: &[u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched> 
     out[60..62].copy_from_slice(&(shnum as u16).to_le_bytes());
 
     // The linker's _DYNAMIC symbol in .symtab follows the dynamic table.
+    let mut fixups = Vec::new();
     let old_dynamic_addr = dyn_ph.p_vaddr(e);
     if let Some(symtab) = elf.sections.iter().find(|s| s.sh_type == elf::SHT_SYMTAB.0) {
         let strtab = elf.sections.get(old_shdrs[symtab.index].sh_link.get(e) as usize).map_or(&[][..], |s| s.data);
         let syms: &[Sym] = slice_from_all_bytes(&symtab.data[..symtab.data.len() / 24 * 24]).unwrap_or(&[]);
         for (i, sym) in syms.iter().enumerate() {
             if sym.st_value.get(e) == old_dynamic_addr && c_str(strtab, sym.st_name.get(e)) == b"_DYNAMIC" {
-                let at = (shift + symtab.offset.0) as usize + i * 24 + 8;
-                out[at..at + 8].copy_from_slice(&dynamic_place.addr.to_le_bytes());
+                fixups.push((symtab.offset.0 + i as u64 * 24 + 8, dynamic_place.addr.to_le_bytes()));
             }
         }
     }
 
     Ok(Patched {
-        bytes: out,
+        head,
+        original: data,
+        fixups,
+        tail: region.bytes,
         sites: n_sites - skipped.len(),
         skipped,
         text_size: text_place.size,
