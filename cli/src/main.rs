@@ -2,6 +2,7 @@
 //! libraries that do the work.
 
 mod patch;
+mod report;
 mod sites;
 mod util;
 
@@ -23,6 +24,13 @@ struct Cli {
 enum Command {
     Sites(sites::Args),
     Patch(patch::Args),
+    Report(report::Args),
+    /// Switch profiling on in a running process.
+    Enable(report::SwitchArgs),
+    /// Switch profiling off in a running process.
+    Disable(report::SwitchArgs),
+    /// Zero the counters of a running process.
+    Reset(report::SwitchArgs),
 }
 
 fn main() -> ExitCode {
@@ -30,6 +38,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Sites(args) => sites::run(args),
         Command::Patch(args) => patch::run(args),
+        Command::Report(args) => report::run(args),
+        Command::Enable(args) => report::switch(args, "on"),
+        Command::Disable(args) => report::switch(args, "off"),
+        Command::Reset(args) => report::switch(args, "reset"),
     };
     util::finish(result)
 }

@@ -625,6 +625,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         module_name,
         build_id: id,
         build_id_len: id_len as u8,
+        ehdr_addr: ro_addr,
         ..layout::Header::default()
     };
     let entries: Vec<layout::Entry> = a

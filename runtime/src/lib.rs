@@ -1,14 +1,30 @@
-//! The alloctramp runtime: the library every patched module loads (it is a
+//! The alloctramp runtime: the library every patched module loads (a
 //! DT_NEEDED entry of the module). It is a guest in someone else's process:
-//! it starts no thread, allocates nothing on a trampoline path, and a panic
-//! aborts instead of unwinding into C.
+//! it starts no thread unless asked (`ALLOCTRAMP_WATCH=1`), does nothing on a
+//! trampoline path, runs only async-signal-safe code in signal handlers, and
+//! a panic aborts (it never unwinds into C).
 //!
-//! A patched module imports one symbol, [`alloctramp_runtime_v1`]: a table of
-//! functions its init and fini stubs call with the address of the module's
-//! site table (see `alloctramp_trampolines::layout`).
+//! At start-up it creates the process's counters file and control file,
+//! installs the control signal's handler and a SIGTRAP handler, and
+//! registers every patched module already loaded; modules loaded later
+//! register from their init stub, and unregister from their fini stub.
+//!
+//! Environment: `ALLOCTRAMP=on` (profile from the start), `ALLOCTRAMP_SIGNAL`
+//! (a signal name or number, or `none`; default `SIGPROF`... see
+//! [`DEFAULT_SIGNAL`]), `ALLOCTRAMP_WATCH=1` (follow the control file with a
+//! thread), `ALLOCTRAMP_DIR` (where the counters and control files go).
 
-use alloctramp_trampolines::layout::{self, API_VERSION, Table};
+mod control;
+mod patching;
+mod procfile;
+mod registry;
+mod sys;
+
+use alloctramp_trampolines::layout::{self, API_VERSION};
+use alloctramp_trampolines::process;
 use std::ffi::{c_char, c_void};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The API table patched modules import (layout in `layout::api`).
 #[repr(C)]
@@ -22,53 +38,307 @@ pub struct Api {
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub static alloctramp_runtime_v1: Api = Api { version: API_VERSION, register, unregister };
 
+/// The default control signal: a real-time signal few programs use
+/// (SIGRTMAX - 7, 57 with glibc).
+pub const DEFAULT_SIGNAL_FROM_RTMAX: i32 = 7;
+
+struct Config {
+    inert: bool,
+    barrier: sys::Barrier,
+}
+
+static CONFIG: OnceLock<Config> = OnceLock::new();
+static INITIALIZED: AtomicBool = AtomicBool::new(false);
+
+pub(crate) fn barrier() -> sys::Barrier {
+    CONFIG.get().map_or(sys::Barrier::None, |c| c.barrier)
+}
+
 unsafe extern "C" {
     fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
 }
 
 /// glibc's offset of `struct rseq` from the thread pointer, or 0 (the
 /// thread pointer's own first word, always readable) without rseq.
-fn rseq_offset() -> i64 {
-    // SAFETY: dlsym with RTLD_DEFAULT (null) and a NUL-terminated name; the
-    // symbol, when present, is a `ptrdiff_t` exported by glibc 2.35+.
-    unsafe {
-        let p = dlsym(std::ptr::null_mut(), c"__rseq_offset".as_ptr()) as *const isize;
-        if p.is_null() { 0 } else { *p as i64 }
+pub(crate) fn rseq_offset() -> i64 {
+    static OFFSET: OnceLock<i64> = OnceLock::new();
+    *OFFSET.get_or_init(|| {
+        // SAFETY: dlsym with RTLD_DEFAULT (null) and a NUL-terminated name;
+        // the symbol, when present, is a `ptrdiff_t` exported by glibc 2.35+.
+        unsafe {
+            let p = dlsym(std::ptr::null_mut(), c"__rseq_offset".as_ptr()) as *const isize;
+            let size = dlsym(std::ptr::null_mut(), c"__rseq_size".as_ptr()) as *const u32;
+            if p.is_null() || size.is_null() || *size == 0 { 0 } else { *p as i64 }
+        }
+    })
+}
+
+/// Parses `ALLOCTRAMP_SIGNAL`: `none`, a number, or a name (`USR2`,
+/// `SIGUSR2`, `RTMIN+3`, `RTMAX-7`).
+fn parse_signal(s: &str) -> Result<i32, String> {
+    let name = s.trim().to_ascii_uppercase();
+    let name = name.strip_prefix("SIG").unwrap_or(&name);
+    if name == "NONE" {
+        return Ok(0);
+    }
+    if let Ok(n) = name.parse::<i32>() {
+        return if (1..=libc::SIGRTMAX()).contains(&n) { Ok(n) } else { Err(format!("no signal {n}")) };
+    }
+    let rt = |base: i32, rest: &str| -> Option<i32> {
+        if rest.is_empty() {
+            return Some(base);
+        }
+        let v: i32 = rest.parse().ok()?;
+        Some(base + v)
+    };
+    let n = match name {
+        "USR1" => Some(libc::SIGUSR1),
+        "USR2" => Some(libc::SIGUSR2),
+        "PROF" => Some(libc::SIGPROF),
+        "URG" => Some(libc::SIGURG),
+        "WINCH" => Some(libc::SIGWINCH),
+        "HUP" => Some(libc::SIGHUP),
+        _ if name.starts_with("RTMIN") => rt(libc::SIGRTMIN(), &name[5..]),
+        _ if name.starts_with("RTMAX") => rt(libc::SIGRTMAX(), &name[5..]),
+        _ => None,
+    };
+    match n {
+        Some(n) if (libc::SIGRTMIN()..=libc::SIGRTMAX()).contains(&n) || n < 32 => Ok(n),
+        _ => Err(format!("unknown signal {s:?}")),
     }
 }
 
-/// Reads the site table at a run-time address.
-///
-/// # Safety
-/// `table` must point at a site table in a loaded module.
-unsafe fn table_at<'a>(table: *const u8) -> Option<Table<'a>> {
-    // SAFETY: the header is readable (caller); its sizes bound the rest,
-    // which lies in the same read-only segment.
-    let head = unsafe { std::slice::from_raw_parts(table, layout::HEADER_SIZE) };
-    let size = Table::parse_size(head)?;
-    // SAFETY: as above, the table is `size` bytes long.
-    Table::parse(unsafe { std::slice::from_raw_parts(table, size) }).ok()
+fn secure_execution() -> bool {
+    // SAFETY: getauxval has no preconditions.
+    unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
 }
 
-/// Called by a module's init stub: prepares its control block.
+fn counters_dir() -> String {
+    if let Ok(d) = std::env::var("ALLOCTRAMP_DIR") {
+        return d;
+    }
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    process::default_dir(std::env::var("XDG_RUNTIME_DIR").ok().as_deref(), uid)
+}
+
+fn command_name() -> Vec<u8> {
+    let cmd = std::fs::read("/proc/self/cmdline").unwrap_or_default();
+    cmd.split(|&c| c == 0).next().unwrap_or(&[]).to_vec()
+}
+
+/// Creates the process file and control file for the current pid.
+fn open_process_file(dir: &str, signal: i32, watcher: bool) -> Option<procfile::ProcFile> {
+    let mut d = sys::Buf::<256>::new();
+    d.str(dir);
+    if let Err(e) = procfile::ensure_dir(d.c_str()) {
+        let mut m = sys::Buf::<512>::new();
+        m.str(e).str(": ").str(dir).str(" (profiling is unavailable)");
+        sys::log(m.bytes());
+        return None;
+    }
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() } as u32;
+    match procfile::ProcFile::create(dir.as_bytes(), pid, signal as u32, watcher, &command_name()) {
+        Ok(f) => {
+            let ctl = format!("{dir}/{}", process::control_file_name(pid));
+            control::CONTROL_PATH.set(ctl.as_bytes());
+            registry::PROC_HEADER.store(f.header as usize, Ordering::Release);
+            registry::PROC_FD.store(f.fd as u32, Ordering::Release);
+            Some(f)
+        }
+        Err(e) => {
+            let mut m = sys::Buf::<512>::new();
+            m.str(e).str(" in ").str(dir).str(" (profiling is unavailable)");
+            sys::log(m.bytes());
+            None
+        }
+    }
+}
+
+static SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+static WATCH: AtomicBool = AtomicBool::new(false);
+static DIR: OnceLock<String> = OnceLock::new();
+
+extern "C" fn after_fork_in_child() {
+    let Some(dir) = DIR.get() else { return };
+    registry::reopen_after_fork(|| {
+        open_process_file(dir, SIGNAL.load(Ordering::Relaxed), WATCH.load(Ordering::Relaxed))
+    });
+    if let Some(s) = registry::PROC_HEADER.load(Ordering::Acquire).checked_sub(0).filter(|&h| h != 0) {
+        // SAFETY: the new header is mapped; STATE is a u32 field.
+        unsafe { &*((s + process::hdr::STATE) as *const std::sync::atomic::AtomicU32) }
+            .store(u32::from(registry::WANT_ON.load(Ordering::Acquire)), Ordering::Release);
+    }
+}
+
+fn install(sig: i32, handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut c_void)) -> Option<libc::sigaction> {
+    // SAFETY: a zeroed sigaction with our handler, SA_SIGINFO and
+    // SA_RESTART (interrupted system calls resume), no signals masked.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = handler as usize;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART | libc::SA_ONSTACK;
+        libc::sigemptyset(&mut sa.sa_mask);
+        let mut old: libc::sigaction = std::mem::zeroed();
+        (libc::sigaction(sig, &sa, &mut old) == 0).then_some(old)
+    }
+}
+
+/// Start-up: runs as a constructor of the runtime, before the patched
+/// modules' initializers.
+fn init() {
+    if INITIALIZED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let inert = secure_execution();
+    if inert {
+        let _ = CONFIG.set(Config { inert, barrier: sys::Barrier::None });
+        scan_loaded_modules(true);
+        return;
+    }
+    let barrier = sys::register_barrier();
+    let _ = CONFIG.set(Config { inert, barrier });
+
+    let signal = match std::env::var("ALLOCTRAMP_SIGNAL") {
+        Ok(s) => match parse_signal(&s) {
+            Ok(n) => n,
+            Err(e) => {
+                sys::log(format!("ALLOCTRAMP_SIGNAL: {e}; using the default").as_bytes());
+                libc::SIGRTMAX() - DEFAULT_SIGNAL_FROM_RTMAX
+            }
+        },
+        Err(_) => libc::SIGRTMAX() - DEFAULT_SIGNAL_FROM_RTMAX,
+    };
+    let watch = std::env::var("ALLOCTRAMP_WATCH").is_ok_and(|v| v == "1");
+    SIGNAL.store(signal, Ordering::Relaxed);
+    WATCH.store(watch, Ordering::Relaxed);
+    match std::env::var("ALLOCTRAMP").as_deref() {
+        Ok("on") => registry::WANT_ON.store(true, Ordering::Release),
+        Ok("off") | Ok("") | Err(_) => {}
+        Ok(other) => sys::log(format!("ALLOCTRAMP={other:?}: expected on or off; profiling stays off").as_bytes()),
+    }
+
+    let dir = counters_dir();
+    let f = open_process_file(&dir, signal, watch);
+    let have_file = f.is_some();
+    registry::PROC.with(|p| *p = f);
+    if let Some(h) =
+        (registry::PROC_HEADER.load(Ordering::Acquire) != 0).then(|| registry::PROC_HEADER.load(Ordering::Acquire))
+    {
+        // SAFETY: STATE is a u32 field of the live header.
+        unsafe { &*((h + process::hdr::STATE) as *const std::sync::atomic::AtomicU32) }
+            .store(u32::from(registry::WANT_ON.load(Ordering::Acquire)), Ordering::Release);
+    }
+    let _ = DIR.set(dir.clone());
+
+    if let Some(old) = install(libc::SIGTRAP, control::on_trap) {
+        control::OLD_TRAP.set(&old);
+    }
+    if signal != 0 && have_file {
+        install(signal, control::on_signal);
+    }
+    // SAFETY: registering a fork handler that runs in the child.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    scan_loaded_modules(false);
+    if watch && have_file {
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() } as u32;
+        control::start_watcher(dir.into_bytes(), process::control_file_name(pid).into_bytes());
+    }
+}
+
+/// Registers every patched module already loaded (the program and its
+/// libraries): their site tables follow the program headers in a segment
+/// that maps the ELF header above the module's other segments.
+fn scan_loaded_modules(inert: bool) {
+    unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> i32 {
+        // SAFETY: dl_iterate_phdr passes a valid info for a loaded object.
+        let info = unsafe { &*info };
+        let inert = data as usize == 1;
+        let phdrs = info.dlpi_phdr;
+        if phdrs.is_null() {
+            return 0;
+        }
+        // SAFETY: dlpi_phnum program headers at dlpi_phdr.
+        let phdrs = unsafe { std::slice::from_raw_parts(phdrs, info.dlpi_phnum as usize) };
+        let lowest = phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD).map(|p| p.p_vaddr).min();
+        for p in phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD && p.p_offset == 0) {
+            if Some(p.p_vaddr) == lowest || p.p_filesz < 64 {
+                continue;
+            }
+            let start = info.dlpi_addr.wrapping_add(p.p_vaddr) as *const u8;
+            // SAFETY: the segment is mapped, p_filesz bytes from its start.
+            let seg = unsafe { std::slice::from_raw_parts(start, p.p_filesz as usize) };
+            if let Some(at) = layout::table_after_phdrs(seg) {
+                // SAFETY: a site table inside a loaded module.
+                unsafe { registry::register(start.add(at), inert) };
+            }
+        }
+        0
+    }
+    // SAFETY: the callback only reads what dl_iterate_phdr hands it.
+    unsafe { libc::dl_iterate_phdr(Some(each), usize::from(inert) as *mut c_void) };
+}
+
+/// Runs the runtime's start-up as a constructor.
+#[used]
+#[unsafe(link_section = ".init_array")]
+static INIT: extern "C" fn() = {
+    extern "C" fn run() {
+        init();
+    }
+    run
+};
+
+/// At exit: mark the counters file as the process's final snapshot.
+#[used]
+#[unsafe(link_section = ".fini_array")]
+static FINI: extern "C" fn() = {
+    extern "C" fn run() {
+        let h = registry::PROC_HEADER.load(Ordering::Acquire);
+        if h != 0 {
+            // SAFETY: EXITED is a u32 field of the live header.
+            unsafe { &*((h + process::hdr::EXITED) as *const std::sync::atomic::AtomicU32) }
+                .store(1, Ordering::Release);
+        }
+    }
+    run
+};
+
+/// Called by a module's init stub.
 ///
 /// # Safety
 /// `table` must be the run-time address of a module's site table.
 unsafe extern "C" fn register(table: *const u8) {
+    init();
+    let inert = CONFIG.get().is_none_or(|c| c.inert);
     // SAFETY: forwarded from the caller.
-    let Some(t) = (unsafe { table_at(table) }) else { return };
-    let bias = (table as u64).wrapping_sub(t.header.table_addr);
-    let control = bias.wrapping_add(t.header.control_addr) as *mut u64;
-    // SAFETY: the control block is the module's writable
-    // .alloctramp.data; fields are u64 at the offsets of `layout::control`.
-    unsafe {
-        control.byte_add(layout::control::RSEQ_OFFSET as usize).write_volatile(rseq_offset() as u64);
-        control.byte_add(layout::control::COUNTERS as usize).write_volatile(bias.wrapping_add(t.header.counters_addr));
-    }
+    unsafe { registry::register(table, inert) };
 }
 
 /// Called by a module's fini stub.
 ///
 /// # Safety
 /// `table` must be the run-time address of a module's site table.
-unsafe extern "C" fn unregister(_table: *const u8) {}
+unsafe extern "C" fn unregister(table: *const u8) {
+    // SAFETY: forwarded from the caller.
+    unsafe { registry::unregister(table) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_names() {
+        assert_eq!(parse_signal("none"), Ok(0));
+        assert_eq!(parse_signal("USR2"), Ok(libc::SIGUSR2));
+        assert_eq!(parse_signal("sigusr1"), Ok(libc::SIGUSR1));
+        assert_eq!(parse_signal("12"), Ok(12));
+        assert_eq!(parse_signal("RTMAX-7"), Ok(libc::SIGRTMAX() - 7));
+        assert_eq!(parse_signal("RTMIN+2"), Ok(libc::SIGRTMIN() + 2));
+        assert!(parse_signal("BOGUS").is_err());
+        assert!(parse_signal("999").is_err());
+    }
+}

@@ -156,6 +156,8 @@ pub struct Header {
     /// The original file's build-id (up to 20 bytes), zero-padded.
     pub build_id: [u8; 20],
     pub build_id_len: u8,
+    /// Address of the ELF header (and program headers) in memory.
+    pub ehdr_addr: u64,
 }
 
 /// One site.
@@ -292,6 +294,7 @@ pub fn encode(mut header: Header, sites: &[Site], entries: &[Entry], strings: &S
     put_u32(&mut b, header.module_name);
     put_u32(&mut b, u32::from(header.build_id_len));
     b.extend_from_slice(&header.build_id);
+    put_u64(&mut b, header.ehdr_addr);
     b.resize(HEADER_SIZE, 0);
     for s in sites {
         put_u64(&mut b, s.addr);
@@ -380,6 +383,7 @@ impl<'a> Table<'a> {
             module_name: u32_at(bytes, 104),
             build_id,
             build_id_len: u32_at(bytes, 108).min(20) as u8,
+            ehdr_addr: u64_at(bytes, 132),
         };
         let total = table_size(h.site_count as usize, h.entry_count as usize, h.strings_size as usize);
         if h.sites_offset as usize != HEADER_SIZE

@@ -3,6 +3,7 @@
 //! * [`entry`]: allocator entry points and their calling signatures.
 //! * [`addr`]: typed addresses (file offsets, virtual addresses in a file).
 //! * [`layout`]: the site table, module control block and counters.
+//! * [`process`]: the per-process counters file the runtime shares.
 //! * `codegen` (feature `codegen`): the trampolines and stubs.
 
 pub mod addr;
@@ -10,3 +11,4 @@ pub mod addr;
 pub mod codegen;
 pub mod entry;
 pub mod layout;
+pub mod process;

@@ -1,0 +1,142 @@
+//! Rewriting call sites in a running process.
+//!
+//! The protocol is the kernel's (text_poke_bp): for every site of a batch,
+//! write INT3 over its first byte; serialize every thread; write the other
+//! bytes; serialize; write the new first byte; serialize. A thread that
+//! reaches a site while it holds INT3 traps, and the SIGTRAP handler sends
+//! it to the site's trampoline, which does what either the old or the new
+//! instruction would (the trampoline calls the same target). Only the first
+//! five bytes of a site ever change, and they are one instruction in both
+//! states, so a thread is never left inside a half-written instruction.
+//!
+//! Code pages are made writable (and stay executable, for the other
+//! threads) only during a switch, then return to read+execute.
+
+use crate::registry::{self, Slot};
+use crate::sys;
+use alloctramp_trampolines::layout::{PAGE, Table};
+use std::sync::atomic::Ordering;
+
+const INT3: u8 = 0xcc;
+
+/// The bytes a site should hold: `jmp` to its trampoline, or the original.
+fn wanted(site: &alloctramp_trampolines::layout::Site, on: bool) -> [u8; 5] {
+    if on {
+        site.patched
+    } else {
+        let mut b = [0u8; 5];
+        b.copy_from_slice(&site.original[..5]);
+        b
+    }
+}
+
+/// An executable range of a module, from its program headers.
+#[derive(Clone, Copy, Default)]
+pub struct Range {
+    pub start: u64,
+    pub end: u64,
+}
+
+/// Sets the protection of the module's executable segments (not its
+/// trampolines).
+fn protect(ranges: &[Range], writable: bool) -> bool {
+    let prot = libc::PROT_READ | libc::PROT_EXEC | if writable { libc::PROT_WRITE } else { 0 };
+    let mut ok = true;
+    for r in ranges.iter().filter(|r| r.end > r.start) {
+        let start = r.start & !(PAGE - 1);
+        let len = r.end.div_ceil(PAGE) * PAGE - start;
+        // SAFETY: the range covers pages of the module's own executable
+        // segments, mapped while the module is registered.
+        if unsafe { libc::mprotect(start as *mut libc::c_void, len as usize, prot) } != 0 {
+            ok = false;
+        }
+    }
+    ok
+}
+
+/// Switches every site of one module on or off. Returns an error message
+/// when the code could not be made writable (nothing was changed then).
+///
+/// # Safety
+/// The slot must be registered and held busy by the caller (its module
+/// stays mapped).
+pub unsafe fn switch_module(slot: &Slot, on: bool, barrier: sys::Barrier) -> Result<(), &'static str> {
+    // SAFETY: the table stays mapped while the slot is held (caller).
+    let Some(table) = (unsafe { slot.table() }) else { return Ok(()) };
+    let bias = slot.bias.load(Ordering::Relaxed);
+    let ranges = slot.exec_ranges();
+    let at = |s: &alloctramp_trampolines::layout::Site| bias.wrapping_add(s.addr) as *mut u8;
+    let active = |s: &alloctramp_trampolines::layout::Site| s.trampoline != 0 && s.len >= 5;
+
+    // Nothing to do if every site already holds the wanted bytes.
+    // SAFETY: sites lie in the module's mapped executable segments.
+    let differs = table
+        .sites()
+        .filter(active)
+        .any(|s| unsafe { std::slice::from_raw_parts(at(&s) as *const u8, 5) != wanted(&s, on) });
+    if !differs {
+        return Ok(());
+    }
+    if barrier == sys::Barrier::None {
+        return Err("membarrier is not available: cannot switch safely");
+    }
+    if !protect(&ranges, true) {
+        protect(&ranges, false);
+        return Err("the system refused to make code writable (mprotect)");
+    }
+    // SAFETY (all three passes): the pages are writable now; each write
+    // stays within the site's first five bytes.
+    for s in table.sites().filter(active) {
+        let p = at(&s);
+        if unsafe { std::slice::from_raw_parts(p as *const u8, 5) } != wanted(&s, on) {
+            unsafe { std::ptr::write_volatile(p, INT3) };
+        }
+    }
+    sys::serialize(barrier);
+    for s in table.sites().filter(active) {
+        let p = at(&s);
+        if unsafe { std::ptr::read_volatile(p) } == INT3 {
+            let w = wanted(&s, on);
+            for (k, &b) in w.iter().enumerate().skip(1) {
+                unsafe { std::ptr::write_volatile(p.add(k), b) };
+            }
+        }
+    }
+    sys::serialize(barrier);
+    for s in table.sites().filter(active) {
+        let p = at(&s);
+        if unsafe { std::ptr::read_volatile(p) } == INT3 {
+            unsafe { std::ptr::write_volatile(p, wanted(&s, on)[0]) };
+        }
+    }
+    sys::serialize(barrier);
+    protect(&ranges, false);
+    Ok(())
+}
+
+/// Where a thread that trapped on a site's INT3 goes: its trampoline.
+pub fn trampoline_for(addr: u64) -> Option<u64> {
+    for slot in registry::slots() {
+        if !slot.contains(addr) {
+            continue;
+        }
+        // SAFETY: a registered slot's table is mapped.
+        let table: Table = unsafe { slot.table() }?;
+        let bias = slot.bias.load(Ordering::Relaxed);
+        let want = addr.wrapping_sub(bias);
+        let (mut lo, mut hi) = (0usize, table.header.site_count as usize);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let s = table.site(mid);
+            if s.addr == want {
+                return (s.trampoline != 0).then(|| bias.wrapping_add(s.trampoline));
+            }
+            if s.addr < want {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    None
+}

@@ -1,0 +1,387 @@
+//! The patched modules of the process: a fixed array of slots read without
+//! locks (signal handlers read it), written under a spin lock by the
+//! registration path (module init and fini, never in signal context).
+
+use crate::patching::{self, Range};
+use crate::procfile::ProcFile;
+use crate::sys;
+use alloctramp_trampolines::layout::{self, HEADER_SIZE, Table};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+pub const MAX_SLOTS: usize = 256;
+const MAX_RANGES: usize = 4;
+
+const FREE: u8 = 0;
+const ACTIVE: u8 = 1;
+const DEAD: u8 = 2;
+
+/// One registered module.
+pub struct Slot {
+    /// Run-time address of the site table.
+    pub table: AtomicUsize,
+    pub table_size: AtomicUsize,
+    pub bias: AtomicU64,
+    /// Run-time addresses of the first and past the last site.
+    lo: AtomicU64,
+    hi: AtomicU64,
+    ranges: [(AtomicU64, AtomicU64); MAX_RANGES],
+    state: AtomicU8,
+    /// Held while the module's code is being switched or it is unloading.
+    pub busy: AtomicBool,
+    pub on: AtomicBool,
+    /// Index in the process file (u32::MAX: none).
+    pub file_index: AtomicU32,
+}
+
+impl Slot {
+    const fn new() -> Slot {
+        Slot {
+            table: AtomicUsize::new(0),
+            table_size: AtomicUsize::new(0),
+            bias: AtomicU64::new(0),
+            lo: AtomicU64::new(0),
+            hi: AtomicU64::new(0),
+            ranges: [const { (AtomicU64::new(0), AtomicU64::new(0)) }; MAX_RANGES],
+            state: AtomicU8::new(FREE),
+            busy: AtomicBool::new(false),
+            on: AtomicBool::new(false),
+            file_index: AtomicU32::new(u32::MAX),
+        }
+    }
+
+    pub fn is_active(&self) -> bool {
+        self.state.load(Ordering::Acquire) == ACTIVE
+    }
+
+    pub fn contains(&self, addr: u64) -> bool {
+        self.is_active() && addr >= self.lo.load(Ordering::Relaxed) && addr < self.hi.load(Ordering::Relaxed)
+    }
+
+    /// The module's site table.
+    ///
+    /// # Safety
+    /// The module must still be mapped (active, or held busy).
+    pub unsafe fn table<'a>(&self) -> Option<Table<'a>> {
+        let p = self.table.load(Ordering::Acquire) as *const u8;
+        if p.is_null() {
+            return None;
+        }
+        let n = self.table_size.load(Ordering::Relaxed);
+        // SAFETY: the table was checked at registration and is mapped
+        // (caller).
+        Table::parse(unsafe { std::slice::from_raw_parts(p, n) }).ok()
+    }
+
+    pub fn exec_ranges(&self) -> [Range; MAX_RANGES] {
+        let mut r = [Range::default(); MAX_RANGES];
+        for (i, (s, e)) in self.ranges.iter().enumerate() {
+            r[i] = Range { start: s.load(Ordering::Relaxed), end: e.load(Ordering::Relaxed) };
+        }
+        r
+    }
+
+    pub fn try_hold(&self) -> bool {
+        self.is_active() && self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+    }
+
+    pub fn release(&self) {
+        self.busy.store(false, Ordering::Release);
+    }
+}
+
+static SLOTS: [Slot; MAX_SLOTS] = [const { Slot::new() }; MAX_SLOTS];
+static SLOT_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// The slots in use so far (active or dead).
+pub fn slots() -> impl Iterator<Item = &'static Slot> {
+    SLOTS[..SLOT_COUNT.load(Ordering::Acquire).min(MAX_SLOTS)].iter()
+}
+
+/// Whether profiling should be on: what every module converges to.
+pub static WANT_ON: AtomicBool = AtomicBool::new(false);
+
+/// A spin lock for the registration path (never taken in signal context).
+pub struct SpinLock<T> {
+    locked: AtomicBool,
+    value: UnsafeCell<T>,
+}
+
+// SAFETY: access to the value is serialized by `locked`.
+unsafe impl<T: Send> Sync for SpinLock<T> {}
+
+impl<T> SpinLock<T> {
+    pub const fn new(v: T) -> Self {
+        SpinLock { locked: AtomicBool::new(false), value: UnsafeCell::new(v) }
+    }
+    pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        while self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            std::hint::spin_loop();
+        }
+        // SAFETY: the lock is held.
+        let r = f(unsafe { &mut *self.value.get() });
+        self.locked.store(false, Ordering::Release);
+        r
+    }
+    /// After fork, in the child, where no other thread can hold the lock.
+    pub fn force_unlock(&self) {
+        self.locked.store(false, Ordering::Release);
+    }
+}
+
+/// The process file, once created.
+pub static PROC: SpinLock<Option<ProcFile>> = SpinLock::new(None);
+/// The process file's header, readable from signal handlers.
+pub static PROC_HEADER: AtomicUsize = AtomicUsize::new(0);
+pub static PROC_FD: AtomicU32 = AtomicU32::new(u32::MAX);
+
+/// Executable PT_LOAD ranges of the module whose ELF header is at `ehdr`,
+/// excluding alloctramp's own trampolines.
+///
+/// # Safety
+/// `ehdr` must point at the mapped ELF header of a loaded module whose
+/// program headers follow it.
+unsafe fn exec_ranges(ehdr: u64, bias: u64, text_addr: u64) -> [(u64, u64); MAX_RANGES] {
+    let mut out = [(0u64, 0u64); MAX_RANGES];
+    // SAFETY: reading the ELF header and program headers (caller).
+    unsafe {
+        let e = ehdr as *const u8;
+        let phoff = e.add(32).cast::<u64>().read_unaligned();
+        let phnum = e.add(56).cast::<u16>().read_unaligned() as usize;
+        let mut n = 0;
+        for i in 0..phnum {
+            let ph = e.add(phoff as usize + i * 56);
+            let p_type = ph.cast::<u32>().read_unaligned();
+            let flags = ph.add(4).cast::<u32>().read_unaligned();
+            let vaddr = ph.add(16).cast::<u64>().read_unaligned();
+            let memsz = ph.add(40).cast::<u64>().read_unaligned();
+            if p_type == libc::PT_LOAD && flags & libc::PF_X != 0 && vaddr != text_addr && n < MAX_RANGES {
+                out[n] = (bias.wrapping_add(vaddr), bias.wrapping_add(vaddr + memsz));
+                n += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Registers a module by the run-time address of its site table, then
+/// brings its sites to the wanted state. Idempotent.
+///
+/// # Safety
+/// `table` must be the run-time address of a loaded module's site table.
+pub unsafe fn register(table: *const u8, inert: bool) {
+    // SAFETY: the header is readable (caller).
+    let head = unsafe { std::slice::from_raw_parts(table, HEADER_SIZE) };
+    let Some(size) = Table::parse_size(head) else { return };
+    // SAFETY: the whole table is in the module's read-only segment.
+    let Ok(t) = Table::parse(unsafe { std::slice::from_raw_parts(table, size) }) else { return };
+    let bias = (table as u64).wrapping_sub(t.header.table_addr);
+    let h = &t.header;
+
+    // The control block: where the counters are, how to find the CPU.
+    let control = bias.wrapping_add(h.control_addr) as *mut u64;
+    let counters = bias.wrapping_add(h.counters_addr);
+    // SAFETY: the control block is the module's writable .alloctramp.data.
+    unsafe {
+        control.byte_add(layout::control::RSEQ_OFFSET as usize).write_volatile(crate::rseq_offset() as u64);
+        control.byte_add(layout::control::COUNTERS as usize).write_volatile(counters);
+    }
+    if inert {
+        return;
+    }
+
+    let slot = PROC.with(|proc| {
+        if slots().any(|s| s.is_active() && s.table.load(Ordering::Relaxed) == table as usize) {
+            return None;
+        }
+        let i = SLOT_COUNT.load(Ordering::Relaxed);
+        if i >= MAX_SLOTS {
+            sys::log(b"too many patched modules; one is not profiled");
+            return None;
+        }
+        let slot = &SLOTS[i];
+        let file_index = match proc.as_mut() {
+            Some(f) => match f.add_module(t.bytes(), bias, counters, h.counters_size) {
+                Ok(idx) => idx,
+                Err(e) => {
+                    sys::log(e.as_bytes());
+                    u32::MAX
+                }
+            },
+            None => u32::MAX,
+        };
+        slot.table.store(table as usize, Ordering::Relaxed);
+        slot.table_size.store(size, Ordering::Relaxed);
+        slot.bias.store(bias, Ordering::Relaxed);
+        let (lo, hi) = match (t.sites().next(), h.site_count.checked_sub(1).map(|l| t.site(l as usize))) {
+            (Some(a), Some(b)) => (bias.wrapping_add(a.addr), bias.wrapping_add(b.addr + u64::from(b.len))),
+            _ => (0, 0),
+        };
+        slot.lo.store(lo, Ordering::Relaxed);
+        slot.hi.store(hi, Ordering::Relaxed);
+        // SAFETY: the ELF header of a patched module is mapped at ehdr_addr.
+        let ranges = unsafe { exec_ranges(bias.wrapping_add(h.ehdr_addr), bias, h.text_addr) };
+        for (k, (s, e)) in ranges.iter().enumerate() {
+            slot.ranges[k].0.store(*s, Ordering::Relaxed);
+            slot.ranges[k].1.store(*e, Ordering::Relaxed);
+        }
+        slot.file_index.store(file_index, Ordering::Relaxed);
+        slot.busy.store(true, Ordering::Relaxed);
+        slot.state.store(ACTIVE, Ordering::Release);
+        SLOT_COUNT.store(i + 1, Ordering::Release);
+        Some(slot)
+    });
+    if let Some(slot) = slot {
+        converge(slot);
+    }
+}
+
+/// With the slot held: brings it to the wanted state, releases it, and
+/// repeats if the wanted state changed meanwhile (a switch that found the
+/// slot busy skipped it).
+fn converge(slot: &Slot) {
+    loop {
+        let want = WANT_ON.load(Ordering::Acquire);
+        if slot.on.load(Ordering::Relaxed) != want {
+            // SAFETY: the slot is held.
+            match unsafe { patching::switch_module(slot, want, crate::barrier()) } {
+                Ok(()) => set_on(slot, want),
+                Err(e) => report_error(e),
+            }
+        }
+        slot.release();
+        if WANT_ON.load(Ordering::Acquire) == slot.on.load(Ordering::Relaxed) || !slot.try_hold() {
+            return;
+        }
+    }
+}
+
+fn set_on(slot: &Slot, on: bool) {
+    slot.on.store(on, Ordering::Release);
+    let idx = slot.file_index.load(Ordering::Relaxed);
+    if idx != u32::MAX {
+        header_set_module_on(idx, on);
+    }
+}
+
+fn header_set_module_on(idx: u32, on: bool) {
+    use alloctramp_trampolines::process::{MODULE_SLOT_SIZE, MODULE_SLOTS_AT, slot};
+    let h = PROC_HEADER.load(Ordering::Acquire);
+    if h != 0 {
+        let at = h + MODULE_SLOTS_AT as usize + idx as usize * MODULE_SLOT_SIZE as usize + slot::ON;
+        // SAFETY: the header mapping is live; the field is a 4-aligned u32.
+        unsafe { &*(at as *const AtomicU32) }.store(u32::from(on), Ordering::Release);
+    }
+}
+
+pub fn report_error(e: &str) {
+    sys::log(e.as_bytes());
+    let h = PROC_HEADER.load(Ordering::Acquire);
+    if h != 0 {
+        let n = e.len().min(63);
+        // SAFETY: LAST_ERROR is a 64-byte field of the live header mapping.
+        unsafe {
+            let p = (h + alloctramp_trampolines::process::hdr::LAST_ERROR) as *mut u8;
+            std::ptr::write_bytes(p, 0, 64);
+            std::ptr::copy_nonoverlapping(e.as_ptr(), p, n);
+        }
+    }
+}
+
+/// Unregisters a module about to be unloaded: waits until no switch holds
+/// it, then forgets it (its figures stay in the process file).
+///
+/// # Safety
+/// `table` must be the run-time address of a registered module's table.
+pub unsafe fn unregister(table: *const u8) {
+    for slot in slots() {
+        if slot.is_active() && slot.table.load(Ordering::Relaxed) == table as usize {
+            while slot.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+                std::hint::spin_loop();
+            }
+            slot.state.store(DEAD, Ordering::Release);
+            let idx = slot.file_index.load(Ordering::Relaxed);
+            PROC.with(|p| {
+                if let (Some(f), true) = (p.as_ref(), idx != u32::MAX) {
+                    f.set_unloaded(idx);
+                }
+            });
+        }
+    }
+}
+
+/// Switches every module; modules busy elsewhere converge by themselves.
+/// Returns the first error.
+pub fn switch_all(on: bool) -> Result<(), &'static str> {
+    WANT_ON.store(on, Ordering::Release);
+    let mut result = Ok(());
+    for slot in slots() {
+        if !slot.try_hold() {
+            continue;
+        }
+        if slot.on.load(Ordering::Relaxed) != on {
+            // SAFETY: the slot is held.
+            match unsafe { patching::switch_module(slot, on, crate::barrier()) } {
+                Ok(()) => set_on(slot, on),
+                Err(e) => {
+                    if result.is_ok() {
+                        result = Err(e);
+                    }
+                }
+            }
+        }
+        slot.release();
+    }
+    if result.is_err() {
+        // Leave everything as it was before the request.
+        WANT_ON.store(!on, Ordering::Release);
+        for slot in slots() {
+            if slot.try_hold() {
+                if slot.on.load(Ordering::Relaxed) == on {
+                    // SAFETY: the slot is held.
+                    if unsafe { patching::switch_module(slot, !on, crate::barrier()) }.is_ok() {
+                        set_on(slot, !on);
+                    }
+                }
+                slot.release();
+            }
+        }
+    }
+    result
+}
+
+/// After fork, in the child: fresh process file, every module's counters
+/// remapped onto it (starting from zero).
+pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
+    PROC.force_unlock();
+    let Some(mut f) = make() else { return };
+    for slot in slots() {
+        if !slot.is_active() {
+            continue;
+        }
+        // SAFETY: active slots' tables are mapped.
+        let Some(t) = (unsafe { slot.table() }) else { continue };
+        let bias = slot.bias.load(Ordering::Relaxed);
+        let counters = bias.wrapping_add(t.header.counters_addr);
+        match f.add_module(t.bytes(), bias, counters, t.header.counters_size) {
+            Ok(idx) => {
+                slot.file_index.store(idx, Ordering::Relaxed);
+                f.set_module_on(idx, slot.on.load(Ordering::Relaxed));
+            }
+            Err(e) => sys::log(e.as_bytes()),
+        }
+    }
+    PROC_HEADER.store(f.header as usize, Ordering::Release);
+    PROC_FD.store(f.fd as u32, Ordering::Release);
+    PROC.with(|p| {
+        if let Some(old) = p.take() {
+            // SAFETY: the parent's header mapping and descriptor are ours
+            // to drop in the child.
+            unsafe {
+                libc::munmap(old.header.cast(), alloctramp_trampolines::process::PROC_HEADER_SIZE as usize);
+                libc::close(old.fd);
+            }
+        }
+        *p = Some(f);
+    });
+}

@@ -1,0 +1,170 @@
+//! System calls and logging usable from signal handlers: no allocation, no
+//! locks, errno preserved by the callers that need it.
+
+use std::ffi::CStr;
+
+/// A fixed buffer for composing messages and paths without allocating.
+pub struct Buf<const N: usize> {
+    data: [u8; N],
+    len: usize,
+}
+
+impl<const N: usize> Buf<N> {
+    pub const fn new() -> Self {
+        Buf { data: [0; N], len: 0 }
+    }
+    pub fn push(&mut self, s: &[u8]) -> &mut Self {
+        // Keep one byte for the NUL terminator.
+        let n = s.len().min(N - 1 - self.len);
+        self.data[self.len..self.len + n].copy_from_slice(&s[..n]);
+        self.len += n;
+        self
+    }
+    pub fn str(&mut self, s: &str) -> &mut Self {
+        self.push(s.as_bytes())
+    }
+    pub fn num(&mut self, mut v: u64) -> &mut Self {
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        self.push(&digits[i..])
+    }
+    pub fn bytes(&self) -> &[u8] {
+        &self.data[..self.len]
+    }
+    /// The contents as a NUL-terminated C string.
+    pub fn c_str(&mut self) -> &CStr {
+        self.data[self.len] = 0;
+        CStr::from_bytes_with_nul(&self.data[..=self.len]).unwrap_or(c"")
+    }
+}
+
+impl<const N: usize> Default for Buf<N> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Writes one line to stderr: `alloctramp: <msg>\n`, with raw write(2).
+pub fn log(msg: &[u8]) {
+    let mut b = Buf::<512>::new();
+    b.str("alloctramp: ").push(msg).str("\n");
+    write_all(2, b.bytes());
+}
+
+pub fn write_all(fd: i32, mut data: &[u8]) {
+    while !data.is_empty() {
+        // SAFETY: writing from a valid buffer of the given length.
+        let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+        if n <= 0 {
+            if n < 0 && errno() == libc::EINTR {
+                continue;
+            }
+            return;
+        }
+        data = &data[n as usize..];
+    }
+}
+
+pub fn errno() -> i32 {
+    // SAFETY: __errno_location returns the calling thread's errno.
+    unsafe { *libc::__errno_location() }
+}
+
+pub fn set_errno(v: i32) {
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = v }
+}
+
+/// Saves errno for the lifetime of the guard (signal handlers).
+pub struct ErrnoGuard(i32);
+
+impl ErrnoGuard {
+    pub fn new() -> Self {
+        ErrnoGuard(errno())
+    }
+}
+
+impl Drop for ErrnoGuard {
+    fn drop(&mut self) {
+        set_errno(self.0)
+    }
+}
+
+/// Reads up to `buf.len()` bytes of a small file; `None` if it cannot be
+/// opened. Refuses symlinks.
+pub fn read_small_file(path: &CStr, buf: &mut [u8]) -> Option<usize> {
+    // SAFETY: path is NUL-terminated; the buffer is valid for writes.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        if fd < 0 {
+            return None;
+        }
+        let mut total = 0usize;
+        while total < buf.len() {
+            let n = libc::read(fd, buf[total..].as_mut_ptr().cast(), buf.len() - total);
+            if n < 0 && errno() == libc::EINTR {
+                continue;
+            }
+            if n <= 0 {
+                break;
+            }
+            total += n as usize;
+        }
+        libc::close(fd);
+        Some(total)
+    }
+}
+
+/// membarrier(2) commands.
+const MEMBARRIER_CMD_PRIVATE_EXPEDITED_SYNC_CORE: i32 = 1 << 5;
+const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE: i32 = 1 << 6;
+const MEMBARRIER_CMD_PRIVATE_EXPEDITED: i32 = 1 << 3;
+const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: i32 = 1 << 4;
+
+/// Which membarrier serializes every thread of the process.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Barrier {
+    SyncCore,
+    /// The expedited barrier interrupts every CPU running a thread of the
+    /// process; on x86 the return from that interrupt serializes the core.
+    Expedited,
+    None,
+}
+
+fn membarrier(cmd: i32) -> i64 {
+    // SAFETY: membarrier takes (cmd, flags, cpu_id) and touches no memory.
+    unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0, 0) }
+}
+
+/// Registers for expedited barriers (at start-up).
+pub fn register_barrier() -> Barrier {
+    if membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE) == 0 {
+        Barrier::SyncCore
+    } else if membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0 {
+        Barrier::Expedited
+    } else {
+        Barrier::None
+    }
+}
+
+/// Serializes every thread of the process.
+pub fn serialize(b: Barrier) -> bool {
+    match b {
+        Barrier::SyncCore => membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED_SYNC_CORE) == 0,
+        Barrier::Expedited => membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0,
+        Barrier::None => false,
+    }
+}
+
+pub fn now_secs() -> u64 {
+    // SAFETY: time(NULL) has no memory effects.
+    unsafe { libc::time(std::ptr::null_mut()) as u64 }
+}
