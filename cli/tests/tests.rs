@@ -6,4 +6,5 @@ mod util;
 
 mod bad_input;
 mod patch;
+mod runtime;
 mod sites;

@@ -1,0 +1,259 @@
+//! The runtime: exact counts with profiling on from the start, switching a
+//! live process by signal, control file and watcher, and switching under
+//! load.
+
+use crate::patch::patch_to;
+use crate::util::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The display name of an entry point given by symbol.
+pub fn display(symbol: &str) -> String {
+    alloctramp_trampolines::entry::defaults()
+        .into_iter()
+        .find(|e| e.target.to_string() == symbol)
+        .map_or_else(|| symbol.to_string(), |e| e.display)
+}
+
+/// A fresh counters directory (mode 0700).
+pub fn counters_dir(name: &str) -> PathBuf {
+    let d = scratch(&format!("counters-{name}"));
+    std::os::unix::fs::PermissionsExt::set_mode(&mut std::fs::metadata(&d).unwrap().permissions(), 0o700);
+    std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    d
+}
+
+/// `alloctramp report --format json` of a pid or file.
+pub fn report(target: &str, dir: &Path) -> Value {
+    let o = alloctramp().args(["report", "--format", "json", "--dir"]).arg(dir).arg(target).output().unwrap();
+    assert!(o.status.success(), "report {target}: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// The single counters file a finished run left in `dir`.
+pub fn only_counters_file(dir: &Path) -> PathBuf {
+    let files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "counters"))
+        .collect();
+    assert_eq!(files.len(), 1, "counters files in {}: {files:?}", dir.display());
+    files[0].clone()
+}
+
+type Figures = BTreeMap<(String, u32, String), (u64, u64, u64)>;
+
+/// (file, line, entry) -> (calls, bytes, failed) from a report.
+pub fn figures(doc: &Value) -> Figures {
+    let mut m = Figures::new();
+    for s in doc["sites"].as_array().unwrap() {
+        let key = (
+            base(s["file"].as_str().unwrap_or("?")).to_string(),
+            s["line"].as_u64().unwrap_or(0) as u32,
+            s["entry"].as_str().unwrap().to_string(),
+        );
+        let v = (s["calls"].as_u64().unwrap(), s["bytes"].as_u64().unwrap(), s["failed"].as_u64().unwrap());
+        let e = m.entry(key).or_insert((0, 0, 0));
+        e.0 += v.0;
+        e.1 += v.1;
+        e.2 += v.2;
+    }
+    m
+}
+
+fn expected(programs: &[&Program]) -> Figures {
+    let mut m = Figures::new();
+    for p in programs {
+        for mk in &p.markers {
+            m.insert((mk.file.clone(), mk.line, display(&mk.entry)), (mk.calls, mk.bytes, mk.failed));
+        }
+    }
+    m
+}
+
+fn check_counts(config: Config) {
+    let b = built(config);
+    let pdir = b.dir.join("patched-on");
+    let _ = std::fs::remove_dir_all(&pdir);
+    std::fs::create_dir_all(&pdir).unwrap();
+    for p in programs() {
+        patch_to(&b.path(&p.name), &pdir.join(&p.output), &[]);
+    }
+    for p in programs().iter().filter(|p| !p.is_library) {
+        let dir = counters_dir(&format!("{}-{}", config.name(), p.name));
+        let original = run_program(&b.path(&p.name), &p.run, &[]);
+        let env = [
+            ("ALLOCTRAMP", "on"),
+            ("ALLOCTRAMP_DIR", dir.to_str().unwrap()),
+            ("LD_LIBRARY_PATH", pdir.to_str().unwrap()),
+        ];
+        let out = run_program(&pdir.join(&p.output), &p.run, &env);
+        assert_eq!(out, original, "{} {}: profiling on changes the program's behaviour", p.name, config.name());
+        let doc = report(only_counters_file(&dir).to_str().unwrap(), &dir);
+        assert_eq!(doc["exited"], true);
+        let mut progs = vec![p];
+        progs.extend(
+            p.needs
+                .iter()
+                .map(|n| programs().iter().find(|q| &q.output == &format!("{n}.so") || &q.name == n).unwrap()),
+        );
+        assert_eq!(figures(&doc), expected(&progs), "{} built {}: counts differ from markers", p.name, config.name());
+    }
+}
+
+macro_rules! matrix {
+    ($($name:ident: $opt:literal, $pie:literal, $extra:literal;)*) => {$(
+        #[test]
+        fn $name() {
+            check_counts(Config { opt: $opt, pie: $pie, extra: $extra });
+        }
+    )*};
+}
+
+matrix! {
+    exact_counts_o0_pie_plt: "-O0", true, "";
+    exact_counts_o0_pie_noplt: "-O0", true, "-fno-plt";
+    exact_counts_o0_nopie_cet: "-O0", false, "-fcf-protection=full";
+    exact_counts_o2_pie_plt: "-O2", true, "";
+    exact_counts_o2_pie_noplt: "-O2", true, "-fno-plt";
+    exact_counts_o2_pie_cet: "-O2", true, "-fcf-protection=full";
+    exact_counts_o2_nopie_plt: "-O2", false, "";
+    exact_counts_o2_nopie_noplt: "-O2", false, "-fno-plt";
+}
+
+/// A patched `server` running under control of the test.
+pub struct Server {
+    pub child: Child,
+    out: BufReader<std::process::ChildStdout>,
+    pub dir: PathBuf,
+}
+
+impl Server {
+    pub fn start(name: &str, env: &[(&str, &str)]) -> Server {
+        let b = built(Config::default_o2());
+        let dir = counters_dir(name);
+        let bin = dir.join("server.bin");
+        patch_to(&b.path("server"), &bin, &[]);
+        let mut child = Command::new(&bin)
+            .env("ALLOCTRAMP_DIR", &dir)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Server { child, out, dir }
+    }
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+    pub fn cmd(&mut self, c: &str) -> String {
+        writeln!(self.child.stdin.as_mut().unwrap(), "{c}").unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    }
+    pub fn figures(&self) -> Figures {
+        figures(&report(&self.pid(), &self.dir))
+    }
+    pub fn switch(&self, what: &str) -> std::process::Output {
+        alloctramp().arg(what).arg("--dir").arg(&self.dir).arg(self.pid()).output().unwrap()
+    }
+    pub fn quit(mut self) {
+        let _ = self.cmd("quit");
+        let _ = self.child.wait();
+    }
+}
+
+/// The line where server.c's `free` command handler starts: markers after
+/// it count that command, the others one `round`.
+fn free_handler_line() -> u32 {
+    let src = std::fs::read_to_string(testbins_dir().join("server.c")).unwrap();
+    src.lines().position(|l| l.contains("static void do_free(void)")).expect("server.c has do_free") as u32 + 1
+}
+
+/// Figures after `rounds` rounds and no `free` command.
+fn round_figures(rounds: u64) -> Figures {
+    let free_at = free_handler_line();
+    expected(&[program("server")])
+        .into_iter()
+        .map(|(k, (c, b, f))| {
+            let n = if k.1 > free_at { 0 } else { rounds };
+            (k, (c * n, b * n, f * n))
+        })
+        .collect()
+}
+
+fn zero() -> Figures {
+    round_figures(0)
+}
+
+#[test]
+fn switching_a_live_process_by_command_signal_and_file() {
+    let mut s = Server::start("switch", &[]);
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), zero(), "off by default: nothing counted");
+
+    let o = s.switch("enable");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("profiling on"));
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(2));
+
+    assert!(s.switch("disable").status.success());
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(2), "off: counts stay");
+
+    assert!(s.switch("reset").status.success());
+    assert_eq!(s.figures(), zero());
+
+    // A bare signal with an empty control file toggles.
+    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "").unwrap();
+    let sig = 64 - 7; // SIGRTMAX - 7, the default
+    assert!(Command::new("kill").arg(format!("-{sig}")).arg(s.pid()).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !report(&s.pid(), &s.dir)["on"].as_bool().unwrap() {
+        assert!(Instant::now() < deadline, "bare signal did not switch on");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(1));
+
+    // Bad text in the control file: a warning, nothing switched.
+    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "sideways\n").unwrap();
+    assert!(Command::new("kill").arg(format!("-{sig}")).arg(s.pid()).status().unwrap().success());
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(report(&s.pid(), &s.dir)["on"].as_bool().unwrap());
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(2));
+    s.quit();
+}
+
+#[test]
+fn switching_on_at_start_by_environment_and_by_watcher() {
+    let mut s = Server::start("env", &[("ALLOCTRAMP", "on")]);
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(1));
+    s.quit();
+
+    // No signal: the watcher follows the control file.
+    let mut s = Server::start("watch", &[("ALLOCTRAMP_SIGNAL", "none"), ("ALLOCTRAMP_WATCH", "1")]);
+    assert_eq!(s.cmd("round"), "done");
+    let o = s.switch("enable");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(1));
+    s.quit();
+
+    // No signal and no watcher: the command says so.
+    let s = Server::start("nosignal", &[("ALLOCTRAMP_SIGNAL", "none")]);
+    let o = s.switch("enable");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("listens to no signal"));
+    s.quit();
+}
