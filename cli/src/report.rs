@@ -138,6 +138,7 @@ pub fn run(args: Args) -> Result<()> {
                 command: &'a str,
                 on: bool,
                 exited: bool,
+                generation: u64,
                 sites: &'a [Row],
             }
             let doc = Doc {
@@ -147,6 +148,7 @@ pub fn run(args: Args) -> Result<()> {
                 command: &pf.command,
                 on: pf.on,
                 exited: pf.exited,
+                generation: pf.generation,
                 sites: &rows,
             };
             serde_json::to_writer_pretty(&mut *w, &doc)?;

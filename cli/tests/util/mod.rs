@@ -115,6 +115,8 @@ pub struct Program {
     /// those are named as entry points.
     pub user_markers: Vec<Marker>,
     pub is_library: bool,
+    /// Counts depend on timing (`// counts: variable`): not compared.
+    pub variable_counts: bool,
 }
 
 fn parse_marker(tag: &str, file: &str, line: u32, text: &str) -> Option<Marker> {
@@ -161,6 +163,7 @@ pub fn programs() -> &'static [Program] {
                 markers: vec![],
                 user_markers: vec![],
                 is_library: false,
+                variable_counts: false,
             };
             for (i, line) in text.lines().enumerate() {
                 if let Some(b) = line.strip_prefix("// build: ") {
@@ -169,6 +172,8 @@ pub fn programs() -> &'static [Program] {
                     p.output = o.trim().to_string();
                 } else if let Some(n) = line.strip_prefix("// needs: ") {
                     p.needs = n.split_whitespace().map(str::to_string).collect();
+                } else if line.trim() == "// counts: variable" {
+                    p.variable_counts = true;
                 } else if let Some(r) = line.strip_prefix("// run: ") {
                     p.run = r.split_whitespace().map(str::to_string).collect();
                 }
