@@ -45,6 +45,15 @@ pub fn resolve(target: &str, dir: &Path) -> Result<PathBuf> {
     Ok(PathBuf::from(target))
 }
 
+/// A module in a report.
+#[derive(Serialize, Clone, Debug)]
+pub struct ModuleDoc {
+    pub name: String,
+    pub sites: u32,
+    pub on: bool,
+    pub unloaded: bool,
+}
+
 /// One row of a report.
 #[derive(Serialize, Clone, Debug)]
 pub struct Row {
@@ -139,6 +148,7 @@ pub fn run(args: Args) -> Result<()> {
                 on: bool,
                 exited: bool,
                 generation: u64,
+                modules: Vec<ModuleDoc>,
                 sites: &'a [Row],
             }
             let doc = Doc {
@@ -149,6 +159,17 @@ pub fn run(args: Args) -> Result<()> {
                 on: pf.on,
                 exited: pf.exited,
                 generation: pf.generation,
+                modules: pf
+                    .modules()
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|m| ModuleDoc {
+                        name: m.table.module_name().to_string(),
+                        sites: m.table.header.site_count,
+                        on: m.on,
+                        unloaded: m.unloaded,
+                    })
+                    .collect(),
                 sites: &rows,
             };
             serde_json::to_writer_pretty(&mut *w, &doc)?;

@@ -370,3 +370,135 @@ fn sites_switched_while_threads_are_inside_the_target() {
         }
     }
 }
+
+#[test]
+fn modules_loaded_with_dlopen_and_unloaded_with_dlclose() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("dlopen");
+    let bin_dir = dir.join("bin");
+    std::fs::create_dir_all(&bin_dir).unwrap();
+    patch_to(&b.path("dlopener"), &bin_dir.join("dlopener"), &[]);
+    patch_to(&b.path("libatshared"), &bin_dir.join("libatshared.so"), &[]);
+    let out = run_program(
+        &bin_dir.join("dlopener"),
+        &[bin_dir.to_string_lossy().into_owned()],
+        &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())],
+    );
+    assert_eq!(out, ("dlopen ok\n".to_string(), String::new(), 0));
+    let doc = report(only_counters_file(&dir).to_str().unwrap(), &dir);
+    let lib = doc["modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "libatshared.so")
+        .expect("the dlopened library registered");
+    assert_eq!(lib["unloaded"], true, "dlclose unregistered it");
+    let f = figures(&doc);
+    let lib_src = program("libatshared");
+    let line = |e: &str| lib_src.markers.iter().find(|m| m.entry == e).unwrap().line;
+    assert_eq!(f[&("libatshared.c".to_string(), line("malloc"), "malloc".to_string())], (3, 120, 0));
+    assert_eq!(f[&("libatshared.c".to_string(), line("free"), "free".to_string())], (3, 0, 0));
+}
+
+#[test]
+fn a_forked_child_counts_into_its_own_file_from_zero() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("fork");
+    let bin = dir.join("forker");
+    patch_to(&b.path("forker"), &bin, &[]);
+    let out = run_program(&bin, &[], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    assert_eq!(out, ("child 2\nparent 7\n".to_string(), String::new(), 0));
+    let mut by_pid = BTreeMap::new();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "counters") {
+            let doc = report(p.to_str().unwrap(), &dir);
+            let malloc: u64 = doc["sites"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|s| s["entry"] == "malloc")
+                .map(|s| s["calls"].as_u64().unwrap())
+                .sum();
+            by_pid.insert(doc["pid"].as_u64().unwrap(), (malloc, doc["on"].as_bool().unwrap()));
+        }
+    }
+    let mut v: Vec<(u64, bool)> = by_pid.values().copied().collect();
+    v.sort();
+    assert_eq!(v, vec![(2, true), (7, true)], "child and parent files: {by_pid:?}");
+}
+
+fn mode(p: &Path) -> u32 {
+    std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions()) & 0o7777
+}
+
+#[test]
+fn private_files_and_refusal_of_unsafe_directories() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("security");
+    let bin = dir.join("basic");
+    patch_to(&b.path("basic"), &bin, &[]);
+    let expected = run_program(&b.path("basic"), &[], &[]);
+
+    let ok = dir.join("ok");
+    let out = run_program(&bin, &[], &[("ALLOCTRAMP_DIR", ok.to_str().unwrap())]);
+    assert_eq!(out, expected);
+    assert_eq!(mode(&ok), 0o700, "the runtime creates its directory 0700");
+    for e in std::fs::read_dir(&ok).unwrap() {
+        assert_eq!(mode(&e.unwrap().path()), 0o600, "files are 0600");
+    }
+
+    // A directory others can write to is refused: one line, no files, the
+    // program runs as always.
+    let open = dir.join("open");
+    std::fs::create_dir_all(&open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let (o, e, rc) = run_program(&bin, &[], &[("ALLOCTRAMP_DIR", open.to_str().unwrap()), ("ALLOCTRAMP", "on")]);
+    assert_eq!((o, rc), (expected.0.clone(), expected.2));
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(e.contains("accessible to other users"), "{e}");
+    assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0);
+
+    // A symlink in place of the directory is refused too.
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&ok, &link).unwrap();
+    let (_, e, rc) = run_program(&bin, &[], &[("ALLOCTRAMP_DIR", link.to_str().unwrap())]);
+    assert_eq!(rc, expected.2);
+    assert!(e.contains("not a directory"), "{e}");
+}
+
+#[test]
+fn setuid_programs_leave_the_runtime_inert() {
+    // Needs root (to make a setuid program) and an unprivileged user.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !have("setpriv") {
+        eprintln!("skipped: needs root and setpriv");
+        return;
+    }
+    let b = built(Config::default_o2());
+    let dir = std::env::temp_dir().join(format!("alloctramp-setuid-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let bin = dir.join("basic");
+    patch_to(&b.path("basic"), &bin, &["--runtime-link", "absolute"]);
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o4755)).unwrap();
+    let counters = dir.join("counters");
+    std::fs::create_dir_all(&counters).unwrap();
+    std::fs::set_permissions(&counters, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let o = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&bin)
+        .env("ALLOCTRAMP", "on")
+        .env("ALLOCTRAMP_DIR", &counters)
+        .output()
+        .unwrap();
+    let expected = run_program(&b.path("basic"), &[], &[]);
+    let _ = std::fs::remove_dir_all(&dir);
+    if !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("Permission denied") {
+        eprintln!("skipped: the runtime is not readable by an unprivileged user here");
+        return;
+    }
+    assert_eq!(String::from_utf8_lossy(&o.stdout), expected.0);
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "", "inert: no message");
+}
