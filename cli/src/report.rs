@@ -148,6 +148,8 @@ pub fn run(args: Args) -> Result<()> {
                 on: bool,
                 exited: bool,
                 generation: u64,
+                last_switch_ns: u64,
+                last_switch_sites: u64,
                 modules: Vec<ModuleDoc>,
                 sites: &'a [Row],
             }
@@ -159,6 +161,8 @@ pub fn run(args: Args) -> Result<()> {
                 on: pf.on,
                 exited: pf.exited,
                 generation: pf.generation,
+                last_switch_ns: pf.last_switch_ns,
+                last_switch_sites: pf.last_switch_sites,
                 modules: pf
                     .modules()
                     .unwrap_or_default()

@@ -118,6 +118,7 @@ fn apply_control_file() {
 
 /// Carries out a command and publishes the result in the process file.
 pub fn apply(cmd: Command) {
+    let start = monotonic_ns();
     let result = match cmd {
         Command::On => registry::switch_all(true),
         Command::Off => registry::switch_all(false),
@@ -135,11 +136,26 @@ pub fn apply(cmd: Command) {
         }
         Err(e) => registry::report_error(e),
     }
+    if let Some(t) = header_u64(hdr::LAST_SWITCH_NS) {
+        t.store(monotonic_ns().saturating_sub(start), Ordering::Relaxed);
+    }
+    if let Some(n) = header_u64(hdr::LAST_SWITCH_SITES) {
+        n.store(registry::site_count(), Ordering::Relaxed);
+    }
     if let Some(s) = header_u32(hdr::STATE) {
         s.store(u32::from(WANT_ON.load(Ordering::Acquire)), Ordering::Release);
     }
     if let Some(g) = header_u64(hdr::GENERATION) {
         g.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    // SAFETY: clock_gettime writes the timespec.
+    unsafe {
+        let mut ts: libc::timespec = std::mem::zeroed();
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
     }
 }
 

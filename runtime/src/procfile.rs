@@ -117,7 +117,7 @@ impl ProcFile {
             header.add(hdr::SIGNAL).cast::<u32>().write(signal);
             header.add(hdr::WATCHER).cast::<u32>().write(u32::from(watcher));
             header.add(hdr::START_TIME).cast::<u64>().write(sys::now_secs());
-            let n = command.len().min(127);
+            let n = command.len().min(111);
             std::ptr::copy_nonoverlapping(command.as_ptr(), header.add(hdr::COMMAND), n);
         }
         Ok(f)

@@ -98,6 +98,16 @@ pub fn slots() -> impl Iterator<Item = &'static Slot> {
     SLOTS[..SLOT_COUNT.load(Ordering::Acquire).min(MAX_SLOTS)].iter()
 }
 
+/// Sites of the active modules.
+pub fn site_count() -> u64 {
+    slots()
+        .filter(|s| s.is_active())
+        // SAFETY: active slots' tables are mapped.
+        .filter_map(|s| unsafe { s.table() })
+        .map(|t| u64::from(t.header.site_count))
+        .sum()
+}
+
 /// Whether profiling should be on: what every module converges to.
 pub static WANT_ON: AtomicBool = AtomicBool::new(false);
 

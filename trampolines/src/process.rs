@@ -47,8 +47,12 @@ pub mod hdr {
     pub const RESET_TIME: usize = 48;
     /// u64: start time (seconds since the epoch).
     pub const START_TIME: usize = 56;
-    /// [u8; 128]: the command (argv[0]), NUL-padded.
+    /// [u8; 112]: the command (argv[0]), NUL-padded.
     pub const COMMAND: usize = 64;
+    /// u64: nanoseconds the last switch took.
+    pub const LAST_SWITCH_NS: usize = 176;
+    /// u64: sites rewritten by the last switch.
+    pub const LAST_SWITCH_SITES: usize = 184;
     /// [u8; 64]: the last error of a switch, NUL-padded (empty: none).
     pub const LAST_ERROR: usize = 192;
 }
@@ -138,6 +142,8 @@ pub struct ProcessFile<'a> {
     pub command: String,
     pub last_error: String,
     pub module_count: u32,
+    pub last_switch_ns: u64,
+    pub last_switch_sites: u64,
 }
 
 fn c_string(b: &[u8]) -> String {
@@ -162,7 +168,9 @@ impl<'a> ProcessFile<'a> {
             generation: u64_at(bytes, hdr::GENERATION),
             exited: u32_at(bytes, hdr::EXITED) == 1,
             watcher: u32_at(bytes, hdr::WATCHER) == 1,
-            command: c_string(&bytes[hdr::COMMAND..hdr::COMMAND + 128]),
+            command: c_string(&bytes[hdr::COMMAND..hdr::COMMAND + 112]),
+            last_switch_ns: u64_at(bytes, hdr::LAST_SWITCH_NS),
+            last_switch_sites: u64_at(bytes, hdr::LAST_SWITCH_SITES),
             last_error: c_string(&bytes[hdr::LAST_ERROR..hdr::LAST_ERROR + 64]),
             module_count: u32_at(bytes, hdr::MODULE_COUNT).min(MAX_MODULES as u32),
         })
