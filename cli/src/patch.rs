@@ -56,10 +56,11 @@ pub fn find_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
     }
     let exe = std::env::current_exe().context("locating the alloctramp executable")?;
     let dir = exe.parent().unwrap_or(Path::new("/"));
-    // Next to the executable (cargo's target directory), then an installed
-    // layout; test binaries live one level further down in deps/.
+    // Next to the executable, then where cargo builds it as a dependency
+    // of this program (deps/), then an installed layout.
     for cand in [
         dir.join(layout::RUNTIME_SONAME),
+        dir.join("deps").join(layout::RUNTIME_SONAME),
         dir.join("../lib/alloctramp").join(layout::RUNTIME_SONAME),
         dir.join("..").join(layout::RUNTIME_SONAME),
     ] {

@@ -67,6 +67,11 @@ matrix! {
     same_behaviour_o2_pie_noplt: "-O2", true, "-fno-plt";
     same_behaviour_o2_nopie_plt: "-O2", false, "";
     same_behaviour_o2_nopie_cet: "-O2", false, "-fcf-protection=full";
+    same_behaviour_o0_pie_noplt: "-O0", true, "-fno-plt";
+    same_behaviour_o0_nopie_plt: "-O0", false, "";
+    same_behaviour_o0_nopie_cet: "-O0", false, "-fcf-protection=full";
+    same_behaviour_o2_pie_cet: "-O2", true, "-fcf-protection=full";
+    same_behaviour_o2_nopie_noplt: "-O2", false, "-fno-plt";
 }
 
 /// Section types of the dynamic-linking tables, which may move.

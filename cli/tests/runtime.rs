@@ -121,6 +121,10 @@ matrix! {
     exact_counts_o2_pie_cet: "-O2", true, "-fcf-protection=full";
     exact_counts_o2_nopie_plt: "-O2", false, "";
     exact_counts_o2_nopie_noplt: "-O2", false, "-fno-plt";
+    exact_counts_o0_pie_cet: "-O0", true, "-fcf-protection=full";
+    exact_counts_o0_nopie_plt: "-O0", false, "";
+    exact_counts_o0_nopie_noplt: "-O0", false, "-fno-plt";
+    exact_counts_o2_nopie_cet: "-O2", false, "-fcf-protection=full";
 }
 
 /// A patched `server` running under control of the test.
@@ -300,8 +304,13 @@ fn stress_eight_threads_while_switching_ten_thousand_times() {
     assert!(doc["generation"].as_u64().unwrap_or(1) > 0);
     let off = calls(&doc);
     assert!(off >= last && off > 0, "counted while on: {off}");
-    std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(calls(&report(&pid.to_string(), &dir)), off, "nothing counted once off");
+    // A call already inside a trampoline when the switch completed may
+    // still count; once those have returned, nothing is counted.
+    std::thread::sleep(Duration::from_millis(100));
+    let settled = calls(&report(&pid.to_string(), &dir));
+    assert!(settled >= off && settled - off <= 8, "at most one call in flight per thread: {off} -> {settled}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(calls(&report(&pid.to_string(), &dir)), settled, "nothing counted once off");
     writeln!(child.stdin.as_mut().unwrap(), "stop").unwrap();
     line.clear();
     out.read_line(&mut line).unwrap();
