@@ -148,6 +148,13 @@ impl Server {
             .spawn()
             .unwrap();
         let out = BufReader::new(child.stdout.take().unwrap());
+        // The runtime creates the counters file before main runs.
+        let file = dir.join(format!("{}.counters", child.id()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !file.exists() {
+            assert!(Instant::now() < deadline, "{} never appeared", file.display());
+            std::thread::sleep(Duration::from_millis(2));
+        }
         Server { child, out, dir }
     }
     pub fn pid(&self) -> String {
