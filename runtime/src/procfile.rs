@@ -84,9 +84,13 @@ impl ProcFile {
         let cfd = create_file(ctl.c_str())?;
         // SAFETY: cfd was just opened.
         unsafe { libc::close(cfd) };
+        // Written under a temporary name and renamed once the header is
+        // complete, so a reader never sees a partial header.
+        name = pid_name(pid, ".counters.new");
+        let mut tmp = path_in(dir, name.bytes());
         name = pid_name(pid, ".counters");
         let mut path = path_in(dir, name.bytes());
-        let fd = create_file(path.c_str())?;
+        let fd = create_file(tmp.c_str())?;
         // SAFETY: fd is ours; the mapping covers the file's first
         // PROC_HEADER_SIZE bytes, which ftruncate just created.
         let header = unsafe {
@@ -119,6 +123,10 @@ impl ProcFile {
             header.add(hdr::START_TIME).cast::<u64>().write(sys::now_secs());
             let n = command.len().min(111);
             std::ptr::copy_nonoverlapping(command.as_ptr(), header.add(hdr::COMMAND), n);
+            if libc::rename(tmp.c_str().as_ptr(), path.c_str().as_ptr()) != 0 {
+                libc::unlink(tmp.c_str().as_ptr());
+                return Err("cannot create the counters file");
+            }
         }
         Ok(f)
     }
