@@ -136,11 +136,25 @@ pub struct Server {
 
 impl Server {
     pub fn start(name: &str, env: &[(&str, &str)]) -> Server {
+        Self::start_with(name, env, None)
+    }
+
+    /// Starts the server, optionally through a launcher command that execs
+    /// it (the program path is appended).
+    pub fn start_with(name: &str, env: &[(&str, &str)], launcher: Option<&[&str]>) -> Server {
         let b = built(Config::default_o2());
         let dir = counters_dir(name);
         let bin = dir.join("server.bin");
         patch_to(&b.path("server"), &bin, &[]);
-        let mut child = Command::new(&bin)
+        let mut command = match launcher {
+            Some(l) => {
+                let mut c = Command::new(l[0]);
+                c.args(&l[1..]).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        let mut child = command
             .env("ALLOCTRAMP_DIR", &dir)
             .envs(env.iter().copied())
             .stdin(Stdio::piped())
@@ -517,4 +531,35 @@ fn setuid_programs_leave_the_runtime_inert() {
     }
     assert_eq!(String::from_utf8_lossy(&o.stdout), expected.0);
     assert_eq!(String::from_utf8_lossy(&o.stderr), "", "inert: no message");
+}
+
+#[test]
+fn a_system_that_refuses_writable_code_keeps_the_program_unchanged() {
+    // Memory-Deny-Write-Execute (Linux 6.3+), set before exec: mprotect can
+    // no longer make code writable and executable.
+    let launcher = [
+        "python3",
+        "-c",
+        "import ctypes, os, sys; r = ctypes.CDLL(None).prctl(65, 1, 0, 0, 0); \
+         sys.exit(77) if r != 0 else os.execv(sys.argv[1], sys.argv[1:])",
+    ];
+    if !have("python3") {
+        eprintln!("skipped: needs python3");
+        return;
+    }
+    let mut s = Server::start_with("mdwe", &[], Some(&launcher));
+    assert_eq!(s.cmd("round"), "done");
+    let o = s.switch("enable");
+    let err = String::from_utf8_lossy(&o.stderr);
+    if o.status.success() {
+        eprintln!("skipped: this kernel has no Memory-Deny-Write-Execute");
+        s.quit();
+        return;
+    }
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("refused to make code writable"), "{err}");
+    assert!(!report(&s.pid(), &s.dir)["on"].as_bool().unwrap(), "still off");
+    assert_eq!(s.cmd("round"), "done", "the program runs on, unchanged");
+    assert_eq!(s.figures(), zero());
+    s.quit();
 }
