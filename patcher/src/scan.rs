@@ -145,7 +145,7 @@ fn is_plt(s: &Section) -> bool {
 
 /// Finds the GOT slot a PLT stub jumps through: the first `jmp [rip+disp]`
 /// from the stub's start, past an optional `endbr64` and NOPs.
-fn plt_stub_slot(elf: &Elf, sec: &Section, addr: u64) -> Option<u64> {
+fn plt_stub_slot(sec: &Section, addr: u64) -> Option<u64> {
     let start = (addr - sec.addr.0) as usize;
     let bytes = sec.data.get(start..)?;
     let mut dec = Decoder::with_ip(64, bytes, addr, DecoderOptions::NONE);
@@ -158,10 +158,7 @@ fn plt_stub_slot(elf: &Elf, sec: &Section, addr: u64) -> Option<u64> {
         match ins.code() {
             Code::Endbr64 => continue,
             _ if ins.mnemonic() == Mnemonic::Nop => continue,
-            Code::Jmp_rm64 if ins.memory_base() == Register::RIP => {
-                let _ = elf;
-                return Some(ins.ip_rel_memory_address());
-            }
+            Code::Jmp_rm64 if ins.memory_base() == Register::RIP => return Some(ins.ip_rel_memory_address()),
             _ => return None,
         }
     }
@@ -225,7 +222,7 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
             let mut off = 0u64;
             while off < sec.size {
                 let addr = sec.addr.0 + off;
-                if let Some(slot) = plt_stub_slot(elf, sec, addr)
+                if let Some(slot) = plt_stub_slot(sec, addr)
                     && let Some(&i) = t.got.get(&slot)
                 {
                     t.code.insert(addr, (i, Via::Plt));

@@ -142,9 +142,7 @@ pub fn apply(cmd: Command) {
     if let Some(n) = header_u64(hdr::LAST_SWITCH_SITES) {
         n.store(registry::site_count(), Ordering::Relaxed);
     }
-    if let Some(s) = header_u32(hdr::STATE) {
-        s.store(u32::from(WANT_ON.load(Ordering::Acquire)), Ordering::Release);
-    }
+    registry::publish_state();
     if let Some(g) = header_u64(hdr::GENERATION) {
         g.fetch_add(1, Ordering::AcqRel);
     }

@@ -10,8 +10,8 @@
 //! register from their init stub, and unregister from their fini stub.
 //!
 //! Environment: `ALLOCTRAMP=on` (profile from the start), `ALLOCTRAMP_SIGNAL`
-//! (a signal name or number, or `none`; default `SIGPROF`... see
-//! [`DEFAULT_SIGNAL`]), `ALLOCTRAMP_WATCH=1` (follow the control file with a
+//! (a signal name or number, or `none`; default `SIGRTMAX-7`, see
+//! [`DEFAULT_SIGNAL_FROM_RTMAX`]), `ALLOCTRAMP_WATCH=1` (follow the control file with a
 //! thread), `ALLOCTRAMP_DIR` (where the counters and control files go).
 
 mod control;
@@ -165,11 +165,7 @@ extern "C" fn after_fork_in_child() {
     registry::reopen_after_fork(|| {
         open_process_file(dir, SIGNAL.load(Ordering::Relaxed), WATCH.load(Ordering::Relaxed))
     });
-    if let Some(s) = registry::PROC_HEADER.load(Ordering::Acquire).checked_sub(0).filter(|&h| h != 0) {
-        // SAFETY: the new header is mapped; STATE is a u32 field.
-        unsafe { &*((s + process::hdr::STATE) as *const std::sync::atomic::AtomicU32) }
-            .store(u32::from(registry::WANT_ON.load(Ordering::Acquire)), Ordering::Release);
-    }
+    registry::publish_state();
 }
 
 fn install(sig: i32, handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut c_void)) -> Option<libc::sigaction> {
@@ -223,13 +219,7 @@ fn init() {
     let f = open_process_file(&dir, signal, watch);
     let have_file = f.is_some();
     registry::PROC.with(|p| *p = f);
-    if let Some(h) =
-        (registry::PROC_HEADER.load(Ordering::Acquire) != 0).then(|| registry::PROC_HEADER.load(Ordering::Acquire))
-    {
-        // SAFETY: STATE is a u32 field of the live header.
-        unsafe { &*((h + process::hdr::STATE) as *const std::sync::atomic::AtomicU32) }
-            .store(u32::from(registry::WANT_ON.load(Ordering::Acquire)), Ordering::Release);
-    }
+    registry::publish_state();
     let _ = DIR.set(dir.clone());
 
     if let Some(old) = install(libc::SIGTRAP, control::on_trap) {

@@ -284,6 +284,16 @@ fn header_set_module_on(idx: u32, on: bool) {
     }
 }
 
+/// Writes the wanted on/off state into the process file's header.
+pub fn publish_state() {
+    let h = PROC_HEADER.load(Ordering::Acquire);
+    if h != 0 {
+        // SAFETY: STATE is a 4-aligned u32 field of the live header mapping.
+        unsafe { &*((h + alloctramp_trampolines::process::hdr::STATE) as *const AtomicU32) }
+            .store(u32::from(WANT_ON.load(Ordering::Acquire)), Ordering::Release);
+    }
+}
+
 pub fn report_error(e: &str) {
     sys::log(e.as_bytes());
     let h = PROC_HEADER.load(Ordering::Acquire);
