@@ -21,7 +21,7 @@ use crate::entry::{Kind, Signature};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -53,26 +53,32 @@ pub const RUNTIME_SONAME: &str = "liballoctramp_rt.so";
 pub const HEADER_SIZE: usize = 144;
 pub const SITE_SIZE: usize = 48;
 pub const ENTRY_SIZE: usize = 16;
-pub const CONTROL_SIZE: usize = 64;
+pub const CONTROL_SIZE: usize = 128;
 pub const CELL_SIZE: usize = 64;
 pub const PAGE: u64 = 4096;
 
-/// Fields of a counter cell (u64 each), by byte offset in the cell.
+/// Fields of a counter cell (u64 each), by byte offset in the cell. Every
+/// field is a sum over the shards; additions wrap, so a field the runtime
+/// both adds to and subtracts from (a gauge) reads right once summed.
 pub mod cell {
     /// Calls through the site (allocation, free or realloc).
     pub const CALLS: u32 = 0;
-    /// Bytes requested.
+    /// Bytes requested (counted before the call, failed calls included).
     pub const BYTES: u32 = 8;
     /// Calls that returned NULL (or a non-zero error).
     pub const FAILED: u32 = 16;
-    /// Objects allocated here and freed anywhere (live tracking).
+    /// Objects allocated here and freed since (live tracking).
     pub const FREED_OBJECTS: u32 = 24;
-    /// Bytes of those objects.
+    /// Requested bytes of those objects.
     pub const FREED_BYTES: u32 = 32;
-    /// Frees through this site of memory not allocated through a tracked site.
+    /// Frees through this site of memory the runtime did not track.
     pub const UNTRACKED_FREES: u32 = 40;
-    /// Bytes reserved by the allocator (malloc_usable_size).
+    /// Gauge: bytes the allocator reserved (malloc_usable_size) for the
+    /// site's live objects, when usable-size tracking is on.
     pub const USABLE_BYTES: u32 = 48;
+    /// Requested bytes of the site's successful calls while live tracking
+    /// was on (what `FREED_BYTES` is subtracted from).
+    pub const ALLOCATED_BYTES: u32 = 56;
 }
 
 /// Fields of the module control block, by byte offset.
@@ -86,6 +92,21 @@ pub mod control {
     pub const COUNTERS: u32 = 16;
     /// Module state owned by the runtime.
     pub const STATE: u32 = 24;
+    /// u64: the module's identity in the runtime's pointer table (slot and
+    /// generation), written by the runtime at registration.
+    pub const MODULE_ID: u32 = 32;
+    /// Live-tracking functions the trampolines call; zero while live
+    /// tracking is off (the trampolines then only count).
+    /// `extern "C" fn(ptr, size, site, control) -> ptr`: an allocation succeeded.
+    pub const TRACK_ALLOC: u32 = 40;
+    /// `extern "C" fn(ptr, site, control) -> ptr`: a pointer is about to be freed.
+    pub const TRACK_FREE: u32 = 48;
+    /// `extern "C" fn(old, site, control) -> token`: a realloc is about to
+    /// run; the old pointer leaves the table.
+    pub const TRACK_REALLOC_BEGIN: u32 = 56;
+    /// `extern "C" fn(result, token, size, site, control) -> result`: the
+    /// realloc returned.
+    pub const TRACK_REALLOC_END: u32 = 64;
 }
 
 /// Flags in the header.

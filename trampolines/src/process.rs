@@ -17,10 +17,10 @@
 use crate::layout::{CELL_SIZE, PAGE, Table, TableError};
 
 pub const PROC_MAGIC: [u8; 8] = *b"ATPROC\x00\x01";
-pub const PROC_VERSION: u32 = 1;
+pub const PROC_VERSION: u32 = 2;
 pub const PROC_HEADER_SIZE: u64 = 16384;
 pub const MODULE_SLOT_SIZE: u64 = 64;
-pub const MODULE_SLOTS_AT: u64 = 256;
+pub const MODULE_SLOTS_AT: u64 = 512;
 pub const MAX_MODULES: u64 = (PROC_HEADER_SIZE - MODULE_SLOTS_AT) / MODULE_SLOT_SIZE;
 
 /// Header fields (byte offsets).
@@ -41,8 +41,8 @@ pub mod hdr {
     pub const EXITED: usize = 36;
     /// u32: 1 if a watcher thread follows the control file.
     pub const WATCHER: usize = 40;
-    /// u32: number of counter shards per module used by this process.
-    pub const RESERVED: usize = 44;
+    /// u32: [`flags`](super::flags) describing the live figures.
+    pub const FLAGS: usize = 44;
     /// u64: time of the last reset (seconds since the epoch).
     pub const RESET_TIME: usize = 48;
     /// u64: start time (seconds since the epoch).
@@ -55,6 +55,30 @@ pub mod hdr {
     pub const LAST_SWITCH_SITES: usize = 184;
     /// [u8; 64]: the last error of a switch, NUL-padded (empty: none).
     pub const LAST_ERROR: usize = 192;
+    /// u64: allocations counted but not tracked (the pointer table could
+    /// not grow); they were counted as freed at once.
+    pub const UNTRACKED_ALLOCS: usize = 256;
+    /// u64: bytes of memory the pointer table holds now.
+    pub const TABLE_BYTES: usize = 264;
+    /// u64: objects the pointer table holds now (updated as it grows and
+    /// when a switch completes; exact figures are per site).
+    pub const TABLE_OBJECTS: usize = 272;
+}
+
+/// Bits of the header's FLAGS field.
+pub mod flags {
+    /// Live tracking: frees are attributed to the allocating site, and the
+    /// live figures are meaningful.
+    pub const LIVE: u32 = 1;
+    /// Profiling is off but the free sites stay on until the tracked
+    /// objects are freed (or a reset), so live figures keep coming down.
+    pub const DRAINING: u32 = 2;
+    /// Live figures may overstate: some tracked objects can no longer be
+    /// seen leaving (profiling was switched fully off while they were
+    /// live, or allocations could not be tracked).
+    pub const INCOMPLETE: u32 = 4;
+    /// Usable-size tracking: the USABLE_BYTES cell field is maintained.
+    pub const USABLE: u32 = 8;
 }
 
 /// Module slot fields (byte offsets in the slot).
@@ -99,6 +123,24 @@ pub struct Cell {
     pub freed_bytes: u64,
     pub untracked_frees: u64,
     pub usable_bytes: u64,
+    pub allocated_bytes: u64,
+}
+
+impl Cell {
+    /// Objects allocated here and not freed yet (live tracking; an
+    /// allocation site). Never negative: a reading taken while a free is
+    /// half-counted is clamped at zero.
+    pub fn live_objects(&self) -> u64 {
+        self.calls.wrapping_sub(self.failed).wrapping_sub(self.freed_objects).min(i64::MAX as u64)
+    }
+    /// Their requested bytes.
+    pub fn live_bytes(&self) -> u64 {
+        self.allocated_bytes.wrapping_sub(self.freed_bytes).min(i64::MAX as u64)
+    }
+    /// Bytes the allocator reserved for them (usable-size tracking).
+    pub fn live_usable_bytes(&self) -> u64 {
+        self.usable_bytes.min(i64::MAX as u64)
+    }
 }
 
 /// One module as read from a process file.
@@ -125,6 +167,7 @@ impl Module<'_> {
             c.freed_bytes = c.freed_bytes.wrapping_add(u64_at(b, 32));
             c.untracked_frees = c.untracked_frees.wrapping_add(u64_at(b, 40));
             c.usable_bytes = c.usable_bytes.wrapping_add(u64_at(b, 48));
+            c.allocated_bytes = c.allocated_bytes.wrapping_add(u64_at(b, 56));
         }
         c
     }
@@ -144,6 +187,11 @@ pub struct ProcessFile<'a> {
     pub module_count: u32,
     pub last_switch_ns: u64,
     pub last_switch_sites: u64,
+    /// [`flags`] bits.
+    pub flags: u32,
+    pub untracked_allocs: u64,
+    pub table_bytes: u64,
+    pub table_objects: u64,
 }
 
 fn c_string(b: &[u8]) -> String {
@@ -152,6 +200,11 @@ fn c_string(b: &[u8]) -> String {
 }
 
 impl<'a> ProcessFile<'a> {
+    /// Live tracking was on in this process: live figures are meaningful.
+    pub fn live(&self) -> bool {
+        self.flags & flags::LIVE != 0
+    }
+
     pub fn parse(bytes: &'a [u8]) -> Result<ProcessFile<'a>, TableError> {
         if bytes.len() < PROC_HEADER_SIZE as usize || bytes[..8] != PROC_MAGIC {
             return Err(TableError("not an alloctramp process file".into()));
@@ -173,6 +226,10 @@ impl<'a> ProcessFile<'a> {
             last_switch_sites: u64_at(bytes, hdr::LAST_SWITCH_SITES),
             last_error: c_string(&bytes[hdr::LAST_ERROR..hdr::LAST_ERROR + 64]),
             module_count: u32_at(bytes, hdr::MODULE_COUNT).min(MAX_MODULES as u32),
+            flags: u32_at(bytes, hdr::FLAGS),
+            untracked_allocs: u64_at(bytes, hdr::UNTRACKED_ALLOCS),
+            table_bytes: u64_at(bytes, hdr::TABLE_BYTES),
+            table_objects: u64_at(bytes, hdr::TABLE_OBJECTS),
         })
     }
 
