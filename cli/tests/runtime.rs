@@ -100,7 +100,45 @@ fn check_counts(config: Config) {
             p.needs.iter().map(|n| programs().iter().find(|q| q.output == format!("{n}.so") || &q.name == n).unwrap()),
         );
         assert_eq!(figures(&doc), expected(&progs), "{} built {}: counts differ from markers", p.name, config.name());
+        let live = live_figures(&only_counters_file(&dir));
+        for mk in progs.iter().flat_map(|q| &q.markers) {
+            let key = (mk.file.clone(), mk.line, display(&mk.entry));
+            let got = live.get(&key).copied().unwrap_or_default();
+            if let Some(l) = mk.live {
+                assert_eq!((got.0, got.1), l, "{} {}: live objects and bytes at {key:?}", p.name, config.name());
+            }
+            if let Some(u) = mk.untracked {
+                assert_eq!(got.2, u, "{} {}: untracked frees at {key:?}", p.name, config.name());
+            }
+        }
     }
+}
+
+/// (file, line, entry) -> (live objects, live bytes, untracked frees),
+/// read from a counters file with the shared layout code.
+pub fn live_figures(file: &Path) -> BTreeMap<(String, u32, String), (u64, u64, u64)> {
+    use alloctramp_trampolines::process::ProcessFile;
+    let bytes = std::fs::read(file).unwrap();
+    let pf = ProcessFile::parse(&bytes).unwrap();
+    assert!(pf.live(), "{}: live tracking is on by default", file.display());
+    let mut m = BTreeMap::new();
+    for module in pf.modules().unwrap() {
+        let t = &module.table;
+        for (i, site) in t.sites().enumerate() {
+            let c = module.cell(i);
+            let file = t.string(site.file).map_or("?".to_string(), |f| base(f).to_string());
+            let e = t.entry(site.entry as usize).unwrap();
+            let entry = t.string(e.name).unwrap_or("?").to_string();
+            let v: &mut (u64, u64, u64) = m.entry((file, site.line, entry)).or_default();
+            // Live figures belong to the sites that allocate.
+            if e.kind != alloctramp_trampolines::entry::Kind::Free.code() {
+                v.0 += c.live_objects();
+                v.1 += c.live_bytes();
+            }
+            v.2 += c.untracked_frees;
+        }
+    }
+    m
 }
 
 macro_rules! matrix {

@@ -5,6 +5,7 @@
 mod util;
 
 mod bad_input;
+mod live;
 mod patch;
 mod runtime;
 mod sites;

@@ -480,6 +480,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             sig: entry.sig,
             index: i as u32,
             preserve: site.via == crate::Via::Direct,
+            args: entry.args,
             control: control_addr,
             shard_mask: opts.shards - 1,
             shard_stride: shard_stride as u32,

@@ -3,7 +3,9 @@
 //! protocol. Everything reachable from a signal handler here is
 //! async-signal-safe: system calls, atomics, fixed buffers.
 
-use crate::registry::{self, PROC_FD, PROC_HEADER, WANT_ON};
+use crate::live;
+use crate::patching::Sites;
+use crate::registry::{self, LIVE, PROC_FD, PROC_HEADER};
 use crate::sys::{self, Buf};
 use alloctramp_trampolines::process::hdr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -12,7 +14,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Command {
     On,
+    /// Off; with live tracking, free and realloc sites stay on until the
+    /// tracked objects are freed (or a reset).
     Off,
+    /// Every site off at once (live figures become incomplete if tracked
+    /// objects remain).
+    OffNow,
     Reset,
     /// Empty or missing file: a bare signal toggles.
     Toggle,
@@ -24,6 +31,7 @@ pub fn parse(text: &[u8]) -> Result<Command, ()> {
     match t {
         b"on" => Ok(Command::On),
         b"off" => Ok(Command::Off),
+        b"off now" => Ok(Command::OffNow),
         b"reset" => Ok(Command::Reset),
         b"" => Ok(Command::Toggle),
         _ => Err(()),
@@ -80,21 +88,41 @@ fn header_u64(at: usize) -> Option<&'static AtomicU64> {
 
 static SWITCHING: AtomicBool = AtomicBool::new(false);
 static PENDING: AtomicBool = AtomicBool::new(false);
+static DRAIN: AtomicBool = AtomicBool::new(false);
 
 /// Reads the control file and does what it asks. Safe in signal context.
 /// A request arriving while another is being carried out is picked up by
 /// that one before it finishes.
 pub fn handle_request() {
     PENDING.store(true, Ordering::Release);
+    run_pending();
+}
+
+/// A free emptied a shard of the pointer table while draining: if every
+/// tracked object is gone, the free sites go off too.
+pub fn finish_drain() {
+    DRAIN.store(true, Ordering::Release);
+    run_pending();
+}
+
+fn run_pending() {
     loop {
         if SWITCHING.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
             return;
         }
-        while PENDING.swap(false, Ordering::AcqRel) {
-            apply_control_file();
+        loop {
+            if PENDING.swap(false, Ordering::AcqRel) {
+                apply_control_file();
+            } else if DRAIN.swap(false, Ordering::AcqRel) {
+                if registry::want() == Sites::Frees && live::is_empty() {
+                    apply(Command::Off);
+                }
+            } else {
+                break;
+            }
         }
         SWITCHING.store(false, Ordering::Release);
-        if !PENDING.load(Ordering::Acquire) {
+        if !PENDING.load(Ordering::Acquire) && !DRAIN.load(Ordering::Acquire) {
             return;
         }
     }
@@ -108,7 +136,7 @@ fn apply_control_file() {
         Ok(c) => c,
         Err(()) => {
             let mut m = Buf::<256>::new();
-            m.str("ignoring unknown request in ").push(path.bytes()).str(" (expected on, off or reset)");
+            m.str("ignoring unknown request in ").push(path.bytes()).str(" (expected on, off, off now or reset)");
             sys::log(m.bytes());
             return;
         }
@@ -119,13 +147,26 @@ fn apply_control_file() {
 /// Carries out a command and publishes the result in the process file.
 pub fn apply(cmd: Command) {
     let start = monotonic_ns();
+    let live = LIVE.load(Ordering::Relaxed);
+    let off = || {
+        if live && !live::is_empty() { registry::switch_all(Sites::Frees) } else { registry::switch_all(Sites::Off) }
+    };
     let result = match cmd {
-        Command::On => registry::switch_all(true),
-        Command::Off => registry::switch_all(false),
-        Command::Toggle => registry::switch_all(!WANT_ON.load(Ordering::Acquire)),
+        Command::On => registry::switch_all(Sites::On),
+        Command::Off => off(),
+        Command::Toggle if registry::is_on() => off(),
+        Command::Toggle => registry::switch_all(Sites::On),
+        Command::OffNow => {
+            if live && !live::is_empty() {
+                registry::INCOMPLETE.store(true, Ordering::Relaxed);
+            }
+            registry::switch_all(Sites::Off)
+        }
         Command::Reset => {
             reset_counters();
-            Ok(())
+            live::forget_all();
+            registry::INCOMPLETE.store(false, Ordering::Relaxed);
+            if registry::want() == Sites::Frees { registry::switch_all(Sites::Off) } else { Ok(()) }
         }
     };
     match result {
@@ -143,6 +184,7 @@ pub fn apply(cmd: Command) {
         n.store(registry::site_count(), Ordering::Relaxed);
     }
     registry::publish_state();
+    live::publish_objects();
     if let Some(g) = header_u64(hdr::GENERATION) {
         g.fetch_add(1, Ordering::AcqRel);
     }
@@ -181,6 +223,9 @@ fn reset_counters() {
     }
     if let Some(t) = header_u64(hdr::RESET_TIME) {
         t.store(sys::now_secs(), Ordering::Relaxed);
+    }
+    if let Some(n) = header_u64(hdr::UNTRACKED_ALLOCS) {
+        n.store(0, Ordering::Relaxed);
     }
 }
 
@@ -300,6 +345,7 @@ mod tests {
     fn control_file_commands() {
         assert_eq!(parse(b"on\n"), Ok(Command::On));
         assert_eq!(parse(b"  off "), Ok(Command::Off));
+        assert_eq!(parse(b"off now\n"), Ok(Command::OffNow));
         assert_eq!(parse(b"reset"), Ok(Command::Reset));
         assert_eq!(parse(b""), Ok(Command::Toggle));
         assert_eq!(parse(b"\n"), Ok(Command::Toggle));

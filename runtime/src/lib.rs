@@ -9,12 +9,15 @@
 //! registers every patched module already loaded; modules loaded later
 //! register from their init stub, and unregister from their fini stub.
 //!
-//! Environment: `ALLOCTRAMP=on` (profile from the start), `ALLOCTRAMP_SIGNAL`
+//! Environment: `ALLOCTRAMP=on` (profile from the start), `ALLOCTRAMP_LIVE=0`
+//! (count calls and bytes only, no live figures; fixed for the process's
+//! lifetime), `ALLOCTRAMP_SIGNAL`
 //! (a signal name or number, or `none`; default `SIGRTMAX-7`, see
 //! [`DEFAULT_SIGNAL_FROM_RTMAX`]), `ALLOCTRAMP_WATCH=1` (follow the control file with a
 //! thread), `ALLOCTRAMP_DIR` (where the counters and control files go).
 
 mod control;
+mod live;
 mod patching;
 mod procfile;
 mod registry;
@@ -207,10 +210,19 @@ fn init() {
         Err(_) => libc::SIGRTMAX() - DEFAULT_SIGNAL_FROM_RTMAX,
     };
     let watch = std::env::var("ALLOCTRAMP_WATCH").is_ok_and(|v| v == "1");
+    match std::env::var("ALLOCTRAMP_LIVE").as_deref() {
+        Ok("0") => {}
+        Ok("1") | Ok("") | Err(_) => registry::LIVE.store(true, Ordering::Release),
+        Ok(other) => {
+            sys::log(format!("ALLOCTRAMP_LIVE={other:?}: expected 0 or 1; tracking live objects").as_bytes());
+            registry::LIVE.store(true, Ordering::Release);
+        }
+    }
+    live::RSEQ.store(rseq_offset() as u64, Ordering::Relaxed);
     SIGNAL.store(signal, Ordering::Relaxed);
     WATCH.store(watch, Ordering::Relaxed);
     match std::env::var("ALLOCTRAMP").as_deref() {
-        Ok("on") => registry::WANT_ON.store(true, Ordering::Release),
+        Ok("on") => registry::WANT.store(patching::Sites::On as u8, Ordering::Release),
         Ok("off") | Ok("") | Err(_) => {}
         Ok(other) => sys::log(format!("ALLOCTRAMP={other:?}: expected on or off; profiling stays off").as_bytes()),
     }

@@ -14,13 +14,41 @@
 
 use crate::registry::{self, Slot};
 use crate::sys;
+use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{PAGE, Table};
 use std::sync::atomic::Ordering;
 
 const INT3: u8 = 0xcc;
 
+/// Which sites of a module jump to their trampolines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Sites {
+    /// None: the module runs its original code.
+    Off = 0,
+    /// Only the free sites (live tracking drains after profiling is off).
+    Frees = 1,
+    /// Every site.
+    On = 2,
+}
+
+impl Sites {
+    pub fn from_u8(v: u8) -> Sites {
+        match v {
+            2 => Sites::On,
+            1 => Sites::Frees,
+            _ => Sites::Off,
+        }
+    }
+}
+
 /// The bytes a site should hold: `jmp` to its trampoline, or the original.
-fn wanted(site: &alloctramp_trampolines::layout::Site, on: bool) -> [u8; 5] {
+fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
+    let on = match sites {
+        Sites::On => true,
+        Sites::Off => false,
+        Sites::Frees => table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code()),
+    };
     if on {
         site.patched
     } else {
@@ -54,13 +82,13 @@ fn protect(ranges: &[Range], writable: bool) -> bool {
     ok
 }
 
-/// Switches every site of one module on or off. Returns an error message
+/// Switches the sites of one module to `on`. Returns an error message
 /// when the code could not be made writable (nothing was changed then).
 ///
 /// # Safety
 /// The slot must be registered and held busy by the caller (its module
 /// stays mapped).
-pub unsafe fn switch_module(slot: &Slot, on: bool, barrier: sys::Barrier) -> Result<(), &'static str> {
+pub unsafe fn switch_module(slot: &Slot, on: Sites, barrier: sys::Barrier) -> Result<(), &'static str> {
     // SAFETY: the table stays mapped while the slot is held (caller).
     let Some(table) = (unsafe { slot.table() }) else { return Ok(()) };
     let bias = slot.bias.load(Ordering::Relaxed);
@@ -73,7 +101,7 @@ pub unsafe fn switch_module(slot: &Slot, on: bool, barrier: sys::Barrier) -> Res
     let differs = table
         .sites()
         .filter(active)
-        .any(|s| unsafe { std::slice::from_raw_parts(at(&s) as *const u8, 5) != wanted(&s, on) });
+        .any(|s| unsafe { std::slice::from_raw_parts(at(&s) as *const u8, 5) != wanted(&table, &s, on) });
     if !differs {
         return Ok(());
     }
@@ -88,7 +116,7 @@ pub unsafe fn switch_module(slot: &Slot, on: bool, barrier: sys::Barrier) -> Res
     // stays within the site's first five bytes.
     for s in table.sites().filter(active) {
         let p = at(&s);
-        if unsafe { std::slice::from_raw_parts(p as *const u8, 5) } != wanted(&s, on) {
+        if unsafe { std::slice::from_raw_parts(p as *const u8, 5) } != wanted(&table, &s, on) {
             unsafe { std::ptr::write_volatile(p, INT3) };
         }
     }
@@ -96,7 +124,7 @@ pub unsafe fn switch_module(slot: &Slot, on: bool, barrier: sys::Barrier) -> Res
     for s in table.sites().filter(active) {
         let p = at(&s);
         if unsafe { std::ptr::read_volatile(p) } == INT3 {
-            let w = wanted(&s, on);
+            let w = wanted(&table, &s, on);
             for (k, &b) in w.iter().enumerate().skip(1) {
                 unsafe { std::ptr::write_volatile(p.add(k), b) };
             }
@@ -106,7 +134,7 @@ pub unsafe fn switch_module(slot: &Slot, on: bool, barrier: sys::Barrier) -> Res
     for s in table.sites().filter(active) {
         let p = at(&s);
         if unsafe { std::ptr::read_volatile(p) } == INT3 {
-            unsafe { std::ptr::write_volatile(p, wanted(&s, on)[0]) };
+            unsafe { std::ptr::write_volatile(p, wanted(&table, &s, on)[0]) };
         }
     }
     sys::serialize(barrier);

@@ -152,20 +152,23 @@ impl ProcFile {
 
     /// Adds a module: copies its site table into the file and maps the
     /// module's counters (`counters`, `counters_size` bytes at run time) onto
-    /// a fresh region of the file. Returns the module's slot. Called with the
-    /// registration lock held.
+    /// a fresh region of the file. Returns the module's slot and a second
+    /// mapping of the same counters that the runtime owns (it outlives the
+    /// module, so a late free of one of its objects still counts). Called
+    /// with the registration lock held.
     pub fn add_module(
         &mut self,
         table: &[u8],
         bias: u64,
         counters: u64,
         counters_size: u64,
-    ) -> Result<u32, &'static str> {
+    ) -> Result<(u32, u64), &'static str> {
         let index = self.u32(hdr::MODULE_COUNT).load(Ordering::Acquire);
         if u64::from(index) >= process::MAX_MODULES {
             return Err("too many patched modules");
         }
         let (table_off, counters_off, end) = process::module_region(table.len() as u64, counters_size, self.size);
+        let mut own;
         // SAFETY: fd is ours; pwrite reads `table`; the mapping replaces the
         // module's counters pages (page-aligned, its own, zero so far) with
         // the file's region of the same size.
@@ -197,6 +200,17 @@ impl ProcFile {
             if p == libc::MAP_FAILED {
                 return Err("cannot map the counters");
             }
+            own = libc::mmap(
+                std::ptr::null_mut(),
+                counters_size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                self.fd,
+                counters_off as i64,
+            );
+            if own == libc::MAP_FAILED {
+                own = p;
+            }
         }
         self.size = end;
         self.slot_u64(index, slot::TABLE_OFFSET).store(table_off, Ordering::Relaxed);
@@ -205,7 +219,7 @@ impl ProcFile {
         self.slot_u64(index, slot::COUNTERS_SIZE).store(counters_size, Ordering::Relaxed);
         self.slot_u64(index, slot::BIAS).store(bias, Ordering::Relaxed);
         self.u32(hdr::MODULE_COUNT).store(index + 1, Ordering::Release);
-        Ok(index)
+        Ok((index, own as u64))
     }
 
     pub fn set_module_on(&self, index: u32, on: bool) {

@@ -2,9 +2,9 @@
 //! locks (signal handlers read it), written under a spin lock by the
 //! registration path (module init and fini, never in signal context).
 
-use crate::patching::{self, Range};
+use crate::patching::{self, Range, Sites};
 use crate::procfile::ProcFile;
-use crate::sys;
+use crate::{live, sys};
 use alloctramp_trampolines::layout::{self, HEADER_SIZE, Table};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -29,7 +29,8 @@ pub struct Slot {
     state: AtomicU8,
     /// Held while the module's code is being switched or it is unloading.
     pub busy: AtomicBool,
-    pub on: AtomicBool,
+    /// Which sites jump to their trampolines ([`Sites`] as u8).
+    pub sites: AtomicU8,
     /// Index in the process file (u32::MAX: none).
     pub file_index: AtomicU32,
 }
@@ -45,7 +46,7 @@ impl Slot {
             ranges: [const { (AtomicU64::new(0), AtomicU64::new(0)) }; MAX_RANGES],
             state: AtomicU8::new(FREE),
             busy: AtomicBool::new(false),
-            on: AtomicBool::new(false),
+            sites: AtomicU8::new(Sites::Off as u8),
             file_index: AtomicU32::new(u32::MAX),
         }
     }
@@ -81,6 +82,10 @@ impl Slot {
         r
     }
 
+    pub fn state(&self) -> Sites {
+        Sites::from_u8(self.sites.load(Ordering::Acquire))
+    }
+
     pub fn try_hold(&self) -> bool {
         self.is_active() && self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
     }
@@ -108,8 +113,20 @@ pub fn site_count() -> u64 {
         .sum()
 }
 
-/// Whether profiling should be on: what every module converges to.
-pub static WANT_ON: AtomicBool = AtomicBool::new(false);
+/// Which sites should be on: what every module converges to ([`Sites`]).
+pub static WANT: AtomicU8 = AtomicU8::new(Sites::Off as u8);
+
+pub fn want() -> Sites {
+    Sites::from_u8(WANT.load(Ordering::Acquire))
+}
+
+/// Whether profiling is on (every site).
+pub fn is_on() -> bool {
+    want() == Sites::On
+}
+
+/// Live tracking in this process (decided at start-up).
+pub static LIVE: AtomicBool = AtomicBool::new(false);
 
 /// A spin lock for the registration path (never taken in signal context).
 pub struct SpinLock<T> {
@@ -210,16 +227,22 @@ pub unsafe fn register(table: *const u8, inert: bool) {
             return None;
         }
         let slot = &SLOTS[i];
-        let file_index = match proc.as_mut() {
+        let (file_index, own) = match proc.as_mut() {
             Some(f) => match f.add_module(t.bytes(), bias, counters, h.counters_size) {
-                Ok(idx) => idx,
+                Ok(r) => r,
                 Err(e) => {
                     sys::log(e.as_bytes());
-                    u32::MAX
+                    (u32::MAX, counters)
                 }
             },
-            None => u32::MAX,
+            None => (u32::MAX, counters),
         };
+        live::set_module(i, own, h.shard_stride, h.shard_count.saturating_sub(1));
+        if LIVE.load(Ordering::Relaxed) {
+            // SAFETY: the control block is the module's writable
+            // .alloctramp.data; its sites are all off until `converge`.
+            unsafe { live::enable_in(control.cast(), i as u64) };
+        }
         slot.table.store(table as usize, Ordering::Relaxed);
         slot.table_size.store(size, Ordering::Relaxed);
         slot.bias.store(bias, Ordering::Relaxed);
@@ -251,26 +274,26 @@ pub unsafe fn register(table: *const u8, inert: bool) {
 /// slot busy skipped it).
 fn converge(slot: &Slot) {
     loop {
-        let want = WANT_ON.load(Ordering::Acquire);
-        if slot.on.load(Ordering::Relaxed) != want {
+        let target = want();
+        if slot.state() != target {
             // SAFETY: the slot is held.
-            match unsafe { patching::switch_module(slot, want, crate::barrier()) } {
-                Ok(()) => set_on(slot, want),
+            match unsafe { patching::switch_module(slot, target, crate::barrier()) } {
+                Ok(()) => set_on(slot, target),
                 Err(e) => report_error(e),
             }
         }
         slot.release();
-        if WANT_ON.load(Ordering::Acquire) == slot.on.load(Ordering::Relaxed) || !slot.try_hold() {
+        if want() == slot.state() || !slot.try_hold() {
             return;
         }
     }
 }
 
-fn set_on(slot: &Slot, on: bool) {
-    slot.on.store(on, Ordering::Release);
+fn set_on(slot: &Slot, sites: Sites) {
+    slot.sites.store(sites as u8, Ordering::Release);
     let idx = slot.file_index.load(Ordering::Relaxed);
     if idx != u32::MAX {
-        header_set_module_on(idx, on);
+        header_set_module_on(idx, sites == Sites::On);
     }
 }
 
@@ -284,13 +307,31 @@ fn header_set_module_on(idx: u32, on: bool) {
     }
 }
 
-/// Writes the wanted on/off state into the process file's header.
+/// Live figures may overstate from now on (until a reset).
+pub static INCOMPLETE: AtomicBool = AtomicBool::new(false);
+
+/// Writes the wanted state and the live-tracking flags into the process
+/// file's header.
 pub fn publish_state() {
+    use alloctramp_trampolines::process::{flags, hdr};
     let h = PROC_HEADER.load(Ordering::Acquire);
     if h != 0 {
-        // SAFETY: STATE is a 4-aligned u32 field of the live header mapping.
-        unsafe { &*((h + alloctramp_trampolines::process::hdr::STATE) as *const AtomicU32) }
-            .store(u32::from(WANT_ON.load(Ordering::Acquire)), Ordering::Release);
+        let mut f = 0;
+        if LIVE.load(Ordering::Relaxed) {
+            f |= flags::LIVE;
+        }
+        if want() == Sites::Frees {
+            f |= flags::DRAINING;
+        }
+        if INCOMPLETE.load(Ordering::Relaxed) {
+            f |= flags::INCOMPLETE;
+        }
+        // SAFETY: STATE and FLAGS are 4-aligned u32 fields of the live
+        // header mapping.
+        unsafe {
+            (*((h + hdr::FLAGS) as *const AtomicU32)).store(f, Ordering::Release);
+            (*((h + hdr::STATE) as *const AtomicU32)).store(u32::from(is_on()), Ordering::Release);
+        }
     }
 }
 
@@ -331,18 +372,20 @@ pub unsafe fn unregister(table: *const u8) {
 }
 
 /// Switches every module; modules busy elsewhere converge by themselves.
-/// Returns the first error.
-pub fn switch_all(on: bool) -> Result<(), &'static str> {
-    WANT_ON.store(on, Ordering::Release);
+/// On an error, every module goes back to the state it had before and the
+/// first error is returned.
+pub fn switch_all(to: Sites) -> Result<(), &'static str> {
+    let before = WANT.swap(to as u8, Ordering::AcqRel);
+    live::DRAINING.store(to == Sites::Frees, Ordering::Release);
     let mut result = Ok(());
     for slot in slots() {
         if !slot.try_hold() {
             continue;
         }
-        if slot.on.load(Ordering::Relaxed) != on {
+        if slot.state() != to {
             // SAFETY: the slot is held.
-            match unsafe { patching::switch_module(slot, on, crate::barrier()) } {
-                Ok(()) => set_on(slot, on),
+            match unsafe { patching::switch_module(slot, to, crate::barrier()) } {
+                Ok(()) => set_on(slot, to),
                 Err(e) => {
                     if result.is_ok() {
                         result = Err(e);
@@ -353,14 +396,15 @@ pub fn switch_all(on: bool) -> Result<(), &'static str> {
         slot.release();
     }
     if result.is_err() {
-        // Leave everything as it was before the request.
-        WANT_ON.store(!on, Ordering::Release);
+        let back = Sites::from_u8(before);
+        WANT.store(before, Ordering::Release);
+        live::DRAINING.store(back == Sites::Frees, Ordering::Release);
         for slot in slots() {
             if slot.try_hold() {
-                if slot.on.load(Ordering::Relaxed) == on {
+                if slot.state() != back {
                     // SAFETY: the slot is held.
-                    if unsafe { patching::switch_module(slot, !on, crate::barrier()) }.is_ok() {
-                        set_on(slot, !on);
+                    if unsafe { patching::switch_module(slot, back, crate::barrier()) }.is_ok() {
+                        set_on(slot, back);
                     }
                 }
                 slot.release();
@@ -374,6 +418,7 @@ pub fn switch_all(on: bool) -> Result<(), &'static str> {
 /// remapped onto it (starting from zero).
 pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
     PROC.force_unlock();
+    live::after_fork_in_child();
     let Some(mut f) = make() else { return };
     for slot in slots() {
         if !slot.is_active() {
@@ -384,9 +429,11 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         let bias = slot.bias.load(Ordering::Relaxed);
         let counters = bias.wrapping_add(t.header.counters_addr);
         match f.add_module(t.bytes(), bias, counters, t.header.counters_size) {
-            Ok(idx) => {
+            Ok((idx, own)) => {
+                let i = (slot as *const Slot as usize - SLOTS.as_ptr() as usize) / std::mem::size_of::<Slot>();
+                live::replace_module_view(i, own, t.header.counters_size, counters);
                 slot.file_index.store(idx, Ordering::Relaxed);
-                f.set_module_on(idx, slot.on.load(Ordering::Relaxed));
+                f.set_module_on(idx, slot.state() == Sites::On);
             }
             Err(e) => sys::log(e.as_bytes()),
         }

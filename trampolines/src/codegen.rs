@@ -30,6 +30,9 @@ pub struct TrampolineSpec {
     pub index: u32,
     /// Save every register used (sites that call a function of the module).
     pub preserve: bool,
+    /// Argument registers the target reads (kept around a runtime call
+    /// made before the original call).
+    pub args: u8,
     /// Address of the module control block.
     pub control: u64,
     /// Counter shards: `shard_count - 1` and the bytes per shard.
@@ -66,6 +69,8 @@ const ARG_REGS: [AsmRegister64; 6] = [rdi, rsi, rdx, rcx, r8, r9];
 struct Gen<'a> {
     a: CodeAssembler,
     s: &'a TrampolineSpec,
+    /// Bytes pushed since the live path's frame was set up.
+    depth: i32,
 }
 
 impl Gen<'_> {
@@ -189,9 +194,42 @@ impl Gen<'_> {
     fn alloc_like(&mut self) -> R<()> {
         let sig = self.s.sig;
         self.count_before()?;
+        let mut plain = self.a.create_label();
+        let hook = if sig.kind == Kind::Realloc { control::TRACK_REALLOC_BEGIN } else { control::TRACK_ALLOC };
+        self.if_tracking(hook, plain)?;
+        if sig.kind == Kind::Realloc {
+            self.realloc_live()?
+        } else {
+            self.alloc_live()?
+        }
+        self.a.set_label(&mut plain)?;
         self.call_target()?;
         let mut fail = self.a.create_label();
-        match sig.result {
+        self.test_result(fail)?;
+        if sig.size == Size::ResultStrlen {
+            let save = self.saved(&[rcx, rdx, rdi, r11]);
+            self.push_all(save)?;
+            self.strlen_bytes()?;
+            self.pop_all(save)?;
+        }
+        self.leave()?;
+        self.a.set_label(&mut fail)?;
+        self.count_failed()?;
+        self.leave()
+    }
+
+    /// Jumps to `plain` unless live tracking is on (the hook is set).
+    fn if_tracking(&mut self, hook: u32, plain: CodeLabel) -> R<()> {
+        let hook = rip(self.s.control + u64::from(hook));
+        self.add(Instruction::with2(Code::Cmp_rm64_imm8, hook, 0))?;
+        self.a.je(plain)?;
+        Ok(())
+    }
+
+    /// Jumps to `fail` if the call failed (NULL, or non-zero for out-arg
+    /// allocators).
+    fn test_result(&mut self, fail: CodeLabel) -> R<()> {
+        match self.s.sig.result {
             Returns::OutArg(_) => {
                 self.a.test(eax, eax)?;
                 self.a.jne(fail)?;
@@ -201,43 +239,290 @@ impl Gen<'_> {
                 self.a.je(fail)?;
             }
         }
-        if sig.size == Size::ResultStrlen {
-            let save = self.saved(&[rcx, rdx, rdi, r11]);
-            self.push_all(save)?;
-            self.a.mov(rdx, rax)?;
-            self.a.mov(rdi, rax)?;
-            self.a.xor(eax, eax)?;
-            self.a.mov(rcx, -1i64)?;
-            self.a.repne().scasb()?;
-            self.a.not(rcx)?;
-            self.a.mov(rax, rdx)?;
-            self.cell_address()?;
-            self.count_reg(cell::BYTES, rcx)?;
-            self.pop_all(save)?;
-        }
-        self.leave()?;
-        self.a.set_label(&mut fail)?;
+        Ok(())
+    }
+
+    fn count_failed(&mut self) -> R<()> {
         let save = self.saved(&[r11]);
         self.push_all(save)?;
         self.cell_address()?;
         self.count_one(cell::FAILED)?;
-        self.pop_all(save)?;
+        self.pop_all(save)
+    }
+
+    /// rcx = strlen(rax) + 1, counted as bytes; rax kept. Clobbers rdx,
+    /// rdi, r11.
+    fn strlen_bytes(&mut self) -> R<()> {
+        self.a.mov(rdx, rax)?;
+        self.a.mov(rdi, rax)?;
+        self.a.xor(eax, eax)?;
+        self.a.mov(rcx, -1i64)?;
+        self.a.repne().scasb()?;
+        self.a.not(rcx)?;
+        self.a.mov(rax, rdx)?;
+        self.cell_address()?;
+        self.count_reg(cell::BYTES, rcx)
+    }
+
+    /// Stack bytes for `slots` saved u64s such that rsp is 16-byte aligned
+    /// below them (the stack holds a return address at a tail jump).
+    fn frame_size(&self, slots: usize) -> i32 {
+        let entry = if self.s.form.is_tail() { 8 } else { 0 };
+        let mut f = 8 * slots as i32;
+        while (f + entry) % 16 != 0 {
+            f += 8;
+        }
+        f
+    }
+
+    /// Saved slot `k` of the live path's frame.
+    fn slot(&self, k: usize) -> AsmMemoryOperand {
+        qword_ptr(rsp + (self.depth + 8 * k as i32))
+    }
+
+    fn open_frame(&mut self, keep: &[AsmRegister64], extra: usize) -> R<i32> {
+        let f = self.frame_size(keep.len() + extra);
+        if f != 0 {
+            self.a.sub(rsp, f)?;
+        }
+        self.depth = 0;
+        for (k, &r) in keep.iter().enumerate() {
+            let m = self.slot(k);
+            self.a.mov(m, r)?;
+        }
+        Ok(f)
+    }
+
+    fn close_frame(&mut self, f: i32) -> R<()> {
+        if f != 0 {
+            self.a.add(rsp, f)?;
+        }
+        Ok(())
+    }
+
+    /// Calls the runtime function in control block field `hook` with rsp
+    /// 16-byte aligned; `setup` loads its arguments. In preserve mode every
+    /// caller-saved register and the vector state survive the call.
+    fn runtime_call(&mut self, hook: u32, setup: impl FnOnce(&mut Self) -> R<()>) -> R<()> {
+        const SAVED: [AsmRegister64; 8] = [rcx, rdx, rsi, rdi, r8, r9, r10, r11];
+        let preserve = self.s.preserve;
+        if preserve {
+            self.push_all(&SAVED)?;
+            self.depth += 64;
+        }
+        setup(self)?;
+        if preserve {
+            self.a.push(rbx)?;
+            self.a.mov(rbx, rsp)?;
+            self.a.and(rsp, -16)?;
+            self.a.sub(rsp, 512)?;
+            self.a.fxsave64(byte_ptr(rsp))?;
+        }
+        self.add(Instruction::with1(Code::Call_rm64, rip(self.s.control + u64::from(hook))))?;
+        if preserve {
+            self.a.fxrstor64(byte_ptr(rsp))?;
+            self.a.mov(rsp, rbx)?;
+            self.a.pop(rbx)?;
+            self.pop_all(&SAVED)?;
+            self.depth -= 64;
+        }
+        Ok(())
+    }
+
+    /// The original call with its arguments in the frame.
+    fn call_in_frame(&mut self) -> R<()> {
+        let s = self.s;
+        if s.form.through_got() {
+            self.add(Instruction::with1(Code::Call_rm64, rip(s.target)))?;
+        } else {
+            self.a.call(s.target)?;
+        }
+        Ok(())
+    }
+
+    /// `dst` = the requested size, from frame slots `at` (the size
+    /// registers) or rcx (strlen).
+    fn size_to(&mut self, dst: AsmRegister64, at: [usize; 2]) -> R<()> {
+        match self.s.sig.size {
+            Size::Arg(_) => {
+                let m = self.slot(at[0]);
+                self.a.mov(dst, m)?;
+            }
+            Size::Product(_, _) => {
+                let (m0, m1) = (self.slot(at[0]), self.slot(at[1]));
+                self.a.mov(dst, m0)?;
+                self.a.imul_2(dst, m1)?;
+            }
+            Size::ResultStrlen => self.a.mov(dst, rcx)?,
+            Size::None => self.a.xor(dst, dst)?,
+        }
+        Ok(())
+    }
+
+    fn size_regs(&self) -> Vec<AsmRegister64> {
+        match self.s.sig.size {
+            Size::Arg(a) => vec![ARG_REGS[a as usize]],
+            Size::Product(a, b) => vec![ARG_REGS[a as usize], ARG_REGS[b as usize]],
+            Size::None | Size::ResultStrlen => vec![],
+        }
+    }
+
+    /// Live path of an allocation: keeps the size (and out pointer) in a
+    /// frame across the call, then hands the new object to the runtime.
+    fn alloc_live(&mut self) -> R<()> {
+        let s = self.s;
+        let mut keep = self.size_regs();
+        let out_at = keep.len();
+        if let Returns::OutArg(o) = s.sig.result {
+            keep.push(ARG_REGS[o as usize]);
+        }
+        let f = self.open_frame(&keep, 0)?;
+        self.call_in_frame()?;
+        let mut fail = self.a.create_label();
+        self.test_result(fail)?;
+        let index = s.index;
+        let control = s.control;
+        self.runtime_call(control::TRACK_ALLOC, |g| {
+            if g.s.sig.size == Size::ResultStrlen {
+                g.strlen_bytes()?;
+            }
+            g.size_to(rsi, [0, 1])?;
+            match g.s.sig.result {
+                Returns::OutArg(_) => {
+                    let m = g.slot(out_at);
+                    g.a.mov(rdi, m)?;
+                    g.a.mov(rdi, qword_ptr(rdi))?;
+                }
+                _ => g.a.mov(rdi, rax)?,
+            }
+            g.a.mov(edx, index as i32)?;
+            g.add(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(control)))?;
+            Ok(())
+        })?;
+        if let Returns::OutArg(_) = s.sig.result {
+            self.a.xor(eax, eax)?;
+        }
+        self.close_frame(f)?;
+        self.leave()?;
+        self.a.set_label(&mut fail)?;
+        self.count_failed_live()?;
+        self.close_frame(f)?;
+        self.leave()
+    }
+
+    /// A failed call on the live path: counted with its requested bytes
+    /// (live bytes subtract them), the size read from the frame.
+    fn count_failed_live(&mut self) -> R<()> {
+        if !matches!(self.s.sig.size, Size::Arg(_) | Size::Product(_, _)) {
+            return self.count_failed();
+        }
+        let save = self.saved(&[rsi, r11]);
+        self.push_all(save)?;
+        self.depth += 8 * save.len() as i32;
+        self.size_to(rsi, [0, 1])?;
+        self.cell_address()?;
+        self.count_one(cell::FAILED)?;
+        self.count_reg(cell::FAILED_BYTES, rsi)?;
+        self.depth -= 8 * save.len() as i32;
+        self.pop_all(save)
+    }
+
+    /// Live path of a realloc: the old pointer leaves the table before the
+    /// call (into a token in the frame); afterwards the runtime settles it.
+    fn realloc_live(&mut self) -> R<()> {
+        let s = self.s;
+        // Every argument register read, and at least those the size and
+        // the pointer live in.
+        let read = s.sig.args_read().map(|a| a as usize + 1).max().unwrap_or(1);
+        let args = usize::from(s.args.clamp(1, 6)).max(read);
+        let keep: Vec<AsmRegister64> = ARG_REGS[..args].to_vec();
+        let token = keep.len();
+        let f = self.open_frame(&keep, 2)?;
+        let freed = ARG_REGS[s.sig.freed.unwrap_or(0) as usize];
+        let (index, control) = (s.index, s.control);
+        self.runtime_call(control::TRACK_REALLOC_BEGIN, |g| {
+            if freed != rdi {
+                g.a.mov(rdi, freed)?;
+            }
+            let t = g.slot(token);
+            g.a.lea(rsi, t)?;
+            g.a.mov(edx, index as i32)?;
+            g.add(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(control)))?;
+            Ok(())
+        })?;
+        for (k, &r) in keep.iter().enumerate() {
+            let m = self.slot(k);
+            self.a.mov(r, m)?;
+        }
+        self.call_in_frame()?;
+        let size_at = match s.sig.size {
+            Size::Arg(a) => [a as usize, 0],
+            Size::Product(a, b) => [a as usize, b as usize],
+            _ => [0, 0],
+        };
+        self.runtime_call(control::TRACK_REALLOC_END, |g| {
+            g.size_to(rdx, size_at)?;
+            g.a.mov(rdi, rax)?;
+            let t = g.slot(token);
+            g.a.lea(rsi, t)?;
+            g.a.mov(ecx, index as i32)?;
+            g.add(Instruction::with2(Code::Lea_r64_m, Register::R8, rip(control)))?;
+            Ok(())
+        })?;
+        self.close_frame(f)?;
+        let mut fail = self.a.create_label();
+        self.test_result(fail)?;
+        self.leave()?;
+        self.a.set_label(&mut fail)?;
+        self.count_failed()?;
         self.leave()
     }
 
     fn free_like(&mut self) -> R<()> {
         self.count_before()?;
+        let mut plain = self.a.create_label();
+        self.if_tracking(control::TRACK_FREE, plain)?;
+        self.free_live()?;
+        self.a.set_label(&mut plain)?;
         if self.s.form.is_tail() {
             return self.jump_target();
         }
         self.call_target()?;
         self.leave()
     }
+
+    /// Live path of a free: the runtime takes the pointer out of the table
+    /// before the original call (after it, another thread may get the same
+    /// address from the allocator). Then continues with the original call.
+    fn free_live(&mut self) -> R<()> {
+        let s = self.s;
+        let freed = ARG_REGS[s.sig.freed.unwrap_or(0) as usize];
+        let args = usize::from(s.args.clamp(1, 6));
+        let keep: Vec<AsmRegister64> = ARG_REGS[..args].iter().copied().filter(|&r| r != freed).collect();
+        let f = self.open_frame(&keep, 0)?;
+        let (index, control) = (s.index, s.control);
+        self.runtime_call(control::TRACK_FREE, |g| {
+            if freed != rdi {
+                g.a.mov(rdi, freed)?;
+            }
+            g.a.mov(esi, index as i32)?;
+            g.add(Instruction::with2(Code::Lea_r64_m, Register::RDX, rip(control)))?;
+            Ok(())
+        })?;
+        if !s.preserve {
+            self.a.mov(freed, rax)?;
+        }
+        for (k, &r) in keep.iter().enumerate() {
+            let m = self.slot(k);
+            self.a.mov(r, m)?;
+        }
+        self.close_frame(f)
+    }
 }
 
 /// Generates the trampoline for one site, to be placed at address `at`.
 pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Vec<u8>> {
-    let mut g = Gen { a: CodeAssembler::new(64)?, s: spec };
+    let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0 };
     match spec.sig.kind {
         Kind::Alloc | Kind::Realloc => g.alloc_like()?,
         Kind::Free => g.free_like()?,
@@ -322,8 +607,8 @@ mod golden {
     const CONTROL: u64 = 0x416000;
     const AT: u64 = 0x428000;
 
-    fn sig(name: &str) -> Signature {
-        entry::defaults().into_iter().find(|e| e.target == Target::Symbol(name.into())).unwrap().sig
+    fn entry(name: &str) -> entry::EntryPoint {
+        entry::defaults().into_iter().find(|e| e.target == Target::Symbol(name.into())).unwrap()
     }
 
     fn spec(name: &str, form: SiteForm, preserve: bool) -> TrampolineSpec {
@@ -333,9 +618,10 @@ mod golden {
             len,
             form,
             target: if form.through_got() { SLOT } else { TARGET },
-            sig: sig(name),
+            sig: entry(name).sig,
             index: 3,
             preserve,
+            args: entry(name).args,
             control: CONTROL,
             shard_mask: 15,
             shard_stride: 0x2000,
@@ -356,6 +642,11 @@ mod golden {
             ("free-jmp-rip", "free", SiteForm::JmpRipMem, false),
             ("calloc-call-rel32", "calloc", SiteForm::CallRel32, false),
             ("realloc-call-rel32", "realloc", SiteForm::CallRel32, false),
+            ("realloc-jmp-rip", "realloc", SiteForm::JmpRipMem, false),
+            ("realloc-call-rel32-direct", "realloc", SiteForm::CallRel32, true),
+            ("reallocarray-call-rel32", "reallocarray", SiteForm::CallRel32, false),
+            ("free-call-rel32-direct", "free", SiteForm::CallRel32, true),
+            ("delete-sized-aligned-call-rel32", "_ZdlPvmSt11align_val_t", SiteForm::CallRel32, false),
             ("posix_memalign-call-rel32", "posix_memalign", SiteForm::CallRel32, false),
             ("strdup-call-rel32", "strdup", SiteForm::CallRel32, false),
             ("strdup-call-rel32-direct", "strdup", SiteForm::CallRel32, true),

@@ -127,6 +127,10 @@ pub struct EntryPoint {
     /// Name shown to people (demangled).
     pub display: String,
     pub sig: Signature,
+    /// Argument registers the function reads (6 when unknown): what a
+    /// trampoline keeps intact around a call into the runtime made before
+    /// the original call.
+    pub args: u8,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -150,29 +154,31 @@ const A0: Size = Size::Arg(0);
 /// C++ global operator new and delete.
 pub fn defaults() -> Vec<EntryPoint> {
     use Size::{Arg, Product, ResultStrlen};
-    let c: &[(&str, Signature)] = &[
-        ("malloc", Signature::alloc(A0)),
-        ("calloc", Signature::alloc(Product(0, 1))),
-        ("realloc", Signature::realloc(0, Arg(1))),
-        ("reallocarray", Signature::realloc(0, Product(1, 2))),
-        ("free", Signature::free(0)),
+    let c: &[(&str, Signature, u8)] = &[
+        ("malloc", Signature::alloc(A0), 1),
+        ("calloc", Signature::alloc(Product(0, 1)), 2),
+        ("realloc", Signature::realloc(0, Arg(1)), 2),
+        ("reallocarray", Signature::realloc(0, Product(1, 2)), 3),
+        ("free", Signature::free(0), 1),
         (
             "posix_memalign",
             Signature { kind: Kind::Alloc, size: Arg(2), result: Returns::OutArg(0), freed: Option::None },
+            3,
         ),
-        ("aligned_alloc", Signature::alloc(Arg(1))),
-        ("memalign", Signature::alloc(Arg(1))),
-        ("valloc", Signature::alloc(A0)),
-        ("pvalloc", Signature::alloc(A0)),
-        ("strdup", Signature::alloc(ResultStrlen)),
-        ("strndup", Signature::alloc(ResultStrlen)),
+        ("aligned_alloc", Signature::alloc(Arg(1)), 2),
+        ("memalign", Signature::alloc(Arg(1)), 2),
+        ("valloc", Signature::alloc(A0), 1),
+        ("pvalloc", Signature::alloc(A0), 1),
+        ("strdup", Signature::alloc(ResultStrlen), 1),
+        ("strndup", Signature::alloc(ResultStrlen), 2),
     ];
     let mut out: Vec<EntryPoint> = c
         .iter()
-        .map(|(name, sig)| EntryPoint {
+        .map(|(name, sig, args)| EntryPoint {
             target: Target::Symbol((*name).to_string()),
             display: (*name).to_string(),
             sig: *sig,
+            args: *args,
         })
         .collect();
 
@@ -185,6 +191,7 @@ pub fn defaults() -> Vec<EntryPoint> {
                     target: Target::Symbol(format!("_Z{op}m{aligned}{nothrow}")),
                     display: format!("operator new{arr}(unsigned long{aname}{nname})"),
                     sig: Signature::alloc(A0),
+                    args: 1 + u8::from(!aligned.is_empty()) + u8::from(!nothrow.is_empty()),
                 });
             }
         }
@@ -202,6 +209,10 @@ pub fn defaults() -> Vec<EntryPoint> {
                         target: Target::Symbol(format!("_Z{op}Pv{sized}{aligned}{nothrow}")),
                         display: format!("operator delete{arr}(void*{sname}{aname}{nname})"),
                         sig: Signature::free(0),
+                        args: 1
+                            + u8::from(!sized.is_empty())
+                            + u8::from(!aligned.is_empty())
+                            + u8::from(!nothrow.is_empty()),
                     });
                 }
             }
@@ -307,7 +318,7 @@ pub fn parse_spec(spec: &str) -> std::result::Result<EntryPoint, SpecError> {
         return Err(err(format!("size=strlen needs a returned string, not out=arg{o}")));
     }
     let display = name.unwrap_or_else(|| target.to_string());
-    Ok(EntryPoint { target, display, sig })
+    Ok(EntryPoint { target, display, sig, args: 6 })
 }
 
 #[cfg(test)]

@@ -76,9 +76,9 @@ pub mod cell {
     /// Gauge: bytes the allocator reserved (malloc_usable_size) for the
     /// site's live objects, when usable-size tracking is on.
     pub const USABLE_BYTES: u32 = 48;
-    /// Requested bytes of the site's successful calls while live tracking
-    /// was on (what `FREED_BYTES` is subtracted from).
-    pub const ALLOCATED_BYTES: u32 = 56;
+    /// Requested bytes of the failed calls, counted while live tracking is
+    /// on (live bytes are BYTES - FAILED_BYTES - FREED_BYTES).
+    pub const FAILED_BYTES: u32 = 56;
 }
 
 /// Fields of the module control block, by byte offset.

@@ -123,7 +123,8 @@ pub struct Cell {
     pub freed_bytes: u64,
     pub untracked_frees: u64,
     pub usable_bytes: u64,
-    pub allocated_bytes: u64,
+    /// Requested bytes of failed calls (live tracking only).
+    pub failed_bytes: u64,
 }
 
 impl Cell {
@@ -135,7 +136,7 @@ impl Cell {
     }
     /// Their requested bytes.
     pub fn live_bytes(&self) -> u64 {
-        self.allocated_bytes.wrapping_sub(self.freed_bytes).min(i64::MAX as u64)
+        self.bytes.wrapping_sub(self.failed_bytes).wrapping_sub(self.freed_bytes).min(i64::MAX as u64)
     }
     /// Bytes the allocator reserved for them (usable-size tracking).
     pub fn live_usable_bytes(&self) -> u64 {
@@ -167,7 +168,7 @@ impl Module<'_> {
             c.freed_bytes = c.freed_bytes.wrapping_add(u64_at(b, 32));
             c.untracked_frees = c.untracked_frees.wrapping_add(u64_at(b, 40));
             c.usable_bytes = c.usable_bytes.wrapping_add(u64_at(b, 48));
-            c.allocated_bytes = c.allocated_bytes.wrapping_add(u64_at(b, 56));
+            c.failed_bytes = c.failed_bytes.wrapping_add(u64_at(b, 56));
         }
         c
     }

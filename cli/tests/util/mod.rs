@@ -99,6 +99,10 @@ pub struct Marker {
     pub calls: u64,
     pub bytes: u64,
     pub failed: u64,
+    /// Objects (and their bytes) still allocated at exit, where given.
+    pub live: Option<(u64, u64)>,
+    /// Frees of untracked memory at this site, where given.
+    pub untracked: Option<u64>,
 }
 
 /// A program in testbins/ with its build line and markers.
@@ -126,13 +130,26 @@ fn parse_marker(tag: &str, file: &str, line: u32, text: &str) -> Option<Marker> 
     let body = &body[..body.find("*/")?];
     let mut words = body.split_whitespace();
     let entry = words.next()?.to_string();
-    let mut m = Marker { file: file.to_string(), line, entry, tail: false, calls: 0, bytes: 0, failed: 0 };
+    let mut m = Marker {
+        file: file.to_string(),
+        line,
+        entry,
+        tail: false,
+        calls: 0,
+        bytes: 0,
+        failed: 0,
+        live: None,
+        untracked: None,
+    };
     for w in words {
         match w.split_once('=') {
             None if w == "tail" => m.tail = true,
             Some(("calls", v)) => m.calls = v.parse().unwrap(),
             Some(("bytes", v)) => m.bytes = v.parse().unwrap(),
             Some(("failed", v)) => m.failed = v.parse().unwrap(),
+            Some(("live", v)) => m.live = Some((v.parse().unwrap(), m.live.map_or(0, |l| l.1))),
+            Some(("live_bytes", v)) => m.live = Some((m.live.map_or(0, |l| l.0), v.parse().unwrap())),
+            Some(("untracked", v)) => m.untracked = Some(v.parse().unwrap()),
             _ => panic!("{file}:{line}: bad marker word {w:?}"),
         }
     }

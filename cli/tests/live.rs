@@ -1,0 +1,170 @@
+//! Live figures: objects leave the figures of the site that allocated
+//! them wherever they are freed; switching on and off midway, reset, and
+//! a million objects in flight on eight threads.
+
+use crate::patch::patch_to;
+use crate::runtime::{Server, counters_dir, live_figures, only_counters_file};
+use crate::util::*;
+use alloctramp_trampolines::entry::Kind;
+use alloctramp_trampolines::process::{ProcessFile, flags};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+type Live = BTreeMap<(String, u32, String), (u64, u64, u64)>;
+
+/// Per site of server.c: (calls, live objects, live bytes, untracked frees).
+fn server_sites(s: &Server) -> BTreeMap<u32, (u64, u64, u64, u64)> {
+    let file = s.dir.join(format!("{}.counters", s.pid()));
+    let bytes = std::fs::read(&file).unwrap();
+    let pf = ProcessFile::parse(&bytes).unwrap();
+    let mut m = BTreeMap::new();
+    for module in pf.modules().unwrap() {
+        for (i, site) in module.table.sites().enumerate() {
+            let c = module.cell(i);
+            let frees = module.table.entry(site.entry as usize).unwrap().kind == Kind::Free.code();
+            let (lo, lb) = if frees { (0, 0) } else { (c.live_objects(), c.live_bytes()) };
+            m.insert(site.line, (c.calls, lo, lb, c.untracked_frees));
+        }
+    }
+    m
+}
+
+fn process_flags(s: &Server) -> (bool, u32) {
+    let bytes = std::fs::read(s.dir.join(format!("{}.counters", s.pid()))).unwrap();
+    let pf = ProcessFile::parse(&bytes).unwrap();
+    (pf.on, pf.flags)
+}
+
+/// server.c's lines: the kept malloc, the calloc and its free, the strdup
+/// and its free, and the free of the kept blocks.
+const MALLOC: u32 = 101;
+const CALLOC: u32 = 111;
+const CALLOC_FREE: u32 = 115;
+const STRDUP: u32 = 117;
+const STRDUP_FREE: u32 = 121;
+const KEPT_FREE: u32 = 129;
+
+fn check_lines() {
+    let src = std::fs::read_to_string(testbins_dir().join("server.c")).unwrap();
+    let line = |n: u32| src.lines().nth(n as usize - 1).unwrap().to_string();
+    assert!(line(MALLOC).contains("@site malloc"), "server.c changed: {}", line(MALLOC));
+    assert!(line(CALLOC).contains("@site calloc"));
+    assert!(line(CALLOC_FREE).contains("@site free"));
+    assert!(line(STRDUP).contains("@site strdup"));
+    assert!(line(STRDUP_FREE).contains("@site free"));
+    assert!(line(KEPT_FREE).contains("@site free"));
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn switched_on_midway_then_off_figures_still_come_down() {
+    check_lines();
+    let mut s = Server::start("live-midway", &[]);
+    // Off: 5 blocks kept that the runtime never sees allocated.
+    assert_eq!(s.cmd("round"), "done");
+    assert!(s.switch("enable").status.success());
+    assert_eq!(s.cmd("round"), "done");
+    let m = server_sites(&s);
+    assert_eq!(m[&MALLOC], (5, 5, 500, 0));
+    assert_eq!(m[&CALLOC], (2, 0, 0, 0));
+    assert_eq!(m[&CALLOC_FREE], (2, 0, 0, 0));
+    assert_eq!(m[&STRDUP], (1, 0, 0, 0));
+
+    // Frees of the 10 kept blocks: 5 were allocated before profiling.
+    assert_eq!(s.cmd("free"), "freed");
+    let m = server_sites(&s);
+    assert_eq!(m[&KEPT_FREE], (10, 0, 0, 5), "5 untracked frees");
+    assert_eq!(m[&MALLOC], (5, 0, 0, 0), "never negative");
+
+    // Off with 5 tracked blocks alive: the free sites stay on, quietly.
+    assert_eq!(s.cmd("round"), "done");
+    assert!(s.switch("disable").status.success());
+    let (on, f) = process_flags(&s);
+    assert!(!on);
+    assert_eq!(f & (flags::LIVE | flags::DRAINING), flags::LIVE | flags::DRAINING);
+    let before = server_sites(&s);
+    assert_eq!(before[&MALLOC], (10, 5, 500, 0));
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(server_sites(&s), before, "off: no figure moves");
+    // The 10 kept blocks are freed: 5 were tracked, and they come down.
+    assert_eq!(s.cmd("free"), "freed");
+    let m = server_sites(&s);
+    assert_eq!(m[&MALLOC], (10, 0, 0, 0));
+    assert_eq!(m[&KEPT_FREE], before[&KEPT_FREE], "the free site's own figures stay");
+    // Everything drained: the free sites went off too.
+    wait_until("the drain completes", || process_flags(&s).1 & flags::DRAINING == 0);
+    assert_eq!(process_flags(&s).1 & flags::INCOMPLETE, 0);
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.cmd("free"), "freed");
+    assert_eq!(server_sites(&s), m, "fully off");
+    s.quit();
+}
+
+#[test]
+fn reset_forgets_tracked_objects_and_off_now_marks_figures_incomplete() {
+    check_lines();
+    let mut s = Server::start("live-reset", &[("ALLOCTRAMP", "on")]);
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(server_sites(&s)[&MALLOC], (10, 10, 1000, 0));
+    assert!(s.switch("reset").status.success());
+    assert!(server_sites(&s).values().all(|v| *v == (0, 0, 0, 0)), "reset zeroes every figure");
+    // The 10 blocks were forgotten: their frees are untracked, nothing
+    // goes negative.
+    assert_eq!(s.cmd("free"), "freed");
+    let m = server_sites(&s);
+    assert_eq!(m[&KEPT_FREE], (10, 0, 0, 10));
+    assert_eq!(m[&MALLOC], (0, 0, 0, 0));
+
+    // Off at once with tracked blocks alive: everything off, and the
+    // figures say they may overstate.
+    assert_eq!(s.cmd("round"), "done");
+    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "off now\n").unwrap();
+    let generation = |s: &Server| {
+        let bytes = std::fs::read(s.dir.join(format!("{}.counters", s.pid()))).unwrap();
+        ProcessFile::parse(&bytes).unwrap().generation
+    };
+    let g = generation(&s);
+    // SAFETY: kill(2) with the server's pid and the default control signal.
+    assert_eq!(unsafe { libc::kill(s.child.id() as i32, libc::SIGRTMAX() - 7) }, 0);
+    wait_until("the switch completes", || generation(&s) != g);
+    let (on, f) = process_flags(&s);
+    assert!(!on);
+    assert_eq!(f & (flags::DRAINING | flags::INCOMPLETE), flags::INCOMPLETE);
+    let m = server_sites(&s);
+    assert_eq!(m[&MALLOC], (5, 5, 500, 0));
+    assert_eq!(s.cmd("free"), "freed");
+    assert_eq!(server_sites(&s), m, "the free sites are off: the 5 blocks still show");
+    assert!(s.switch("reset").status.success());
+    assert_eq!(process_flags(&s).1 & flags::INCOMPLETE, 0, "reset clears the mark");
+    s.quit();
+}
+
+#[test]
+fn eight_threads_a_million_objects_in_flight() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("live-stress");
+    let bin = dir.join("live_stress.bin");
+    patch_to(&b.path("live_stress"), &bin, &[]);
+    let (out, err, code) = run_program(&bin, &[], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    assert_eq!(code, 0, "{err}");
+    let (original, _, _) = run_program(&b.path("live_stress"), &[], &[]);
+    assert_eq!(out, original);
+    let mut w = out.split_whitespace().skip(1).map(|v| v.parse::<u64>().unwrap());
+    let (objects, bytes) = (w.next().unwrap(), w.next().unwrap());
+    let live: Live = live_figures(&only_counters_file(&dir));
+    let sum = live.values().fold((0, 0, 0), |a, v| (a.0 + v.0, a.1 + v.1, a.2 + v.2));
+    assert_eq!((sum.0, sum.1), (objects, bytes), "live figures equal what the program holds");
+    assert_eq!(sum.2, 0, "every free was of a tracked object");
+    let file = std::fs::read(only_counters_file(&dir)).unwrap();
+    let pf = ProcessFile::parse(&file).unwrap();
+    assert_eq!(pf.untracked_allocs, 0);
+    assert_eq!(pf.flags & flags::INCOMPLETE, 0);
+}
