@@ -1,9 +1,13 @@
 //! The `alloctramp` command: glue between the command line, files, and the
 //! libraries that do the work.
 
+mod control;
+mod demo;
 mod patch;
 mod report;
+mod run;
 mod sites;
+mod snapshot;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -13,7 +17,12 @@ use std::process::ExitCode;
 #[command(
     name = "alloctramp",
     version,
-    about = "Per-call-site allocation profiling for x86-64 ELF programs, without recompiling them"
+    about = "Per-call-site allocation profiling for x86-64 ELF programs, without recompiling them",
+    after_help = "Start here:\n  \
+        alloctramp demo                       # a guided run on a bundled example\n  \
+        alloctramp run --on -- PROGRAM ARGS   # profile a program, report when it exits\n  \
+        alloctramp report                     # your processes running patched code\n  \
+        alloctramp report PID | sort -g -r | head"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -24,24 +33,45 @@ struct Cli {
 enum Command {
     Sites(sites::Args),
     Patch(patch::Args),
+    Run(run::Args),
     Report(report::Args),
+    Snapshot(snapshot::SnapshotArgs),
+    Diff(snapshot::DiffArgs),
     /// Switch profiling on in a running process.
-    Enable(report::SwitchArgs),
-    /// Switch profiling off in a running process.
-    Disable(report::SwitchArgs),
+    Enable(control::SwitchArgs),
+    Disable(control::DisableArgs),
     /// Zero the counters of a running process.
-    Reset(report::SwitchArgs),
+    Reset(control::SwitchArgs),
+    Demo(demo::Args),
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() || e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            e.exit()
+        }
+        Err(e) => {
+            // A usage error: one line, status 2, like every other error.
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            eprintln!("alloctramp: {} (see --help)", first.trim_start_matches("error: "));
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         Command::Sites(args) => sites::run(args),
         Command::Patch(args) => patch::run(args),
+        Command::Run(args) => run::run(args),
         Command::Report(args) => report::run(args),
-        Command::Enable(args) => report::switch(args, "on"),
-        Command::Disable(args) => report::switch(args, "off"),
-        Command::Reset(args) => report::switch(args, "reset"),
+        Command::Snapshot(args) => snapshot::run_snapshot(args),
+        Command::Diff(args) => snapshot::run_diff(args),
+        Command::Enable(args) => control::run_switch(&args, control::Request::On),
+        Command::Disable(args) => {
+            control::run_switch(&args.switch, if args.now { control::Request::OffNow } else { control::Request::Off })
+        }
+        Command::Reset(args) => control::run_switch(&args, control::Request::Reset),
+        Command::Demo(args) => demo::run(args),
     };
     util::finish(result)
 }

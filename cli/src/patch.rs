@@ -90,7 +90,31 @@ pub fn default_output(input: &Path) -> PathBuf {
     PathBuf::from(format!("{name}.patched"))
 }
 
+/// What `patch` wrote.
+pub struct Summary {
+    pub output: PathBuf,
+    pub sites: usize,
+    pub skipped: usize,
+    pub unpatchable: usize,
+    pub text_size: u64,
+}
+
 pub fn run(args: Args) -> Result<()> {
+    let s = patch_file(&args)?;
+    eprintln!(
+        "alloctramp: wrote {} ({} sites patched, {} skipped, {} unpatchable references; trampolines {} bytes)",
+        s.output.display(),
+        s.sites,
+        s.skipped,
+        s.unpatchable,
+        s.text_size
+    );
+    Ok(())
+}
+
+/// Writes the patched file (and the runtime copy beside it); sites that
+/// could not be patched are reported on stderr.
+pub fn patch_file(args: &Args) -> Result<Summary> {
     let user = parse_entries(&args.entries)?;
     let output = args.output.clone().unwrap_or_else(|| default_output(&args.input));
     let input = Input::open(&args.input)?;
@@ -134,13 +158,11 @@ pub fn run(args: Args) -> Result<()> {
         let site = &analysis.scan.sites[s.site];
         eprintln!("alloctramp: {}: site {} not patched: {}", args.input.display(), site.vaddr, s.reason);
     }
-    eprintln!(
-        "alloctramp: wrote {} ({} sites patched, {} skipped, {} unpatchable references; trampolines {} bytes)",
-        output.display(),
-        patched.sites,
-        patched.skipped.len(),
-        analysis.scan.unpatchable.len(),
-        patched.text_size
-    );
-    Ok(())
+    Ok(Summary {
+        output,
+        sites: patched.sites,
+        skipped: patched.skipped.len(),
+        unpatchable: analysis.scan.unpatchable.len(),
+        text_size: patched.text_size as u64,
+    })
 }

@@ -27,6 +27,22 @@ impl Input {
     }
 }
 
+impl Input {
+    /// Like [`Input::open`], with every page mapped at once (a counters
+    /// file is read whole; one fault per page would cost more).
+    pub fn open_populated(path: &Path) -> Result<Input> {
+        let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        let meta = file.metadata().with_context(|| format!("{}: cannot stat", path.display()))?;
+        if !meta.is_file() {
+            anyhow::bail!("{}: not a regular file", path.display());
+        }
+        // SAFETY: as in `open`; counters files only grow.
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }
+            .with_context(|| format!("{}: cannot map", path.display()))?;
+        Ok(Input { map })
+    }
+}
+
 /// Writes command output; a closed pipe (`| head`) ends the program quietly.
 pub fn emit(f: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
     let stdout = io::stdout();

@@ -7,5 +7,6 @@ mod util;
 mod bad_input;
 mod live;
 mod patch;
+mod report;
 mod runtime;
 mod sites;

@@ -1,0 +1,293 @@
+//! Finding a process's counters file, and the commands that talk to a
+//! running process: `enable`, `disable [--now]`, `reset`.
+
+use crate::util::Input;
+use alloctramp_trampolines::process::{self, ProcessFile, flags};
+use anyhow::{Result, anyhow, bail};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Where this user's process files are: `--dir`, else `$ALLOCTRAMP_DIR`,
+/// else the runtime's default.
+pub fn counters_dir(explicit: Option<&Path>) -> PathBuf {
+    if let Some(d) = explicit {
+        return d.to_path_buf();
+    }
+    if let Some(d) = std::env::var_os("ALLOCTRAMP_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    PathBuf::from(process::default_dir(std::env::var("XDG_RUNTIME_DIR").ok().as_deref(), euid()))
+}
+
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// The owner of a running process, if it exists.
+pub fn process_owner(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let uids = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    // Real, effective, saved, filesystem: the effective uid decides.
+    uids.split_whitespace().nth(1)?.parse().ok()
+}
+
+pub fn process_exists(pid: u32) -> bool {
+    pid != 0 && Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// A process's start time in seconds since the epoch (from /proc).
+fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command may hold spaces and parentheses: fields follow the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let ticks: u64 = rest.split_whitespace().nth(19)?.parse().ok()?;
+    let btime: u64 = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some(btime + ticks / hz)
+}
+
+/// The process that wrote a counters file is the one running under its pid
+/// now (not exited, and the pid was not reused since).
+pub fn file_process_running(pf: &ProcessFile) -> bool {
+    if pf.exited || !process_exists(pf.pid) {
+        return false;
+    }
+    match process_start_time(pf.pid) {
+        // Both are whole seconds, taken a moment apart.
+        Some(t) if start_time(pf) != 0 => t.abs_diff(start_time(pf)) <= 2,
+        _ => true,
+    }
+}
+
+/// The process's start time as its runtime recorded it (seconds since the
+/// epoch; 0: unknown).
+pub fn start_time(pf: &ProcessFile) -> u64 {
+    header_u64(pf, process::hdr::START_TIME)
+}
+
+pub fn header_u64(pf: &ProcessFile, at: usize) -> u64 {
+    pf.bytes.get(at..at + 8).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap()))
+}
+
+/// `ALLOCTRAMP_DIR` as set in a running process's environment (readable
+/// for our own processes).
+fn dir_from_environ(pid: u32) -> Option<PathBuf> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0).find_map(|kv| kv.strip_prefix(b"ALLOCTRAMP_DIR=")).filter(|v| !v.is_empty()).map(|v| {
+        use std::os::unix::ffi::OsStrExt;
+        PathBuf::from(std::ffi::OsStr::from_bytes(v))
+    })
+}
+
+/// What the user named: a process or a file.
+pub enum Target {
+    Pid(u32),
+    File(PathBuf),
+}
+
+pub fn parse_target(target: &str) -> Target {
+    match target.parse::<u32>() {
+        Ok(pid) if !target.starts_with('+') => Target::Pid(pid),
+        _ => Target::File(PathBuf::from(target)),
+    }
+}
+
+/// The counters file of process `pid`: in `dir`, else where the process's
+/// own `ALLOCTRAMP_DIR` points. The error says why there is none.
+pub fn pid_file(pid: u32, dir: &Path) -> Result<PathBuf> {
+    let p = dir.join(process::counters_file_name(pid));
+    if p.exists() {
+        return Ok(p);
+    }
+    if !process_exists(pid) {
+        bail!("no process {pid} (and no counters file {})", p.display());
+    }
+    if let Some(owner) = process_owner(pid)
+        && owner != euid()
+        && euid() != 0
+    {
+        bail!("process {pid} belongs to another user (uid {owner}); run alloctramp as that user");
+    }
+    if let Some(d) = dir_from_environ(pid) {
+        let q = d.join(process::counters_file_name(pid));
+        if q.exists() {
+            return Ok(q);
+        }
+    }
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    bail!("process {pid} ({}) runs no patched code (no {})", comm.trim(), p.display())
+}
+
+/// Switch profiling in a running process.
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  alloctramp enable 12345\n  alloctramp disable --now 12345")]
+pub struct SwitchArgs {
+    /// The process id.
+    pub pid: u32,
+    /// Where process counters files are [default: $ALLOCTRAMP_DIR, else
+    /// $XDG_RUNTIME_DIR/alloctramp, else /tmp/alloctramp-UID].
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Seconds to wait for the process to act on the request.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub timeout: f64,
+}
+
+/// Switch profiling off in a running process.
+#[derive(clap::Args)]
+#[command(
+    after_help = "Examples:\n  alloctramp disable 12345        # free sites stay on until tracked objects are freed\n  \
+                        alloctramp disable --now 12345  # everything off at once"
+)]
+pub struct DisableArgs {
+    #[command(flatten)]
+    pub switch: SwitchArgs,
+    /// Switch every site off at once, free sites included (objects still
+    /// live are no longer seen leaving: live figures become incomplete).
+    #[arg(long)]
+    pub now: bool,
+}
+
+/// What a switch request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Request {
+    On,
+    Off,
+    OffNow,
+    Reset,
+}
+
+impl Request {
+    fn text(self) -> &'static str {
+        match self {
+            Request::On => "on",
+            Request::Off => "off",
+            Request::OffNow => "off now",
+            Request::Reset => "reset",
+        }
+    }
+}
+
+struct State {
+    generation: u64,
+    on: bool,
+    flags: u32,
+    error: String,
+    signal: u32,
+    watcher: bool,
+    exited: bool,
+    sites: u64,
+    modules: usize,
+    switch_ns: u64,
+    live_objects: u64,
+}
+
+fn read_state(path: &Path) -> Result<State> {
+    let m = Input::open(path)?;
+    let pf = ProcessFile::parse(&m.map).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let mods = pf.modules().unwrap_or_default();
+    let mut live_objects = 0u64;
+    if pf.live() {
+        for md in &mods {
+            for i in 0..md.table.header.site_count as usize {
+                live_objects = live_objects.saturating_add(md.cell(i).live_objects());
+            }
+        }
+    }
+    Ok(State {
+        generation: pf.generation,
+        on: pf.on,
+        flags: pf.flags,
+        error: pf.last_error.clone(),
+        signal: pf.signal,
+        watcher: pf.watcher,
+        exited: pf.exited,
+        sites: mods.iter().map(|m| m.table.header.site_count as u64).sum(),
+        modules: mods.len(),
+        switch_ns: pf.last_switch_ns,
+        live_objects,
+    })
+}
+
+/// Writes the request into the process's control file, signals it (or lets
+/// its watcher see the file), and waits until the process reports that the
+/// request was carried out. Returns the message to show.
+pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
+    let pid = args.pid;
+    let dir = counters_dir(args.dir.as_deref());
+    let path = pid_file(pid, &dir)?;
+    let before = read_state(&path)?;
+    {
+        let m = Input::open(&path)?;
+        let pf = ProcessFile::parse(&m.map).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        if before.exited || !file_process_running(&pf) {
+            bail!("process {pid} has exited ({} is its final snapshot)", path.display());
+        }
+    }
+    if before.signal == 0 && !before.watcher {
+        bail!("process {pid} listens to no signal and runs no watcher (started with ALLOCTRAMP_SIGNAL=none)");
+    }
+    let ctl = path.with_file_name(process::control_file_name(pid));
+    crate::util::write_atomic(&ctl, format!("{}\n", request.text()).as_bytes(), 0o600)?;
+    if before.signal != 0 {
+        // SAFETY: kill(2) with a pid and a signal number.
+        if unsafe { libc::kill(pid as i32, before.signal as i32) } != 0 {
+            bail!("cannot signal process {pid}: {}", std::io::Error::last_os_error());
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs_f64(args.timeout.max(0.0));
+    loop {
+        let s = read_state(&path)?;
+        if s.generation != before.generation {
+            if !s.error.is_empty() {
+                bail!("process {pid}: {}", s.error);
+            }
+            let plural = |n: u64, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+            let where_ = format!("{} in {}", plural(s.sites, "site"), plural(s.modules as u64, "module"));
+            let took = match s.switch_ns {
+                0 => String::new(),
+                ns if ns < 100_000 => format!(", switched in {} µs", ns.div_ceil(1000)),
+                ns => format!(", switched in {:.1} ms", ns as f64 / 1e6),
+            };
+            return Ok(match request {
+                Request::On if before.on => format!("process {pid}: profiling was already on ({where_})"),
+                Request::On => format!("process {pid}: profiling on ({where_}{took})"),
+                Request::Reset => {
+                    format!("process {pid}: counters reset (profiling {})", if s.on { "on" } else { "off" })
+                }
+                Request::Off | Request::OffNow if s.flags & flags::DRAINING != 0 => format!(
+                    "process {pid}: profiling off; free sites stay on until the {} tracked objects are freed \
+                     (`alloctramp disable --now {pid}` stops them too)",
+                    s.live_objects
+                ),
+                Request::OffNow if s.flags & flags::INCOMPLETE != 0 => format!(
+                    "process {pid}: profiling off, free sites too; live figures are incomplete from now on \
+                     (objects still live are no longer seen leaving)"
+                ),
+                _ if !before.on && before.flags & flags::DRAINING == 0 => {
+                    format!("process {pid}: profiling was already off")
+                }
+                _ => format!("process {pid}: profiling off ({where_}{took})"),
+            });
+        }
+        if Instant::now() > deadline {
+            let hint = if request == Request::OffNow { " (does its runtime know `off now`?)" } else { "" };
+            bail!("process {pid} did not act on the request within {} s{hint}", args.timeout);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+pub fn run_switch(args: &SwitchArgs, request: Request) -> Result<()> {
+    let msg = switch(args, request)?;
+    eprintln!("alloctramp: {msg}");
+    Ok(())
+}

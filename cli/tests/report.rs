@@ -1,0 +1,786 @@
+//! `alloctramp report`, `snapshot`, `diff`, `run` and `demo`: exact per-site
+//! figures in text (parsed back), JSON and CSV; reports of a running process
+//! as it allocates; differences of snapshots; one-line errors.
+//!
+//! Live figures are checked exactly where the test programs make them
+//! known, whenever the process file says live tracking was on.
+
+use crate::patch::patch_to;
+use crate::util::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The display name of an entry point given by symbol.
+fn display(symbol: &str) -> String {
+    alloctramp_trampolines::entry::defaults()
+        .into_iter()
+        .find(|e| e.target.to_string() == symbol)
+        .map_or_else(|| symbol.to_string(), |e| e.display)
+}
+
+/// A fresh counters directory (mode 0700).
+fn counters_dir(name: &str) -> PathBuf {
+    let d = scratch(&format!("report-{name}"));
+    std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    d
+}
+
+fn ok(o: &Output, what: &str) -> String {
+    assert!(o.status.success(), "{what}: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn report_out(target: &Path, extra: &[&str]) -> Output {
+    alloctramp().arg("report").arg(target).args(extra).output().unwrap()
+}
+
+fn report_json(target: &Path, extra: &[&str]) -> Value {
+    let o = report_out(target, &[&["--format", "json"], extra].concat());
+    serde_json::from_str(&ok(&o, "report --format json")).unwrap()
+}
+
+/// (file name, line) of a site.
+type Key = (String, u32);
+
+/// Figures of one site as the markers give them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Expect {
+    entry: String,
+    calls: u64,
+    bytes: u64,
+    failed: u64,
+}
+
+fn is_free(entry: &str) -> bool {
+    entry == "free" || entry.starts_with("_Zd")
+}
+
+fn expected(p: &Program) -> BTreeMap<Key, Expect> {
+    let mut m = BTreeMap::new();
+    let mut progs = vec![p];
+    progs.extend(p.needs.iter().map(|n| program(n)));
+    for q in progs {
+        for mk in &q.markers {
+            let e = Expect { entry: display(&mk.entry), calls: mk.calls, bytes: mk.bytes, failed: mk.failed };
+            m.insert((mk.file.clone(), mk.line), e);
+        }
+    }
+    m
+}
+
+/// Live objects and bytes the test programs leave per site when the run
+/// ends (where known): nothing in `basic` and `server` (everything is
+/// freed); what `demo`'s @demo-live markers say.
+fn expected_live(p: &Program) -> Option<BTreeMap<Key, (u64, u64)>> {
+    let mut m: BTreeMap<Key, (u64, u64)> = expected(p).into_keys().map(|k| (k, (0, 0))).collect();
+    match p.name.as_str() {
+        "basic" | "server" => Some(m),
+        "demo" => {
+            m.extend(demo_live());
+            Some(m)
+        }
+        _ => None,
+    }
+}
+
+/// `@demo-live objects=N bytes=B` markers of demo.c.
+fn demo_live() -> BTreeMap<Key, (u64, u64)> {
+    let src = std::fs::read_to_string(testbins_dir().join("demo.c")).unwrap();
+    let mut m = BTreeMap::new();
+    for (i, l) in src.lines().enumerate() {
+        if let Some(at) = l.find("/* @demo-live ") {
+            let body = &l[at + 14..l[at..].find("*/").unwrap() + at];
+            let mut v = (0, 0);
+            for w in body.split_whitespace() {
+                match w.split_once('=') {
+                    Some(("objects", n)) => v.0 = n.parse().unwrap(),
+                    Some(("bytes", n)) => v.1 = n.parse().unwrap(),
+                    _ => panic!("demo.c:{}: bad @demo-live word {w}", i + 1),
+                }
+            }
+            m.insert(("demo.c".to_string(), i as u32 + 1), v);
+        }
+    }
+    assert_eq!(m.len(), 2, "demo.c has two @demo-live markers");
+    m
+}
+
+/// One text row: (size, calls, extra columns, tag).
+#[derive(Debug)]
+struct TextRow {
+    size: i128,
+    calls: i128,
+    extra: Vec<String>,
+    tag: String,
+}
+
+/// Parses the allocinfo layout (asserting its two header lines).
+fn parse_text(out: &str, extra_columns: usize) -> Vec<TextRow> {
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("allocinfo - version: 1.0"));
+    assert!(lines.next().unwrap().starts_with("#     <size>  <calls> "), "{out}");
+    lines
+        .map(|l| {
+            let mut words = l.split_whitespace();
+            let size = words.next().unwrap().parse().unwrap();
+            let calls = words.next().unwrap().parse().unwrap();
+            let extra: Vec<String> = words.by_ref().take(extra_columns).map(str::to_string).collect();
+            let rest: Vec<&str> = words.collect();
+            TextRow { size, calls, extra, tag: rest.join(" ") }
+        })
+        .collect()
+}
+
+/// (file name, line) from a site tag `FILE:LINE module:M func:F`.
+fn tag_key(tag: &str) -> Key {
+    let loc = tag.split(" module:").next().unwrap();
+    let (file, line) = loc.rsplit_once(':').unwrap();
+    (base(file).to_string(), line.parse().unwrap())
+}
+
+fn json_key(s: &Value) -> Key {
+    (base(s["file"].as_str().unwrap()).to_string(), s["line"].as_u64().unwrap() as u32)
+}
+
+/// Minimal CSV reader (quoted fields, doubled quotes).
+fn parse_csv(text: &str) -> Vec<BTreeMap<String, String>> {
+    let parse_line = |l: &str| -> Vec<String> {
+        let mut out = vec![];
+        let mut cur = String::new();
+        let mut quoted = false;
+        let mut chars = l.chars().peekable();
+        while let Some(c) = chars.next() {
+            match (c, quoted) {
+                ('"', true) if chars.peek() == Some(&'"') => {
+                    cur.push('"');
+                    chars.next();
+                }
+                ('"', _) => quoted = !quoted,
+                (',', false) => out.push(std::mem::take(&mut cur)),
+                _ => cur.push(c),
+            }
+        }
+        out.push(cur);
+        out
+    };
+    let mut lines = text.lines();
+    let head = parse_line(lines.next().unwrap());
+    lines
+        .map(|l| {
+            let v = parse_line(l);
+            assert_eq!(v.len(), head.len(), "{l}");
+            head.iter().cloned().zip(v).collect()
+        })
+        .collect()
+}
+
+/// Runs every test program (default build) with profiling on from the
+/// start; returns the program and its final counters file.
+fn final_files(name: &str) -> Vec<(&'static Program, PathBuf)> {
+    let b = built(Config::default_o2());
+    let pdir = scratch(&format!("report-{name}-bin"));
+    for p in programs() {
+        patch_to(&b.path(&p.name), &pdir.join(&p.output), &[]);
+    }
+    let mut out = vec![];
+    for p in programs().iter().filter(|p| !p.is_library && !p.variable_counts) {
+        let dir = counters_dir(&format!("{name}-{}", p.name));
+        let env = [
+            ("ALLOCTRAMP", "on"),
+            ("ALLOCTRAMP_DIR", dir.to_str().unwrap()),
+            ("LD_LIBRARY_PATH", pdir.to_str().unwrap()),
+        ];
+        let (_, err, rc) = run_program(&pdir.join(&p.output), &p.run, &env);
+        assert_eq!(rc, 0, "{}: {err}", p.name);
+        let files: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "counters"))
+            .collect();
+        assert_eq!(files.len(), 1, "{}: {files:?}", p.name);
+        out.push((p, files[0].clone()));
+    }
+    out
+}
+
+#[test]
+fn report_of_each_program_matches_its_markers_in_text_json_and_csv() {
+    for (p, file) in final_files("exact") {
+        let exp = expected(p);
+        let name = &p.name;
+
+        // JSON: every site, exact calls/bytes/failed; live figures null
+        // exactly when live tracking was off.
+        let doc = report_json(&file, &[]);
+        assert_eq!(doc["format"], "alloctramp-report");
+        assert_eq!(doc["exited"], true);
+        let live = doc["live"].as_bool().unwrap();
+        let mut got = BTreeMap::new();
+        let mut live_got = BTreeMap::new();
+        for s in doc["sites"].as_array().unwrap() {
+            let e = Expect {
+                entry: s["entry"].as_str().unwrap().to_string(),
+                calls: s["calls"].as_u64().unwrap(),
+                bytes: s["bytes"].as_u64().unwrap(),
+                failed: s["failed"].as_u64().unwrap(),
+            };
+            assert_eq!(s["kind"] == "free", is_free(&e.entry) || e.entry.starts_with("operator delete"), "{s}");
+            assert_eq!(s["live_bytes"].is_null(), !live, "{name}: {s}");
+            assert_eq!(s["live_calls"].is_null(), !live, "{name}: {s}");
+            if live {
+                let lc = s["live_calls"].as_u64().unwrap();
+                assert!(lc <= e.calls - e.failed, "{name}: live objects beyond calls: {s}");
+                live_got.insert(json_key(s), (lc, s["live_bytes"].as_u64().unwrap()));
+            }
+            assert!(got.insert(json_key(s), e).is_none(), "{name}: one site per marked line");
+        }
+        assert_eq!(got, exp, "{name}: JSON figures differ from the markers");
+        if live && let Some(l) = expected_live(p) {
+            assert_eq!(live_got, l, "{name}: live figures");
+        }
+
+        // Text: allocation sites only; <size> <calls> are the live figures,
+        // or the totals (bytes, successful calls) without live tracking.
+        let o = report_out(&file, &[]);
+        let text = ok(&o, "report");
+        let rows = parse_text(&text, 0);
+        let allocating: BTreeMap<&Key, &Expect> = exp.iter().filter(|(_, e)| !is_free(&e.entry)).collect();
+        let allocating: BTreeMap<&Key, &Expect> =
+            allocating.into_iter().filter(|(_, e)| !e.entry.starts_with("operator delete")).collect();
+        assert_eq!(rows.len(), allocating.len(), "{name}: one row per allocation site:\n{text}");
+        for r in &rows {
+            let k = tag_key(&r.tag);
+            let e = allocating[&k];
+            let want = if live {
+                let (c, b) = live_got[&k];
+                (b as i128, c as i128)
+            } else {
+                (e.bytes as i128, (e.calls - e.failed) as i128)
+            };
+            assert_eq!((r.size, r.calls), want, "{name}: {}", r.tag);
+            let src_of = |q: &Program| q.src.file_name().unwrap().to_str().unwrap().to_string();
+            let owner = std::iter::once(p).chain(p.needs.iter().map(|n| program(n))).find(|q| src_of(q) == k.0);
+            let module = &owner.unwrap().output;
+            assert!(r.tag.contains(&format!(" module:{module} ")), "{name}: {}", r.tag);
+            assert!(r.tag.contains(" func:"), "{}", r.tag);
+        }
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(stderr.contains("live tracking is off"), !live, "{stderr}");
+        assert!(stderr.lines().count() <= 1, "{stderr}");
+
+        // Text with every column: free sites too, exact totals.
+        let text = ok(&report_out(&file, &["--all-columns", "--quiet"]), "report --all-columns");
+        let rows = parse_text(&text, 7);
+        assert_eq!(rows.len(), exp.len(), "{name}: every site with --all-columns");
+        for r in &rows {
+            let k = tag_key(&r.tag);
+            let e = &exp[&k];
+            let col = |i: usize| r.extra[i].parse::<u64>().unwrap();
+            assert_eq!((col(0), col(1), col(2)), (e.calls, e.bytes, e.failed), "{name}: {}", r.tag);
+            assert!(r.tag.ends_with(&format!(" entry:{}", e.entry)), "{}", r.tag);
+        }
+
+        // CSV: the same figures.
+        let csv = ok(&report_out(&file, &["--format", "csv"]), "report --format csv");
+        let recs = parse_csv(&csv);
+        let mut got = BTreeMap::new();
+        for r in &recs {
+            let k = (base(&r["file"]).to_string(), r["line"].parse().unwrap());
+            let e = Expect {
+                entry: r["entry"].clone(),
+                calls: r["calls"].parse().unwrap(),
+                bytes: r["bytes"].parse().unwrap(),
+                failed: r["failed"].parse().unwrap(),
+            };
+            assert_eq!(r["live_bytes"].is_empty(), !live);
+            got.insert(k, e);
+        }
+        assert_eq!(got, exp, "{name}: CSV figures differ from the markers");
+    }
+}
+
+#[test]
+fn sorting_selecting_grouping_and_human_sizes() {
+    let files = final_files("views");
+    let (_, file) = files.iter().find(|(p, _)| p.name == "demo").unwrap();
+    let exp = expected(program("demo"));
+    let doc = report_json(file, &[]);
+    let live = doc["live"].as_bool().unwrap();
+
+    // --sort and --top: largest first, cut.
+    for (key, field) in [("bytes", 0), ("calls", 1), ("live-bytes", 2), ("live-calls", 3)] {
+        let j = report_json(file, &["--sort", key]);
+        let v: Vec<i128> = j["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                let c = s["calls"].as_i64().unwrap() as i128;
+                let f = s["failed"].as_i64().unwrap() as i128;
+                // A free site has no live figures, nor allocations.
+                let (c_alloc, f) = if s["kind"] == "free" { (0, 0) } else { (c, f) };
+                match field {
+                    0 => s["bytes"].as_i64().unwrap() as i128,
+                    1 => c,
+                    2 => s["live_bytes"].as_i64().map_or(s["bytes"].as_i64().unwrap() as i128, |x| x as i128),
+                    _ => s["live_calls"].as_i64().map_or(c_alloc - f, |x| x as i128),
+                }
+            })
+            .collect();
+        assert!(v.windows(2).all(|w| w[0] >= w[1]), "--sort {key}: {v:?}");
+    }
+    let text = ok(&report_out(file, &["--top", "3"]), "--top");
+    let rows = parse_text(&text, 0);
+    assert_eq!(rows.len(), 3);
+    let top = tag_key(&rows[0].tag);
+    if live {
+        assert_eq!(top, demo_live().into_iter().max_by_key(|(_, v)| v.1).unwrap().0, "the leak is on top");
+    } else {
+        let biggest = exp.iter().max_by_key(|(_, e)| e.bytes).unwrap().0;
+        assert_eq!(&top, biggest, "the biggest total on top");
+        assert_eq!(rows[0].size, 409600);
+    }
+
+    // --min-bytes keeps rows whose size column reaches it (suffixes work).
+    let rows = parse_text(&ok(&report_out(file, &["--min-bytes", "10K"]), "--min-bytes"), 0);
+    assert!(!rows.is_empty() && rows.iter().all(|r| r.size >= 10240), "{rows:?}");
+    let all = parse_text(&ok(&report_out(file, &[]), "report"), 0);
+    assert_eq!(rows.len(), all.iter().filter(|r| r.size >= 10240).count());
+
+    // --human: sizes as sort -h reads them.
+    let text = ok(&report_out(file, &["--human", "--sort", "bytes", "--all-columns"]), "--human");
+    if !live {
+        assert!(text.contains("400.0KiB"), "{text}");
+    }
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("sort -h -r -k4 | head -1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let first = String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap();
+    assert!(first.contains("func:read_request"), "sort -h on total bytes: {first}");
+
+    // --module: only that module; an unknown one is an error.
+    let j = report_json(file, &["--module", "demo"]);
+    assert_eq!(j["sites"].as_array().unwrap().len(), exp.len());
+    let o = report_out(file, &["--module", "nosuch"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no module \"nosuch\""));
+
+    // --group-by function: sums per function.
+    let j = report_json(file, &["--group-by", "function"]);
+    let mut sums: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for s in doc["sites"].as_array().unwrap() {
+        let e = sums.entry(s["function"].as_str().unwrap().to_string()).or_default();
+        if s["kind"] != "free" {
+            e.0 += s["calls"].as_u64().unwrap();
+        }
+        e.1 += s["bytes"].as_u64().unwrap();
+    }
+    let groups: BTreeMap<String, (u64, u64)> = j["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (g["function"].as_str().unwrap().to_string(), (g["calls"].as_u64().unwrap(), g["bytes"].as_u64().unwrap()))
+        })
+        .collect();
+    assert_eq!(groups, sums);
+    assert_eq!(sums["render"], (200, 28800), "malloc(32) and realloc(256) per request");
+    // Text: `module:M func:F` tags; module and file groupings sum it all.
+    let rows = parse_text(&ok(&report_out(file, &["--group-by", "function", "--sort", "bytes"]), "group"), 0);
+    assert!(rows[0].tag.ends_with("module:demo func:read_request"), "{rows:?}");
+    let total: u64 = exp.values().map(|e| e.bytes).sum();
+    for by in ["module", "file"] {
+        let j = report_json(file, &["--group-by", by]);
+        let g = j["groups"].as_array().unwrap();
+        assert_eq!(g.len(), 1, "{by}: {j}");
+        assert_eq!(g[0]["bytes"].as_u64().unwrap(), total);
+        assert_eq!(g[0]["sites"].as_u64().unwrap(), exp.len() as u64);
+    }
+    let csv = parse_csv(&ok(&report_out(file, &["--group-by", "module", "--format", "csv"]), "csv"));
+    assert_eq!(csv.len(), 1);
+    assert_eq!(csv[0]["bytes"], total.to_string());
+}
+
+/// A patched `server` (see testbins/README.md) under control of the test.
+struct Server {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+    dir: PathBuf,
+}
+
+impl Server {
+    fn start(name: &str, env: &[(&str, &str)]) -> Server {
+        let b = built(Config::default_o2());
+        let dir = counters_dir(name);
+        let bin = dir.join("server.bin");
+        patch_to(&b.path("server"), &bin, &[]);
+        let mut child = Command::new(&bin)
+            .env("ALLOCTRAMP_DIR", &dir)
+            .env_remove("ALLOCTRAMP")
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let file = dir.join(format!("{}.counters", child.id()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !file.exists() {
+            assert!(Instant::now() < deadline, "{} never appeared", file.display());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Server { child, out, dir }
+    }
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+    fn cmd(&mut self, c: &str) -> String {
+        writeln!(self.child.stdin.as_mut().unwrap(), "{c}").unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    }
+    fn alloctramp(&self, args: &[&str]) -> Output {
+        alloctramp().args(args).arg("--dir").arg(&self.dir).output().unwrap()
+    }
+    /// The text report, as (file name, line) -> (size, calls).
+    fn text(&self, extra: &[&str]) -> BTreeMap<Key, (i128, i128)> {
+        let o = self.alloctramp(&[&["report", &self.pid()], extra].concat());
+        parse_text(&ok(&o, "report PID"), 0).into_iter().map(|r| (tag_key(&r.tag), (r.size, r.calls))).collect()
+    }
+    fn json(&self) -> Value {
+        serde_json::from_str(&ok(&self.alloctramp(&["report", "--format", "json", &self.pid()]), "report")).unwrap()
+    }
+    fn quit(mut self) {
+        let _ = self.cmd("quit");
+        let _ = self.child.wait();
+    }
+}
+
+/// server.c's marked line of ENTRY before the `free` handler (the round's
+/// site), or in it.
+fn server_line(entry: &str, in_free_handler: bool) -> Key {
+    let src = std::fs::read_to_string(testbins_dir().join("server.c")).unwrap();
+    let free_at = src.lines().position(|l| l.contains("static void do_free(void)")).unwrap() as u32 + 1;
+    let m =
+        program("server").markers.iter().find(|m| m.entry == entry && (m.line > free_at) == in_free_handler).unwrap();
+    (m.file.clone(), m.line)
+}
+
+#[test]
+fn reports_of_a_running_process_follow_its_allocations() {
+    let mut s = Server::start("live", &[]);
+    let malloc = server_line("malloc", false);
+    let calloc = server_line("calloc", false);
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.text(&[])[&malloc], (0, 0), "profiling off: nothing counted");
+
+    // The process list shows it, off.
+    let list = ok(&s.alloctramp(&["report"]), "report (list)");
+    let line = list.lines().find(|l| l.split_whitespace().next() == Some(&s.pid())).expect("listed");
+    assert_eq!(line.split_whitespace().nth(1), Some("off"), "{line}");
+
+    let o = s.alloctramp(&["enable", &s.pid()]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("profiling on"), "{o:?}");
+    let list = ok(&s.alloctramp(&["report"]), "report (list)");
+    let line = list.lines().find(|l| l.split_whitespace().next() == Some(&s.pid())).unwrap();
+    assert_eq!(line.split_whitespace().nth(1), Some("on"), "{line}");
+    assert!(line.contains("server"), "{line}");
+
+    let live = s.json()["live"].as_bool().unwrap();
+    for round in 1..=3i128 {
+        assert_eq!(s.cmd("round"), "done");
+        let t = s.text(&[]);
+        assert_eq!(t[&malloc], (500 * round, 5 * round), "round {round}: the kept blocks");
+        let c = if live { (0, 0) } else { (160 * round, 2 * round) };
+        assert_eq!(t[&calloc], c, "round {round}: freed at once");
+    }
+    assert_eq!(s.cmd("free"), "freed");
+    let t = s.text(&[]);
+    assert_eq!(t[&malloc], if live { (0, 0) } else { (1500, 15) }, "after `free`");
+    let doc = s.json();
+    let free_site =
+        doc["sites"].as_array().unwrap().iter().find(|x| json_key(x) == server_line("free", true)).unwrap().clone();
+    assert_eq!(free_site["calls"], 20, "the blocks of all four rounds, counted or not");
+
+    // Off, with live tracking: the frees keep being seen.
+    assert_eq!(s.cmd("round"), "done");
+    let o = s.alloctramp(&["disable", &s.pid()]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(s.cmd("free"), "freed");
+    if live {
+        assert_eq!(s.text(&[])[&malloc], (0, 0), "the free after disable was attributed");
+        // And everything off at once.
+        assert!(s.alloctramp(&["enable", &s.pid()]).status.success());
+        assert_eq!(s.cmd("round"), "done");
+        let o = s.alloctramp(&["disable", "--now", &s.pid()]);
+        assert!(o.status.success(), "{o:?}");
+        assert_eq!(s.cmd("free"), "freed");
+        assert_eq!(s.text(&[])[&malloc], (500, 5), "off now: the frees are no longer seen");
+    }
+    let o = s.alloctramp(&["reset", &s.pid()]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("counters reset"), "{o:?}");
+    assert!(s.text(&[]).values().all(|v| *v == (0, 0)));
+    s.quit();
+}
+
+#[test]
+fn a_diff_of_two_snapshots_is_exactly_what_happened_between_them() {
+    let mut s = Server::start("diff", &[("ALLOCTRAMP", "on")]);
+    assert_eq!(s.cmd("round"), "done");
+    let a = s.dir.join("a.snapshot");
+    let b = s.dir.join("b.snapshot");
+    let o = s.alloctramp(&["snapshot", &s.pid(), "-o", a.to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("saved process"), "{o:?}");
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.cmd("free"), "freed");
+    assert!(s.alloctramp(&["snapshot", &s.pid(), "-o", b.to_str().unwrap()]).status.success());
+    // The snapshot is private and stays what it was.
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&a).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+    assert_eq!(s.cmd("round"), "done");
+    let a_doc = report_json(&a, &[]);
+    let b_doc = report_json(&b, &[]);
+    let calls = |d: &Value| -> BTreeMap<Key, (u64, u64)> {
+        d["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (json_key(x), (x["calls"].as_u64().unwrap(), x["bytes"].as_u64().unwrap())))
+            .collect()
+    };
+    let (ca, cb) = (calls(&a_doc), calls(&b_doc));
+    assert_eq!(ca[&server_line("malloc", false)], (5, 500), "snapshot a: one round");
+    assert_eq!(cb[&server_line("malloc", false)], (15, 1500), "snapshot b: three rounds");
+    assert_eq!(cb[&server_line("free", true)], (15, 0), "snapshot b: one free of 15 blocks");
+
+    // JSON diff: new minus old, per site, exactly.
+    let o = alloctramp().args(["diff", "--format", "json"]).arg(&a).arg(&b).output().unwrap();
+    let d: Value = serde_json::from_str(&ok(&o, "diff")).unwrap();
+    assert_eq!(d["format"], "alloctramp-diff");
+    let live = d["live"].as_bool().unwrap();
+    let mut got = BTreeMap::new();
+    for x in d["sites"].as_array().unwrap() {
+        got.insert(json_key(x), (x["calls"].as_i64().unwrap(), x["bytes"].as_i64().unwrap()));
+        assert_eq!((x["in_old"].as_bool(), x["in_new"].as_bool()), (Some(true), Some(true)));
+        if live {
+            let k = json_key(x);
+            let lb = |doc: &Value| {
+                doc["sites"].as_array().unwrap().iter().find(|y| json_key(y) == k).unwrap()["live_bytes"]
+                    .as_i64()
+                    .unwrap()
+            };
+            assert_eq!(x["live_bytes"].as_i64().unwrap(), lb(&b_doc) - lb(&a_doc));
+        }
+    }
+    got.retain(|_, d| *d != (0, 0));
+    let want: BTreeMap<Key, (i64, i64)> = ca
+        .iter()
+        .map(|(k, va)| (k.clone(), (cb[k].0 as i64 - va.0 as i64, cb[k].1 as i64 - va.1 as i64)))
+        .filter(|(_, d)| *d != (0, 0))
+        .collect();
+    assert_eq!(got, want, "diff = b - a");
+
+    // Text diff: signed figures, growth first.
+    let o = alloctramp().args(["diff"]).arg(&a).arg(&b).output().unwrap();
+    let text = ok(&o, "diff");
+    let rows: Vec<_> = text.lines().skip(2).collect();
+    assert!(!rows.is_empty());
+    let sizes: Vec<i128> = rows.iter().map(|l| l.split_whitespace().next().unwrap().parse().unwrap()).collect();
+    assert!(sizes.windows(2).all(|w| w[0] >= w[1]), "growth first: {text}");
+    if !live {
+        assert!(rows[0].starts_with("       +1000      +10 "), "the kept blocks grew most: {text}");
+    }
+    // A snapshot against the running process: the round since.
+    let o = alloctramp().args(["diff", "--format", "json", "--dir"]).arg(&s.dir).arg(&b).arg(s.pid()).output().unwrap();
+    let d: Value = serde_json::from_str(&ok(&o, "diff with a pid")).unwrap();
+    let m = d["sites"].as_array().unwrap().iter().find(|x| json_key(x) == server_line("malloc", false)).unwrap();
+    assert_eq!((m["calls"].as_i64(), m["bytes"].as_i64()), (Some(5), Some(500)));
+    s.quit();
+}
+
+fn expect_error(o: &Output, what: &str) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{what}: {err}");
+    assert!(o.stdout.is_empty(), "{what}: no output: {}", String::from_utf8_lossy(&o.stdout));
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(err.contains(what), "expected {what:?} in {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn errors_are_one_line_with_status_2() {
+    let dir = counters_dir("errors");
+    let r = |args: &[&str]| alloctramp().args(args).arg("--dir").arg(&dir).output().unwrap();
+    // No such process (above the largest possible pid).
+    expect_error(&r(&["report", "99999999"]), "no process 99999999");
+    expect_error(&r(&["enable", "99999999"]), "no process 99999999");
+    // A process without patched code: this test.
+    let me = std::process::id().to_string();
+    expect_error(&r(&["report", &me]), "runs no patched code");
+    expect_error(&r(&["snapshot", &me, "-o", "/dev/null"]), "runs no patched code");
+    // A process of another user (only checkable when not root).
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        expect_error(&r(&["report", "1"]), "belongs to another user");
+    }
+
+    // Damaged, foreign, truncated and older snapshots.
+    let good = final_files("errors").into_iter().find(|(p, _)| p.name == "basic").unwrap().1;
+    let bytes = std::fs::read(&good).unwrap();
+    let write = |name: &str, data: &[u8]| {
+        let p = dir.join(name);
+        std::fs::write(&p, data).unwrap();
+        p
+    };
+    let foreign = built(Config::default_o2()).path("basic");
+    expect_error(&report_out(&foreign, &[]), "not an alloctramp process file");
+    expect_error(&report_out(&write("empty", b""), &[]), "not an alloctramp process file");
+    let mut damaged = bytes.clone();
+    damaged[..8].copy_from_slice(b"garbage!");
+    expect_error(&report_out(&write("damaged", &damaged), &[]), "damaged or foreign");
+    expect_error(&report_out(&write("truncated", &bytes[..bytes.len() / 2]), &[]), "truncated");
+    let mut old = bytes.clone();
+    old[8..12].copy_from_slice(&1u32.to_le_bytes());
+    expect_error(&report_out(&write("old", &old), &[]), "version 1");
+    let mut table = bytes.clone();
+    // The first module's site table: a bad magic.
+    let at = u64::from_le_bytes(bytes[512..520].try_into().unwrap()) as usize;
+    table[at] ^= 0xff;
+    expect_error(&report_out(&write("badtable", &table), &[]), "site table");
+    expect_error(&report_out(&dir.join("missing"), &[]), "no such file");
+    expect_error(&alloctramp().args(["diff"]).arg(&good).arg(dir.join("old")).output().unwrap(), "version 1");
+    expect_error(&alloctramp().args(["report", "--min-bytes", "lots"]).arg(&good).output().unwrap(), "64K");
+    expect_error(&alloctramp().args(["run", "--", "/nonexistent/prog"]).output().unwrap(), "no such program");
+
+    // `report | head` closes quietly.
+    let mut child = alloctramp()
+        .args(["report", "--all-columns"])
+        .arg(&good)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("Broken pipe"), "{o:?}");
+}
+
+#[test]
+fn every_command_has_help_with_an_example() {
+    for cmd in ["sites", "patch", "run", "report", "snapshot", "diff", "enable", "disable", "reset", "demo"] {
+        let o = alloctramp().args([cmd, "--help"]).output().unwrap();
+        let text = ok(&o, cmd);
+        assert!(text.contains("Example"), "{cmd} --help has an example:\n{text}");
+        assert!(text.contains("alloctramp "), "{cmd}:\n{text}");
+    }
+}
+
+#[test]
+fn run_patches_into_a_cache_reuses_it_and_reports_at_exit() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("run");
+    let cache = dir.join("cache");
+    let report = dir.join("report.txt");
+    let go = || {
+        alloctramp()
+            .args(["run", "--on", "--top", "0", "-o"])
+            .arg(&report)
+            .arg("--cache")
+            .arg(&cache)
+            .arg("--")
+            .arg(b.path("basic"))
+            .env("ALLOCTRAMP_DIR", &dir)
+            .output()
+            .unwrap()
+    };
+    let o = go();
+    assert!(o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("patched"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), run_program(&b.path("basic"), &[], &[]).0, "the program's output");
+    // The final counters file is left, and the report is made of it.
+    let doc = report_json(&dir.join(format!("{}.counters", find_pid(&err))), &[]);
+    assert_eq!(doc["exited"], true);
+    let live = doc["live"].as_bool().unwrap();
+    let text = std::fs::read_to_string(&report).unwrap();
+    let rows: BTreeMap<Key, (i128, i128)> =
+        parse_text(&text, 0).into_iter().map(|r| (tag_key(&r.tag), (r.size, r.calls))).collect();
+    let exp = expected(program("basic"));
+    let allocating: Vec<_> = exp.iter().filter(|(_, e)| !is_free(&e.entry)).collect();
+    assert_eq!(rows.len(), allocating.len(), "{text}");
+    for (k, e) in allocating {
+        let want = if live { (0, 0) } else { (e.bytes as i128, (e.calls - e.failed) as i128) };
+        assert_eq!(rows[k], want, "{k:?}");
+    }
+    let entries: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
+    assert_eq!(entries.len(), 1, "one cache entry");
+
+    // Again: the cached copy is reused.
+    let o = go();
+    assert!(o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("patched before"), "{err}");
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1);
+
+    // The exit status is the program's; without -o the report goes to stderr.
+    let o = alloctramp()
+        .args(["run", "--on", "--cache"])
+        .arg(&cache)
+        .args(["--", "false"])
+        .env("ALLOCTRAMP_DIR", &dir)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("allocinfo - version: 1.0"), "{o:?}");
+}
+
+/// The pid in `running PROG as pid N`.
+fn find_pid(stderr: &str) -> u32 {
+    let at = stderr.find(" as pid ").unwrap() + 8;
+    stderr[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_demo_runs_to_completion_and_shows_the_expected_top_sites() {
+    let o = alloctramp().arg("demo").output().unwrap();
+    let out = ok(&o, "demo");
+    for step in ["1. Building", "2. Patching", "3. Running", "4. Switching profiling on", "5. ", "6. The report"] {
+        assert!(out.contains(step), "step {step:?}:\n{out}");
+    }
+    let start = out.find("allocinfo - version: 1.0").expect("a report");
+    let report: String = out[start..].lines().take_while(|l| !l.is_empty()).map(|l| format!("{l}\n")).collect();
+    let rows = parse_text(&report, 0);
+    let exp = expected(program("demo"));
+    let allocating: Vec<(&Key, &Expect)> = exp.iter().filter(|(_, e)| !is_free(&e.entry)).collect();
+    assert_eq!(rows.len(), allocating.len(), "{report}");
+    let live = out.contains("largest first (alloctramp report");
+    // Profiling was on for the second 100 requests: what the markers count.
+    let got: BTreeMap<Key, (i128, i128)> = rows.iter().map(|r| (tag_key(&r.tag), (r.size, r.calls))).collect();
+    if live {
+        let l = demo_live();
+        for (k, _) in &allocating {
+            assert_eq!(got[*k], l.get(*k).map_or((0, 0), |v| (v.1 as i128, v.0 as i128)), "{k:?}");
+        }
+        assert_eq!(tag_key(&rows[0].tag), l.iter().max_by_key(|(_, v)| v.1).unwrap().0.clone(), "the leak first");
+        assert!(rows[0].tag.ends_with("func:open_session"));
+    } else {
+        for (k, e) in &allocating {
+            assert_eq!(got[*k], (e.bytes as i128, (e.calls - e.failed) as i128), "{k:?}");
+        }
+        assert!(rows[0].tag.ends_with("func:read_request"), "{report}");
+        assert_eq!(rows[0].size, 409600);
+    }
+}
