@@ -56,17 +56,21 @@ pub fn find_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
     }
     let exe = std::env::current_exe().context("locating the alloctramp executable")?;
     let dir = exe.parent().unwrap_or(Path::new("/"));
-    // Next to the executable, then where cargo builds it as a dependency
-    // of this program (deps/), then an installed layout.
-    for cand in [
+    // Next to the executable, where cargo builds it as a dependency of
+    // this program (deps/), or an installed layout. In a cargo target
+    // directory both of the first two exist and the one next to the
+    // executable is only refreshed by some builds: the newest wins.
+    let newest = [
         dir.join(layout::RUNTIME_SONAME),
         dir.join("deps").join(layout::RUNTIME_SONAME),
         dir.join("../lib/alloctramp").join(layout::RUNTIME_SONAME),
         dir.join("..").join(layout::RUNTIME_SONAME),
-    ] {
-        if cand.is_file() {
-            return Ok(cand);
-        }
+    ]
+    .into_iter()
+    .filter_map(|c| Some((std::fs::metadata(&c).ok().filter(|m| m.is_file())?.modified().ok()?, c)))
+    .max_by_key(|(t, _)| *t);
+    if let Some((_, c)) = newest {
+        return Ok(c);
     }
     bail!(
         "runtime library {} not found next to {} (build it with `cargo build --workspace`, or pass --runtime)",

@@ -320,6 +320,18 @@ fn objdump_sites(file: &Path, entries: &BTreeSet<String>) -> Option<BTreeMap<u64
         return None;
     }
     let text = String::from_utf8_lossy(&out.stdout);
+    // GOT slot -> symbol, from the GLOB_DAT and JUMP_SLOT relocations.
+    let relocs = Command::new("readelf").args(["-rW"]).arg(file).output().ok()?;
+    let mut got = BTreeMap::new();
+    for line in String::from_utf8_lossy(&relocs.stdout).lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.len() >= 5
+            && (w[2].ends_with("GLOB_DAT") || w[2].ends_with("JUMP_SLOT"))
+            && let Ok(off) = u64::from_str_radix(w[0], 16)
+        {
+            got.insert(off, w[4].split('@').next().unwrap().to_string());
+        }
+    }
     let mut section = String::new();
     let mut map = BTreeMap::new();
     for line in text.lines() {
@@ -342,6 +354,17 @@ fn objdump_sites(file: &Path, entries: &BTreeSet<String>) -> Option<BTreeMap<u64
             "jmp" | "jmpq" => "jmp",
             _ => continue,
         };
+        // Through a GOT slot: objdump names the slot after the nearest
+        // symbol, which may be another one; the relocation says which.
+        if rest.contains("(%rip)") {
+            let Some(hash) = rest.rfind("# ") else { continue };
+            let slot = rest[hash + 2..].split_whitespace().next().unwrap_or("");
+            let Ok(slot) = u64::from_str_radix(slot, 16) else { continue };
+            if let Some(sym) = got.get(&slot).filter(|s| entries.contains(*s)) {
+                map.insert(addr, (kind.to_string(), sym.clone()));
+            }
+            continue;
+        }
         let Some(open) = rest.rfind('<') else { continue };
         let name = rest[open + 1..].trim_end_matches('>');
         if name.contains('+') || name.contains('-') {

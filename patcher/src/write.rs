@@ -499,17 +499,17 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         let n = orig.len().min(8);
         original[..n].copy_from_slice(&orig[..n]);
         let (f, file, line) = site_strings[i];
-        let (patched, trampoline) = match code {
-            Ok((j, code)) => {
-                text.extend_from_slice(&code);
+        let (patched, trampoline, drain) = match code {
+            Ok((j, t)) => {
+                text.extend_from_slice(&t.code);
                 text.resize(align(text.len() as u64, 16) as usize, 0xcc);
-                (j, at)
+                (j, at, t.drain)
             }
             // Sites that cannot be patched stay in the table for the report,
             // without a trampoline: the runtime never rewrites them.
             Err(reason) => {
                 skipped.push(Skipped { site: i, reason });
-                ([0; 5], 0)
+                ([0; 5], 0, 0)
             }
         };
         table_sites.push(layout::Site {
@@ -523,6 +523,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             file,
             line,
             patched,
+            drain,
         });
     }
     // File order: the read-only segment, the executable one, the

@@ -548,8 +548,7 @@ pub unsafe extern "C" fn track_alloc(ptr: u64, size: u64, index: u64, control: *
     // SAFETY: forwarded from the caller.
     let slot = unsafe { slot_of(control) };
     if (ptr >> PTR_BITS) | (size >> SIZE_BITS) | (index >> (64 - SIZE_BITS)) != 0 {
-        untracked_alloc(slot, index, size);
-        return ptr;
+        return alloc_slow(ptr, size, index, slot);
     }
     let (key, value) = (ptr | slot << PTR_BITS, index << SIZE_BITS | size);
     let h = hash(ptr);
@@ -577,10 +576,14 @@ pub unsafe extern "C" fn track_alloc(ptr: u64, size: u64, index: u64, control: *
             }
         }
         unlock(shard);
-    } else {
-        lock_contended(shard);
-        unlock(shard);
     }
+    alloc_slow(ptr, size, index, slot)
+}
+
+/// The general case of an allocation: see [`track_alloc`].
+#[cold]
+#[inline(never)]
+fn alloc_slow(ptr: u64, size: u64, index: u64, slot: u64) -> u64 {
     track(ptr, size, slot, index);
     ptr
 }
@@ -596,7 +599,7 @@ fn untracked_free(index: u64, control: *const u8) {
 /// The general case of a free: see [`track_free`].
 #[cold]
 #[inline(never)]
-fn free_slow(ptr: u64, index: u64, control: *const u8) {
+fn free_slow(ptr: u64, index: u64, control: *const u8) -> u64 {
     let (e, emptied) = remove(ptr);
     if e.key != 0 {
         charge_free(e);
@@ -606,22 +609,17 @@ fn free_slow(ptr: u64, index: u64, control: *const u8) {
     if emptied {
         crate::control::finish_drain();
     }
+    ptr
 }
 
 /// A free while profiling is off and the free sites stay on for tracked
 /// objects to drain: the object leaves its site's live figures, and the
-/// free site's own figures do not move (its trampoline's count is taken
-/// back).
+/// free site's own figures do not move (draining sites jump to their
+/// trampoline's drain entry, past the counting; an untracked free is not
+/// counted either).
 #[cold]
 #[inline(never)]
-fn free_draining(ptr: u64, index: u64, control: *const u8) {
-    // SAFETY: the trampoline's control block.
-    let slot = unsafe { slot_of(control) };
-    let c = cell_at(slot, index);
-    if c as u64 >= PAGE as u64 * 16 {
-        // SAFETY: as in `add`.
-        unsafe { &*c.byte_add(cell::CALLS as usize) }.fetch_sub(1, Ordering::Relaxed);
-    }
+fn free_draining(ptr: u64) -> u64 {
     let (e, emptied) = remove(ptr);
     if e.key != 0 {
         charge_free(e);
@@ -629,6 +627,7 @@ fn free_draining(ptr: u64, index: u64, control: *const u8) {
     if emptied {
         crate::control::finish_drain();
     }
+    ptr
 }
 
 /// A trampoline is about to free `ptr` from site `index`. Returns `ptr`.
@@ -644,8 +643,7 @@ pub unsafe extern "C" fn track_free(ptr: u64, index: u64, control: *const u8) ->
         return 0;
     }
     if DRAINING.load(Ordering::Relaxed) {
-        free_draining(ptr, index, control);
-        return ptr;
+        return free_draining(ptr);
     }
     let h = hash(ptr);
     let shard = shard_of(h);
@@ -669,18 +667,22 @@ pub unsafe extern "C" fn track_free(ptr: u64, index: u64, control: *const u8) ->
                     unlock(shard);
                     charge_free(e);
                     if left == 0 && DRAINING.load(Ordering::Relaxed) {
-                        crate::control::finish_drain();
+                        return emptied_while_draining(ptr);
                     }
                     return ptr;
                 }
             }
         }
         unlock(shard);
-    } else {
-        lock_contended(shard);
-        unlock(shard);
     }
-    free_slow(ptr, index, control);
+    free_slow(ptr, index, control)
+}
+
+/// A free emptied a shard while draining.
+#[cold]
+#[inline(never)]
+fn emptied_while_draining(ptr: u64) -> u64 {
+    crate::control::finish_drain();
     ptr
 }
 

@@ -42,12 +42,21 @@ impl Sites {
     }
 }
 
-/// The bytes a site should hold: `jmp` to its trampoline, or the original.
+/// The bytes a site should hold: `jmp` to its trampoline (to the drain
+/// entry of a free site's trampoline while draining), or the original.
 fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
     let on = match sites {
         Sites::On => true,
         Sites::Off => false,
-        Sites::Frees => table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code()),
+        Sites::Frees => {
+            let free = table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
+            if free && site.drain != 0 {
+                let to = site.trampoline.wrapping_add(u64::from(site.drain));
+                let rel = (to.wrapping_sub(site.addr.wrapping_add(5)) as i64 as i32).to_le_bytes();
+                return [0xe9, rel[0], rel[1], rel[2], rel[3]];
+            }
+            free
+        }
     };
     if on {
         site.patched

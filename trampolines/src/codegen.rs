@@ -478,17 +478,23 @@ impl Gen<'_> {
         self.leave()
     }
 
-    fn free_like(&mut self) -> R<()> {
+    /// Returns the label of the drain entry: past the counting, at the
+    /// live-tracking test.
+    fn free_like(&mut self) -> R<CodeLabel> {
         self.count_before()?;
+        let mut drain = self.a.create_label();
+        self.a.set_label(&mut drain)?;
         let mut plain = self.a.create_label();
         self.if_tracking(control::TRACK_FREE, plain)?;
         self.free_live()?;
         self.a.set_label(&mut plain)?;
         if self.s.form.is_tail() {
-            return self.jump_target();
+            self.jump_target()?;
+        } else {
+            self.call_target()?;
+            self.leave()?;
         }
-        self.call_target()?;
-        self.leave()
+        Ok(drain)
     }
 
     /// Live path of a free: the runtime takes the pointer out of the table
@@ -520,14 +526,29 @@ impl Gen<'_> {
     }
 }
 
+/// A generated trampoline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Trampoline {
+    pub code: Vec<u8>,
+    /// Free sites: offset of the entry that skips counting (the drain
+    /// entry); 0 for other sites.
+    pub drain: u16,
+}
+
 /// Generates the trampoline for one site, to be placed at address `at`.
-pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Vec<u8>> {
+pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
     let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0 };
+    let mut drain = None;
     match spec.sig.kind {
         Kind::Alloc | Kind::Realloc => g.alloc_like()?,
-        Kind::Free => g.free_like()?,
+        Kind::Free => drain = Some(g.free_like()?),
     }
-    Ok(g.a.assemble(at)?)
+    let r = g.a.assemble_options(at, iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+    let drain = match drain {
+        Some(l) => u16::try_from(r.label_ip(&l)? - at).map_err(|_| CodegenError("trampoline too long".into()))?,
+        None => 0,
+    };
+    Ok(Trampoline { code: r.inner.code_buffer, drain })
 }
 
 /// The 5 bytes written over a site while profiling is on: `jmp rel32` to the
@@ -651,8 +672,12 @@ mod golden {
             ("strdup-call-rel32", "strdup", SiteForm::CallRel32, false),
             ("strdup-call-rel32-direct", "strdup", SiteForm::CallRel32, true),
         ] {
-            let code = trampoline(&spec(name, form, preserve), AT).unwrap();
-            v.push((file, disassemble(&code, AT)));
+            let t = trampoline(&spec(name, form, preserve), AT).unwrap();
+            let mut text = disassemble(&t.code, AT);
+            if t.drain != 0 {
+                text.push_str(&format!("drain entry: {:08x}\n", AT + u64::from(t.drain)));
+            }
+            v.push((file, text));
         }
         let init = init_stub(AT, CONTROL, 0x415040, crate::layout::api::REGISTER, Some(0x401000)).unwrap();
         v.push(("init-stub", disassemble(&init, AT)));

@@ -197,6 +197,10 @@ pub struct Site {
     pub line: u32,
     /// The 5 bytes written over the site while profiling is on.
     pub patched: [u8; 5],
+    /// Free sites: offset in the trampoline of its entry that tracks the
+    /// free without counting it (used while live figures drain after
+    /// profiling is off); 0 otherwise.
+    pub drain: u16,
 }
 
 /// One entry point.
@@ -328,7 +332,8 @@ pub fn encode(mut header: Header, sites: &[Site], entries: &[Entry], strings: &S
         put_u32(&mut b, s.file);
         put_u32(&mut b, s.line);
         b.extend_from_slice(&s.patched);
-        b.extend_from_slice(&[0; 3]);
+        b.extend_from_slice(&s.drain.to_le_bytes());
+        b.push(0);
     }
     for e in entries {
         put_u32(&mut b, e.name);
@@ -451,6 +456,7 @@ impl<'a> Table<'a> {
             file: u32_at(b, 32),
             line: u32_at(b, 36),
             patched,
+            drain: u16::from_le_bytes([b[45], b[46]]),
         }
     }
 
@@ -508,6 +514,7 @@ mod tests {
             file,
             line: 12,
             patched: [0xe9, 5, 6, 7, 8],
+            drain: 0x2a,
         }];
         let sig = entry::defaults()[1].sig;
         let entries = vec![Entry { name: strings.add("calloc"), kind: sig.kind.code(), sig: encode_sig(&sig) }];
