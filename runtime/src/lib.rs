@@ -300,6 +300,7 @@ static FINI: extern "C" fn() = {
     extern "C" fn run() {
         let h = registry::PROC_HEADER.load(Ordering::Acquire);
         if h != 0 {
+            live::publish_objects();
             // SAFETY: EXITED is a u32 field of the live header.
             unsafe { &*((h + process::hdr::EXITED) as *const std::sync::atomic::AtomicU32) }
                 .store(1, Ordering::Release);
