@@ -1,0 +1,1115 @@
+#!/usr/bin/env python3
+"""alloctramp benchmarks: measures every figure of docs/benchmarks.md.
+
+Run through bench/run, which builds the release binary and installs the
+tools first. `bench/run` (or `bench/run all`) runs every part and writes
+docs/benchmarks.md; `bench/run PART...` runs some parts and prints their
+tables. BENCH_QUICK=1 runs small sizes (and writes its document elsewhere).
+"""
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AT = os.path.join(ROOT, "target", "release", "alloctramp")
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+
+
+def setting(name, full, quick):
+    """A size: BENCH_<NAME> from the environment, else the full or quick default."""
+    v = os.environ.get(name)
+    return type(full)(v) if v else (quick if QUICK else full)
+
+
+RUNS = setting("BENCH_RUNS", 5, 3)  # timed runs per variant (median)
+LOOP_PAIRS = setting("BENCH_LOOP_PAIRS", 10_000_000, 1_000_000)  # 1 thread
+LOOP8_PAIRS = setting("BENCH_LOOP8_PAIRS", 2_000_000, 200_000)  # per thread, 8 threads
+CXX_ROUNDS = setting("BENCH_CXX_ROUNDS", 200, 20)
+CC1_UNITS = setting("BENCH_CC1_UNITS", 8, 1)
+GIT_FILES = setting("BENCH_GIT_FILES", 3000, 300)
+CALLGRIND_PAIRS = setting("BENCH_CALLGRIND_PAIRS", 100_000, 20_000)  # and twice as many
+STARTUP_RUNS = setting("BENCH_STARTUP_RUNS", 1000, 200)
+LIVE_OBJECTS = setting("BENCH_LIVE_OBJECTS", 1_000_000, 100_000)
+DHAT_LIMIT = setting("BENCH_DHAT_LIMIT", 30.0, 10.0)  # seconds for one DHAT run
+SWITCHES = 8
+
+# The process counters file (trampolines/src/process.rs): header offsets.
+HDR_FLAGS, HDR_LAST_SWITCH_NS, HDR_LAST_SWITCH_SITES = 44, 176, 184
+HDR_MODULE_COUNT, HDR_TABLE_BYTES, HDR_TABLE_OBJECTS = 32, 264, 272
+MODULE_SLOTS_AT, MODULE_SLOT_SIZE, PROC_HEADER_SIZE = 512, 64, 16384
+FLAG_LIVE = 1
+SITE_TABLE_SITE_COUNT = 20  # u32 in a site table's header (docs/formats.md)
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Results: sections of the document, and the targets table.
+
+
+class Section:
+    def __init__(self, title, part, intro=""):
+        self.title, self.part, self.lines = title, part, []
+        if intro:
+            self.para(intro)
+
+    def para(self, text):
+        self.lines += [text.strip(), ""]
+
+    def table(self, headers, rows):
+        self.lines.append("| " + " | ".join(headers) + " |")
+        self.lines.append("|" + "---|" * len(headers))
+        for r in rows:
+            self.lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |")
+        self.lines.append("")
+
+    def markdown(self):
+        return f"## {self.title} (`bench/run {self.part}`)\n\n" + "\n".join(self.lines)
+
+
+SECTIONS = []
+TARGETS = []  # (figure, value, target, status, section title)
+
+
+def target(sec, figure, value, goal, ok):
+    """One row of the targets table. ok: True, False, or None (not measurable)."""
+    status = "n/a" if ok is None else ("met" if ok else "**MISSED**")
+    TARGETS.append((figure, value, goal, status, sec.title))
+    return status
+
+
+# ---------------------------------------------------------------------------
+# Running programs.
+
+WORK = None  # the run's scratch directory (on tmpfs when there is one)
+
+
+def base_env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ALLOCTRAMP", "BENCH_")) and k != "LD_PRELOAD"}
+    env["ALLOCTRAMP_DIR"] = os.path.join(WORK, "counters")
+    env["LC_ALL"] = "C"
+    env.update(extra or {})
+    return env
+
+
+def clear_counters():
+    d = os.path.join(WORK, "counters")
+    shutil.rmtree(d, ignore_errors=True)
+    os.mkdir(d, 0o700)
+
+
+class TimedOut(Exception):
+    pass
+
+
+def timed(argv, env, cwd=None, out=None, timeout=None, stdin=None):
+    """Runs argv; returns (seconds, peak RSS in KiB). Raises on failure or timeout.
+    The peak RSS comes from /usr/bin/time: a child forked from this (large)
+    Python process would report the parent's RSS as its own peak."""
+    err_path = os.path.join(WORK, "stderr.txt")
+    rss_path = os.path.join(WORK, "rss.txt")
+    argv_shown, argv = argv, ["/usr/bin/time", "-f", "%M", "-o", rss_path, *argv]
+    with open(out or os.devnull, "wb") as so, open(err_path, "wb") as se:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(argv, env=env, cwd=cwd, stdout=so, stderr=se, stdin=stdin or subprocess.DEVNULL, start_new_session=True)
+        fired = []
+        timer = None
+        if timeout:
+            def kill():
+                fired.append(1)
+                os.killpg(p.pid, signal.SIGKILL)
+            timer = threading.Timer(timeout, kill)
+            timer.start()
+        p.wait()
+        secs = time.perf_counter() - t0
+        if timer:
+            timer.cancel()
+    if fired:
+        raise TimedOut(f"over {timeout:.0f} s")
+    if p.returncode != 0:
+        with open(err_path, "rb") as f:
+            tail = f.read()[-600:].decode(errors="replace")
+        raise RuntimeError(f"{shlex.join(argv_shown)}: exit status {p.returncode}: {tail}")
+    with open(rss_path) as f:
+        return secs, int(f.read().split()[-1])
+
+
+def output(argv, env=None, cwd=None):
+    return subprocess.run(argv, env=env, cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def show(argv):
+    """A command line as shown in the document: scratch paths as $W."""
+    return shlex.join(argv).replace(WORK, "$W")
+
+
+def cached(fn):
+    memo = {}
+
+    def wrapper(*args):
+        if args not in memo:
+            memo[args] = fn(*args)
+        return memo[args]
+
+    return wrapper
+
+
+@cached
+def build(src, *flags):
+    """Compiles bench/SRC into $W/NAME; returns its path."""
+    name = os.path.splitext(src)[0]
+    exe = os.path.join(WORK, name)
+    compiler = "g++" if src.endswith(".cpp") else "gcc"
+    subprocess.run([compiler, "-O2", os.path.join(ROOT, "bench", src), "-o", exe, *flags], check=True)
+    return exe
+
+
+@cached
+def patched(path):
+    """Patches PATH into $W/patched/ (the runtime copy beside it); returns
+    (path, seconds, peak RSS KiB, sites patched)."""
+    d = os.path.join(WORK, "patched")
+    os.makedirs(d, exist_ok=True)
+    out = os.path.join(d, os.path.basename(path))
+    secs, rss = timed([AT, "patch", path, "-o", out], base_env())
+    with open(os.path.join(WORK, "stderr.txt")) as f:
+        m = re.search(r"\((\d+) sites patched", f.read())
+    return out, secs, rss, int(m.group(1)) if m else 0
+
+
+@cached
+def patched_libstdcxx():
+    """Patches the libstdc++ g++ links with into $W/patched/libstdc++.so.6; returns
+    (the original's path, the environment that makes patched programs load the copy)."""
+    lib = output(["g++", "-print-file-name=libstdc++.so.6"]).strip()
+    out = patched(lib)[0]
+    assert os.path.basename(out) == "libstdc++.so.6"
+    return os.path.realpath(lib), {"LD_LIBRARY_PATH": os.path.dirname(out)}
+
+
+def callgrind(argv, env, toggle=None, per_object=False):
+    """Instructions executed by ARGV (valgrind --tool=callgrind): the total (only
+    inside function TOGGLE and its callees if given), or with PER_OBJECT a dict
+    of totals per group of objects (see part_instructions)."""
+    out = os.path.join(WORK, "callgrind.out")
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"] + ([f"--toggle-collect={toggle}"] if toggle else [])
+    r = subprocess.run(cmd + argv, env=env, capture_output=True, text=True)
+    m = re.search(r"Collected : (\d+)", r.stderr)
+    if not m or r.returncode != 0:
+        raise RuntimeError(f"callgrind {show(argv)}: {r.stderr[-600:]}")
+    if not per_object:
+        return int(m.group(1))
+    groups = {}
+    for line in output(["callgrind_annotate", "--threshold=100", "--inclusive=no", out]).splitlines():
+        mm = re.match(r"^\s*([\d,]+) .*\[([^\[\]]+)\]\s*$", line)
+        if not mm:
+            continue
+        obj = os.path.basename(mm.group(2))
+        if obj == os.path.basename(argv[0]) or obj.startswith("libstdc++"):
+            g = "program and libstdc++ (patched)"
+        elif obj.startswith("libc.so"):
+            g = "libc (malloc, memcmp, ...)"
+        elif obj.startswith("liballoctramp_rt"):
+            g = "alloctramp runtime"
+        else:
+            g = "dynamic linker and others"
+        groups[g] = groups.get(g, 0) + int(mm.group(1).replace(",", ""))
+    return groups
+
+
+def read_header(path):
+    with open(path, "rb") as f:
+        data = f.read(PROC_HEADER_SIZE)
+
+    def u32(at):
+        return struct.unpack_from("<I", data, at)[0]
+
+    def u64(at):
+        return struct.unpack_from("<Q", data, at)[0]
+
+    h = {
+        "flags": u32(HDR_FLAGS), "switch_ns": u64(HDR_LAST_SWITCH_NS), "switch_sites": u64(HDR_LAST_SWITCH_SITES),
+        "table_bytes": u64(HDR_TABLE_BYTES), "table_objects": u64(HDR_TABLE_OBJECTS), "modules": [],
+    }
+    with open(path, "rb") as f:
+        for i in range(u32(HDR_MODULE_COUNT)):
+            toff, tsize, coff, csize = struct.unpack_from("<4Q", data, MODULE_SLOTS_AT + i * MODULE_SLOT_SIZE)
+            f.seek(toff + SITE_TABLE_SITE_COUNT)
+            (sites,) = struct.unpack("<I", f.read(4))
+            h["modules"].append({"table": tsize, "counters": csize, "sites": sites})
+    st = os.stat(path)
+    h["file_size"], h["file_allocated"] = st.st_size, st.st_blocks * 512
+    return h
+
+
+def counters_files():
+    d = os.path.join(WORK, "counters")
+    return sorted((os.path.join(d, f) for f in os.listdir(d) if f.endswith(".counters")), key=os.path.getmtime)
+
+
+# ---------------------------------------------------------------------------
+# Side-by-side workloads.
+
+VARIANTS = [
+    ("unpatched", "unpatched", {}),
+    ("off", "patched, profiling off", {}),
+    ("count", "patched, on, counting", {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0"}),
+    ("live", "patched, on, live bytes", {"ALLOCTRAMP": "on"}),
+    ("heaptrack", "heaptrack (unpatched)", {}),
+    ("dhat", "DHAT (unpatched)", {}),
+]
+PATCHED = ("off", "count", "live")
+VARIANT_ENV = {v: e for v, _, e in VARIANTS}
+
+
+class Workload:
+    """A workload: commands(variant) gives the commands of one run, with the
+    program (unpatched or patched) and environment for that variant;
+    result() what must be the same in every variant."""
+
+    name = ""
+
+    def commands(self, variant):
+        raise NotImplementedError
+
+    def prepare_run(self):
+        pass
+
+    def result(self, stdout_path):
+        with open(stdout_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def same(self, expected, got, variant):
+        # heaptrack prints its own lines on stdout, around the program's.
+        return expected == got if variant not in ("heaptrack", "dhat") else expected.strip() in got
+
+
+def wrapper(variant):
+    if variant == "heaptrack":
+        return ["heaptrack", "-o", os.path.join(WORK, "tool", "heaptrack")]
+    if variant == "dhat":
+        return ["valgrind", "--tool=dhat", "-q", "--dhat-out-file=" + os.path.join(WORK, "tool", "dhat.out")]
+    return []
+
+
+def run_variant(w, variant, timeout=None):
+    """One run of workload W as VARIANT: (seconds, stdout of the last command)."""
+    w.prepare_run()
+    clear_counters()
+    shutil.rmtree(os.path.join(WORK, "tool"), ignore_errors=True)
+    os.mkdir(os.path.join(WORK, "tool"))
+    out = os.path.join(WORK, "stdout.txt")
+    total = 0.0
+    deadline = time.perf_counter() + timeout if timeout else None
+    for argv, env, cwd in w.commands(variant):
+        left = deadline - time.perf_counter() if deadline else None
+        if left is not None and left <= 0:
+            raise TimedOut(f"over {timeout:.0f} s")
+        secs, _ = timed(wrapper(variant) + argv, env, cwd=cwd, out=out, timeout=left)
+        total += secs
+    return total, w.result(out)
+
+
+def side_by_side(sec, w, describe):
+    """Runs every variant of W RUNS times, in turn, and adds the table to SEC.
+    Returns {variant: median seconds} (DHAT missing when skipped)."""
+    times = {v: [] for v, _, _ in VARIANTS}
+    notes, differs = [], []
+    expected = None
+    dhat_ok = True
+    for r in range(RUNS):
+        for v, label, _ in VARIANTS:
+            if v == "dhat" and not dhat_ok:
+                continue
+            log(f"{w.name}: {label}, run {r + 1}/{RUNS}")
+            try:
+                secs, got = run_variant(w, v, timeout=DHAT_LIMIT if v == "dhat" and r == 0 else None)
+            except TimedOut:
+                dhat_ok = False
+                notes.append(f"DHAT skipped: one run did not finish within {DHAT_LIMIT:.0f} s (BENCH_DHAT_LIMIT).")
+                continue
+            if expected is None:
+                expected = got
+            elif not w.same(expected, got, v) and v not in differs:
+                differs.append(v)
+            times[v].append(secs)
+    u = med(times["unpatched"])
+    rows = []
+    medians = {}
+    for v, label, _ in VARIANTS:
+        if not times[v]:
+            rows.append([label, f"`{describe(v)}`", "skipped", "", ""])
+            continue
+        m = medians[v] = med(times[v])
+        rows.append([label, f"`{describe(v)}`", f"{m:.3f}", f"{m / u:.3f}x", " ".join(f"{t:.3f}" for t in times[v])])
+    sec.table(["variant", "command", "median s", "vs unpatched", "runs (s)"], rows)
+    same = not differs
+    target(sec, f"{w.name}: output identical in every variant", "yes" if same else "differs: " + ", ".join(differs), "identical", same)
+    for n in notes:
+        sec.para(n)
+    return medians
+
+
+def env_of(variant, extra_patched=None):
+    """The environment of VARIANT; EXTRA_PATCHED is added for the patched variants."""
+    env = base_env(VARIANT_ENV[variant])
+    if variant in PATCHED and extra_patched:
+        env.update(extra_patched)
+    return env
+
+
+def env_shown(variant, extra_patched=None):
+    e = dict(VARIANT_ENV[variant])
+    if variant in PATCHED and extra_patched:
+        e.update(extra_patched)
+    return " ".join(f"{k}={v}" for k, v in e.items()).replace(WORK, "$W")
+
+
+def describe_simple(w, extra_patched=None):
+    def d(v):
+        argv = wrapper(v) + w.commands(v)[0][0]
+        s = env_shown(v, extra_patched)
+        return (s + " " if s else "") + show(argv)
+
+    return d
+
+
+class Program(Workload):
+    """One program run with fixed arguments; its stdout must not change."""
+
+    def __init__(self, name, exe, args, extra_patched=None):
+        self.name, self.exe, self.args, self.extra = name, exe, args, extra_patched
+        self.patched = patched(exe)[0]
+
+    def commands(self, v):
+        return [([self.patched if v in PATCHED else self.exe, *self.args], env_of(v, self.extra), None)]
+
+
+def overhead_ratio(m, on_variant):
+    """heaptrack's overhead over alloctramp's."""
+    a, h = m[on_variant] - m["unpatched"], m["heaptrack"] - m["unpatched"]
+    if a <= 0:
+        return f"heaptrack +{h:.3f} s, alloctramp {a:+.3f} s (within noise)", True
+    return f"{h / a:.0f}x (heaptrack +{h:.3f} s, alloctramp +{a:.3f} s)", h / a >= 20
+
+
+# ---------------------------------------------------------------------------
+# Parts.
+
+
+def part_loop():
+    """The malloc/free loop, 1 thread and 8 threads."""
+    loop = build("malloc_loop.c", "-pthread")
+    sec = Section(
+        "malloc/free loop", "loop",
+        f"`bench/malloc_loop.c`: malloc of 32-63 bytes, a write, free; {LOOP_PAIRS:,} pairs on 1 thread, "
+        f"then {LOOP8_PAIRS:,} pairs on each of 8 threads. Wall time, median of {RUNS} runs, variants in turn.",
+    )
+    SECTIONS.append(sec)
+    w1 = Program("malloc/free loop, 1 thread", loop, [str(LOOP_PAIRS), "1"])
+    sec.para(f"**1 thread, {LOOP_PAIRS:,} pairs**")
+    m = side_by_side(sec, w1, describe_simple(w1))
+    for v, what in (("count", "counting"), ("live", "live bytes")):
+        r = m[v] / m["unpatched"]
+        target(sec, f"malloc/free loop, 1 thread: wall time, on ({what}) / unpatched", f"{r:.3f}x", "<= 1.5x", r <= 1.5)
+    for v, what in (("count", "counting"), ("live", "live bytes")):
+        value, ok = overhead_ratio(m, v)
+        target(sec, f"malloc/free loop, 1 thread: heaptrack's overhead / alloctramp's ({what})", value, ">= 20x", ok)
+
+    w8 = Program("malloc/free loop, 8 threads", loop, [str(LOOP8_PAIRS), "8"])
+    sec.para(f"**8 threads, {LOOP8_PAIRS:,} pairs each** (on {os.cpu_count()} cores)")
+    m8 = side_by_side(sec, w8, describe_simple(w8))
+    for v, what in (("count", "counting"), ("live", "live bytes")):
+        kept = m8["unpatched"] / m8[v]
+        target(sec, f"malloc/free loop, 8 threads: throughput on ({what}) / unpatched", f"{100 * kept:.0f}%", ">= 80%", kept >= 0.8)
+    for v, what in (("count", "counting"), ("live", "live bytes")):
+        value, _ = overhead_ratio(m8, v)
+        sec.para(f"8 threads, heaptrack's overhead / alloctramp's ({what}): {value}.")
+    sec.para(live_tracking())
+
+
+LIVE_CHECKED = []
+
+
+@cached
+def live_tracking():
+    """What the runtime does with ALLOCTRAMP=on and with ALLOCTRAMP_LIVE=0 (the
+    LIVE flag of the counters file), in words."""
+    live = {}
+    for v in ("count", "live"):
+        clear_counters()
+        timed([patched(build("malloc_loop.c", "-pthread"))[0], "1000", "1"], env_of(v))
+        files = counters_files()
+        live[v] = bool(files) and bool(read_header(files[-1])["flags"] & FLAG_LIVE)
+    if live["live"] and not live["count"]:
+        text = ("Live tracking: this build's runtime tracks live objects with `ALLOCTRAMP=on` and only counts with "
+                "`ALLOCTRAMP_LIVE=0` (the LIVE flag of the counters file).")
+    elif not live["live"]:
+        text = ("Live tracking: this build's runtime does not track live objects (a run with `ALLOCTRAMP=on` does not "
+                "set the LIVE flag of the counters file): `ALLOCTRAMP=on` counts only, like `ALLOCTRAMP_LIVE=0`, so "
+                "the live-bytes figures measure counting.")
+    else:
+        text = ("Live tracking: this build's runtime tracks live objects even with `ALLOCTRAMP_LIVE=0`, so the "
+                "counting figures include live tracking.")
+    LIVE_CHECKED.append(text)
+    return text
+
+
+def part_cxx():
+    exe = build("containers.cpp")
+    libstdcxx, extra = patched_libstdcxx()
+    sec = Section(
+        "C++ containers and strings", "cxx",
+        f"`bench/containers.cpp` ({CXX_ROUNDS} rounds): std::string, std::vector, std::map, std::unordered_map and "
+        "std::unique_ptr churn, about 14,000 operator new/delete pairs per round, a checksum at the end. The patched "
+        f"variants also load a patched copy of libstdc++ ({os.path.basename(libstdcxx)}, through LD_LIBRARY_PATH), "
+        "since much of std::string's allocation happens inside it: each operator new is counted at its call site "
+        "and again at the malloc call inside operator new. No target is set for this synthetic workload.",
+    )
+    SECTIONS.append(sec)
+    w = Program("C++ containers", exe, [str(CXX_ROUNDS)], extra)
+    side_by_side(sec, w, describe_simple(w, {"LD_LIBRARY_PATH": "$W/patched"}))
+
+
+def cc1plus_path():
+    return output(["g++", "-print-prog-name=cc1plus"]).strip()
+
+
+@cached
+def cc1plus_source():
+    """A preprocessed C++ source: standard headers and UNITS template-heavy functions."""
+    src = os.path.join(WORK, "big.cpp")
+    headers = ["bits/stdc++.h", "regex"] if not QUICK else ["string", "vector", "map", "sstream", "algorithm"]
+    with open(src, "w") as f:
+        f.write("".join(f"#include <{h}>\n" for h in headers))
+        if QUICK:
+            f.write("#include <unordered_map>\n#include <set>\n#include <numeric>\n#include <iomanip>\n")
+        for i in range(CC1_UNITS):
+            f.write(f"""
+struct S{i} {{ std::string name; std::vector<int> v; std::map<std::string, double> m; }};
+std::string f{i}(const std::vector<S{i}> &xs) {{
+    std::ostringstream out;
+    std::unordered_map<std::string, std::vector<S{i}>> groups;
+    for (const auto &x : xs) groups[x.name].push_back(x);
+    std::vector<std::pair<std::string, size_t>> sizes;
+    for (auto &[k, g] : groups) sizes.emplace_back(k, g.size());
+    std::sort(sizes.begin(), sizes.end(), [](auto &a, auto &b) {{ return a.second < b.second || (a.second == b.second && a.first < b.first); }});
+    for (auto &[k, s] : sizes) out << k << ':' << s << std::setw({i % 7 + 1}) << {i} << '\\n';
+    std::set<int> seen;
+    for (const auto &x : xs) for (int e : x.v) seen.insert(e + {i});
+    return out.str() + std::to_string(std::accumulate(seen.begin(), seen.end(), 0L));
+}}
+""")
+    ii = os.path.join(WORK, "big.ii")
+    subprocess.run(["g++", "-E", src, "-o", ii], check=True)
+    return ii
+
+
+class Cc1plus(Workload):
+    name = "cc1plus"
+
+    def __init__(self):
+        self.exe = cc1plus_path()
+        self.patched = patched(self.exe)[0]
+        self.ii = cc1plus_source()
+        self.out = os.path.join(WORK, "big.s")
+
+    def args(self):
+        return ["-fpreprocessed", self.ii, "-quiet", "-dumpbase", "big.ii", "-dumpbase-ext", ".ii",
+                "-mtune=generic", "-march=x86-64", "-O1", "-o", self.out]
+
+    def commands(self, v):
+        return [([self.patched if v in PATCHED else self.exe, *self.args()], env_of(v), WORK)]
+
+    def result(self, _stdout):
+        with open(self.out, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def same(self, expected, got, _v):
+        return expected == got
+
+
+def part_cc1plus():
+    w = Cc1plus()
+    size = os.path.getsize(w.ii)
+    sec = Section(
+        "The C++ compiler proper, cc1plus", "cc1plus",
+        f"`{w.exe}` (patched: {patched(w.exe)[3]:,} sites) compiles a generated, preprocessed source at -O1 "
+        f"({size / 1e6:.1f} MB: {'the standard library headers' if not QUICK else 'a few standard headers'} and "
+        f"{CC1_UNITS} template-heavy functions). The assembly output must be byte-identical in every variant. "
+        "Only cc1plus is patched (not the libraries it loads).",
+    )
+    SECTIONS.append(sec)
+    m = side_by_side(sec, w, describe_simple(w))
+    for v, what in (("count", "counting"), ("live", "live bytes")):
+        r = m[v] / m["unpatched"]
+        target(sec, f"cc1plus: wall time, on ({what}) / unpatched", f"{r:.3f}x", "<= 1.03x", r <= 1.03)
+
+
+class GitWorkload(Workload):
+    name = "git"
+    PARTS = 5
+
+    def __init__(self):
+        self.git = shutil.which("git")
+        self.exec_path = output([self.git, "--exec-path"]).strip()
+        self.patched = patched(self.git)[0]
+        self.tree = os.path.join(WORK, "gitwork")
+        home = os.path.join(WORK, "home")
+        os.makedirs(home, exist_ok=True)
+        self.env = {
+            "HOME": home, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+            "GIT_AUTHOR_NAME": "Bench", "GIT_AUTHOR_EMAIL": "bench@example.org", "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+            "GIT_COMMITTER_NAME": "Bench", "GIT_COMMITTER_EMAIL": "bench@example.org",
+            "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+        }
+        self.generate()
+
+    def generate(self):
+        """GIT_FILES text files of 1-4 KB in PARTS directories of 20 subdirectories each."""
+        rnd = random.Random(7)
+        words = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(2, 10))) for _ in range(2000)]
+        for i in range(GIT_FILES):
+            d = os.path.join(self.tree, f"p{i % self.PARTS}", f"d{(i // self.PARTS) % 20:02}")
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"f{i:05}.txt"), "w") as f:
+                lines = []
+                for _ in range(rnd.randint(20, 80)):
+                    lines.append(" ".join(rnd.choice(words) for _ in range(rnd.randint(3, 12))))
+                f.write("\n".join(lines) + "\n")
+
+    def prepare_run(self):
+        shutil.rmtree(os.path.join(self.tree, ".git"), ignore_errors=True)
+
+    def commands(self, v):
+        git = self.patched if v in PATCHED else self.git
+        env = base_env({**VARIANT_ENV[v], **self.env})
+        if v in PATCHED:  # git's own subprocesses (gc: repack, pack-objects, ...) run the patched git too
+            env["GIT_EXEC_PATH"] = os.path.dirname(self.patched)
+        cmds = [[git, "init", "-q", "-b", "main"]]
+        for k in range(self.PARTS):
+            cmds += [[git, "add", f"p{k}"], [git, "commit", "-q", "-m", f"part {k}"]]
+        cmds += [[git, "log", "--stat"], [git, "gc", "-q"], [git, "fsck", "--no-progress"], [git, "log", "--oneline"]]
+        return [(c, env, self.tree) for c in cmds]
+
+    def result(self, stdout_path):
+        with open(stdout_path) as f:
+            log_lines = f.read()
+        head = output([self.git, "rev-parse", "HEAD"], env=base_env(self.env), cwd=self.tree).strip()
+        return head + "\n" + log_lines
+
+    def same(self, expected, got, v):
+        # The last command's output is `git log --oneline` (heaptrack adds lines).
+        return expected == got if v not in ("heaptrack", "dhat") else all(line in got for line in expected.splitlines())
+
+
+def part_git():
+    w = GitWorkload()
+    sec = Section(
+        "git on a generated repository", "git",
+        f"`{w.git}` (patched: {patched(w.git)[3]:,} sites). One run: `git init`, then {w.PARTS} times `git add` and "
+        f"`git commit` of a fifth of {GIT_FILES:,} generated text files, `git log --stat`, `git gc`, `git fsck`, "
+        "`git log --oneline`: 15 commands, timed together (the commands are in `GitWorkload.commands` in "
+        "bench/bench.py). The commit ids and the log must be identical in every variant. The patched variants set "
+        "GIT_EXEC_PATH to the patched git's directory, so git's own subprocesses (gc's repack and pack-objects, "
+        "commit's maintenance, ...) are patched and profiled too, each with its own start-up and counters file; "
+        "heaptrack and DHAT wrap each of the 15 commands and trace only the process they start.",
+    )
+    SECTIONS.append(sec)
+
+    def describe(v):
+        words = [env_shown(v, {"GIT_EXEC_PATH": "$W/patched"}), show(wrapper(v)), "$W/patched/git" if v in PATCHED else w.git, "..."]
+        return " ".join(x for x in words if x)
+
+    m = side_by_side(sec, w, describe)
+    for v, what in (("count", "counting"), ("live", "live bytes")):
+        r = m[v] / m["unpatched"]
+        target(sec, f"git: wall time, on ({what}) / unpatched", f"{r:.3f}x", "<= 1.03x", r <= 1.03)
+
+
+def part_instructions():
+    """Off is free (instruction counts), on costs N instructions per pair."""
+    loop = build("malloc_loop.c", "-pthread")
+    ploop = patched(loop)[0]
+    n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
+    sec = Section(
+        "Instructions: off is free, on is cheap", "instructions",
+        f"`valgrind --tool=callgrind` counts the instructions of the malloc/free loop (1 thread) at {n1:,} and "
+        f"{n2:,} pairs, twice: the whole process, and only the loop (`--toggle-collect=work`: the thread function "
+        "with everything it calls: malloc, free, trampolines, the runtime). Per-pair figures are the loop's "
+        f"difference between the two sizes divided by {n2 - n1:,}, minus the same figure for the unpatched "
+        "program, so start-up cancels out. Instruction counts do not depend on the machine's load.",
+    )
+    SECTIONS.append(sec)
+    ir, lp = {}, {}
+    for v in ("unpatched",) + PATCHED:
+        for n in (n1, n2):
+            log(f"callgrind: {v}, {n} pairs")
+            argv = [ploop if v in PATCHED else loop, str(n), "1"]
+            ir[v, n] = callgrind(argv, env_of(v))
+            lp[v, n] = callgrind(argv, env_of(v), toggle="work")
+    base = lp["unpatched", n2] - lp["unpatched", n1]
+    extra = {v: lp[v, n2] - lp[v, n1] - base for v in PATCHED}
+    per = {v: extra[v] / (n2 - n1) for v in PATCHED}
+    rows = []
+    for v, label, _ in VARIANTS:
+        if v not in ("unpatched",) + PATCHED:
+            continue
+        e = env_shown(v)
+        cmd = f"`{e + ' ' if e else ''}valgrind --tool=callgrind [--toggle-collect=work] {'$W/patched/' if v in PATCHED else '$W/'}malloc_loop N 1`"
+        rows.append([label, cmd, f"{ir[v, n1]:,}", f"{ir[v, n2]:,}", f"{lp[v, n1]:,}", f"{lp[v, n2]:,}",
+                     f"{(lp[v, n2] - lp[v, n1]) / (n2 - n1):.2f}", "" if v == "unpatched" else f"{per[v]:+.2f}"])
+    sec.table(["variant", "command", f"process, N={n1:,}", f"process, N={n2:,}", f"loop, N={n1:,}", f"loop, N={n2:,}",
+               "loop per pair", "extra per pair"], rows)
+    target(sec, "patched, profiling off: extra instructions per malloc+free pair",
+           f"{per['off']:.2f} ({extra['off']:+d} instructions over {n2 - n1:,} more pairs)", "exactly 0", extra["off"] == 0)
+    target(sec, "on, counting: extra instructions per malloc+free pair", f"{per['count']:.2f}", "<= 20", per["count"] <= 20)
+    target(sec, "on, live bytes: extra instructions per malloc+free pair", f"{per['live']:.2f}", "<= 60", per["live"] <= 60)
+    startup_ir = ir["off", n1] - ir["unpatched", n1]
+    whole = (ir["off", n2] - ir["off", n1]) - (ir["unpatched", n2] - ir["unpatched", n1])
+    sec.para(
+        f"Fixed start-up difference, profiling off: {startup_ir:,} instructions for the whole process (the runtime "
+        f"loading, registering the module and creating its files), of which {lp['off', n1] - lp['unpatched', n1]:+,} "
+        "inside the loop (where not 0: the heap's layout differs for the thread's first malloc; the same at both "
+        f"sizes). Over the whole process, the patched program's two sizes differ by {whole:+,} instructions more "
+        "than the unpatched program's (where not 0: start-up varies by a few instructions from run to run).")
+
+    # The same check on C++: operator new/delete in the program and in a patched libstdc++, split by object.
+    exe = build("containers.cpp")
+    _, lib_env = patched_libstdcxx()
+    r1, r2 = (5, 10) if QUICK else (10, 20)
+    cx = {}
+    for v in ("unpatched", "off"):
+        for r in (r1, r2):
+            log(f"callgrind: containers {v}, {r} rounds")
+            prog = patched(exe)[0] if v == "off" else exe
+            cx[v, r] = callgrind([prog, str(r)], env_of(v, lib_env), per_object=True)
+    groups = ["program and libstdc++ (patched)", "libc (malloc, memcmp, ...)", "alloctramp runtime", "dynamic linker and others"]
+    per_round = {(v, g): (cx[v, r2].get(g, 0) - cx[v, r1].get(g, 0)) / (r2 - r1) for v in ("unpatched", "off") for g in groups}
+    sec.table(["C++ containers (`bench/containers.cpp`): instructions per round, by object", "unpatched", "patched, profiling off", "extra"],
+              [[g, f"{per_round['unpatched', g]:,.1f}", f"{per_round['off', g]:,.1f}", f"{per_round['off', g] - per_round['unpatched', g]:+,.1f}"]
+               for g in groups])
+    d = per_round["off", groups[0]] - per_round["unpatched", groups[0]]
+    sec.para(
+        f"Per round of about 14,000 operator new/delete pairs, measured at {r1} and {r2} rounds. The patched "
+        "modules (the program and libstdc++, where every site is) execute exactly the instructions of the "
+        "originals; libc's counts move by a few instructions per thousand calls because the runtime's own "
+        "allocations at start-up give the heap a different layout (malloc's paths and memcmp's alignment cases).")
+    target(sec, "C++ containers, patched off: extra instructions per round in the patched modules", f"{d:+.2f}", "exactly 0", d == 0)
+
+    # Wall time of start-up: a small program run STARTUP_RUNS times in a row, original and patched, in turn.
+    small_c = os.path.join(WORK, "small.c")
+    with open(small_c, "w") as f:
+        f.write("#include <stdlib.h>\nint main(void){free(malloc(1));return 0;}\n")
+    small = os.path.join(WORK, "small")
+    subprocess.run(["gcc", "-O2", small_c, "-o", small], check=True)
+    psmall = patched(small)[0]
+    loop_cmd = 'for ((i = 0; i < $1; i++)); do "$0"; done'
+    a, b = [], []
+    for r in range(RUNS):
+        log(f"start-up: run {r + 1}/{RUNS}")
+        for prog, into in ((small, a), (psmall, b)):
+            clear_counters()
+            into.append(timed(["bash", "-c", loop_cmd, prog, str(STARTUP_RUNS)], base_env())[0] * 1000 / STARTUP_RUNS)
+    ta, tb = med(a), med(b)
+    sec.table(["start-up (a program that mallocs once)", "command", "ms per run (median)"],
+              [["original", f"`{show(['bash', '-c', loop_cmd, small, str(STARTUP_RUNS)])}`", f"{ta:.3f}"],
+               ["patched, profiling off", f"`{show(['bash', '-c', loop_cmd, psmall, str(STARTUP_RUNS)])}`", f"{tb:.3f}"]])
+    target(sec, "patched, profiling off: start-up time", f"{tb - ta:+.3f} ms per run ({startup_ir:,} instructions)", "<= 1 ms", tb - ta <= 1)
+
+
+def largest_elf(shared):
+    """The largest x86-64 ELF file (SHARED: shared library) under the usual
+    directories that imports malloc. BENCH_ELF overrides."""
+    if os.environ.get("BENCH_ELF"):
+        return os.environ["BENCH_ELF"]
+    if QUICK:
+        return os.path.realpath(output(["g++", "-print-file-name=libstdc++.so.6"]).strip())
+    r = subprocess.run(["find", "/usr/lib", "/usr/lib64", "/usr/bin", "/usr/libexec", "/usr/local", "-xdev", "-type", "f",
+                        "-size", "+1M", "-printf", "%s %p\n"], capture_output=True, text=True)
+    for line in sorted(r.stdout.splitlines(), key=lambda s: -int(s.split(" ", 1)[0])):
+        path = line.split(" ", 1)[1]
+        if shared and ".so" not in os.path.basename(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                h = f.read(20)
+        except OSError:
+            continue
+        if len(h) == 20 and h[:6] == b"\x7fELF\x02\x01" and h[16] in (2, 3) and h[18:20] == b"\x3e\x00":
+            nm = subprocess.run(["nm", "-D", path], capture_output=True, text=True).stdout
+            if re.search(r" U malloc(@|$)", nm, re.M):
+                return path
+    raise RuntimeError("no x86-64 ELF file importing malloc found")
+
+
+def which_elf():
+    if os.environ.get("BENCH_ELF"):
+        return "The file BENCH_ELF names"
+    if QUICK:
+        return "Quick mode: libstdc++ instead of the largest file"
+    return "The largest x86-64 ELF file on the machine that imports malloc"
+
+
+@cached
+def the_largest(shared=False):
+    return largest_elf(shared)
+
+
+def part_scan():
+    f = the_largest()
+    size = os.path.getsize(f)
+    summary = json.loads(output([AT, "sites", "--json", f]))["summary"]
+    code, sites = summary["code_bytes"], summary["sites"]
+    sec = Section("Site discovery", "scan",
+                  f"{which_elf()}: `{f}` ({size / 2**20:.0f} MiB, "
+                  f"{code / 2**20:.0f} MiB of code, {sites:,} sites). `alloctramp sites` includes symbolization and "
+                  "printing every line; the page cache is warm.")
+    SECTIONS.append(sec)
+    timed([AT, "sites", f], base_env())  # warm the page cache
+    runs, rss = [], 0
+    for r in range(RUNS):
+        log(f"scan: run {r + 1}/{RUNS}")
+        secs, rss = timed([AT, "sites", f], base_env())
+        runs.append(secs)
+    s = med(runs)
+    log("scan: objdump -d")
+    od, _ = timed(["objdump", "-d", f], base_env())
+    sec.table(["figure", "command", "value"], [
+        [f"wall time (median of {RUNS})", f"`alloctramp sites {f}`", f"{s:.3f} s"],
+        ["code scanned per second", "", f"{code / 1e6 / s:.0f} MB/s"],
+        ["peak RSS", "", f"{rss / 1024:.1f} MiB"],
+        ["objdump -d on the same file (1 run)", f"`objdump -d {f}`", f"{od:.2f} s"],
+    ])
+    target(sec, "scan speed", f"{code / 1e6 / s:.0f} MB/s of code", ">= 100 MB/s", code / 1e6 / s >= 100)
+    target(sec, "scan speed-up over `objdump -d`", f"{od / s:.0f}x ({s:.2f} s against {od:.2f} s)", ">= 15x", od / s >= 15)
+    limit = size / 2**20 + 64
+    target(sec, "scan peak RSS", f"{rss / 1024:.0f} MiB", f"<= file + 64 MiB = {limit:.0f} MiB", rss / 1024 <= limit)
+
+
+def part_patch():
+    f = the_largest()
+    size = os.path.getsize(f)
+    out = os.path.join(WORK, "patch-test.so")
+    runs, rss = [], 0
+    for r in range(RUNS):
+        log(f"patch: run {r + 1}/{RUNS}")
+        secs, rss = timed([AT, "patch", f, "-o", out], base_env())
+        runs.append(secs)
+    s = med(runs)
+    psize = os.path.getsize(out)
+    os.unlink(out)
+    sec = Section("Patching", "patch", f"`alloctramp patch` on `{f}` ({size / 2**20:.0f} MiB); the output is "
+                  f"{psize / 2**20:.0f} MiB.")
+    SECTIONS.append(sec)
+    sec.table(["figure", "command", "value"], [
+        [f"wall time (median of {RUNS})", f"`alloctramp patch {f} -o $W/out.so`", f"{s:.2f} s"],
+        ["peak RSS", "", f"{rss / 1024:.1f} MiB"],
+    ])
+    target(sec, "patch the largest ELF file", f"{s:.2f} s ({size / 2**20:.0f} MiB)", "<= 3 s", s <= 3)
+    limit = 2 * size / 2**20 + 64
+    target(sec, "patch peak RSS", f"{rss / 1024:.0f} MiB", f"<= 2 x file + 64 MiB = {limit:.0f} MiB", rss / 1024 <= limit)
+
+
+def hold_process(libs):
+    """Starts bench/hold.c (patched) with the patched LIBS loaded; returns (process, counters file)."""
+    hold = patched(build("hold.c", "-ldl"))[0]
+    clear_counters()
+    p = subprocess.Popen([hold, *libs], env=base_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if p.stdout.readline().strip() != "ready":
+        raise RuntimeError("hold did not start")
+    return p, os.path.join(WORK, "counters", f"{p.pid}.counters")
+
+
+def part_switch():
+    f = the_largest(True)
+    plib, _, _, nsites = patched(f)
+    p, cfile = hold_process([plib])
+    rows, times = [], []
+    try:
+        for i in range(SWITCHES):
+            what = "enable" if i % 2 == 0 else "disable"
+            secs, _ = timed([AT, what, "--dir", os.path.join(WORK, "counters"), str(p.pid)], base_env())
+            h = read_header(cfile)
+            times.append(h["switch_ns"] / 1e6)
+            rows.append([str(i + 1), what, f"{h['switch_sites']:,}", f"{h['switch_ns'] / 1e6:.1f}", f"{secs * 1000:.1f}"])
+        h = read_header(cfile)
+    finally:
+        p.stdin.write("\n")
+        p.stdin.close()
+        p.wait()
+    sites = h["switch_sites"]
+    sec = Section("Switching", "switch",
+                  f"A process (`bench/hold.c`, patched) holds the patched `{os.path.basename(f)}` ({nsites:,} sites); "
+                  f"`alloctramp enable` and `disable` switch every site {SWITCHES} times. The switch time is the "
+                  "runtime's own measurement (the counters file's last-switch field); the command's wall time includes "
+                  "starting `alloctramp` and waiting for the process to answer.")
+    SECTIONS.append(sec)
+    sec.table(["#", "command", "sites", "switch ms", "command wall ms"], rows)
+    first, later = times[0], statistics.mean(times[1:])
+    per = lambda t: t * 1000 / sites
+    target(sec, f"switch {sites:,} sites on, first time (pages copied on write)", f"{first:.1f} ms = {per(first):.3f} ms per 1,000", "<= 1 ms per 1,000 sites", per(first) <= 1)
+    target(sec, f"switch {sites:,} sites on or off, later (mean of {SWITCHES - 1})", f"{later:.1f} ms = {per(later):.3f} ms per 1,000", "<= 1 ms per 1,000 sites", per(later) <= 1)
+
+
+def part_memory():
+    sec = Section("Memory", "memory",
+                  "Runtime memory per site: the process counters file holds a copy of each module's site table and "
+                  "its counters (shards x 64-byte cells); the file is sparse, so counters take memory only where "
+                  "they were touched. Size is what is reserved, allocated what the file system holds (st_blocks).")
+    SECTIONS.append(sec)
+    rows = []
+    # A module with many sites, switched on, nothing called yet.
+    f = the_largest(True)
+    plib = patched(f)[0]
+    p, cfile = hold_process([plib])
+    try:
+        subprocess.run([AT, "enable", "--dir", os.path.join(WORK, "counters"), str(p.pid)], env=base_env(), check=True, capture_output=True)
+        h = read_header(cfile)
+    finally:
+        p.stdin.write("\n")
+        p.stdin.close()
+        p.wait()
+    cases = [(f"`bench/hold.c` holding patched {os.path.basename(f)}, switched on", h)]
+    # A program that ran with profiling on (the C++ workload and its patched libstdc++).
+    exe = build("containers.cpp")
+    _, extra = patched_libstdcxx()
+    clear_counters()
+    timed([patched(exe)[0], str(CXX_ROUNDS)], env_of("live", extra))
+    cases.append((f"`bench/containers.cpp {CXX_ROUNDS}` with patched libstdc++, after a run with profiling on", read_header(counters_files()[-1])))
+    for what, h in cases:
+        sites = sum(m["sites"] for m in h["modules"])
+        table = sum(m["table"] for m in h["modules"])
+        counters = sum(m["counters"] for m in h["modules"])
+        rows.append([what, f"{sites:,}", f"{table / sites:,.0f}", f"{counters / sites:,.0f}",
+                     f"{h['file_size'] / sites:,.0f}", f"{h['file_allocated'] / sites:,.0f}"])
+    sec.table(["process", "sites", "table copy bytes/site", "counters reserved bytes/site", "file size bytes/site", "file allocated bytes/site"], rows)
+    per = []
+    for _, h in cases:
+        sites = sum(m["sites"] for m in h["modules"])
+        per.append((h["file_allocated"] / sites, h["file_size"] / sites, sites))
+    TARGETS.append(("runtime memory per site (counters file: site table copy and counters, per site)",
+                    f"{per[0][0]:,.0f} bytes allocated ({per[0][1]:,.0f} reserved) holding {os.path.basename(f)} switched on; "
+                    f"{per[1][0]:,.0f} bytes ({per[1][1]:,.0f} reserved) after the C++ workload", "(reported)", "", sec.title))
+
+    # Per tracked live object: a program holding LIVE_OBJECTS allocations.
+    exe = build("live_objects.c")
+    pexe = patched(exe)[0]
+    res = {}
+    for v, prog in (("unpatched", exe), ("live", pexe)):
+        clear_counters()
+        p = subprocess.Popen([prog, str(LIVE_OBJECTS)], env=env_of(v), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("live_objects did not start")
+            with open(f"/proc/{p.pid}/status") as st:
+                rss = int(re.search(r"VmRSS:\s+(\d+)", st.read()).group(1)) * 1024
+            hdr = read_header(os.path.join(WORK, "counters", f"{p.pid}.counters")) if v == "live" else None
+        finally:
+            p.stdin.write("\n")
+            p.stdin.close()
+            p.wait()
+        res[v] = (rss, hdr)
+    hdr = res["live"][1]
+    rss_delta = (res["live"][0] - res["unpatched"][0]) / LIVE_OBJECTS
+    cmd = f"`ALLOCTRAMP=on $W/patched/live_objects {LIVE_OBJECTS}`"
+    if hdr["table_bytes"] == 0 and hdr["table_objects"] == 0:
+        value = "n/a (live tracking not available)"
+        ok = None
+    else:
+        per_obj = hdr["table_bytes"] / LIVE_OBJECTS
+        value = f"{per_obj:.1f} bytes ({hdr['table_bytes']:,} bytes of pointer table for {LIVE_OBJECTS:,} objects; it reports {hdr['table_objects']:,})"
+        ok = per_obj <= 24
+    sec.para(f"**Per tracked live object**: `bench/live_objects.c` holds {LIVE_OBJECTS:,} allocations of 32 bytes, "
+             f"patched and run with profiling on ({cmd}); the figure is the counters file's pointer-table size "
+             "(TABLE_BYTES) divided by the objects held.")
+    sec.table(["figure", "value"], [
+        ["pointer table bytes per live object", value],
+        ["objects in the pointer table (TABLE_OBJECTS)", f"{hdr['table_objects']:,}"],
+        ["RSS of the patched program (on) minus the unpatched one, per object", f"{rss_delta:.1f} bytes"],
+    ])
+    target(sec, "runtime memory per tracked live object", value, "<= 24 bytes", ok)
+
+
+PARTS = {
+    "scan": part_scan,
+    "patch": part_patch,
+    "instructions": part_instructions,
+    "loop": part_loop,
+    "cxx": part_cxx,
+    "cc1plus": part_cc1plus,
+    "git": part_git,
+    "switch": part_switch,
+    "memory": part_memory,
+}
+ALL = ["instructions", "loop", "cxx", "cc1plus", "git", "scan", "patch", "switch", "memory"]
+ALIASES = {"all": ALL, "runtime": ["instructions", "loop", "switch"]}
+
+
+# ---------------------------------------------------------------------------
+# The document.
+
+
+def machine():
+    cpu = "?"
+    with open("/proc/cpuinfo") as f:
+        m = re.search(r"^model name\s*:\s*(.*)$", f.read(), re.M)
+        cpu = m.group(1) if m else cpu
+    with open("/proc/meminfo") as f:
+        mem = int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1)) * 1024
+    osname = "?"
+    if os.path.exists("/etc/os-release"):
+        with open("/etc/os-release") as f:
+            m = re.search(r'^PRETTY_NAME="?([^"\n]*)', f.read(), re.M)
+            osname = m.group(1) if m else osname
+
+    def ver(argv, pattern=r"(\d+\.\d+(\.\d+)?)"):
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True)
+            m = re.search(pattern, r.stdout + r.stderr)
+            return m.group(1) if m else "?"
+        except OSError:
+            return "not found"
+
+    commit = output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]).strip()
+    dirty = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", "cli", "patcher", "runtime", "trampolines"]).returncode != 0
+    return [
+        ["cores", f"{os.cpu_count()} (`nproc`)"],
+        ["CPU", cpu + " (/proc/cpuinfo)"],
+        ["memory", f"{mem / 2**30:.1f} GiB"],
+        ["kernel", platform.release()],
+        ["system", osname],
+        ["alloctramp", f"commit {commit}" + (" with uncommitted changes to the sources" if dirty else "")],
+        ["tools", f"gcc {ver(['gcc', '--version'])}, valgrind {ver(['valgrind', '--version'])}, heaptrack {ver(['heaptrack', '--version'])}, "
+                  f"git {ver(['git', '--version'])}, binutils {ver(['objdump', '--version'])}"],
+    ]
+
+
+def document(parts, started, elapsed, load_start, load_end, mach):
+    date = started.strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "bench/run" if parts == ALL else "bench/run " + " ".join(parts)
+    out = ["# Benchmarks", ""]
+    if QUICK:
+        out += ["**Quick mode (BENCH_QUICK=1): small sizes, not the figures of record.**", ""]
+    out += [
+        f"Written by `{cmd}` on {date}; the run took {elapsed // 60:.0f} min {elapsed % 60:.0f} s. Every figure below "
+        "comes from that one run: run the same command to reproduce it (`bench/run PART` runs one part and prints "
+        "its tables; parts: " + ", ".join(f"`{p}`" for p in ALL) + "). Not part of the test suite.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    out += [f"| {k} | {v} |" for k, v in mach]
+    out += [f"| load average (1 min) | {load_start:.2f} at the start, {load_end:.2f} at the end |", ""]
+    out += [
+        "## Targets",
+        "",
+        "Each target of the project, with the figure measured in this run. A missed target says **MISSED**.",
+        "",
+        "| figure | value | target | | section |",
+        "|---|---|---|---|---|",
+    ]
+    for fig, value, goal, status, where in TARGETS:
+        out.append(f"| {fig} | {value} | {goal} | {status} | {where} |")
+    out += [
+        "",
+        "## How the figures are taken",
+        "",
+        f"- Wall times are medians of {RUNS} runs. The variants of a workload run in turn (unpatched, off, counting, "
+        "live, heaptrack, DHAT, then again), so a change in the machine's load affects them alike; ratios are "
+        "against the unpatched program in the same run.",
+        "- Variants: **unpatched** is the original program; **patched, profiling off** is `alloctramp patch`'s "
+        "output run as is; **on, counting** sets `ALLOCTRAMP=on ALLOCTRAMP_LIVE=0`; **on, live bytes** sets "
+        "`ALLOCTRAMP=on` (live tracking is the default where the runtime has it); **heaptrack** is "
+        "`heaptrack -o FILE PROGRAM` (recording and its interpretation, as a user runs it); **DHAT** is "
+        f"`valgrind --tool=dhat`, skipped where one run takes longer than {DHAT_LIMIT:.0f} s.",
+        f"- Sizes: BENCH_RUNS={RUNS} BENCH_LOOP_PAIRS={LOOP_PAIRS} BENCH_LOOP8_PAIRS={LOOP8_PAIRS} "
+        f"BENCH_CXX_ROUNDS={CXX_ROUNDS} BENCH_CC1_UNITS={CC1_UNITS} BENCH_GIT_FILES={GIT_FILES} "
+        f"BENCH_CALLGRIND_PAIRS={CALLGRIND_PAIRS} BENCH_STARTUP_RUNS={STARTUP_RUNS} BENCH_LIVE_OBJECTS={LIVE_OBJECTS} "
+        f"BENCH_DHAT_LIMIT={DHAT_LIMIT:.0f} (environment variables of `bench/run`; BENCH_QUICK=1 makes them small).",
+        "- `$W` is the run's scratch directory (on tmpfs when /dev/shm exists); `ALLOCTRAMP_DIR` is `$W/counters` "
+        "for every run.",
+        "- Every workload's output is compared across variants (checksum, assembly file, commit ids and log).",
+    ]
+    if LIVE_CHECKED:
+        out.append("- " + LIVE_CHECKED[0])
+    out.append("")
+    for s in SECTIONS:
+        out.append(s.markdown())
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv):
+    global WORK
+    parts = []
+    for a in argv or ["all"]:
+        if a in ALIASES:
+            parts += ALIASES[a]
+        elif a in PARTS:
+            parts.append(a)
+        else:
+            print(f"unknown part {a!r}: {', '.join(list(PARTS) + list(ALIASES))}", file=sys.stderr)
+            return 2
+    writes_doc = parts == ALL
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    WORK = tempfile.mkdtemp(prefix="alloctramp-bench-", dir=base)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.monotonic()
+    load_start = os.getloadavg()[0]
+    failed = []
+    try:
+        for part in parts:
+            log(f"== {part}")
+            before = len(SECTIONS)
+            try:
+                PARTS[part]()
+            except Exception as e:  # one part failing does not lose the others' figures
+                traceback.print_exc()
+                if len(SECTIONS) == before:
+                    SECTIONS.append(Section(part, part))
+                SECTIONS[-1].para(f"**FAILED**: {e}")
+                TARGETS.append((f"part `{part}` ran to the end", "failed: " + str(e).splitlines()[0][:200], "no failure", "**MISSED**", SECTIONS[-1].title))
+                failed.append(part)
+            for s in SECTIONS[before:]:
+                print(s.markdown(), flush=True)
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+    elapsed = time.monotonic() - t0
+    print("| figure | value | target | | section |\n|---|---|---|---|---|")
+    for fig, value, goal, status, where in TARGETS:
+        print(f"| {fig} | {value} | {goal} | {status} | {where} |")
+    log(f"done in {elapsed // 60:.0f} min {elapsed % 60:.0f} s")
+    if writes_doc:
+        path = os.environ.get("BENCH_DOC") or (os.path.join(ROOT, "docs", "benchmarks.md") if not QUICK else "/tmp/alloctramp-benchmarks-quick.md")
+        with open(path, "w") as f:
+            f.write(document(parts, started, elapsed, load_start, os.getloadavg()[0], machine()))
+        log(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
