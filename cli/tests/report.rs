@@ -6,13 +6,13 @@
 //! known, whenever the process file says live tracking was on.
 
 use crate::patch::patch_to;
+use crate::runtime::{Server, free_handler_line};
 use crate::util::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output, Stdio};
 
 /// The display name of an entry point given by symbol.
 fn display(symbol: &str) -> String {
@@ -410,45 +410,8 @@ fn sorting_selecting_grouping_and_human_sizes() {
     assert_eq!(csv[0]["bytes"], total.to_string());
 }
 
-/// A patched `server` (see testbins/README.md) under control of the test.
-struct Server {
-    child: Child,
-    out: BufReader<std::process::ChildStdout>,
-    dir: PathBuf,
-}
-
+/// Report views of a running `server` (see testbins/README.md).
 impl Server {
-    fn start(name: &str, env: &[(&str, &str)]) -> Server {
-        let b = built(Config::default_o2());
-        let dir = counters_dir(name);
-        let bin = dir.join("server.bin");
-        patch_to(&b.path("server"), &bin, &[]);
-        let mut child = Command::new(&bin)
-            .env("ALLOCTRAMP_DIR", &dir)
-            .env_remove("ALLOCTRAMP")
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let file = dir.join(format!("{}.counters", child.id()));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !file.exists() {
-            assert!(Instant::now() < deadline, "{} never appeared", file.display());
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        Server { child, out, dir }
-    }
-    fn pid(&self) -> String {
-        self.child.id().to_string()
-    }
-    fn cmd(&mut self, c: &str) -> String {
-        writeln!(self.child.stdin.as_mut().unwrap(), "{c}").unwrap();
-        let mut line = String::new();
-        self.out.read_line(&mut line).unwrap();
-        line.trim().to_string()
-    }
     fn alloctramp(&self, args: &[&str]) -> Output {
         alloctramp().args(args).arg("--dir").arg(&self.dir).output().unwrap()
     }
@@ -460,17 +423,12 @@ impl Server {
     fn json(&self) -> Value {
         serde_json::from_str(&ok(&self.alloctramp(&["report", "--format", "json", &self.pid()]), "report")).unwrap()
     }
-    fn quit(mut self) {
-        let _ = self.cmd("quit");
-        let _ = self.child.wait();
-    }
 }
 
 /// server.c's marked line of ENTRY before the `free` handler (the round's
 /// site), or in it.
 fn server_line(entry: &str, in_free_handler: bool) -> Key {
-    let src = std::fs::read_to_string(testbins_dir().join("server.c")).unwrap();
-    let free_at = src.lines().position(|l| l.contains("static void do_free(void)")).unwrap() as u32 + 1;
+    let free_at = free_handler_line();
     let m =
         program("server").markers.iter().find(|m| m.entry == entry && (m.line > free_at) == in_free_handler).unwrap();
     (m.file.clone(), m.line)

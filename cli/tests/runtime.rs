@@ -194,6 +194,7 @@ impl Server {
         };
         let mut child = command
             .env("ALLOCTRAMP_DIR", &dir)
+            .env_remove("ALLOCTRAMP")
             .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -232,7 +233,7 @@ impl Server {
 
 /// The line where server.c's `free` command handler starts: markers after
 /// it count that command, the others one `round`.
-fn free_handler_line() -> u32 {
+pub fn free_handler_line() -> u32 {
     let src = std::fs::read_to_string(testbins_dir().join("server.c")).unwrap();
     src.lines().position(|l| l.contains("static void do_free(void)")).expect("server.c has do_free") as u32 + 1
 }

@@ -80,7 +80,7 @@ fn header_u32(at: usize) -> Option<&'static AtomicU32> {
     (h != 0).then(|| unsafe { &*((h + at) as *const AtomicU32) })
 }
 
-fn header_u64(at: usize) -> Option<&'static AtomicU64> {
+pub(crate) fn header_u64(at: usize) -> Option<&'static AtomicU64> {
     let h = PROC_HEADER.load(Ordering::Acquire);
     // SAFETY: as above, 8-aligned.
     (h != 0).then(|| unsafe { &*((h + at) as *const AtomicU64) })

@@ -25,6 +25,7 @@
 //! keeps the reset path (a signal handler) away from the shard locks, which
 //! the interrupted thread may hold.
 
+use crate::control::header_u64;
 use alloctramp_trampolines::layout::{CELL_SIZE, cell};
 use alloctramp_trampolines::process::hdr;
 use std::cell::UnsafeCell;
@@ -226,13 +227,6 @@ fn forget_shard(shard: &Shard) {
     release(unsafe { &mut *shard.inner.get() });
     shard.len.store(0, Ordering::Relaxed);
     shard.epoch.store(EPOCH.load(Ordering::Relaxed), Ordering::Relaxed);
-}
-
-fn header_u64(at: usize) -> Option<&'static AtomicU64> {
-    let h = crate::registry::PROC_HEADER.load(Ordering::Acquire);
-    // SAFETY: the header mapping lives until the process ends; `at` is an
-    // 8-aligned field offset.
-    (h != 0).then(|| unsafe { &*((h + at) as *const AtomicU64) })
 }
 
 /// Publishes the table's memory (and, while at it, its object count) in
@@ -437,8 +431,7 @@ unsafe fn shift_back(inner: &mut Inner, mut hole: *mut Entry) {
 /// reading for the control path, exact once the program is between
 /// allocator calls.
 pub fn is_empty() -> bool {
-    let epoch = EPOCH.load(Ordering::Acquire);
-    TABLE.iter().all(|s| s.len.load(Ordering::Relaxed) == 0 || s.epoch.load(Ordering::Relaxed) != epoch)
+    objects() == 0
 }
 
 /// Objects tracked now (lock-free reading, see [`is_empty`]).
@@ -481,14 +474,14 @@ fn cell_at(slot: u64, index: u64) -> *const AtomicU64 {
     (base + shard * m.stride.load(Ordering::Relaxed) + index * CELL_SIZE as u64) as *const AtomicU64
 }
 
-/// Adds to a field of a cell, unless the module has no counters (base 0).
+/// Adds to a field of a cell.
 #[inline(always)]
 fn add(cell: *const AtomicU64, field: u32, v: u64) {
-    if cell as u64 >= PAGE as u64 * 16 {
-        // SAFETY: `cell` points at a 64-byte cell of a live counters
-        // mapping; `field` is an 8-aligned offset in it.
-        unsafe { &*cell.byte_add(field as usize) }.fetch_add(v, Ordering::Relaxed);
-    }
+    // SAFETY: `cell` points at a 64-byte cell of a live counters mapping
+    // (a slot's counters are recorded by `set_module` before its module's
+    // hooks are set, so every slot found in the table has them); `field`
+    // is an 8-aligned offset in it.
+    unsafe { &*cell.byte_add(field as usize) }.fetch_add(v, Ordering::Relaxed);
 }
 
 /// Counts an object as freed on the site that allocated it.

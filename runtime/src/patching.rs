@@ -15,7 +15,7 @@
 use crate::registry::{self, Slot};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
-use alloctramp_trampolines::layout::{PAGE, Table};
+use alloctramp_trampolines::layout::{self, PAGE, Table};
 use std::sync::atomic::Ordering;
 
 const INT3: u8 = 0xcc;
@@ -50,12 +50,13 @@ fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sit
         Sites::Off => false,
         Sites::Frees => {
             let free = table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
-            if free && site.drain != 0 {
-                let to = site.trampoline.wrapping_add(u64::from(site.drain));
-                let rel = (to.wrapping_sub(site.addr.wrapping_add(5)) as i64 as i32).to_le_bytes();
-                return [0xe9, rel[0], rel[1], rel[2], rel[3]];
+            // The drain entry is a few bytes into the trampoline the
+            // patcher placed within rel32 range.
+            let drain = site.trampoline.wrapping_add(u64::from(site.drain));
+            match layout::site_jump(site.addr, drain) {
+                Some(j) if free && site.drain != 0 => return j,
+                _ => free,
             }
-            free
         }
     };
     if on {

@@ -420,7 +420,7 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
     PROC.force_unlock();
     live::after_fork_in_child();
     let Some(mut f) = make() else { return };
-    for slot in slots() {
+    for (i, slot) in slots().enumerate() {
         if !slot.is_active() {
             continue;
         }
@@ -430,7 +430,6 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         let counters = bias.wrapping_add(t.header.counters_addr);
         match f.add_module(t.bytes(), bias, counters, t.header.counters_size) {
             Ok((idx, own)) => {
-                let i = (slot as *const Slot as usize - SLOTS.as_ptr() as usize) / std::mem::size_of::<Slot>();
                 live::replace_module_view(i, own, t.header.counters_size, counters);
                 slot.file_index.store(idx, Ordering::Relaxed);
                 f.set_module_on(idx, slot.state() == Sites::On);

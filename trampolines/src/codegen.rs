@@ -551,13 +551,7 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
     Ok(Trampoline { code: r.inner.code_buffer, drain })
 }
 
-/// The 5 bytes written over a site while profiling is on: `jmp rel32` to the
-/// trampoline. `None` when the trampoline is out of rel32 range.
-pub fn site_jump(site: u64, trampoline: u64) -> Option<[u8; 5]> {
-    let rel = i32::try_from(i128::from(trampoline) - (i128::from(site) + 5)).ok()?;
-    let b = rel.to_le_bytes();
-    Some([0xe9, b[0], b[1], b[2], b[3]])
-}
+pub use crate::layout::site_jump;
 
 /// The module's init (or fini) stub, called by the dynamic linker through
 /// DT_INIT (DT_FINI): calls the runtime's `register` (`unregister`) with the

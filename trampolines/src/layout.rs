@@ -38,6 +38,15 @@ pub fn table_after_phdrs(segment: &[u8]) -> Option<usize> {
     (segment.get(at..at + 8)? == MAGIC).then_some(at)
 }
 
+/// The 5 bytes written over a site to send it to `target` (its trampoline,
+/// or a trampoline's drain entry): `jmp rel32`. `None` when the target is
+/// out of rel32 range.
+pub fn site_jump(site: u64, target: u64) -> Option<[u8; 5]> {
+    let rel = i32::try_from(i128::from(target) - (i128::from(site) + 5)).ok()?;
+    let b = rel.to_le_bytes();
+    Some([0xe9, b[0], b[1], b[2], b[3]])
+}
+
 /// Section names.
 pub const SEC_TEXT: &str = ".alloctramp.text";
 pub const SEC_SITES: &str = ".alloctramp.sites";
