@@ -488,10 +488,16 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         let code = if site.len < 5 {
             Err(format!("site instruction of {} bytes is too short for a jump", site.len))
         } else {
-            match (codegen::site_jump(site.vaddr.0, at), codegen::trampoline(&spec, at)) {
-                (Some(j), Ok(code)) => Ok((j, code)),
-                (None, _) => Err("trampoline out of rel32 range".to_string()),
-                (_, Err(err)) => Err(format!("trampoline: {err}")),
+            match codegen::trampoline(&spec, at) {
+                // Every entry of the trampoline must be in reach of the site.
+                Ok(t) if [0, t.drain, t.count]
+                    .iter()
+                    .all(|&e| codegen::site_jump(site.vaddr.0, at + u64::from(e)).is_some()) =>
+                {
+                    Ok(t)
+                }
+                Ok(_) => Err("trampoline out of rel32 range".to_string()),
+                Err(err) => Err(format!("trampoline: {err}")),
             }
         };
         let mut original = [0u8; 8];
@@ -499,17 +505,17 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         let n = orig.len().min(8);
         original[..n].copy_from_slice(&orig[..n]);
         let (f, file, line) = site_strings[i];
-        let (patched, trampoline, drain) = match code {
-            Ok((j, t)) => {
+        let (trampoline, drain, count) = match code {
+            Ok(t) => {
                 text.extend_from_slice(&t.code);
                 text.resize(align(text.len() as u64, 16) as usize, 0xcc);
-                (j, at, t.drain)
+                (at, t.drain, t.count)
             }
             // Sites that cannot be patched stay in the table for the report,
             // without a trampoline: the runtime never rewrites them.
             Err(reason) => {
                 skipped.push(Skipped { site: i, reason });
-                ([0; 5], 0, 0)
+                (0, 0, 0)
             }
         };
         table_sites.push(layout::Site {
@@ -522,8 +528,8 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             function: f,
             file,
             line,
-            patched,
             drain,
+            count,
         });
     }
     // File order: the read-only segment, the executable one, the

@@ -42,30 +42,24 @@ impl Sites {
     }
 }
 
-/// The bytes a site should hold: `jmp` to its trampoline (to the drain
-/// entry of a free site's trampoline while draining), or the original.
+/// The bytes a site should hold: `jmp` to one of its trampoline's entries
+/// (counting and tracking, counting only when live tracking is off, or the
+/// drain entry of a free site while draining), or the original bytes.
 fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
-    let on = match sites {
-        Sites::On => true,
-        Sites::Off => false,
-        Sites::Frees => {
-            let free = table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
-            // The drain entry is a few bytes into the trampoline the
-            // patcher placed within rel32 range.
-            let drain = site.trampoline.wrapping_add(u64::from(site.drain));
-            match layout::site_jump(site.addr, drain) {
-                Some(j) if free && site.drain != 0 => return j,
-                _ => free,
-            }
-        }
+    let free = || table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
+    let entry = match sites {
+        Sites::On if crate::registry::LIVE.load(std::sync::atomic::Ordering::Relaxed) => Some(0),
+        Sites::On => Some(site.count),
+        Sites::Frees if free() && site.drain != 0 => Some(site.drain),
+        Sites::Frees | Sites::Off => None,
     };
-    if on {
-        site.patched
-    } else {
-        let mut b = [0u8; 5];
-        b.copy_from_slice(&site.original[..5]);
-        b
+    // The patcher checked that every entry is in reach of the site.
+    if let Some(j) = entry.and_then(|e| layout::site_jump(site.addr, site.entry_at(e))) {
+        return j;
     }
+    let mut b = [0u8; 5];
+    b.copy_from_slice(&site.original[..5]);
+    b
 }
 
 /// An executable range of a module, from its program headers.

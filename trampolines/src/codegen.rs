@@ -191,22 +191,23 @@ impl Gen<'_> {
         Ok(())
     }
 
-    fn alloc_like(&mut self) -> R<()> {
-        let sig = self.s.sig;
+    /// An allocation or realloc trampoline: at its start the entry that
+    /// counts and tracks the object (live tracking); then the entry that
+    /// only counts. Returns the label of the latter.
+    fn alloc_like(&mut self) -> R<CodeLabel> {
         self.count_before()?;
-        let mut plain = self.a.create_label();
-        let hook = if sig.kind == Kind::Realloc { control::TRACK_REALLOC_BEGIN } else { control::TRACK_ALLOC };
-        self.if_tracking(hook, plain)?;
-        if sig.kind == Kind::Realloc {
+        if self.s.sig.kind == Kind::Realloc {
             self.realloc_live()?
         } else {
             self.alloc_live()?
         }
-        self.a.set_label(&mut plain)?;
+        let mut count = self.a.create_label();
+        self.a.set_label(&mut count)?;
+        self.count_before()?;
         self.call_target()?;
         let mut fail = self.a.create_label();
         self.test_result(fail)?;
-        if sig.size == Size::ResultStrlen {
+        if self.s.sig.size == Size::ResultStrlen {
             let save = self.saved(&[rcx, rdx, rdi, r11]);
             self.push_all(save)?;
             self.strlen_bytes()?;
@@ -215,15 +216,8 @@ impl Gen<'_> {
         self.leave()?;
         self.a.set_label(&mut fail)?;
         self.count_failed()?;
-        self.leave()
-    }
-
-    /// Jumps to `plain` unless live tracking is on (the hook is set).
-    fn if_tracking(&mut self, hook: u32, plain: CodeLabel) -> R<()> {
-        let hook = rip(self.s.control + u64::from(hook));
-        self.add(Instruction::with2(Code::Cmp_rm64_imm8, hook, 0))?;
-        self.a.je(plain)?;
-        Ok(())
+        self.leave()?;
+        Ok(count)
     }
 
     /// Jumps to `fail` if the call failed (NULL, or non-zero for out-arg
@@ -478,23 +472,31 @@ impl Gen<'_> {
         self.leave()
     }
 
-    /// Returns the label of the drain entry: past the counting, at the
-    /// live-tracking test.
-    fn free_like(&mut self) -> R<CodeLabel> {
+    /// A free trampoline: at its start the entry that counts and tracks
+    /// the free; past the counting, the drain entry that only tracks it;
+    /// then the entry that only counts. Returns the labels of the drain and
+    /// count entries.
+    fn free_like(&mut self) -> R<(CodeLabel, CodeLabel)> {
         self.count_before()?;
         let mut drain = self.a.create_label();
         self.a.set_label(&mut drain)?;
-        let mut plain = self.a.create_label();
-        self.if_tracking(control::TRACK_FREE, plain)?;
         self.free_live()?;
-        self.a.set_label(&mut plain)?;
+        self.free_target()?;
+        let mut count = self.a.create_label();
+        self.a.set_label(&mut count)?;
+        self.count_before()?;
+        self.free_target()?;
+        Ok((drain, count))
+    }
+
+    /// The original free, then back to the code after the site.
+    fn free_target(&mut self) -> R<()> {
         if self.s.form.is_tail() {
-            self.jump_target()?;
+            self.jump_target()
         } else {
             self.call_target()?;
-            self.leave()?;
+            self.leave()
         }
-        Ok(drain)
     }
 
     /// Live path of a free: the runtime takes the pointer out of the table
@@ -526,29 +528,38 @@ impl Gen<'_> {
     }
 }
 
-/// A generated trampoline.
+/// A generated trampoline. Its start is the entry that counts and tracks
+/// live objects.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Trampoline {
     pub code: Vec<u8>,
-    /// Free sites: offset of the entry that skips counting (the drain
-    /// entry); 0 for other sites.
+    /// Free sites: offset of the entry that tracks without counting (the
+    /// drain entry); 0 for other sites.
     pub drain: u16,
+    /// Offset of the entry that counts without tracking.
+    pub count: u16,
 }
 
 /// Generates the trampoline for one site, to be placed at address `at`.
 pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
     let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0 };
-    let mut drain = None;
-    match spec.sig.kind {
-        Kind::Alloc | Kind::Realloc => g.alloc_like()?,
-        Kind::Free => drain = Some(g.free_like()?),
-    }
+    let (drain, count) = match spec.sig.kind {
+        Kind::Alloc | Kind::Realloc => (None, g.alloc_like()?),
+        Kind::Free => {
+            let (d, c) = g.free_like()?;
+            (Some(d), c)
+        }
+    };
     let r = g.a.assemble_options(at, iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+    let offset = |l: &CodeLabel| -> R<u16> {
+        u16::try_from(r.label_ip(l)? - at).map_err(|_| CodegenError("trampoline too long".into()))
+    };
     let drain = match drain {
-        Some(l) => u16::try_from(r.label_ip(&l)? - at).map_err(|_| CodegenError("trampoline too long".into()))?,
+        Some(l) => offset(&l)?,
         None => 0,
     };
-    Ok(Trampoline { code: r.inner.code_buffer, drain })
+    let count = offset(&count)?;
+    Ok(Trampoline { code: r.inner.code_buffer, drain, count })
 }
 
 pub use crate::layout::site_jump;
@@ -671,6 +682,7 @@ mod golden {
             if t.drain != 0 {
                 text.push_str(&format!("drain entry: {:08x}\n", AT + u64::from(t.drain)));
             }
+            text.push_str(&format!("count entry: {:08x}\n", AT + u64::from(t.count)));
             v.push((file, text));
         }
         let init = init_stub(AT, CONTROL, 0x415040, crate::layout::api::REGISTER, Some(0x401000)).unwrap();

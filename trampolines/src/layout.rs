@@ -21,7 +21,7 @@ use crate::entry::{Kind, Signature};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -38,8 +38,8 @@ pub fn table_after_phdrs(segment: &[u8]) -> Option<usize> {
     (segment.get(at..at + 8)? == MAGIC).then_some(at)
 }
 
-/// The 5 bytes written over a site to send it to `target` (its trampoline,
-/// or a trampoline's drain entry): `jmp rel32`. `None` when the target is
+/// The 5 bytes written over a site to send it to `target` (one of its
+/// trampoline's entries): `jmp rel32`. `None` when the target is
 /// out of rel32 range.
 pub fn site_jump(site: u64, target: u64) -> Option<[u8; 5]> {
     let rel = i32::try_from(i128::from(target) - (i128::from(site) + 5)).ok()?;
@@ -204,12 +204,20 @@ pub struct Site {
     pub function: u32,
     pub file: u32,
     pub line: u32,
-    /// The 5 bytes written over the site while profiling is on.
-    pub patched: [u8; 5],
     /// Free sites: offset in the trampoline of its entry that tracks the
     /// free without counting it (used while live figures drain after
     /// profiling is off); 0 otherwise.
     pub drain: u16,
+    /// Offset in the trampoline of its entry that counts without live
+    /// tracking (the trampoline's start counts and tracks).
+    pub count: u16,
+}
+
+impl Site {
+    /// Address of the trampoline entry at `offset`.
+    pub fn entry_at(&self, offset: u16) -> u64 {
+        self.trampoline.wrapping_add(u64::from(offset))
+    }
 }
 
 /// One entry point.
@@ -340,9 +348,9 @@ pub fn encode(mut header: Header, sites: &[Site], entries: &[Entry], strings: &S
         put_u32(&mut b, s.function);
         put_u32(&mut b, s.file);
         put_u32(&mut b, s.line);
-        b.extend_from_slice(&s.patched);
         b.extend_from_slice(&s.drain.to_le_bytes());
-        b.push(0);
+        b.extend_from_slice(&s.count.to_le_bytes());
+        b.extend_from_slice(&[0; 4]);
     }
     for e in entries {
         put_u32(&mut b, e.name);
@@ -452,8 +460,6 @@ impl<'a> Table<'a> {
         let b = &self.bytes[at..at + SITE_SIZE];
         let mut original = [0u8; 8];
         original.copy_from_slice(&b[16..24]);
-        let mut patched = [0u8; 5];
-        patched.copy_from_slice(&b[40..45]);
         Site {
             addr: u64_at(b, 0),
             trampoline: u64_at(b, 8),
@@ -464,8 +470,8 @@ impl<'a> Table<'a> {
             function: u32_at(b, 28),
             file: u32_at(b, 32),
             line: u32_at(b, 36),
-            patched,
-            drain: u16::from_le_bytes([b[45], b[46]]),
+            drain: u16::from_le_bytes([b[40], b[41]]),
+            count: u16::from_le_bytes([b[42], b[43]]),
         }
     }
 
@@ -522,8 +528,8 @@ mod tests {
             function: f,
             file,
             line: 12,
-            patched: [0xe9, 5, 6, 7, 8],
             drain: 0x2a,
+            count: 0x31,
         }];
         let sig = entry::defaults()[1].sig;
         let entries = vec![Entry { name: strings.add("calloc"), kind: sig.kind.code(), sig: encode_sig(&sig) }];
