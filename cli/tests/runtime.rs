@@ -111,6 +111,40 @@ fn check_counts(config: Config) {
                 assert_eq!(got.2, u, "{} {}: untracked frees at {key:?}", p.name, config.name());
             }
         }
+        // Counting only: the sites jump to their trampolines' count entries.
+        let dir = counters_dir(&format!("{}-{}-count", config.name(), p.name));
+        let env = [
+            ("ALLOCTRAMP", "on"),
+            ("ALLOCTRAMP_LIVE", "0"),
+            ("ALLOCTRAMP_DIR", dir.to_str().unwrap()),
+            ("LD_LIBRARY_PATH", pdir.to_str().unwrap()),
+        ];
+        let out = run_program(&pdir.join(&p.output), &p.run, &env);
+        assert_eq!(out, original, "{} {}: counting only changes the program's behaviour", p.name, config.name());
+        let file = only_counters_file(&dir);
+        let doc = report(file.to_str().unwrap(), &dir);
+        assert_eq!(figures(&doc), expected(&progs), "{} built {}: counting only, counts differ", p.name, config.name());
+        assert_no_live_figures(&file);
+    }
+}
+
+/// A counters file written with live tracking off: no flag, and no
+/// tracking figure moved.
+fn assert_no_live_figures(file: &Path) {
+    use alloctramp_trampolines::process::ProcessFile;
+    let bytes = std::fs::read(file).unwrap();
+    let pf = ProcessFile::parse(&bytes).unwrap();
+    assert!(!pf.live(), "{}: ALLOCTRAMP_LIVE=0 counts only", file.display());
+    for module in pf.modules().unwrap() {
+        for i in 0..module.table.header.site_count as usize {
+            let c = module.cell(i);
+            assert_eq!(
+                (c.freed_objects, c.freed_bytes, c.untracked_frees),
+                (0, 0, 0),
+                "{}: site {i} has tracking figures",
+                file.display()
+            );
+        }
     }
 }
 

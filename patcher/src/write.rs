@@ -490,9 +490,10 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         } else {
             match codegen::trampoline(&spec, at) {
                 // Every entry of the trampoline must be in reach of the site.
-                Ok(t) if [0, t.drain, t.count]
-                    .iter()
-                    .all(|&e| codegen::site_jump(site.vaddr.0, at + u64::from(e)).is_some()) =>
+                Ok(t)
+                    if [0, t.drain, t.count]
+                        .iter()
+                        .all(|&e| codegen::site_jump(site.vaddr.0, at + u64::from(e)).is_some()) =>
                 {
                     Ok(t)
                 }

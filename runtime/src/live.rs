@@ -6,12 +6,14 @@
 //! pointer. Each shard is an open-addressing table (linear probing,
 //! backward-shift deletion, no tombstones) in its own anonymous mapping,
 //! guarded by its own spin lock: there is no global lock, two threads meet
-//! only when their pointers hash to the same shard, and a shard grows (by
-//! half, into a fresh mapping) while the other shards carry on.
+//! only when their pointers hash to the same shard, and a shard grows (by a
+//! fifth, into a fresh mapping) while the other shards carry on.
 //!
 //! An entry is 16 bytes: the pointer with the allocating module's slot in
 //! its top 16 bits, and the site index (24 bits) with the requested size
-//! (40 bits). The table is kept at most 80% full.
+//! (40 bits). A shard is kept at most 80% full and grows by a fifth, so it
+//! is between two thirds and four fifths full once it has grown: 20 to 24
+//! bytes per tracked object.
 //!
 //! Figures: an allocation through a live-tracking trampoline is counted by
 //! the trampoline (calls, bytes requested, and failed calls with their
@@ -276,11 +278,11 @@ fn map_entries(slots: usize) -> Option<(*mut Entry, usize)> {
     (p != libc::MAP_FAILED).then_some((p.cast(), bytes))
 }
 
-/// Moves the shard into a mapping half as large again (or its first one).
+/// Moves the shard into a mapping a fifth larger (or its first one).
 #[cold]
 #[inline(never)]
 fn grow(inner: &mut Inner) -> bool {
-    let mut want = (inner.cap + inner.cap / 2).max(PAGE / ENTRY);
+    let mut want = (inner.cap + inner.cap / 5).max(PAGE / ENTRY);
     let old_slots = if inner.mapped == 0 { 0 } else { inner.cap + SLACK };
     'retry: loop {
         let Some((entries, mapped)) = map_entries(want + SLACK) else { return false };
