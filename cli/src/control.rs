@@ -1,7 +1,7 @@
 //! Finding a process's counters file, and the commands that talk to a
 //! running process: `enable`, `disable [--now]`, `reset`.
 
-use crate::util::Input;
+use crate::util::Snapshot;
 use alloctramp_trampolines::process::{self, ProcessFile, flags};
 use anyhow::{Result, anyhow, bail};
 use std::path::{Path, PathBuf};
@@ -191,8 +191,8 @@ struct State {
 }
 
 fn read_state(path: &Path) -> Result<State> {
-    let m = Input::open(path)?;
-    let pf = ProcessFile::parse(&m.map).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let m = Snapshot::read(path)?;
+    let pf = ProcessFile::parse(&m.bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     let mods = pf.modules().unwrap_or_default();
     let mut live_objects = 0u64;
     if pf.live() {
@@ -226,8 +226,8 @@ pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
     let path = pid_file(pid, &dir)?;
     let before = read_state(&path)?;
     {
-        let m = Input::open(&path)?;
-        let pf = ProcessFile::parse(&m.map).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let m = Snapshot::read(&path)?;
+        let pf = ProcessFile::parse(&m.bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         if before.exited || !file_process_running(&pf) {
             bail!("process {pid} has exited ({} is its final snapshot)", path.display());
         }

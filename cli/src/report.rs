@@ -6,7 +6,7 @@
 //! is never stopped), and names come from the site table copy in that file.
 
 use crate::control::{self, Target, counters_dir, file_process_running, parse_target, pid_file};
-use crate::util::{Input, emit};
+use crate::util::{Snapshot, emit};
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::SiteForm;
 use alloctramp_trampolines::process::{ProcessFile, flags, hdr};
@@ -357,7 +357,7 @@ pub fn read_figures<'a>(pf: &ProcessFile<'a>) -> Result<Figures<'a>> {
 /// An opened counters file (a live process's or a saved one).
 pub struct Source {
     pub path: PathBuf,
-    pub input: Input,
+    pub input: Snapshot,
     /// Given as a process id.
     pub by_pid: bool,
     /// The process that wrote the file runs now.
@@ -375,9 +375,9 @@ impl Source {
                 (p, false)
             }
         };
-        let mut src = Source { input: Input::open_populated(&path)?, path, by_pid, running: false };
-        // A module registering while the file was mapped may lie past the
-        // mapping's end: map again.
+        let mut src = Source { input: Snapshot::read(&path)?, path, by_pid, running: false };
+        // A module registering while the file was read may lie past the
+        // end read: read again.
         for _ in 0..3 {
             let (running, complete) = {
                 let pf = src.parse()?;
@@ -387,13 +387,13 @@ impl Source {
             if complete || !running {
                 break;
             }
-            src.input = Input::open_populated(&src.path)?;
+            src.input = Snapshot::read(&src.path)?;
         }
         Ok(src)
     }
 
     pub fn parse(&self) -> Result<ProcessFile<'_>> {
-        ProcessFile::parse(&self.input.map).map_err(|e| {
+        ProcessFile::parse(&self.input.bytes).map_err(|e| {
             let what = if e.0.contains("version") {
                 format!("{} (written by another version of alloctramp)", e.0)
             } else {
@@ -958,8 +958,8 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
         let Some(pid) = p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
-        let Ok(input) = Input::open(&p) else { continue };
-        let Ok(pf) = ProcessFile::parse(&input.map) else { continue };
+        let Ok(input) = Snapshot::read(&p) else { continue };
+        let Ok(pf) = ProcessFile::parse(&input.bytes) else { continue };
         let running = file_process_running(&pf);
         if !running && !all {
             continue;

@@ -6,14 +6,13 @@ use crate::report::{
     self, Fig, Format, GroupBy, ProcessDoc, Row, RowDoc, SiteInfo, SortKey, Source, View, print_notes, select,
     write_csv, write_text,
 };
-use crate::util::{emit, write_atomic};
+use crate::util::{copy_words, emit, write_atomic};
 use alloctramp_trampolines::process::{MODULE_SLOT_SIZE, MODULE_SLOTS_AT, PROC_HEADER_SIZE, ProcessFile, hdr, slot};
 use anyhow::{Result, anyhow, bail};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Save a process's current figures to a file.
 #[derive(clap::Args)]
@@ -31,25 +30,6 @@ pub struct SnapshotArgs {
     /// $XDG_RUNTIME_DIR/alloctramp, else /tmp/alloctramp-UID].
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
-}
-
-/// Copies 8-byte words with single loads: a counter changing while it is
-/// copied is seen before or after the change, never torn.
-fn copy_words(dst: &mut [u8], src: &[u8]) {
-    debug_assert_eq!(dst.len(), src.len());
-    let words = src.len() / 8;
-    let aligned = (src.as_ptr() as usize).is_multiple_of(8);
-    for i in 0..words {
-        let v = if aligned {
-            // SAFETY: in bounds and 8-aligned; the runtime updates these
-            // words with atomic instructions.
-            unsafe { (*(src.as_ptr().add(i * 8) as *const AtomicU64)).load(Ordering::Relaxed) }
-        } else {
-            u64::from_ne_bytes(src[i * 8..i * 8 + 8].try_into().unwrap())
-        };
-        dst[i * 8..i * 8 + 8].copy_from_slice(&v.to_ne_bytes());
-    }
-    dst[words * 8..].copy_from_slice(&src[words * 8..]);
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -92,7 +72,7 @@ pub fn run_snapshot(args: SnapshotArgs) -> Result<()> {
     let dir = counters_dir(args.dir.as_deref());
     let src = Source::open(&args.target, &dir)?;
     let pf = src.parse()?;
-    let data = consistent_copy(&src.input.map).map_err(|e| anyhow!("{}: {e}", src.path.display()))?;
+    let data = consistent_copy(&src.input.bytes).map_err(|e| anyhow!("{}: {e}", src.path.display()))?;
     let out = args.output.clone().unwrap_or_else(|| {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         PathBuf::from(format!("{}-{secs}.snapshot", pf.pid))

@@ -27,20 +27,71 @@ impl Input {
     }
 }
 
-impl Input {
-    /// Like [`Input::open`], with every page mapped at once (a counters
-    /// file is read whole; one fault per page would cost more).
-    pub fn open_populated(path: &Path) -> Result<Input> {
+/// A counters file, copied into memory.
+///
+/// Counters files are sparse (cells take space only once touched) and
+/// usually live on tmpfs, where faulting a hole in through a mapping, even
+/// to read it, allocates a page for the file: reading every page would give
+/// the profiled process's counters their full size in memory. So only the
+/// file's data extents (`SEEK_DATA`, `SEEK_HOLE`) are copied out of the
+/// mapping, a word at a time (see [`copy_words`]); holes stay zero in a
+/// buffer whose untouched pages cost nothing.
+pub struct Snapshot {
+    pub bytes: Vec<u8>,
+}
+
+impl Snapshot {
+    pub fn read(path: &Path) -> Result<Snapshot> {
+        use std::os::unix::io::AsRawFd;
+        let input = Input::open(path)?;
         let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-        let meta = file.metadata().with_context(|| format!("{}: cannot stat", path.display()))?;
-        if !meta.is_file() {
-            anyhow::bail!("{}: not a regular file", path.display());
+        let map: &[u8] = &input.map;
+        let len = map.len() as u64;
+        let mut bytes = vec![0u8; map.len()];
+        let fd = file.as_raw_fd();
+        let mut at = 0u64;
+        while at < len {
+            // SAFETY: lseek on our own descriptor.
+            let data = unsafe { libc::lseek(fd, at as i64, libc::SEEK_DATA) };
+            let (data, end) = if data < 0 {
+                // ENXIO: only a hole from `at` on. Another error: the file
+                // system cannot tell holes; copy the rest.
+                if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                    break;
+                }
+                (at, len)
+            } else {
+                let data = (data as u64).min(len);
+                // SAFETY: as above.
+                let hole = unsafe { libc::lseek(fd, data as i64, libc::SEEK_HOLE) };
+                (data, if hole < 0 { len } else { (hole as u64).min(len) })
+            };
+            let (a, e) = (data as usize, end as usize);
+            copy_words(&mut bytes[a..e], &map[a..e]);
+            at = end.max(data + 1);
         }
-        // SAFETY: as in `open`; counters files only grow.
-        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }
-            .with_context(|| format!("{}: cannot map", path.display()))?;
-        Ok(Input { map })
+        Ok(Snapshot { bytes })
     }
+}
+
+/// Copies 8-byte words with single loads: a counter changing while it is
+/// copied is seen before or after the change, never torn.
+pub fn copy_words(dst: &mut [u8], src: &[u8]) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    debug_assert_eq!(dst.len(), src.len());
+    let words = src.len() / 8;
+    let aligned = (src.as_ptr() as usize).is_multiple_of(8);
+    for i in 0..words {
+        let v = if aligned {
+            // SAFETY: in bounds and 8-aligned; the runtime updates these
+            // words with atomic instructions.
+            unsafe { (*(src.as_ptr().add(i * 8) as *const AtomicU64)).load(Ordering::Relaxed) }
+        } else {
+            u64::from_ne_bytes(src[i * 8..i * 8 + 8].try_into().unwrap())
+        };
+        dst[i * 8..i * 8 + 8].copy_from_slice(&v.to_ne_bytes());
+    }
+    dst[words * 8..].copy_from_slice(&src[words * 8..]);
 }
 
 /// Writes command output; a closed pipe (`| head`) ends the program quietly.

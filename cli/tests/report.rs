@@ -742,3 +742,45 @@ fn the_demo_runs_to_completion_and_shows_the_expected_top_sites() {
         assert_eq!(rows[0].size, 409600);
     }
 }
+
+/// Reading a running process's counters (enable, report, the process list,
+/// snapshot, disable) leaves the holes of its sparse counters file alone:
+/// on tmpfs, where counters files usually live, faulting a hole in through
+/// a mapping allocates it, and a reader that touched every page would give
+/// the process's counters their full size in memory.
+#[test]
+fn reading_counters_allocates_none_of_their_holes() {
+    let shm = Path::new("/dev/shm");
+    // SAFETY: statfs fills the struct it is given.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let path = std::ffi::CString::new("/dev/shm").unwrap();
+    if unsafe { libc::statfs(path.as_ptr(), &mut st) } != 0 || st.f_type != libc::TMPFS_MAGIC {
+        eprintln!("/dev/shm is not tmpfs here: the property holds trivially elsewhere");
+        return;
+    }
+    let dir = shm.join(format!("alloctramp-test-holes-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let d = dir.to_str().unwrap();
+    let mut s = Server::start("holes", &[("ALLOCTRAMP_DIR", d)]);
+    let file = dir.join(format!("{}.counters", s.pid()));
+    let blocks = || std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&file).unwrap());
+    let before = blocks();
+    let run = |args: &[&str]| {
+        let o = alloctramp().args(args).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    };
+    let pid = s.pid();
+    let snap = dir.join("s.snapshot");
+    run(&["enable", "--dir", d, &pid]);
+    run(&["report", "--dir", d, &pid]);
+    run(&["report", "--format", "json", "--dir", d, &pid]);
+    run(&["report", "--dir", d]);
+    run(&["snapshot", "--dir", d, &pid, "-o", snap.to_str().unwrap()]);
+    run(&["disable", "--dir", d, &pid]);
+    assert_eq!(blocks(), before, "reading {} allocated some of its holes", file.display());
+    assert_eq!(s.cmd("round"), "done");
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}

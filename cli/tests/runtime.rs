@@ -226,6 +226,8 @@ impl Server {
             }
             None => Command::new(&bin),
         };
+        // The counters go to ALLOCTRAMP_DIR if `env` names one.
+        let dir = env.iter().find(|e| e.0 == "ALLOCTRAMP_DIR").map_or(dir, |e| PathBuf::from(e.1));
         let mut child = command
             .env("ALLOCTRAMP_DIR", &dir)
             .env_remove("ALLOCTRAMP")
