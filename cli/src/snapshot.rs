@@ -6,7 +6,7 @@ use crate::report::{
     self, Fig, Format, GroupBy, ProcessDoc, Row, RowDoc, SiteInfo, SortKey, Source, View, print_notes, select,
     write_csv, write_text,
 };
-use crate::util::{copy_words, emit, write_atomic};
+use crate::util::{emit, write_atomic};
 use alloctramp_trampolines::process::{MODULE_SLOT_SIZE, MODULE_SLOTS_AT, PROC_HEADER_SIZE, ProcessFile, hdr, slot};
 use anyhow::{Result, anyhow, bail};
 use serde::Serialize;
@@ -43,7 +43,7 @@ pub fn consistent_copy(bytes: &[u8]) -> Result<Vec<u8>, String> {
     let n = pf.module_count as usize;
     let head = PROC_HEADER_SIZE as usize;
     let mut out = vec![0u8; head];
-    copy_words(&mut out, &bytes[..head]);
+    out.copy_from_slice(&bytes[..head]);
     out[hdr::MODULE_COUNT..hdr::MODULE_COUNT + 4].copy_from_slice(&(n as u32).to_le_bytes());
     let mut regions = Vec::new();
     for m in 0..n {
@@ -60,7 +60,7 @@ pub fn consistent_copy(bytes: &[u8]) -> Result<Vec<u8>, String> {
     let len = regions.iter().map(|r| r.1).max().unwrap_or(head).max(head);
     out.resize(len, 0);
     for (a, e) in regions {
-        copy_words(&mut out[a..e], &bytes[a..e]);
+        out[a..e].copy_from_slice(&bytes[a..e]);
     }
     // What was copied must read back.
     let copy = ProcessFile::parse(&out).map_err(|e| e.0)?;

@@ -15,6 +15,11 @@ pub struct Input {
 impl Input {
     pub fn open(path: &Path) -> Result<Input> {
         let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        Input::of(&file, path)
+    }
+
+    /// Maps an opened file (`path` names it in errors).
+    fn of(file: &File, path: &Path) -> Result<Input> {
         let meta = file.metadata().with_context(|| format!("{}: cannot stat", path.display()))?;
         if !meta.is_file() {
             anyhow::bail!("{}: not a regular file", path.display());
@@ -22,7 +27,7 @@ impl Input {
         // SAFETY: the mapping is read-only and private. A file truncated by
         // another process while mapped would raise SIGBUS; inputs are
         // programs and libraries that are not rewritten in place.
-        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot map", path.display()))?;
+        let map = unsafe { memmap2::Mmap::map(file) }.with_context(|| format!("{}: cannot map", path.display()))?;
         Ok(Input { map })
     }
 }
@@ -43,8 +48,8 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn read(path: &Path) -> Result<Snapshot> {
         use std::os::unix::io::AsRawFd;
-        let input = Input::open(path)?;
         let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        let input = Input::of(&file, path)?;
         let map: &[u8] = &input.map;
         let len = map.len() as u64;
         let mut bytes = vec![0u8; map.len()];
@@ -76,7 +81,7 @@ impl Snapshot {
 
 /// Copies 8-byte words with single loads: a counter changing while it is
 /// copied is seen before or after the change, never torn.
-pub fn copy_words(dst: &mut [u8], src: &[u8]) {
+fn copy_words(dst: &mut [u8], src: &[u8]) {
     use std::sync::atomic::{AtomicU64, Ordering};
     debug_assert_eq!(dst.len(), src.len());
     let words = src.len() / 8;

@@ -6,9 +6,9 @@
 //! Trampolines are reached by a `jmp rel32` written over the site while
 //! profiling is on, to one of their entries: the start counts and tracks
 //! live objects, the count entry only counts, and a free trampoline's drain
-//! entry only tracks. No entry tests the mode at run time. They make a real `call` (never push+jmp), so return
-//! addresses and the shadow stack stay balanced, and the stack is aligned as
-//! the ABI requires at the call. They clobber only what the original call
+//! entry only tracks. No entry tests the mode at run time. They make a real
+//! `call` (never push+jmp), so return addresses and the shadow stack stay
+//! balanced, and the stack is aligned as the ABI requires at the call. They clobber only what the original call
 //! clobbers: for calls through the PLT or the GOT that is every caller-saved
 //! register; for direct calls to a function in the same module (whose
 //! callers may rely on fewer clobbers) every register they use is saved.
