@@ -147,15 +147,18 @@ fn reset_forgets_tracked_objects_and_off_now_marks_figures_incomplete() {
     s.quit();
 }
 
-#[test]
-fn eight_threads_a_million_objects_in_flight() {
+/// Runs a program that prints `held OBJECTS BYTES` (what it still holds
+/// at exit) patched, with profiling on from the start: its output is the
+/// original's, the live figures sum to what it holds, and every free was
+/// of a tracked object.
+fn live_figures_equal_what_the_program_holds(name: &str) {
     let b = built(Config::default_o2());
-    let dir = counters_dir("live-stress");
-    let bin = dir.join("live_stress.bin");
-    patch_to(&b.path("live_stress"), &bin, &[]);
+    let dir = counters_dir(name);
+    let bin = dir.join(format!("{name}.bin"));
+    patch_to(&b.path(name), &bin, &[]);
     let (out, err, code) = run_program(&bin, &[], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
     assert_eq!(code, 0, "{err}");
-    let (original, _, _) = run_program(&b.path("live_stress"), &[], &[]);
+    let (original, _, _) = run_program(&b.path(name), &[], &[]);
     assert_eq!(out, original);
     let mut w = out.split_whitespace().skip(1).map(|v| v.parse::<u64>().unwrap());
     let (objects, bytes) = (w.next().unwrap(), w.next().unwrap());
@@ -167,4 +170,16 @@ fn eight_threads_a_million_objects_in_flight() {
     let pf = ProcessFile::parse(&file).unwrap();
     assert_eq!(pf.untracked_allocs, 0);
     assert_eq!(pf.flags & flags::INCOMPLETE, 0);
+}
+
+#[test]
+fn eight_threads_a_million_objects_in_flight() {
+    live_figures_equal_what_the_program_holds("live_stress");
+}
+
+/// 80 threads at once (more than there are nurseries), objects of exited
+/// threads freed by the threads that take over their nurseries and by main.
+#[test]
+fn more_threads_than_nurseries_and_objects_of_exited_threads() {
+    live_figures_equal_what_the_program_holds("live_waves");
 }

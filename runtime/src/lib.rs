@@ -22,6 +22,7 @@ mod patching;
 mod procfile;
 mod registry;
 mod sys;
+mod tls;
 
 use alloctramp_trampolines::layout::{self, API_VERSION};
 use alloctramp_trampolines::process;

@@ -2,36 +2,62 @@
 //! live, so that a free, delete or realloc anywhere in the process takes
 //! the object off the figures of the site that allocated it.
 //!
-//! The pointer table is split into [`SHARDS`] shards by a hash of the
-//! pointer. Each shard is an open-addressing table (linear probing,
-//! backward-shift deletion, no tombstones) in its own anonymous mapping,
-//! guarded by its own spin lock: there is no global lock, two threads meet
-//! only when their pointers hash to the same shard, and a shard grows (by a
-//! fifth, into a fresh mapping) while the other shards carry on.
+//! Two structures hold the pointer-to-site association:
 //!
-//! An entry is 16 bytes: the pointer with the allocating module's slot in
-//! its top 16 bits, and the site index (24 bits) with the requested size
-//! (40 bits). A shard is kept at most 80% full and grows by a fifth, so it
-//! is between two thirds and four fifths full once it has grown: 20 to 24
-//! bytes per tracked object.
+//! - A **nursery** per thread (up to [`MAX_NURSERIES`]): a direct-mapped
+//!   table of the objects the thread allocated recently (layout in
+//!   `layout::nursery`). The trampolines insert into their thread's nursery
+//!   and take out of it inline, without a call, a lock or an atomic
+//!   instruction: an object that is freed by the thread that allocated it
+//!   while it is still in the nursery (most objects: they die young) costs
+//!   a few stores and the two counter additions of its free.
+//! - The **pointer table**, shared by all threads, for the objects that
+//!   stay live: when a new object needs an occupied nursery slot, the
+//!   runtime moves the slot's object into the table. The table is split
+//!   into [`SHARDS`] shards by a hash of the pointer; each is an
+//!   open-addressing table (linear probing, backward-shift deletion, no
+//!   tombstones) in its own anonymous mapping, guarded by its own spin
+//!   lock: there is no global lock, two threads meet only when their
+//!   pointers hash to the same shard, and a shard grows (by a fifth, into a
+//!   fresh mapping) while the other shards carry on.
+//!
+//! A free that misses its own thread's nursery locks the pointer's shard
+//! and looks at the same slot of the other threads' nurseries, then in the
+//! shard. The nursery's owner writes its slots with plain stores; another
+//! thread takes a slot only by compare-and-swap of its key, and only holding
+//! the key's shard lock, which the owner also holds to move a slot into the
+//! table: an object is found exactly once, wherever it is.
+//!
+//! Entries record the allocating site's counter cell (in the runtime's own
+//! mapping of the counters, never unmapped, so a free may count into a
+//! module that was unloaded meanwhile, in the shard of the CPU that
+//! allocated) and the requested size. A table entry is 16 bytes: the
+//! pointer (48 bits) with 16 bits of the cell's address, and the other 25
+//! bits of the cell's address (a 64-byte aligned user-space address has 41
+//! significant bits) with the size (39 bits). A shard is kept at most 80%
+//! full and grows by a fifth, so it is between two thirds and four fifths
+//! full once it has grown: 20 to 24 bytes per tracked object. A nursery is
+//! 8 KiB per thread whatever the number of objects.
 //!
 //! Figures: an allocation through a live-tracking trampoline is counted by
 //! the trampoline (calls, bytes requested, and failed calls with their
 //! bytes); a tracked free adds to the allocating site's freed objects and
 //! bytes. Live objects are calls - failed - freed, live bytes bytes -
-//! failed bytes - freed bytes: an allocation costs the table insert and
-//! nothing more.
+//! failed bytes - freed bytes.
 //!
 //! Reset forgets every pointer lazily: it bumps [`EPOCH`], and a shard
-//! whose epoch is stale empties itself the next time it is locked. That
-//! keeps the reset path (a signal handler) away from the shard locks, which
-//! the interrupted thread may hold.
+//! whose epoch is stale empties itself the next time it is locked; it
+//! flags every nursery stale, and its owner empties it at its next use.
+//! That keeps the reset path (a signal handler) away from the shard locks,
+//! which the interrupted thread may hold, and from the nurseries' slots.
 
 use crate::control::header_u64;
+use crate::tls;
+use alloctramp_trampolines::layout::nursery as ns;
 use alloctramp_trampolines::layout::{CELL_SIZE, cell};
 use alloctramp_trampolines::process::hdr;
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 pub const SHARD_BITS: u32 = 8;
 pub const SHARDS: usize = 1 << SHARD_BITS;
@@ -42,18 +68,39 @@ const SLACK: usize = 32;
 const ENTRY: usize = 16;
 const PTR_BITS: u32 = 48;
 const PTR_MASK: u64 = (1 << PTR_BITS) - 1;
-const SIZE_BITS: u32 = 40;
+const SIZE_BITS: u32 = 39;
 const SIZE_MASK: u64 = (1 << SIZE_BITS) - 1;
-const MAX_INDEX: u64 = (1 << (64 - SIZE_BITS)) - 1;
+/// Cells are 64-byte aligned user-space addresses: 41 significant bits.
+const CELL_SHIFT: u32 = 6;
+const CELL_LIMIT: u64 = 1 << 47;
 const PAGE: usize = 4096;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Entry {
-    /// Pointer | module slot << 48; 0: empty.
+    /// Pointer | low 16 bits of (cell >> 6) << 48; 0: empty.
     key: u64,
-    /// Site index << 40 | requested size.
+    /// The other 25 bits of (cell >> 6) << 39 | requested size.
     value: u64,
+}
+
+impl Entry {
+    /// The entry for an object, if its figures fit.
+    fn pack(ptr: u64, cell: u64, size: u64) -> Option<Entry> {
+        if ptr == 0 || ptr > PTR_MASK || size > SIZE_MASK || cell >= CELL_LIMIT || cell & 63 != 0 {
+            return None;
+        }
+        let c = cell >> CELL_SHIFT;
+        Some(Entry { key: ptr | (c & 0xffff) << PTR_BITS, value: (c >> 16) << SIZE_BITS | size })
+    }
+
+    fn cell(&self) -> u64 {
+        ((self.key >> PTR_BITS) | (self.value >> SIZE_BITS) << 16) << CELL_SHIFT
+    }
+
+    fn size(&self) -> u64 {
+        self.value & SIZE_MASK
+    }
 }
 
 /// What an empty shard points at: one empty slot, so that a lookup needs
@@ -135,12 +182,13 @@ pub fn replace_module_view(slot: usize, base: u64, size: u64, module_counters: u
 }
 
 /// Turns live tracking on in a module: its trampolines call the tracking
-/// functions from now on.
+/// functions and use the nurseries from now on.
 ///
 /// # Safety
 /// `control` must be the module's control block, with no site switched on.
 pub unsafe fn enable_in(control: *mut u8, slot: u64) {
     use alloctramp_trampolines::layout::control as c;
+    NURSERIES[0].flags.store(INERT, Ordering::Relaxed);
     // SAFETY: 8-aligned u64 fields of the control block (caller).
     unsafe {
         let f = |at: u32| control.add(at as usize).cast::<u64>();
@@ -149,6 +197,8 @@ pub unsafe fn enable_in(control: *mut u8, slot: u64) {
         f(c::TRACK_FREE).write_volatile(track_free as *const () as u64);
         f(c::TRACK_REALLOC_BEGIN).write_volatile(track_realloc_begin as *const () as u64);
         f(c::TRACK_REALLOC_END).write_volatile(track_realloc_end as *const () as u64);
+        f(c::NURSERY_TLS).write_volatile((tls::offset() + 8 * tls::NURSERY as i64) as u64);
+        f(c::NURSERIES).write_volatile(NURSERIES.as_ptr() as u64);
     }
 }
 
@@ -328,21 +378,16 @@ enum Insert {
     Failed,
 }
 
-#[inline(always)]
-fn insert(key: u64, value: u64) -> Insert {
-    let h = hash(key);
-    let shard = shard_of(h);
-    let inner = lock(shard);
-    let r = insert_locked(inner, h, key, value);
+/// Inserts into a locked shard, publishing its length.
+fn insert_in(shard: &Shard, inner: &mut Inner, h: u64, e: Entry) -> Insert {
+    let r = insert_locked(inner, h, e);
     if let Insert::Done = r {
         shard.len.store(inner.len, Ordering::Relaxed);
     }
-    unlock(shard);
     r
 }
 
-#[inline(always)]
-fn insert_locked(inner: &mut Inner, h: u64, key: u64, value: u64) -> Insert {
+fn insert_locked(inner: &mut Inner, h: u64, e: Entry) -> Insert {
     if inner.len >= inner.limit && !grow(inner) {
         return Insert::Failed;
     }
@@ -352,15 +397,15 @@ fn insert_locked(inner: &mut Inner, h: u64, key: u64, value: u64) -> Insert {
         // one, which stays empty.
         unsafe {
             while (*p).key != 0 {
-                if same((*p).key, key) {
+                if same((*p).key, e.key) {
                     let old = *p;
-                    *p = Entry { key, value };
+                    *p = e;
                     return Insert::Replaced(old);
                 }
                 p = p.add(1);
             }
             if p != inner.entries.add(inner.cap + SLACK - 1) {
-                *p = Entry { key, value };
+                *p = e;
                 inner.len += 1;
                 return Insert::Done;
             }
@@ -372,22 +417,15 @@ fn insert_locked(inner: &mut Inner, h: u64, key: u64, value: u64) -> Insert {
     }
 }
 
-/// Takes a pointer's entry out of the table (key 0: not there). The flag
-/// says the shard became empty while draining (time to check whether all
-/// of it drained).
-#[inline(always)]
-fn remove(ptr: u64) -> (Entry, bool) {
-    let h = hash(ptr);
-    let shard = shard_of(h);
-    let inner = lock(shard);
-    let mut found = Entry { key: 0, value: 0 };
-    let mut emptied = false;
+/// Takes a pointer's entry out of a locked shard. The flag says the shard
+/// became empty.
+fn remove_in(shard: &Shard, inner: &mut Inner, h: u64, ptr: u64) -> Option<(Entry, bool)> {
     let mut p = inner.entries.wrapping_add(home(h, inner.cap));
     // SAFETY: probes stop at an empty slot, at the latest the last one.
     unsafe {
         while (*p).key != 0 {
             if same((*p).key, ptr) {
-                found = *p;
+                let found = *p;
                 if (*p.add(1)).key == 0 {
                     (*p).key = 0;
                 } else {
@@ -395,14 +433,12 @@ fn remove(ptr: u64) -> (Entry, bool) {
                 }
                 inner.len -= 1;
                 shard.len.store(inner.len, Ordering::Relaxed);
-                emptied = inner.len == 0 && DRAINING.load(Ordering::Relaxed);
-                break;
+                return Some((found, inner.len == 0));
             }
             p = p.add(1);
         }
     }
-    unlock(shard);
-    (found, emptied)
+    None
 }
 
 /// Backward-shift deletion of the entry at `hole`: later entries of the
@@ -429,9 +465,271 @@ unsafe fn shift_back(inner: &mut Inner, mut hole: *mut Entry) {
     }
 }
 
-/// Whether every shard is empty (or stale after a reset). Lock-free: a
-/// reading for the control path, exact once the program is between
-/// allocator calls.
+/// Most threads with a nursery at once; further threads use the pointer
+/// table only. It bounds what a free that misses its own nursery reads:
+/// one slot per nursery.
+pub const MAX_NURSERIES: usize = 64;
+/// Nursery flags (`layout::nursery::FLAGS`).
+const STALE: u8 = 1;
+const INERT: u8 = 0x80;
+/// Thread states (TLS word `tls::STATE`).
+const NEW: u64 = 0;
+const ASSIGNED: u64 = 1;
+/// Exited, or no nursery was free: the pointer table only.
+const WITHOUT: u64 = 2;
+
+#[repr(C)]
+struct Slot {
+    /// The object; `ns::EMPTY` when free. Written by the owner with plain
+    /// stores (the trampolines) or release stores; taken by other threads
+    /// only by compare-and-swap, holding the key's shard lock.
+    key: AtomicU64,
+    cell: AtomicU64,
+    size: AtomicU64,
+    _reserved: u64,
+}
+
+#[repr(C, align(64))]
+struct Nursery {
+    flags: AtomicU8,
+    owned: AtomicBool,
+    _pad: [u8; 62],
+    slots: [Slot; ns::SLOT_COUNT],
+}
+
+const _: () = assert!(std::mem::size_of::<Nursery>() == ns::BYTES);
+const _: () = assert!(std::mem::offset_of!(Nursery, slots) == ns::SLOTS as usize);
+const _: () = assert!(std::mem::size_of::<Slot>() == ns::SLOT_SIZE as usize);
+
+/// Nursery 0 is the inert one (every thread's TLS word starts at 0): its
+/// flags send the trampolines to the runtime, which gives the thread a
+/// nursery of its own. Nurseries are never freed: one whose thread exited
+/// keeps its objects until another thread takes it over.
+static NURSERIES: [Nursery; MAX_NURSERIES + 1] = [const {
+    Nursery {
+        flags: AtomicU8::new(INERT),
+        owned: AtomicBool::new(false),
+        _pad: [0; 62],
+        slots: [const { Slot { key: AtomicU64::new(0), cell: AtomicU64::new(0), size: AtomicU64::new(0), _reserved: 0 } };
+            ns::SLOT_COUNT],
+    }
+}; MAX_NURSERIES + 1];
+
+/// Nurseries 1..=CREATED have been handed out at least once.
+static CREATED: AtomicUsize = AtomicUsize::new(0);
+/// Serialises handing out nurseries (a try-lock: a thread that finds it
+/// taken, maybe by itself in a signal handler, goes without for now).
+static HANDING_OUT: AtomicBool = AtomicBool::new(false);
+/// The pthread key whose destructor gives a nursery back (key + 1; 0: none
+/// yet).
+static EXIT_KEY: AtomicU32 = AtomicU32::new(0);
+
+fn created() -> &'static [Nursery] {
+    &NURSERIES[1..=CREATED.load(Ordering::Acquire).min(MAX_NURSERIES)]
+}
+
+/// Index of the calling thread's nursery (0: none).
+#[inline(always)]
+fn own_index() -> usize {
+    tls::get(tls::NURSERY) as usize / ns::BYTES
+}
+
+/// The calling thread's nursery, emptied first if a reset made it stale;
+/// hands the thread one if it has none yet.
+fn own() -> Option<&'static Nursery> {
+    let i = own_index();
+    let n = if i == 0 {
+        if tls::get(tls::STATE) != NEW {
+            return None;
+        }
+        hand_out()?
+    } else {
+        &NURSERIES[i]
+    };
+    if n.flags.load(Ordering::Acquire) & STALE != 0 {
+        for s in &n.slots {
+            s.key.store(ns::EMPTY, Ordering::Relaxed);
+        }
+        n.flags.fetch_and(!STALE, Ordering::AcqRel);
+    }
+    Some(n)
+}
+
+/// Gives the calling thread a nursery: one whose thread exited, else a
+/// fresh one while fewer than [`MAX_NURSERIES`] exist.
+#[cold]
+#[inline(never)]
+fn hand_out() -> Option<&'static Nursery> {
+    if HANDING_OUT.swap(true, Ordering::Acquire) {
+        return None;
+    }
+    let mut key = EXIT_KEY.load(Ordering::Relaxed);
+    if key == 0 {
+        let mut k: libc::pthread_key_t = 0;
+        // SAFETY: creates a key; the destructor is a function of this
+        // library, which is never unloaded (linked with -z nodelete).
+        if unsafe { libc::pthread_key_create(&mut k, Some(thread_exit)) } == 0 {
+            key = k + 1;
+            EXIT_KEY.store(key, Ordering::Relaxed);
+        }
+    }
+    let mut got = None;
+    if key != 0 {
+        let made = CREATED.load(Ordering::Relaxed);
+        got = (1..=made)
+            .find(|&i| NURSERIES[i].owned.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok());
+        if got.is_none() && made < MAX_NURSERIES {
+            let n = &NURSERIES[made + 1];
+            for s in &n.slots {
+                s.key.store(ns::EMPTY, Ordering::Relaxed);
+            }
+            n.owned.store(true, Ordering::Relaxed);
+            n.flags.store(0, Ordering::Relaxed);
+            CREATED.store(made + 1, Ordering::Release);
+            account(ns::BYTES as isize);
+            got = Some(made + 1);
+        }
+    }
+    HANDING_OUT.store(false, Ordering::Release);
+    let Some(i) = got else {
+        tls::set(tls::STATE, WITHOUT);
+        return None;
+    };
+    // SAFETY: a key created above; the value is never dereferenced.
+    unsafe { libc::pthread_setspecific(key - 1, i as *const libc::c_void) };
+    tls::set(tls::NURSERY, (i * ns::BYTES) as u64);
+    tls::set(tls::STATE, ASSIGNED);
+    Some(&NURSERIES[i])
+}
+
+/// A thread exits: its nursery, objects and all, goes to the next thread
+/// that needs one (its objects stay findable meanwhile).
+extern "C" fn thread_exit(v: *mut libc::c_void) {
+    tls::set(tls::NURSERY, 0);
+    tls::set(tls::STATE, WITHOUT);
+    std::sync::atomic::compiler_fence(Ordering::SeqCst);
+    if let Some(n) = NURSERIES.get(v as usize) {
+        n.owned.store(false, Ordering::Release);
+    }
+}
+
+/// Objects in a nursery (none if it is stale).
+fn nursery_objects(n: &Nursery) -> u64 {
+    if n.flags.load(Ordering::Acquire) & STALE != 0 {
+        return 0;
+    }
+    n.slots.iter().filter(|s| s.key.load(Ordering::Relaxed) > ns::EMPTY).count() as u64
+}
+
+/// Records a new object of the calling thread (`cell`: its site's cell).
+fn track(ptr: u64, cell: u64, size: u64) {
+    let Some(n) = own() else {
+        track_in_table(ptr, cell, size);
+        return;
+    };
+    let s = &n.slots[ns::slot_of(ptr)];
+    let k = s.key.load(Ordering::Relaxed);
+    if k == ptr {
+        // The allocator handed out an address the nursery still holds:
+        // that object was freed unseen.
+        charge_free(s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
+    } else if k > ns::EMPTY {
+        evict(s, k);
+    }
+    s.cell.store(cell, Ordering::Relaxed);
+    s.size.store(size, Ordering::Relaxed);
+    s.key.store(ptr, Ordering::Release);
+}
+
+/// Moves the object in one of the calling thread's nursery slots into the
+/// pointer table (unless another thread took it meanwhile: it is being
+/// freed). The same pointer again means that object was freed unseen.
+#[cold]
+#[inline(never)]
+fn evict(s: &Slot, k: u64) {
+    let h = hash(k);
+    let shard = shard_of(h);
+    let inner = lock(shard);
+    // The owner is the only writer of cell and size.
+    let (cell, size) = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
+    let taken = s.key.compare_exchange(k, ns::EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+    let r = match Entry::pack(k, cell, size) {
+        Some(e) if taken => Some(insert_in(shard, inner, h, e)),
+        _ => None,
+    };
+    unlock(shard);
+    match r {
+        None if taken => untracked_alloc(cell, size),
+        Some(Insert::Replaced(old)) => charge_free(old.cell(), old.size()),
+        Some(Insert::Failed) => untracked_alloc(cell, size),
+        _ => {}
+    }
+}
+
+/// Records an object in the pointer table.
+fn track_in_table(ptr: u64, cell: u64, size: u64) {
+    let Some(e) = Entry::pack(ptr, cell, size) else {
+        untracked_alloc(cell, size);
+        return;
+    };
+    let h = hash(ptr);
+    let shard = shard_of(h);
+    let inner = lock(shard);
+    let r = insert_in(shard, inner, h, e);
+    unlock(shard);
+    match r {
+        Insert::Done => {}
+        Insert::Replaced(old) => charge_free(old.cell(), old.size()),
+        Insert::Failed => untracked_alloc(cell, size),
+    }
+}
+
+/// Takes an object out of whichever structure holds it: the calling
+/// thread's nursery, another thread's, or the pointer table. Returns its
+/// cell and size, and whether, while draining, the structure it came from
+/// became empty.
+fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
+    let mine = own();
+    let at = ns::slot_of(ptr);
+    if let Some(n) = mine {
+        let s = &n.slots[at];
+        if s.key.load(Ordering::Relaxed) == ptr {
+            let found = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
+            s.key.store(ns::EMPTY, Ordering::Release);
+            return (Some(found), DRAINING.load(Ordering::Relaxed) && nursery_objects(n) == 0);
+        }
+    }
+    let h = hash(ptr);
+    let shard = shard_of(h);
+    let inner = lock(shard);
+    // Nurseries first: a table entry for the same pointer can only be a
+    // stale one (an object freed unseen).
+    let mut r = (None, false);
+    for n in created() {
+        if mine.is_some_and(|m| std::ptr::eq(m, n)) || n.flags.load(Ordering::Acquire) & STALE != 0 {
+            continue;
+        }
+        let s = &n.slots[at];
+        if s.key.load(Ordering::Acquire) == ptr {
+            let found = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
+            if s.key.compare_exchange(ptr, ns::EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                r = (Some(found), DRAINING.load(Ordering::Relaxed) && nursery_objects(n) == 0);
+                break;
+            }
+        }
+    }
+    if r.0.is_none()
+        && let Some((e, emptied)) = remove_in(shard, inner, h, ptr)
+    {
+        r = (Some((e.cell(), e.size())), emptied && DRAINING.load(Ordering::Relaxed));
+    }
+    unlock(shard);
+    r
+}
+
+/// Whether nothing is tracked (or everything is stale after a reset).
+/// Lock-free: a reading for the control path, exact once the program is
+/// between allocator calls.
 pub fn is_empty() -> bool {
     objects() == 0
 }
@@ -439,30 +737,43 @@ pub fn is_empty() -> bool {
 /// Objects tracked now (lock-free reading, see [`is_empty`]).
 pub fn objects() -> u64 {
     let epoch = EPOCH.load(Ordering::Acquire);
-    TABLE
+    let table: u64 = TABLE
         .iter()
         .filter(|s| s.epoch.load(Ordering::Relaxed) == epoch)
         .map(|s| s.len.load(Ordering::Relaxed) as u64)
-        .sum()
+        .sum();
+    table + created().iter().map(nursery_objects).sum::<u64>()
 }
 
 /// Forgets every tracked pointer (lazily, see the module documentation).
+/// Async-signal-safe.
 pub fn forget_all() {
     EPOCH.fetch_add(1, Ordering::AcqRel);
+    for n in created() {
+        n.flags.fetch_or(STALE, Ordering::AcqRel);
+    }
 }
 
 /// After fork, in the child: no other thread exists, so no lock is really
-/// held; the child's figures start from zero, so the table is forgotten.
+/// held and only this thread's nursery has an owner; the child's figures
+/// start from zero, so everything is forgotten.
 pub fn after_fork_in_child() {
     for s in &TABLE {
         s.lock.store(false, Ordering::Release);
+    }
+    HANDING_OUT.store(false, Ordering::Release);
+    let mine = own_index();
+    for (i, n) in created().iter().enumerate() {
+        if i + 1 != mine {
+            n.owned.store(false, Ordering::Release);
+        }
     }
     forget_all();
 }
 
 /// The current CPU's shard of module `slot`'s cell `index`.
 #[inline(always)]
-fn cell_at(slot: u64, index: u64) -> *const AtomicU64 {
+fn cell_at(slot: u64, index: u64) -> u64 {
     let m = &MODULES[(slot & 0xff) as usize];
     let cpu: u32;
     // SAFETY: reads glibc's rseq cpu_id_start (or the thread pointer's own
@@ -473,25 +784,24 @@ fn cell_at(slot: u64, index: u64) -> *const AtomicU64 {
     }
     let shard = u64::from(cpu & m.mask.load(Ordering::Relaxed));
     let base = m.base.load(Ordering::Relaxed);
-    (base + shard * m.stride.load(Ordering::Relaxed) + index * CELL_SIZE as u64) as *const AtomicU64
+    base + shard * m.stride.load(Ordering::Relaxed) + index * CELL_SIZE as u64
 }
 
 /// Adds to a field of a cell.
 #[inline(always)]
-fn add(cell: *const AtomicU64, field: u32, v: u64) {
-    // SAFETY: `cell` points at a 64-byte cell of a live counters mapping
-    // (a slot's counters are recorded by `set_module` before its module's
-    // hooks are set, so every slot found in the table has them); `field`
-    // is an 8-aligned offset in it.
-    unsafe { &*cell.byte_add(field as usize) }.fetch_add(v, Ordering::Relaxed);
+fn add(cell: u64, field: u32, v: u64) {
+    // SAFETY: `cell` is a 64-byte cell of a counters mapping the runtime
+    // never unmaps (a module's slot is recorded by `set_module` before its
+    // hooks are set, and trampolines count through the same mapping);
+    // `field` is an 8-aligned offset in it.
+    unsafe { &*((cell + u64::from(field)) as *const AtomicU64) }.fetch_add(v, Ordering::Relaxed);
 }
 
 /// Counts an object as freed on the site that allocated it.
 #[inline(always)]
-fn charge_free(e: Entry) {
-    let c = cell_at(e.key >> PTR_BITS, e.value >> SIZE_BITS);
-    add(c, cell::FREED_OBJECTS, 1);
-    add(c, cell::FREED_BYTES, e.value & SIZE_MASK);
+fn charge_free(cell: u64, size: u64) {
+    add(cell, cell::FREED_OBJECTS, 1);
+    add(cell, cell::FREED_BYTES, size);
 }
 
 /// The module slot a patched module's control block names.
@@ -508,78 +818,23 @@ unsafe fn slot_of(control: *const u8) -> u64 {
 /// live figures at once, and the report says they are incomplete.
 #[cold]
 #[inline(never)]
-fn untracked_alloc(slot: u64, index: u64, size: u64) {
-    let c = cell_at(slot, index & MAX_INDEX);
-    add(c, cell::FREED_OBJECTS, 1);
-    add(c, cell::FREED_BYTES, size);
+fn untracked_alloc(cell: u64, size: u64) {
+    charge_free(cell, size);
     if let Some(n) = header_u64(hdr::UNTRACKED_ALLOCS) {
         n.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-#[inline(always)]
-fn track(ptr: u64, size: u64, slot: u64, index: u64) {
-    if ptr > PTR_MASK || size > SIZE_MASK || index > MAX_INDEX {
-        untracked_alloc(slot, index, size);
-        return;
-    }
-    match insert(ptr | slot << PTR_BITS, index << SIZE_BITS | size) {
-        Insert::Done => {}
-        Insert::Replaced(old) => charge_free(old),
-        Insert::Failed => untracked_alloc(slot, index, size),
-    }
-}
-
-/// A trampoline's allocation succeeded: `ptr` (non-null) holds `size`
-/// requested bytes from site `index` of the module of `control`. Returns
-/// `ptr`.
-///
-/// The common case (shard free, room at the home slot's cluster end) runs
-/// without a call; everything else goes to [`track`].
+/// A trampoline's allocation succeeded and its thread's nursery could not
+/// take it inline: `ptr` (non-null) holds `size` requested bytes from site
+/// `index` of the module of `control`. Returns `ptr`.
 ///
 /// # Safety
 /// Called by trampolines with their module's control block.
 pub unsafe extern "C" fn track_alloc(ptr: u64, size: u64, index: u64, control: *const u8) -> u64 {
     // SAFETY: forwarded from the caller.
     let slot = unsafe { slot_of(control) };
-    if (ptr >> PTR_BITS) | (size >> SIZE_BITS) | (index >> (64 - SIZE_BITS)) != 0 {
-        return alloc_slow(ptr, size, index, slot);
-    }
-    let (key, value) = (ptr | slot << PTR_BITS, index << SIZE_BITS | size);
-    let h = hash(ptr);
-    let shard = shard_of(h);
-    if !shard.lock.swap(true, Ordering::Acquire) {
-        if shard.epoch.load(Ordering::Relaxed) == EPOCH.load(Ordering::Relaxed) {
-            // SAFETY: the lock is held.
-            let inner = unsafe { &mut *shard.inner.get() };
-            if inner.len < inner.limit {
-                let mut p = inner.entries.wrapping_add(home(h, inner.cap));
-                // SAFETY: probes stop at an empty slot, at the latest the
-                // last one, which stays empty.
-                unsafe {
-                    while (*p).key != 0 && !same((*p).key, key) {
-                        p = p.add(1);
-                    }
-                    if (*p).key == 0 && p != inner.entries.add(inner.cap + SLACK - 1) {
-                        *p = Entry { key, value };
-                        inner.len += 1;
-                        shard.len.store(inner.len, Ordering::Relaxed);
-                        unlock(shard);
-                        return ptr;
-                    }
-                }
-            }
-        }
-        unlock(shard);
-    }
-    alloc_slow(ptr, size, index, slot)
-}
-
-/// The general case of an allocation: see [`track_alloc`].
-#[cold]
-#[inline(never)]
-fn alloc_slow(ptr: u64, size: u64, index: u64, slot: u64) -> u64 {
-    track(ptr, size, slot, index);
+    track(ptr, cell_at(slot, index), size);
     ptr
 }
 
@@ -591,22 +846,6 @@ fn untracked_free(index: u64, control: *const u8) {
     add(cell_at(slot, index), cell::UNTRACKED_FREES, 1);
 }
 
-/// The general case of a free: see [`track_free`].
-#[cold]
-#[inline(never)]
-fn free_slow(ptr: u64, index: u64, control: *const u8) -> u64 {
-    let (e, emptied) = remove(ptr);
-    if e.key != 0 {
-        charge_free(e);
-    } else {
-        untracked_free(index, control);
-    }
-    if emptied {
-        crate::control::finish_drain();
-    }
-    ptr
-}
-
 /// A free while profiling is off and the free sites stay on for tracked
 /// objects to drain: the object leaves its site's live figures, and the
 /// free site's own figures do not move (draining sites jump to their
@@ -615,9 +854,9 @@ fn free_slow(ptr: u64, index: u64, control: *const u8) -> u64 {
 #[cold]
 #[inline(never)]
 fn free_draining(ptr: u64) -> u64 {
-    let (e, emptied) = remove(ptr);
-    if e.key != 0 {
-        charge_free(e);
+    let (found, emptied) = remove(ptr);
+    if let Some((cell, size)) = found {
+        charge_free(cell, size);
     }
     if emptied {
         crate::control::finish_drain();
@@ -625,11 +864,8 @@ fn free_draining(ptr: u64) -> u64 {
     ptr
 }
 
-/// A trampoline is about to free `ptr` from site `index`. Returns `ptr`.
-///
-/// The common case (shard free, the pointer at the end of its cluster, the
-/// shard not emptied while draining) runs without a call; everything else
-/// goes to [`free_slow`].
+/// A trampoline is about to free `ptr` from site `index`, and did not find
+/// it in its thread's nursery. Returns `ptr`.
 ///
 /// # Safety
 /// Called by trampolines with their module's control block.
@@ -640,59 +876,33 @@ pub unsafe extern "C" fn track_free(ptr: u64, index: u64, control: *const u8) ->
     if DRAINING.load(Ordering::Relaxed) {
         return free_draining(ptr);
     }
-    let h = hash(ptr);
-    let shard = shard_of(h);
-    if !shard.lock.swap(true, Ordering::Acquire) {
-        if shard.epoch.load(Ordering::Relaxed) == EPOCH.load(Ordering::Relaxed) {
-            // SAFETY: the lock is held.
-            let inner = unsafe { &mut *shard.inner.get() };
-            let mut p = inner.entries.wrapping_add(home(h, inner.cap));
-            // SAFETY: probes stop at an empty slot, at the latest the last
-            // one, which stays empty.
-            unsafe {
-                while (*p).key != 0 && !same((*p).key, ptr) {
-                    p = p.add(1);
-                }
-                if (*p).key != 0 && (*p.add(1)).key == 0 {
-                    let e = *p;
-                    (*p).key = 0;
-                    inner.len -= 1;
-                    let left = inner.len;
-                    shard.len.store(left, Ordering::Relaxed);
-                    unlock(shard);
-                    charge_free(e);
-                    if left == 0 && DRAINING.load(Ordering::Relaxed) {
-                        return emptied_while_draining(ptr);
-                    }
-                    return ptr;
-                }
-            }
-        }
-        unlock(shard);
+    let (found, emptied) = remove(ptr);
+    match found {
+        Some((cell, size)) => charge_free(cell, size),
+        None => untracked_free(index, control),
     }
-    free_slow(ptr, index, control)
-}
-
-/// A free emptied a shard while draining.
-#[cold]
-#[inline(never)]
-fn emptied_while_draining(ptr: u64) -> u64 {
-    crate::control::finish_drain();
+    if emptied {
+        crate::control::finish_drain();
+    }
     ptr
 }
 
 /// A realloc of `old` from site `index` is about to run: takes `old` out of
-/// the table into `token` (two u64: its entry, or zeros). A realloc that
-/// fails puts it back.
+/// its structure into `token` (two u64: its table entry, or zeros). A
+/// realloc that fails puts it back.
 ///
 /// # Safety
 /// Called by trampolines; `token` points at 16 writable bytes.
 pub unsafe extern "C" fn track_realloc_begin(old: u64, token: *mut u64, index: u64, control: *const u8) -> u64 {
     let mut e = Entry { key: 0, value: 0 };
     if old != 0 {
-        e = remove(old).0;
-        if e.key == 0 {
-            untracked_free(index, control);
+        match remove(old).0 {
+            None => untracked_free(index, control),
+            Some((cell, size)) => match Entry::pack(old, cell, size) {
+                Some(p) => e = p,
+                // Too large to keep in a token: freed now.
+                None => charge_free(cell, size),
+            },
         }
     }
     // SAFETY: 16 writable bytes (caller).
@@ -722,32 +932,24 @@ pub unsafe extern "C" fn track_realloc_end(
     let old = unsafe { Entry { key: token.read(), value: token.add(1).read() } };
     // SAFETY: forwarded from the caller.
     let slot = unsafe { slot_of(control) };
+    let cell = cell_at(slot, index);
     if result == 0 {
-        add(cell_at(slot, index), cell::FAILED_BYTES, size);
+        add(cell, cell::FAILED_BYTES, size);
     }
     if result != 0 || size == 0 {
         if old.key != 0 {
-            charge_free(old);
+            charge_free(old.cell(), old.size());
         }
         if result != 0 {
-            track(result, size, slot, index);
+            track(result, cell, size);
         }
     } else if old.key != 0 {
-        match insert(old.key, old.value) {
-            Insert::Replaced(o) => charge_free(o),
-            Insert::Done => {}
-            Insert::Failed => {
-                charge_free(old);
-                if let Some(n) = header_u64(hdr::UNTRACKED_ALLOCS) {
-                    n.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
+        track(old.key & PTR_MASK, old.cell(), old.size());
     }
     result
 }
 
-/// Total tracked objects (takes every shard lock in turn).
+/// Total objects in the pointer table (takes every shard lock in turn).
 #[cfg(test)]
 fn len() -> usize {
     TABLE
@@ -764,40 +966,72 @@ fn len() -> usize {
 mod tests {
     use super::*;
 
-    // The table is process-global: one test exercises it end to end.
     #[test]
-    fn insert_remove_grow_and_forget() {
+    fn entries_keep_pointer_cell_and_size() {
+        let (ptr, cell, size) = (0x7fff_ffff_fff0, 0x7fff_ffff_ffc0, SIZE_MASK);
+        let e = Entry::pack(ptr, cell, size).unwrap();
+        assert!(same(e.key, ptr));
+        assert_eq!((e.cell(), e.size()), (cell, size));
+        let e = Entry::pack(0x1000, 0x40, 0).unwrap();
+        assert_eq!((e.key & PTR_MASK, e.cell(), e.size()), (0x1000, 0x40, 0));
+        assert!(Entry::pack(ptr, cell, SIZE_MASK + 1).is_none());
+        assert!(Entry::pack(ptr, CELL_LIMIT, 1).is_none());
+        assert!(Entry::pack(ptr, cell + 8, 1).is_none());
+        assert!(Entry::pack(1 << PTR_BITS, cell, 1).is_none());
+    }
+
+    /// Cells for the test: the table only stores their addresses.
+    fn cell(i: u64) -> u64 {
+        0x10_0000_0000 + (i % 4096) * 64
+    }
+
+    // The table and nurseries are process-global: one test exercises them
+    // end to end, on one thread and then across threads.
+    #[test]
+    fn track_remove_grow_evict_and_forget() {
         let n = 200_000u64;
         let key = |i: u64| 0x5555_0000_0000 + i * 48;
         for i in 0..n {
-            assert!(matches!(insert(key(i) | 3 << PTR_BITS, i << SIZE_BITS | (i % 1000)), Insert::Done));
+            track_in_table(key(i), cell(i), i % 1000);
         }
         assert_eq!(len(), n as usize);
-        // Re-inserting a pointer replaces (the object was freed unseen).
-        match insert(key(7) | 4 << PTR_BITS, 1) {
-            Insert::Replaced(e) => {
-                assert_eq!(e.key, key(7) | 3 << PTR_BITS);
-                assert_eq!(e.value, 7 << SIZE_BITS | 7);
-            }
-            _ => panic!("expected a replacement"),
-        }
         for i in (0..n).step_by(2) {
-            let e = remove(key(i)).0;
-            assert_ne!(e.key, 0, "{i}");
-            assert_eq!(e.key & PTR_MASK, key(i));
+            let (found, _) = remove(key(i));
+            assert_eq!(found, Some((cell(i), i % 1000)), "{i}");
         }
-        assert!(remove(key(0)).0.key == 0);
-        assert!(remove(0x1234).0.key == 0);
+        assert_eq!(remove(key(0)).0, None);
+        assert_eq!(remove(0x1234).0, None);
         for i in (1..n).step_by(2) {
-            assert!(remove(key(i)).0.key != 0, "{i}");
+            assert!(remove(key(i)).0.is_some(), "{i}");
         }
         assert_eq!(len(), 0);
         assert!(is_empty());
+
+        // Through this thread's nursery: every object is found once,
+        // whether it stayed in the nursery or was moved into the table.
+        for i in 0..5000 {
+            track(key(i), cell(i), i);
+        }
+        assert_eq!(objects(), 5000);
+        assert!(len() >= 5000 - ns::SLOT_COUNT);
+        // Freed by other threads: they look in this thread's nursery.
+        std::thread::scope(|t| {
+            for part in 0..4u64 {
+                t.spawn(move || {
+                    for i in (part..5000).step_by(4) {
+                        assert_eq!(remove(key(i)).0, Some((cell(i), i)), "{i}");
+                    }
+                });
+            }
+        });
+        assert!(is_empty());
+
         for i in 0..1000 {
-            insert(key(i), 1);
+            track(key(i), cell(i), 1);
         }
         forget_all();
-        assert!(remove(key(5)).0.key == 0);
+        assert_eq!(remove(key(5)).0, None);
         assert_eq!(len(), 0);
+        assert!(is_empty());
     }
 }

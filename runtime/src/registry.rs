@@ -238,6 +238,11 @@ pub unsafe fn register(table: *const u8, inert: bool) {
             None => (u32::MAX, counters),
         };
         live::set_module(i, own, h.shard_stride, h.shard_count.saturating_sub(1));
+        // The trampolines count through the runtime's own mapping, which
+        // outlives the module: a nursery or table entry may name a cell
+        // after the module is unloaded.
+        // SAFETY: the control block is the module's writable .alloctramp.data.
+        unsafe { control.byte_add(layout::control::COUNTERS as usize).write_volatile(own) };
         if LIVE.load(Ordering::Relaxed) {
             // SAFETY: the control block is the module's writable
             // .alloctramp.data; its sites are all off until `converge`.
@@ -430,6 +435,9 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         let counters = bias.wrapping_add(t.header.counters_addr);
         match f.add_module(t.bytes(), bias, counters, t.header.counters_size) {
             Ok((idx, own)) => {
+                let control = bias.wrapping_add(t.header.control_addr) as *mut u64;
+                // SAFETY: the module's control block; only this thread runs.
+                unsafe { control.byte_add(layout::control::COUNTERS as usize).write_volatile(own) };
                 live::replace_module_view(i, own, t.header.counters_size, counters);
                 slot.file_index.store(idx, Ordering::Relaxed);
                 f.set_module_on(idx, slot.state() == Sites::On);

@@ -14,7 +14,7 @@
 //! callers may rely on fewer clobbers) every register they use is saved.
 
 use crate::entry::{Kind, Returns, Signature, Size};
-use crate::layout::{SiteForm, cell, control};
+use crate::layout::{SiteForm, cell, control, nursery};
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
@@ -363,19 +363,78 @@ impl Gen<'_> {
         }
     }
 
+    /// Whether the live path of this allocation inserts into the thread's
+    /// nursery inline: the result in rax, the size in argument registers,
+    /// and every caller-saved register free to use.
+    fn inline_alloc(&self) -> bool {
+        let s = self.s;
+        !s.preserve
+            && s.sig.kind == Kind::Alloc
+            && s.sig.result == Returns::Ret
+            && matches!(s.sig.size, Size::Arg(_) | Size::Product(_, _))
+    }
+
+    /// `base` = the thread's nursery (the inert one sends every check to
+    /// `slow`); jumps to `slow` if its flags are set.
+    fn nursery(&mut self, base: AsmRegister64, slow: CodeLabel) -> R<()> {
+        let control = self.s.control;
+        let reg = Register::from(base);
+        self.add(Instruction::with2(Code::Mov_r64_rm64, reg, rip(control + u64::from(control::NURSERY_TLS))))?;
+        let fs_mem = MemoryOperand::new(reg, Register::None, 1, 0, 0, false, Register::FS);
+        self.add(Instruction::with2(Code::Mov_r64_rm64, reg, fs_mem))?;
+        self.add(Instruction::with2(Code::Add_r64_rm64, reg, rip(control + u64::from(control::NURSERIES))))?;
+        self.a.cmp(byte_ptr(base + nursery::FLAGS as i32), 0)?;
+        self.a.jne(slow)?;
+        Ok(())
+    }
+
+    /// `dst32` = the byte offset of `ptr`'s slot (see `nursery::slot_of`).
+    fn nursery_slot(&mut self, dst32: AsmRegister32, ptr32: AsmRegister32) -> R<()> {
+        self.a.imul_3(dst32, ptr32, nursery::HASH as i32)?;
+        self.a.shr(dst32, 32 - nursery::SLOT_BITS)?;
+        self.a.shl(dst32, nursery::SLOT_SIZE.trailing_zeros())?;
+        Ok(())
+    }
+
     /// Live path of an allocation: keeps the size (and out pointer) in a
-    /// frame across the call, then hands the new object to the runtime.
+    /// frame across the call, then records the new object: inline in the
+    /// thread's nursery when its slot is free, else through the runtime.
     fn alloc_live(&mut self) -> R<()> {
         let s = self.s;
+        let inline = self.inline_alloc();
         let mut keep = self.size_regs();
         let out_at = keep.len();
         if let Returns::OutArg(o) = s.sig.result {
             keep.push(ARG_REGS[o as usize]);
         }
-        let f = self.open_frame(&keep, 0)?;
+        let cell_at = keep.len();
+        let f = self.open_frame(&keep, usize::from(inline))?;
+        if inline {
+            // r11 (the counting shard) + the site's offset: the cell.
+            self.a.add(r11, (s.index as i64 * crate::layout::CELL_SIZE as i64) as i32)?;
+            let m = self.slot(cell_at);
+            self.a.mov(m, r11)?;
+        }
         self.call_in_frame()?;
         let mut fail = self.a.create_label();
         self.test_result(fail)?;
+        if inline {
+            let mut slow = self.a.create_label();
+            self.nursery(rcx, slow)?;
+            self.nursery_slot(edx, eax)?;
+            let at = |f: u32| qword_ptr(rcx + rdx + (nursery::SLOTS + f) as i32);
+            self.a.cmp(at(nursery::KEY), nursery::EMPTY as i32)?;
+            self.a.jne(slow)?;
+            let m = self.slot(cell_at);
+            self.a.mov(rsi, m)?;
+            self.a.mov(at(nursery::CELL), rsi)?;
+            self.size_to(rsi, [0, 1])?;
+            self.a.mov(at(nursery::SIZE), rsi)?;
+            self.a.mov(at(nursery::KEY), rax)?;
+            self.close_frame(f)?;
+            self.leave()?;
+            self.a.set_label(&mut slow)?;
+        }
         let index = s.index;
         let control = s.control;
         self.runtime_call(control::TRACK_ALLOC, |g| {
@@ -481,6 +540,9 @@ impl Gen<'_> {
     fn free_like(&mut self) -> R<(CodeLabel, CodeLabel)> {
         self.count_before()?;
         let mut drain = self.a.create_label();
+        if !self.s.preserve {
+            self.free_inline(drain)?;
+        }
         self.a.set_label(&mut drain)?;
         self.free_live()?;
         self.free_target()?;
@@ -489,6 +551,33 @@ impl Gen<'_> {
         self.count_before()?;
         self.free_target()?;
         Ok((drain, count))
+    }
+
+    /// The live entry's fast path: if the pointer is in the thread's
+    /// nursery, takes it out, charges its allocating site and makes the
+    /// original call; otherwise continues at `slow` (the runtime call).
+    /// Uses only rax, r10 and r11, never argument registers.
+    fn free_inline(&mut self, slow: CodeLabel) -> R<()> {
+        let freed = ARG_REGS[self.s.sig.freed.unwrap_or(0) as usize];
+        let freed32 = match freed {
+            r if r == rdi => edi,
+            r if r == rsi => esi,
+            r if r == rdx => edx,
+            r if r == rcx => ecx,
+            r if r == r8 => r8d,
+            _ => r9d,
+        };
+        self.nursery(rax, slow)?;
+        self.nursery_slot(r10d, freed32)?;
+        let at = |f: u32| qword_ptr(rax + r10 + (nursery::SLOTS + f) as i32);
+        self.a.cmp(at(nursery::KEY), freed)?;
+        self.a.jne(slow)?;
+        self.a.mov(r11, at(nursery::CELL))?;
+        self.a.mov(at(nursery::KEY), nursery::EMPTY as i32)?;
+        self.a.mov(rax, at(nursery::SIZE))?;
+        self.a.lock().add(qword_ptr(r11 + cell::FREED_OBJECTS as i32), 1)?;
+        self.a.lock().add(qword_ptr(r11 + cell::FREED_BYTES as i32), rax)?;
+        self.free_target()
     }
 
     /// The original free, then back to the code after the site.

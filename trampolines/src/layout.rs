@@ -21,7 +21,7 @@ use crate::entry::{Kind, Signature};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -116,6 +116,49 @@ pub mod control {
     /// `extern "C" fn(result, token, size, site, control) -> result`: the
     /// realloc returned.
     pub const TRACK_REALLOC_END: u32 = 64;
+    /// i64: offset from the thread pointer (fs) of the runtime's per-thread
+    /// word holding the byte offset of the thread's nursery from
+    /// [`NURSERIES`] (0: the inert nursery, which sends every trampoline to
+    /// the runtime). Written with the hooks.
+    pub const NURSERY_TLS: u32 = 72;
+    /// u64: run-time address of the runtime's nursery array.
+    pub const NURSERIES: u32 = 80;
+}
+
+/// A thread's nursery: a direct-mapped table of the objects the thread
+/// allocated recently, which the trampolines insert into and take out of
+/// inline (no call, no lock, no atomic instruction). The runtime moves an
+/// object that stays live into the shared pointer table when a newer one
+/// needs its slot, and finds objects other threads free under the shard
+/// lock (see the runtime's `live` module).
+pub mod nursery {
+    /// u8: non-zero sends the trampolines to the runtime (bit 0: a reset
+    /// made the contents stale; bit 7: the inert nursery).
+    pub const FLAGS: u32 = 0;
+    /// Offset of the slots.
+    pub const SLOTS: u32 = 64;
+    /// log2 of the number of slots.
+    pub const SLOT_BITS: u32 = 8;
+    pub const SLOT_COUNT: usize = 1 << SLOT_BITS;
+    /// Bytes per slot: the pointer, its counter cell, the requested size
+    /// and a reserved word.
+    pub const SLOT_SIZE: u32 = 32;
+    pub const KEY: u32 = 0;
+    pub const CELL: u32 = 8;
+    pub const SIZE: u32 = 16;
+    /// Key of an empty slot (never a pointer the allocator returns, and
+    /// not NULL, so that free(NULL) never matches).
+    pub const EMPTY: u64 = 1;
+    /// Bytes per nursery.
+    pub const BYTES: usize = SLOTS as usize + SLOT_COUNT * SLOT_SIZE as usize;
+    /// The slot multiplier: slot = (low 32 bits of ptr * HASH) >> (32 - SLOT_BITS).
+    pub const HASH: u32 = 0x9e37_79b1;
+
+    /// A pointer's slot.
+    #[inline(always)]
+    pub fn slot_of(ptr: u64) -> usize {
+        ((ptr as u32).wrapping_mul(HASH) >> (32 - SLOT_BITS)) as usize
+    }
 }
 
 /// Flags in the header.
