@@ -6,6 +6,10 @@
  * the first argument, else from its own directory,
  * calls its allocating functions, and unloads it with dlclose. Profiling
  * a patched copy shows the library's sites although it was loaded late.
+ * With a second argument `handover` it also loads libatshared_b.so (another
+ * copy of the library), allocates one block in the first copy, unloads the
+ * first copy, then frees the block through the second: the free must still
+ * count on the unloaded copy's site.
  */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -40,6 +44,24 @@ int main(int argc, char **argv)
         char *p = alloc(40);
         memset(p, 'x', 40);
         release(p);
+    }
+    if (argc > 2 && strcmp(argv[2], "handover") == 0) {
+        snprintf(path, sizeof path, "%s/libatshared_b.so", dir);
+        void *hb = dlopen(path, RTLD_NOW);
+        if (hb == NULL || hb == h) {
+            printf("dlopen of the second copy failed\n");
+            return 1;
+        }
+        void (*release_b)(void *) = (void (*)(void *))dlsym(hb, "atshared_free");
+        if (release_b == NULL)
+            return 1;
+        char *kept = alloc(24);
+        memset(kept, 'y', 24);
+        dlclose(h);
+        release_b(kept);
+        dlclose(hb);
+        printf("handover ok\n");
+        return 0;
     }
     dlclose(h);
     printf("dlopen ok\n");

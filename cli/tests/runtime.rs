@@ -505,6 +505,38 @@ fn modules_loaded_with_dlopen_and_unloaded_with_dlclose() {
     assert_eq!(f[&("libatshared.c".to_string(), line("free"), "free".to_string())], (3, 0, 0));
 }
 
+/// An unpatched host loads two patched copies of a library (the first
+/// brings the runtime in), allocates in the first, unloads it and frees the
+/// object through the second: the free counts on the unloaded copy's site,
+/// through the runtime's own mapping of its counters.
+#[test]
+fn an_object_of_an_unloaded_library_freed_through_another() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("handover");
+    let bin_dir = dir.join("bin");
+    std::fs::create_dir_all(&bin_dir).unwrap();
+    std::fs::copy(b.path("dlopener"), bin_dir.join("dlopener")).unwrap();
+    patch_to(&b.path("libatshared"), &bin_dir.join("libatshared.so"), &[]);
+    patch_to(&b.path("libatshared"), &bin_dir.join("libatshared_b.so"), &[]);
+    let out = run_program(
+        &bin_dir.join("dlopener"),
+        &[bin_dir.to_string_lossy().into_owned(), "handover".into()],
+        &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())],
+    );
+    assert_eq!(out, ("handover ok\n".to_string(), String::new(), 0));
+    let live = live_figures(&only_counters_file(&dir));
+    let lib_src = program("libatshared");
+    let line = |e: &str| lib_src.markers.iter().find(|m| m.entry == e).unwrap().line;
+    let key = |e: &str| ("libatshared.c".to_string(), line(e), e.to_string());
+    // Summed over both copies: nothing live, every free tracked.
+    assert_eq!(live[&key("malloc")], (0, 0, 0), "{live:?}");
+    assert_eq!(live[&key("free")], (0, 0, 0), "{live:?}");
+    let doc = report(only_counters_file(&dir).to_str().unwrap(), &dir);
+    let f = figures(&doc);
+    assert_eq!(f[&("libatshared.c".to_string(), line("malloc"), "malloc".to_string())], (4, 144, 0));
+    assert_eq!(f[&("libatshared.c".to_string(), line("free"), "free".to_string())], (4, 0, 0));
+}
+
 #[test]
 fn a_forked_child_counts_into_its_own_file_from_zero() {
     let b = built(Config::default_o2());

@@ -149,7 +149,14 @@ pub fn apply(cmd: Command) {
     let start = monotonic_ns();
     let live = LIVE.load(Ordering::Relaxed);
     let off = || {
-        if live && !live::is_empty() { registry::switch_all(Sites::Frees) } else { registry::switch_all(Sites::Off) }
+        if !live || live::is_empty() {
+            return registry::switch_all(Sites::Off);
+        }
+        registry::switch_all(Sites::Frees)?;
+        // A free on a trampoline's inline path, still at the live entry
+        // while the sites switched, may have taken the last object out
+        // without knowing about the drain.
+        if live::is_empty() { registry::switch_all(Sites::Off) } else { Ok(()) }
     };
     let result = match cmd {
         Command::On => registry::switch_all(Sites::On),

@@ -517,6 +517,11 @@ static NURSERIES: [Nursery; MAX_NURSERIES + 1] = [const {
 
 /// Nurseries 1..=CREATED have been handed out at least once.
 static CREATED: AtomicUsize = AtomicUsize::new(0);
+/// The cell of every slot that never held an object: a free of the empty
+/// key (which nothing should free) charges this, not address 0.
+#[repr(C, align(64))]
+struct SpareCell([AtomicU64; 8]);
+static SPARE_CELL: SpareCell = SpareCell([const { AtomicU64::new(0) }; 8]);
 /// Serialises handing out nurseries (a try-lock: a thread that finds it
 /// taken, maybe by itself in a signal handler, goes without for now).
 static HANDING_OUT: AtomicBool = AtomicBool::new(false);
@@ -548,6 +553,7 @@ fn own() -> Option<&'static Nursery> {
     };
     if n.flags.load(Ordering::Acquire) & STALE != 0 {
         for s in &n.slots {
+            s.cell.store(SPARE_CELL.0.as_ptr() as u64, Ordering::Relaxed);
             s.key.store(ns::EMPTY, Ordering::Relaxed);
         }
         n.flags.fetch_and(!STALE, Ordering::AcqRel);
@@ -581,6 +587,7 @@ fn hand_out() -> Option<&'static Nursery> {
         if got.is_none() && made < MAX_NURSERIES {
             let n = &NURSERIES[made + 1];
             for s in &n.slots {
+                s.cell.store(SPARE_CELL.0.as_ptr() as u64, Ordering::Relaxed);
                 s.key.store(ns::EMPTY, Ordering::Relaxed);
             }
             n.owned.store(true, Ordering::Relaxed);
@@ -595,10 +602,16 @@ fn hand_out() -> Option<&'static Nursery> {
         tls::set(tls::STATE, WITHOUT);
         return None;
     };
-    // SAFETY: a key created above; the value is never dereferenced.
-    unsafe { libc::pthread_setspecific(key - 1, i as *const libc::c_void) };
+    // The thread has its nursery before pthread_setspecific, which may
+    // allocate (through patched code, back here).
     tls::set(tls::NURSERY, (i * ns::BYTES) as u64);
     tls::set(tls::STATE, ASSIGNED);
+    // SAFETY: a key created above; the value is never dereferenced.
+    if unsafe { libc::pthread_setspecific(key - 1, i as *const libc::c_void) } != 0 {
+        // Without the destructor the nursery would never come back.
+        thread_exit(i as *mut libc::c_void);
+        return None;
+    }
     Some(&NURSERIES[i])
 }
 
@@ -618,7 +631,7 @@ fn nursery_objects(n: &Nursery) -> u64 {
     if n.flags.load(Ordering::Acquire) & STALE != 0 {
         return 0;
     }
-    n.slots.iter().filter(|s| s.key.load(Ordering::Relaxed) > ns::EMPTY).count() as u64
+    n.slots.iter().filter(|s| s.key.load(Ordering::Relaxed) != ns::EMPTY).count() as u64
 }
 
 /// Records a new object of the calling thread (`cell`: its site's cell).
@@ -633,8 +646,8 @@ fn track(ptr: u64, cell: u64, size: u64) {
         // The allocator handed out an address the nursery still holds:
         // that object was freed unseen.
         charge_free(s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
-    } else if k > ns::EMPTY {
-        evict(s, k);
+    } else if k != ns::EMPTY {
+        evict(n, s, k);
     }
     s.cell.store(cell, Ordering::Relaxed);
     s.size.store(size, Ordering::Relaxed);
@@ -646,20 +659,23 @@ fn track(ptr: u64, cell: u64, size: u64) {
 /// freed). The same pointer again means that object was freed unseen.
 #[cold]
 #[inline(never)]
-fn evict(s: &Slot, k: u64) {
+fn evict(n: &Nursery, s: &Slot, k: u64) {
     let h = hash(k);
     let shard = shard_of(h);
     let inner = lock(shard);
     // The owner is the only writer of cell and size.
     let (cell, size) = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
     let taken = s.key.compare_exchange(k, ns::EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+    // A reset since the nursery was checked: the object is forgotten (the
+    // shard, just emptied by `lock`, must not take it).
+    let stale = n.flags.load(Ordering::Acquire) & STALE != 0;
     let r = match Entry::pack(k, cell, size) {
-        Some(e) if taken => Some(insert_in(shard, inner, h, e)),
+        Some(e) if taken && !stale => Some(insert_in(shard, inner, h, e)),
         _ => None,
     };
     unlock(shard);
     match r {
-        None if taken => untracked_alloc(cell, size),
+        None if taken && !stale => untracked_alloc(cell, size),
         Some(Insert::Replaced(old)) => charge_free(old.cell(), old.size()),
         Some(Insert::Failed) => untracked_alloc(cell, size),
         _ => {}
@@ -689,6 +705,9 @@ fn track_in_table(ptr: u64, cell: u64, size: u64) {
 /// cell and size, and whether, while draining, the structure it came from
 /// became empty.
 fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
+    if ptr == ns::EMPTY {
+        return (None, false);
+    }
     let mine = own();
     let at = ns::slot_of(ptr);
     if let Some(n) = mine {
@@ -858,11 +877,19 @@ fn free_draining(ptr: u64) -> u64 {
     if let Some((cell, size)) = found {
         charge_free(cell, size);
     }
-    if emptied {
+    // Also now and then on an untracked free: the last tracked object may
+    // have left through a trampoline's inline path that had not seen the
+    // drain begin, and nothing else would end it.
+    let misses = DRAIN_MISSES.load(Ordering::Relaxed).wrapping_add(u32::from(found.is_none()));
+    DRAIN_MISSES.store(misses, Ordering::Relaxed);
+    if emptied || (found.is_none() && misses % 1024 == 0) {
         crate::control::finish_drain();
     }
     ptr
 }
+
+/// Untracked frees while draining (approximately: not an atomic count).
+static DRAIN_MISSES: AtomicU32 = AtomicU32::new(0);
 
 /// A trampoline is about to free `ptr` from site `index`, and did not find
 /// it in its thread's nursery. Returns `ptr`.

@@ -211,7 +211,12 @@ pub unsafe fn register(table: *const u8, inert: bool) {
     // SAFETY: the control block is the module's writable .alloctramp.data.
     unsafe {
         control.byte_add(layout::control::RSEQ_OFFSET as usize).write_volatile(crate::rseq_offset() as u64);
-        control.byte_add(layout::control::COUNTERS as usize).write_volatile(counters);
+        // A module registers twice (the runtime finds it loaded, then its
+        // init stub runs): the second time must keep the runtime's mapping.
+        let at = control.byte_add(layout::control::COUNTERS as usize);
+        if at.read_volatile() == 0 {
+            at.write_volatile(counters);
+        }
     }
     if inert {
         return;
@@ -232,10 +237,10 @@ pub unsafe fn register(table: *const u8, inert: bool) {
                 Ok(r) => r,
                 Err(e) => {
                     sys::log(e.as_bytes());
-                    (u32::MAX, counters)
+                    (u32::MAX, private_counters(counters, h.counters_size))
                 }
             },
-            None => (u32::MAX, counters),
+            None => (u32::MAX, private_counters(counters, h.counters_size)),
         };
         live::set_module(i, own, h.shard_stride, h.shard_count.saturating_sub(1));
         // The trampolines count through the runtime's own mapping, which
@@ -272,6 +277,24 @@ pub unsafe fn register(table: *const u8, inert: bool) {
     if let Some(slot) = slot {
         converge(slot);
     }
+}
+
+/// Counters for a module the process file does not hold (nothing reads
+/// them): a private mapping that, like the file's, outlives the module;
+/// the module's own region if even that fails.
+fn private_counters(module_counters: u64, size: u64) -> u64 {
+    // SAFETY: a fresh private anonymous mapping.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED { module_counters } else { p as u64 }
 }
 
 /// With the slot held: brings it to the wanted state, releases it, and

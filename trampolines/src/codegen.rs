@@ -556,7 +556,11 @@ impl Gen<'_> {
     /// The live entry's fast path: if the pointer is in the thread's
     /// nursery, takes it out, charges its allocating site and makes the
     /// original call; otherwise continues at `slow` (the runtime call).
-    /// Uses only rax, r10 and r11, never argument registers.
+    /// Uses only rax, r10 and r11, never argument registers; hence the
+    /// size is read after the slot is emptied (only this thread writes its
+    /// slots, so it is still the object's size, unless a signal handler on
+    /// this thread allocates in between, which the allocator itself does
+    /// not support).
     fn free_inline(&mut self, slow: CodeLabel) -> R<()> {
         let freed = ARG_REGS[self.s.sig.freed.unwrap_or(0) as usize];
         let freed32 = match freed {

@@ -146,9 +146,11 @@ pub mod nursery {
     pub const KEY: u32 = 0;
     pub const CELL: u32 = 8;
     pub const SIZE: u32 = 16;
-    /// Key of an empty slot (never a pointer the allocator returns, and
-    /// not NULL, so that free(NULL) never matches).
-    pub const EMPTY: u64 = 1;
+    /// Key of an empty slot: not NULL, so that free(NULL) never matches,
+    /// and no address an allocator returns or a program frees (unlike a
+    /// small sentinel such as 1 that a user-named free might be given);
+    /// an 8-bit immediate in the trampolines.
+    pub const EMPTY: u64 = u64::MAX;
     /// Bytes per nursery.
     pub const BYTES: usize = SLOTS as usize + SLOT_COUNT * SLOT_SIZE as usize;
     /// The slot multiplier: slot = (low 32 bits of ptr * HASH) >> (32 - SLOT_BITS).
