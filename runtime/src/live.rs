@@ -493,13 +493,17 @@ struct Slot {
 struct Nursery {
     flags: AtomicU8,
     owned: AtomicBool,
-    _pad: [u8; 62],
+    _pad: [u8; 6],
+    /// The thread's last tracked free (`layout::nursery::LAST`).
+    last: AtomicU64,
+    _pad2: [u8; 48],
     slots: [Slot; ns::SLOT_COUNT],
 }
 
 const _: () = assert!(std::mem::size_of::<Nursery>() == ns::BYTES);
 const _: () = assert!(std::mem::offset_of!(Nursery, slots) == ns::SLOTS as usize);
 const _: () = assert!(std::mem::size_of::<Slot>() == ns::SLOT_SIZE as usize);
+const _: () = assert!(std::mem::offset_of!(Nursery, last) == ns::LAST as usize);
 
 /// Nursery 0 is the inert one (every thread's TLS word starts at 0): its
 /// flags send the trampolines to the runtime, which gives the thread a
@@ -509,7 +513,9 @@ static NURSERIES: [Nursery; MAX_NURSERIES + 1] = [const {
     Nursery {
         flags: AtomicU8::new(INERT),
         owned: AtomicBool::new(false),
-        _pad: [0; 62],
+        _pad: [0; 6],
+        last: AtomicU64::new(0),
+        _pad2: [0; 48],
         slots: [const { Slot { key: AtomicU64::new(0), cell: AtomicU64::new(0), size: AtomicU64::new(0), _reserved: 0 } };
             ns::SLOT_COUNT],
     }
@@ -715,6 +721,7 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
         if s.key.load(Ordering::Relaxed) == ptr {
             let found = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
             s.key.store(ns::EMPTY, Ordering::Release);
+            n.last.store(ptr, Ordering::Relaxed);
             return (Some(found), DRAINING.load(Ordering::Relaxed) && nursery_objects(n) == 0);
         }
     }
@@ -743,7 +750,18 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
         r = (Some((e.cell(), e.size())), emptied && DRAINING.load(Ordering::Relaxed));
     }
     unlock(shard);
+    if let (Some(n), Some(_)) = (mine, r.0) {
+        n.last.store(ptr, Ordering::Relaxed);
+    }
     r
+}
+
+/// Whether a free of `ptr` is a nested layer of the calling thread's last
+/// tracked free (see `layout::nursery::LAST`).
+#[inline(always)]
+fn nested(ptr: u64) -> bool {
+    let i = own_index();
+    i != 0 && NURSERIES[i].last.load(Ordering::Relaxed) == ptr
 }
 
 /// Whether nothing is tracked (or everything is stale after a reset).
@@ -873,6 +891,9 @@ fn untracked_free(index: u64, control: *const u8) {
 #[cold]
 #[inline(never)]
 fn free_draining(ptr: u64) -> u64 {
+    if nested(ptr) {
+        return ptr;
+    }
     let (found, emptied) = remove(ptr);
     if let Some((cell, size)) = found {
         charge_free(cell, size);
@@ -902,6 +923,9 @@ pub unsafe extern "C" fn track_free(ptr: u64, index: u64, control: *const u8) ->
     }
     if DRAINING.load(Ordering::Relaxed) {
         return free_draining(ptr);
+    }
+    if nested(ptr) {
+        return ptr;
     }
     let (found, emptied) = remove(ptr);
     match found {

@@ -540,9 +540,7 @@ impl Gen<'_> {
     fn free_like(&mut self) -> R<(CodeLabel, CodeLabel)> {
         self.count_before()?;
         let mut drain = self.a.create_label();
-        if !self.s.preserve {
-            self.free_inline(drain)?;
-        }
+        self.free_inline(drain)?;
         self.a.set_label(&mut drain)?;
         self.free_live()?;
         self.free_target()?;
@@ -555,8 +553,10 @@ impl Gen<'_> {
 
     /// The live entry's fast path: if the pointer is in the thread's
     /// nursery, takes it out, charges its allocating site and makes the
-    /// original call; otherwise continues at `slow` (the runtime call).
-    /// Uses only rax, r10 and r11, never argument registers; hence the
+    /// original call; otherwise continues at `slow`, the drain entry (the
+    /// runtime call) that follows.
+    /// Uses only rax, r10 and r11 (the latter two saved at sites that
+    /// call a function of the module), never argument registers; hence the
     /// size is read after the slot is emptied (only this thread writes its
     /// slots, so it is still the object's size, unless a signal handler on
     /// this thread allocates in between, which the allocator itself does
@@ -571,17 +571,38 @@ impl Gen<'_> {
             r if r == r8 => r8d,
             _ => r9d,
         };
-        self.nursery(rax, slow)?;
+        // rax is the call's result register: never kept.
+        let save = self.saved(&[r10, r11]);
+        // Where a miss goes with the saved registers restored.
+        let mut out = if save.is_empty() { slow } else { self.a.create_label() };
+        let mut miss = self.a.create_label();
+        self.push_all(save)?;
+        self.nursery(rax, out)?;
         self.nursery_slot(r10d, freed32)?;
         let at = |f: u32| qword_ptr(rax + r10 + (nursery::SLOTS + f) as i32);
         self.a.cmp(at(nursery::KEY), freed)?;
-        self.a.jne(slow)?;
+        self.a.jne(miss)?;
         self.a.mov(r11, at(nursery::CELL))?;
         self.a.mov(at(nursery::KEY), nursery::EMPTY as i32)?;
+        self.a.mov(qword_ptr(rax + nursery::LAST as i32), freed)?;
         self.a.mov(rax, at(nursery::SIZE))?;
         self.a.lock().add(qword_ptr(r11 + cell::FREED_OBJECTS as i32), 1)?;
         self.a.lock().add(qword_ptr(r11 + cell::FREED_BYTES as i32), rax)?;
-        self.free_target()
+        self.pop_all(save)?;
+        self.free_target()?;
+        // Not in the nursery: a nested layer of the free just tracked
+        // makes the original call; anything else goes to the runtime.
+        self.a.set_label(&mut miss)?;
+        self.a.cmp(qword_ptr(rax + nursery::LAST as i32), freed)?;
+        self.a.jne(out)?;
+        self.pop_all(save)?;
+        self.free_target()?;
+        // Falls through to the runtime call, in the entry's state.
+        if !save.is_empty() {
+            self.a.set_label(&mut out)?;
+            self.pop_all(save)?;
+        }
+        Ok(())
     }
 
     /// The original free, then back to the code after the site.

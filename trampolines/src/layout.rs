@@ -135,6 +135,11 @@ pub mod nursery {
     /// u8: non-zero sends the trampolines to the runtime (bit 0: a reset
     /// made the contents stale; bit 7: the inert nursery).
     pub const FLAGS: u32 = 0;
+    /// u64: the pointer of the thread's last tracked free. A free of the
+    /// same pointer that misses the nursery is a nested layer of that free
+    /// (`operator delete` calling `free`, a wrapper calling the allocator's
+    /// free): it makes the original call without looking further.
+    pub const LAST: u32 = 8;
     /// Offset of the slots.
     pub const SLOTS: u32 = 64;
     /// log2 of the number of slots.
