@@ -21,6 +21,10 @@
 //!   pointers hash to the same shard, and a shard grows (by a fifth, into a
 //!   fresh mapping) while the other shards carry on.
 //!
+//! A nursery also records its thread's last tracked free: a free of that
+//! pointer that misses the nursery is a nested layer of the same free (a
+//! patched `operator delete` calling a patched `free`) and is left alone.
+//!
 //! A free that misses its own thread's nursery locks the pointer's shard
 //! and looks at the same slot of the other threads' nurseries, then in the
 //! shard. The nursery's owner writes its slots with plain stores; another
