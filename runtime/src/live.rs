@@ -562,13 +562,19 @@ fn own() -> Option<&'static Nursery> {
         &NURSERIES[i]
     };
     if n.flags.load(Ordering::Acquire) & STALE != 0 {
-        for s in &n.slots {
-            s.cell.store(SPARE_CELL.0.as_ptr() as u64, Ordering::Relaxed);
-            s.key.store(ns::EMPTY, Ordering::Relaxed);
-        }
+        empty_slots(n);
         n.flags.fetch_and(!STALE, Ordering::AcqRel);
     }
     Some(n)
+}
+
+/// Empties every slot of a nursery its caller owns (or is about to hand
+/// out): no object, and the spare cell.
+fn empty_slots(n: &Nursery) {
+    for s in &n.slots {
+        s.cell.store(SPARE_CELL.0.as_ptr() as u64, Ordering::Relaxed);
+        s.key.store(ns::EMPTY, Ordering::Relaxed);
+    }
 }
 
 /// Gives the calling thread a nursery: one whose thread exited, else a
@@ -596,10 +602,7 @@ fn hand_out() -> Option<&'static Nursery> {
             .find(|&i| NURSERIES[i].owned.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok());
         if got.is_none() && made < MAX_NURSERIES {
             let n = &NURSERIES[made + 1];
-            for s in &n.slots {
-                s.cell.store(SPARE_CELL.0.as_ptr() as u64, Ordering::Relaxed);
-                s.key.store(ns::EMPTY, Ordering::Relaxed);
-            }
+            empty_slots(n);
             n.owned.store(true, Ordering::Relaxed);
             n.flags.store(0, Ordering::Relaxed);
             CREATED.store(made + 1, Ordering::Release);
@@ -666,7 +669,7 @@ fn track(ptr: u64, cell: u64, size: u64) {
 
 /// Moves the object in one of the calling thread's nursery slots into the
 /// pointer table (unless another thread took it meanwhile: it is being
-/// freed). The same pointer again means that object was freed unseen.
+/// freed).
 #[cold]
 #[inline(never)]
 fn evict(n: &Nursery, s: &Slot, k: u64) {
@@ -732,8 +735,9 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
     let h = hash(ptr);
     let shard = shard_of(h);
     let inner = lock(shard);
-    // Nurseries first: a table entry for the same pointer can only be a
-    // stale one (an object freed unseen).
+    // Nurseries first: when a nursery and the table both hold an address,
+    // the table's record is usually the stale one (an object freed unseen;
+    // see docs/architecture.md, "Pointers freed unseen").
     let mut r = (None, false);
     for n in created() {
         if mine.is_some_and(|m| std::ptr::eq(m, n)) || n.flags.load(Ordering::Acquire) & STALE != 0 {
