@@ -2,8 +2,8 @@
 //! running process: `enable`, `disable [--now]`, `reset`.
 
 use crate::util::Snapshot;
-use alloctramp_trampolines::process::{self, ProcessFile, flags};
-use anyhow::{Result, anyhow, bail};
+use alloctramp_trampolines::process::{self, ProcessFile, Request, flags, hdr};
+use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -55,10 +55,20 @@ fn process_start_time(pid: u32) -> Option<u64> {
 }
 
 /// The process that wrote a counters file is the one running under its pid
-/// now (not exited, and the pid was not reused since).
+/// now (not exited, the pid not reused since, the program not replaced by
+/// `exec`).
 pub fn file_process_running(pf: &ProcessFile) -> bool {
     if pf.exited || !process_exists(pf.pid) {
         return false;
+    }
+    let exe = (header_u64(pf, hdr::EXE_DEV), header_u64(pf, hdr::EXE_INO));
+    if exe != (0, 0)
+        && let Ok(m) = std::fs::metadata(format!("/proc/{}/exe", pf.pid))
+    {
+        use std::os::unix::fs::MetadataExt;
+        if (m.dev(), m.ino()) != exe {
+            return false;
+        }
     }
     match process_start_time(pf.pid) {
         // Both are whole seconds, taken a moment apart.
@@ -156,26 +166,6 @@ pub struct DisableArgs {
     pub now: bool,
 }
 
-/// What a switch request asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Request {
-    On,
-    Off,
-    OffNow,
-    Reset,
-}
-
-impl Request {
-    fn text(self) -> &'static str {
-        match self {
-            Request::On => "on",
-            Request::Off => "off",
-            Request::OffNow => "off now",
-            Request::Reset => "reset",
-        }
-    }
-}
-
 struct State {
     generation: u64,
     on: bool,
@@ -217,9 +207,10 @@ fn read_state(path: &Path) -> Result<State> {
     })
 }
 
-/// Writes the request into the process's control file, signals it (or lets
-/// its watcher see the file), and waits until the process reports that the
-/// request was carried out. Returns the message to show.
+/// Puts the request in the process file's header and wakes the process's
+/// watcher thread (a futex in the shared file) or sends its control signal,
+/// then waits until the process reports that the request was carried out.
+/// Returns the message to show.
 pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
     let pid = args.pid;
     let dir = counters_dir(args.dir.as_deref());
@@ -233,11 +224,10 @@ pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
         }
     }
     if before.signal == 0 && !before.watcher {
-        bail!("process {pid} listens to no signal and runs no watcher (started with ALLOCTRAMP_SIGNAL=none)");
+        bail!("process {pid} takes no requests while it runs (started with ALLOCTRAMP_SWITCH=none)");
     }
-    let ctl = path.with_file_name(process::control_file_name(pid));
-    crate::util::write_atomic(&ctl, format!("{}\n", request.text()).as_bytes(), 0o600)?;
-    if before.signal != 0 {
+    post_request(&path, request, before.watcher)?;
+    if !before.watcher {
         // SAFETY: kill(2) with a pid and a signal number.
         if unsafe { libc::kill(pid as i32, before.signal as i32) } != 0 {
             bail!("cannot signal process {pid}: {}", std::io::Error::last_os_error());
@@ -284,6 +274,38 @@ pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// Stores the request in the header of the process file at `path` and, for
+/// a watcher, increments the wake word and wakes it.
+fn post_request(path: &Path, request: Request, watcher: bool) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .with_context(|| format!("{}: cannot open", path.display()))?;
+    if !file.metadata()?.is_file() || file.metadata()?.len() < process::PROC_HEADER_SIZE {
+        bail!("{}: not a process file", path.display());
+    }
+    // SAFETY: a shared mapping of the header page, written only through
+    // atomics (the process reads and writes the same words atomically).
+    let map = unsafe { memmap2::MmapOptions::new().len(4096).map_mut(&file) }
+        .with_context(|| format!("{}: cannot map", path.display()))?;
+    let word = |at: usize| {
+        // SAFETY: `at` is a 4-aligned offset within the mapped page.
+        unsafe { &*(map.as_ptr().add(at) as *const AtomicU32) }
+    };
+    word(hdr::REQUEST).store(request as u32, Ordering::Release);
+    if watcher {
+        word(hdr::WAKE).fetch_add(1, Ordering::AcqRel);
+        // SAFETY: FUTEX_WAKE on an aligned u32 of a shared file mapping (not
+        // private: the waiter is another process).
+        unsafe { libc::syscall(libc::SYS_futex, word(hdr::WAKE).as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+    }
+    Ok(())
 }
 
 pub fn run_switch(args: &SwitchArgs, request: Request) -> Result<()> {

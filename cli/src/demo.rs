@@ -2,9 +2,10 @@
 //! switch profiling on while it runs, and show the report, one sentence per
 //! step.
 
-use crate::control::{self, Request, SwitchArgs};
+use crate::control::{self, SwitchArgs};
 use crate::patch::{self, RuntimeLink};
 use crate::report::{self, SortKey, Source, View, select};
+use alloctramp_trampolines::process::Request;
 use anyhow::{Context, Result, bail};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::DirBuilderExt;

@@ -1,6 +1,7 @@
 //! The `alloctramp` command: glue between the command line, files, and the
 //! libraries that do the work.
 
+mod clean;
 mod control;
 mod demo;
 mod patch;
@@ -10,6 +11,7 @@ mod sites;
 mod snapshot;
 mod util;
 
+use alloctramp_trampolines::process::Request;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
@@ -43,6 +45,7 @@ enum Command {
     /// Zero the counters of a running process.
     Reset(control::SwitchArgs),
     Demo(demo::Args),
+    Clean(clean::Args),
 }
 
 fn main() -> ExitCode {
@@ -66,12 +69,13 @@ fn main() -> ExitCode {
         Command::Report(args) => report::run(args),
         Command::Snapshot(args) => snapshot::run_snapshot(args),
         Command::Diff(args) => snapshot::run_diff(args),
-        Command::Enable(args) => control::run_switch(&args, control::Request::On),
+        Command::Enable(args) => control::run_switch(&args, Request::On),
         Command::Disable(args) => {
-            control::run_switch(&args.switch, if args.now { control::Request::OffNow } else { control::Request::Off })
+            control::run_switch(&args.switch, if args.now { Request::OffNow } else { Request::Off })
         }
-        Command::Reset(args) => control::run_switch(&args, control::Request::Reset),
+        Command::Reset(args) => control::run_switch(&args, Request::Reset),
         Command::Demo(args) => demo::run(args),
+        Command::Clean(args) => clean::run(args),
     };
     util::finish(result)
 }

@@ -1,7 +1,7 @@
 //! `alloctramp patch`: write a patched copy of an ELF file.
 
 use crate::sites::parse_entries;
-use crate::util::{Input, write_atomic, write_atomic_with};
+use crate::util::{Input, Staged, check_output_path};
 use alloctramp_patcher::write::{PatchOptions, patch};
 use alloctramp_trampolines::layout;
 use anyhow::{Context, Result, anyhow, bail};
@@ -121,6 +121,7 @@ pub fn run(args: Args) -> Result<()> {
 pub fn patch_file(args: &Args) -> Result<Summary> {
     let user = parse_entries(&args.entries)?;
     let output = args.output.clone().unwrap_or_else(|| default_output(&args.input));
+    check_output_path(&output)?;
     let input = Input::open(&args.input)?;
     let in_meta = std::fs::metadata(&args.input)?;
     if let (Ok(a), Ok(b)) = (std::fs::canonicalize(&args.input), std::fs::canonicalize(&output))
@@ -147,17 +148,22 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
     let opts = PatchOptions { runtime_needed: needed, shards: args.shards };
     let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
 
+    // The runtime copy and the output are renamed into place together,
+    // after both are written: a failure leaves neither.
+    let mut staged = Staged::default();
     if let RuntimeLink::Origin = args.runtime_link {
         let dir = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let copy = dir.join(layout::RUNTIME_SONAME);
+        check_output_path(&copy)?;
         let same = std::fs::canonicalize(&copy).is_ok_and(|c| c == runtime)
             || std::fs::read(&copy).ok() == std::fs::read(&runtime).ok();
         if !same {
             let bytes = std::fs::read(&runtime).with_context(|| format!("{}: cannot read", runtime.display()))?;
-            write_atomic(&copy, &bytes, 0o755)?;
+            staged.add(&copy, 0o755, |w| w.write_all(&bytes))?;
         }
     }
-    write_atomic_with(&output, in_meta.permissions().mode() & 0o7777, |w| patched.write_to(w))?;
+    staged.add(&output, in_meta.permissions().mode() & 0o7777, |w| patched.write_to(w))?;
+    staged.commit()?;
     for s in &patched.skipped {
         let site = &analysis.scan.sites[s.site];
         eprintln!("alloctramp: {}: site {} not patched: {}", args.input.display(), site.vaddr, s.reason);

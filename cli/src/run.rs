@@ -173,11 +173,12 @@ pub fn run(mut args: Args) -> Result<()> {
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
     let file = dir.join(alloctramp_trampolines::process::counters_file_name(pid));
     if !file.is_file() {
-        eprintln!(
-            "alloctramp: {} left no counters file in {} (profiling was unavailable; see its messages above)",
-            program.display(),
-            dir.display()
-        );
+        let why = if args.on {
+            "profiling was unavailable; see its messages above"
+        } else {
+            "profiling was never switched on, so it removed its file at exit"
+        };
+        eprintln!("alloctramp: {} left no counters file in {} ({why})", program.display(), dir.display());
         std::process::exit(code);
     }
     let src = Source::open(&file.to_string_lossy(), &dir)?;

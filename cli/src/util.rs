@@ -14,7 +14,7 @@ pub struct Input {
 
 impl Input {
     pub fn open(path: &Path) -> Result<Input> {
-        let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        let file = open_regular(path)?;
         Input::of(&file, path)
     }
 
@@ -29,6 +29,58 @@ impl Input {
         // programs and libraries that are not rewritten in place.
         let map = unsafe { memmap2::Mmap::map(file) }.with_context(|| format!("{}: cannot map", path.display()))?;
         Ok(Input { map })
+    }
+}
+
+/// Opens a file for reading without blocking on a FIFO or a device (they
+/// are refused: only regular files are read).
+pub fn open_regular(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .with_context(|| format!("{}: cannot open", path.display()))?;
+    let meta = file.metadata().with_context(|| format!("{}: cannot stat", path.display()))?;
+    if !meta.is_file() {
+        anyhow::bail!("{}: not a regular file ({})", path.display(), file_kind(&meta));
+    }
+    Ok(file)
+}
+
+/// What kind of file a path names, in words.
+pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else {
+        "a regular file"
+    }
+}
+
+/// Refuses an output path that exists and is not a regular file (a device,
+/// a FIFO, a directory: renaming over it would replace it).
+pub fn check_output_path(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            anyhow::bail!(
+                "{}: output path is {}, not a regular file; nothing was written",
+                path.display(),
+                file_kind(&m)
+            )
+        }
+        _ => Ok(()),
     }
 }
 
@@ -48,7 +100,7 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn read(path: &Path) -> Result<Snapshot> {
         use std::os::unix::io::AsRawFd;
-        let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        let file = open_regular(path)?;
         let input = Input::of(&file, path)?;
         let map: &[u8] = &input.map;
         let len = map.len() as u64;
@@ -133,23 +185,75 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<()> {
 
 /// Like [`write_atomic`], with the contents produced by `fill`.
 pub fn write_atomic_with(path: &Path, mode: u32, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().context("output path has no file name")?.to_string_lossy().into_owned();
-    let tmp = dir.join(format!(".{name}.alloctramp-{}", std::process::id()));
-    let res = (|| -> Result<()> {
-        let f = File::create(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    let mut staged = Staged::default();
+    staged.add(path, mode, fill)?;
+    staged.commit()
+}
+
+/// Files written under temporary names in their target directories and
+/// renamed into place together, in the order they were added: either every
+/// file is in place, or none of them is and no temporary file remains (a
+/// target that did not exist before is removed again if a later rename
+/// fails).
+#[derive(Default)]
+pub struct Staged {
+    /// (temporary, target, whether the target existed before)
+    files: Vec<(std::path::PathBuf, std::path::PathBuf, bool)>,
+}
+
+impl Staged {
+    pub fn add(&mut self, path: &Path, mode: u32, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        check_output_path(path)?;
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let name = path.file_name().context("output path has no file name")?.to_string_lossy().into_owned();
+        let tmp = dir.join(format!(".{name}.alloctramp-{}-{}", std::process::id(), self.files.len()));
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .with_context(|| format!("{}: cannot create the output in {}", path.display(), dir.display()))?;
+        self.files.push((tmp.clone(), path.to_path_buf(), std::fs::symlink_metadata(path).is_ok()));
         let mut buf = io::BufWriter::with_capacity(1 << 20, f);
-        fill(&mut buf).with_context(|| format!("{}: cannot write", tmp.display()))?;
-        let f =
-            buf.into_inner().map_err(|e| e.into_error()).with_context(|| format!("{}: cannot write", tmp.display()))?;
+        fill(&mut buf).with_context(|| format!("{}: cannot write", path.display()))?;
+        let f = buf
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(|| format!("{}: cannot write", path.display()))?;
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
         f.sync_all().ok();
-        std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot rename into place", path.display()))?;
         Ok(())
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
     }
-    res
+
+    pub fn commit(mut self) -> Result<()> {
+        let files = std::mem::take(&mut self.files);
+        for (i, (tmp, path, _)) in files.iter().enumerate() {
+            // Checked again: the path may have changed since it was staged.
+            let r = check_output_path(path).and_then(|()| {
+                std::fs::rename(tmp, path).with_context(|| format!("{}: cannot rename into place", path.display()))
+            });
+            if let Err(e) = r {
+                for (tmp, _, _) in &files[i..] {
+                    let _ = std::fs::remove_file(tmp);
+                }
+                for (_, path, existed) in &files[..i] {
+                    if !existed {
+                        let _ = std::fs::remove_file(path);
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        for (tmp, _, _) in &self.files {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
 }

@@ -126,15 +126,8 @@ fn reset_forgets_tracked_objects_and_off_now_marks_figures_incomplete() {
     // Off at once with tracked blocks alive: everything off, and the
     // figures say they may overstate.
     assert_eq!(s.cmd("round"), "done");
-    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "off now\n").unwrap();
-    let generation = |s: &Server| {
-        let bytes = std::fs::read(s.dir.join(format!("{}.counters", s.pid()))).unwrap();
-        ProcessFile::parse(&bytes).unwrap().generation
-    };
-    let g = generation(&s);
-    // SAFETY: kill(2) with the server's pid and the default control signal.
-    assert_eq!(unsafe { libc::kill(s.child.id() as i32, libc::SIGRTMAX() - 7) }, 0);
-    wait_until("the switch completes", || generation(&s) != g);
+    let o = alloctramp().arg("disable").arg("--now").arg("--dir").arg(&s.dir).arg(s.pid()).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let (on, f) = process_flags(&s);
     assert!(!on);
     assert_eq!(f & (flags::DRAINING | flags::INCOMPLETE), flags::INCOMPLETE);

@@ -292,7 +292,7 @@ fn zero() -> Figures {
 
 #[test]
 fn switching_a_live_process_by_command_signal_and_file() {
-    let mut s = Server::start("switch", &[]);
+    let mut s = Server::start("switch", &[("ALLOCTRAMP_SWITCH", "signal")]);
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(s.figures(), zero(), "off by default: nothing counted");
 
@@ -310,8 +310,8 @@ fn switching_a_live_process_by_command_signal_and_file() {
     assert!(s.switch("reset").status.success());
     assert_eq!(s.figures(), zero());
 
-    // A bare signal with an empty control file toggles.
-    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "").unwrap();
+    // A bare signal with no control file toggles.
+    assert!(!s.dir.join(format!("{}.control", s.pid())).exists(), "the runtime creates no control file");
     let sig = 64 - 7; // SIGRTMAX - 7, the default
     assert!(Command::new("kill").arg(format!("-{sig}")).arg(s.pid()).status().unwrap().success());
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -329,18 +329,27 @@ fn switching_a_live_process_by_command_signal_and_file() {
     assert!(report(&s.pid(), &s.dir)["on"].as_bool().unwrap());
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(s.figures(), round_figures(2));
+
+    // The control file's words, carried out on the signal.
+    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "off\n").unwrap();
+    assert!(Command::new("kill").arg(format!("-{sig}")).arg(s.pid()).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while report(&s.pid(), &s.dir)["on"].as_bool().unwrap() {
+        assert!(Instant::now() < deadline, "the control file's `off` did not switch off");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     s.quit();
 }
 
 #[test]
 fn switching_on_at_start_by_environment_and_by_watcher() {
-    let mut s = Server::start("env", &[("ALLOCTRAMP", "on")]);
+    let mut s = Server::start("env", &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_SWITCH", "none")]);
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(s.figures(), round_figures(1));
     s.quit();
 
-    // No signal: the watcher follows the control file.
-    let mut s = Server::start("watch", &[("ALLOCTRAMP_SIGNAL", "none"), ("ALLOCTRAMP_WATCH", "1")]);
+    // The default: a watcher thread, woken through the counters file.
+    let mut s = Server::start("watch", &[]);
     assert_eq!(s.cmd("round"), "done");
     let o = s.switch("enable");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -348,11 +357,11 @@ fn switching_on_at_start_by_environment_and_by_watcher() {
     assert_eq!(s.figures(), round_figures(1));
     s.quit();
 
-    // No signal and no watcher: the command says so.
-    let s = Server::start("nosignal", &[("ALLOCTRAMP_SIGNAL", "none")]);
+    // No way to switch while running: the command says so.
+    let s = Server::start("nosignal", &[("ALLOCTRAMP_SWITCH", "none")]);
     let o = s.switch("enable");
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("listens to no signal"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("takes no requests while it runs"));
     s.quit();
 }
 
@@ -372,16 +381,20 @@ fn stress_eight_threads_while_switching_ten_thousand_times() {
     let dir = counters_dir("stress");
     let bin = dir.join("stress");
     patch_to(&b.path("stress"), &bin, &[]);
-    let mut child =
-        Command::new(&bin).env("ALLOCTRAMP_DIR", &dir).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut child = Command::new(&bin)
+        .env("ALLOCTRAMP_DIR", &dir)
+        .env("ALLOCTRAMP_SWITCH", "signal")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "started");
     let pid = child.id();
     let sig = libc::SIGRTMAX() - 7;
-    // An empty control file: each signal toggles.
-    std::fs::write(dir.join(format!("{pid}.control")), "").unwrap();
+    // No control file: each signal toggles.
     let mut last = 0;
     let start = Instant::now();
     for i in 0..10_000 {

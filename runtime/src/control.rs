@@ -1,41 +1,23 @@
-//! Switching on request: the control signal, the control file, the
-//! optional watcher thread, and the SIGTRAP handler of the patching
-//! protocol. Everything reachable from a signal handler here is
-//! async-signal-safe: system calls, atomics, fixed buffers.
+//! Switching on request: requests taken from the process file's header
+//! (written there by `alloctramp enable|disable|reset`), the watcher thread
+//! that waits for them on a futex, the optional control signal (with the
+//! optional control file a person may write), and the SIGTRAP handler of
+//! the patching protocol. Everything reachable from a signal handler here
+//! is async-signal-safe: system calls, atomics, fixed buffers.
 
 use crate::live;
 use crate::patching::Sites;
-use crate::registry::{self, LIVE, PROC_FD, PROC_HEADER};
+use crate::registry::{self, LIVE, PROC_HEADER};
 use crate::sys::{self, Buf};
-use alloctramp_trampolines::process::hdr;
+use alloctramp_trampolines::process::{Request, hdr};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-/// What the control file asks for.
+/// What to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Command {
-    On,
-    /// Off; with live tracking, free and realloc sites stay on until the
-    /// tracked objects are freed (or a reset).
-    Off,
-    /// Every site off at once (live figures become incomplete if tracked
-    /// objects remain).
-    OffNow,
-    Reset,
-    /// Empty or missing file: a bare signal toggles.
+    Do(Request),
+    /// A bare control signal with no request and no control file: toggle.
     Toggle,
-}
-
-/// Parses the control file's contents (surrounding white space ignored).
-pub fn parse(text: &[u8]) -> Result<Command, ()> {
-    let t = text.trim_ascii();
-    match t {
-        b"on" => Ok(Command::On),
-        b"off" => Ok(Command::Off),
-        b"off now" => Ok(Command::OffNow),
-        b"reset" => Ok(Command::Reset),
-        b"" => Ok(Command::Toggle),
-        _ => Err(()),
-    }
 }
 
 /// The control file's path, set at start-up (and after fork).
@@ -88,12 +70,17 @@ pub(crate) fn header_u64(at: usize) -> Option<&'static AtomicU64> {
 
 static SWITCHING: AtomicBool = AtomicBool::new(false);
 static PENDING: AtomicBool = AtomicBool::new(false);
+static SIGNALED: AtomicBool = AtomicBool::new(false);
 static DRAIN: AtomicBool = AtomicBool::new(false);
 
-/// Reads the control file and does what it asks. Safe in signal context.
-/// A request arriving while another is being carried out is picked up by
-/// that one before it finishes.
-pub fn handle_request() {
+/// Carries out the request in the header; after a control signal with none,
+/// the control file's (or a toggle). Safe in signal context. A request
+/// arriving while another is being carried out is picked up by that one
+/// before it finishes.
+pub fn handle_request(signaled: bool) {
+    if signaled {
+        SIGNALED.store(true, Ordering::Release);
+    }
     PENDING.store(true, Ordering::Release);
     run_pending();
 }
@@ -112,10 +99,12 @@ fn run_pending() {
         }
         loop {
             if PENDING.swap(false, Ordering::AcqRel) {
-                apply_control_file();
+                if let Some(cmd) = take_request() {
+                    apply(cmd);
+                }
             } else if DRAIN.swap(false, Ordering::AcqRel) {
                 if registry::want() == Sites::Frees && live::is_empty() {
-                    apply(Command::Off);
+                    apply(Command::Do(Request::Off));
                 }
             } else {
                 break;
@@ -128,20 +117,32 @@ fn run_pending() {
     }
 }
 
-fn apply_control_file() {
+/// The pending request: the header's, else (after a control signal) the
+/// control file's, else a toggle.
+fn take_request() -> Option<Command> {
+    let code = header_u32(hdr::REQUEST).map_or(0, |r| r.swap(0, Ordering::AcqRel));
+    if let Some(r) = Request::from_code(code) {
+        SIGNALED.store(false, Ordering::Release);
+        return Some(Command::Do(r));
+    }
+    if !SIGNALED.swap(false, Ordering::AcqRel) {
+        return None;
+    }
     let mut path = CONTROL_PATH.get();
     let mut buf = [0u8; 64];
     let n = sys::read_small_file(path.c_str(), &mut buf).unwrap_or(0);
-    let cmd = match parse(&buf[..n]) {
-        Ok(c) => c,
-        Err(()) => {
+    if buf[..n].trim_ascii().is_empty() {
+        return Some(Command::Toggle);
+    }
+    match Request::parse(&buf[..n]) {
+        Some(r) => Some(Command::Do(r)),
+        None => {
             let mut m = Buf::<256>::new();
             m.str("ignoring unknown request in ").push(path.bytes()).str(" (expected on, off, off now or reset)");
             sys::log(m.bytes());
-            return;
+            None
         }
-    };
-    apply(cmd);
+    }
 }
 
 /// Carries out a command and publishes the result in the process file.
@@ -159,17 +160,17 @@ pub fn apply(cmd: Command) {
         if live::is_empty() { registry::switch_all(Sites::Off) } else { Ok(()) }
     };
     let result = match cmd {
-        Command::On => registry::switch_all(Sites::On),
-        Command::Off => off(),
+        Command::Do(Request::On) => registry::switch_all(Sites::On),
+        Command::Do(Request::Off) => off(),
         Command::Toggle if registry::is_on() => off(),
         Command::Toggle => registry::switch_all(Sites::On),
-        Command::OffNow => {
+        Command::Do(Request::OffNow) => {
             if live && !live::is_empty() {
                 registry::INCOMPLETE.store(true, Ordering::Relaxed);
             }
             registry::switch_all(Sites::Off)
         }
-        Command::Reset => {
+        Command::Do(Request::Reset) => {
             reset_counters();
             live::forget_all();
             registry::INCOMPLETE.store(false, Ordering::Relaxed);
@@ -206,26 +207,30 @@ fn monotonic_ns() -> u64 {
     }
 }
 
+/// Zeroes every counter in the process file: frees the pages of each
+/// module's counters region (`MADV_REMOVE` punches a hole in the file
+/// through the runtime's own shared mapping, so no descriptor is needed);
+/// a file system that cannot punch holes gets zeros written.
 fn reset_counters() {
-    use alloctramp_trampolines::process::{MODULE_SLOT_SIZE, MODULE_SLOTS_AT, slot};
-    let fd = PROC_FD.load(Ordering::Acquire);
-    let (Some(count), true) = (header_u32(hdr::MODULE_COUNT), fd != u32::MAX) else { return };
-    for i in 0..count.load(Ordering::Acquire) as usize {
-        let base = MODULE_SLOTS_AT as usize + i * MODULE_SLOT_SIZE as usize;
-        let (Some(off), Some(size)) =
-            (header_u64(base + slot::COUNTERS_OFFSET), header_u64(base + slot::COUNTERS_SIZE))
-        else {
+    for (i, slot) in registry::slots().enumerate() {
+        if slot.file_index.load(Ordering::Relaxed) == u32::MAX {
             continue;
-        };
-        // SAFETY: punching a hole in our own counters file; its shared
-        // mappings read zeros from then on.
+        }
+        let m = &live::MODULES[i];
+        let (base, size) = (m.base.load(Ordering::Acquire), m.size.load(Ordering::Relaxed));
+        if base == 0 || size == 0 {
+            continue;
+        }
+        // SAFETY: the runtime's own shared mapping of the module's counters
+        // (never unmapped while registered), `size` bytes; its pages read
+        // as zeros afterwards, through every mapping of the file.
         unsafe {
-            libc::fallocate(
-                fd as i32,
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                off.load(Ordering::Relaxed) as i64,
-                size.load(Ordering::Relaxed) as i64,
-            );
+            if libc::madvise(base as *mut libc::c_void, size as usize, libc::MADV_REMOVE) != 0 {
+                let words = std::slice::from_raw_parts(base as *const AtomicU64, size as usize / 8);
+                for w in words {
+                    w.store(0, Ordering::Relaxed);
+                }
+            }
         }
     }
     if let Some(t) = header_u64(hdr::RESET_TIME) {
@@ -239,7 +244,7 @@ fn reset_counters() {
 /// The control signal's handler.
 pub extern "C" fn on_signal(_sig: i32, _info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
     let _errno = sys::ErrnoGuard::new();
-    handle_request();
+    handle_request(true);
 }
 
 /// The previous SIGTRAP disposition, to chain to for traps that are not
@@ -302,45 +307,48 @@ pub extern "C" fn on_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::
     }
 }
 
-/// The opt-in watcher: follows the control file with inotify, without a
-/// signal and without polling.
-pub fn start_watcher(dir: Vec<u8>, file: Vec<u8>) {
-    let spawn = std::thread::Builder::new().name("alloctramp-watch".into()).spawn(move || {
-        let mut d = Buf::<256>::new();
-        d.push(&dir);
-        // SAFETY: inotify on our own directory; the buffer is ours.
-        unsafe {
-            let fd = libc::inotify_init1(libc::IN_CLOEXEC);
-            if fd < 0 || libc::inotify_add_watch(fd, d.c_str().as_ptr(), libc::IN_CLOSE_WRITE | libc::IN_MOVED_TO) < 0 {
-                sys::log(b"cannot watch the control file");
-                return;
-            }
-            let mut buf = [0u8; 4096];
-            loop {
-                let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
-                if n <= 0 {
-                    if n < 0 && sys::errno() == libc::EINTR {
-                        continue;
-                    }
-                    return;
-                }
-                let mut at = 0usize;
-                let mut ours = false;
-                while at + 16 <= n as usize {
-                    let len = u32::from_le_bytes(buf[at + 12..at + 16].try_into().unwrap()) as usize;
-                    let name = &buf[at + 16..(at + 16 + len).min(n as usize)];
-                    let name = &name[..name.iter().position(|&c| c == 0).unwrap_or(name.len())];
-                    ours |= name == file.as_slice();
-                    at += 16 + len;
-                }
-                if ours {
-                    handle_request();
-                }
-            }
+/// The watcher thread: waits on the header's futex word and carries out
+/// each request. It holds no descriptor, blocks every signal (so a signal
+/// the program directs at the process always reaches one of the program's
+/// own threads, and none of its system calls is interrupted), and never
+/// exits.
+extern "C" fn watch(_: *mut libc::c_void) -> *mut libc::c_void {
+    loop {
+        // The header moves after fork (the child's thread is a new one,
+        // but the loop reads it afresh anyway).
+        let Some(wake) = header_u32(hdr::WAKE) else { return std::ptr::null_mut() };
+        let seen = wake.load(Ordering::Acquire);
+        if header_u32(hdr::REQUEST).is_some_and(|r| r.load(Ordering::Acquire) != 0) {
+            handle_request(false);
         }
-    });
-    if spawn.is_err() {
-        sys::log(b"cannot start the control file watcher");
+        // A requester stores the request, increments the word, then wakes:
+        // if it did so since `seen` was read, the wait returns at once.
+        sys::futex_wait(wake, seen);
+    }
+}
+
+/// Starts the watcher thread with every signal blocked. Returns false if
+/// the thread could not be created.
+pub fn start_watcher() -> bool {
+    // SAFETY: plain pthread and signal-mask calls on local, initialized
+    // structures; the thread function takes no argument.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        libc::pthread_attr_init(&mut attr);
+        libc::pthread_attr_setstacksize(&mut attr, 256 << 10);
+        libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
+        let mut t: libc::pthread_t = 0;
+        let ok = libc::pthread_create(&mut t, &attr, watch, std::ptr::null_mut()) == 0;
+        libc::pthread_attr_destroy(&mut attr);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        if ok {
+            libc::pthread_setname_np(t, c"alloctramp".as_ptr());
+        }
+        ok
     }
 }
 
@@ -349,14 +357,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn control_file_commands() {
-        assert_eq!(parse(b"on\n"), Ok(Command::On));
-        assert_eq!(parse(b"  off "), Ok(Command::Off));
-        assert_eq!(parse(b"off now\n"), Ok(Command::OffNow));
-        assert_eq!(parse(b"reset"), Ok(Command::Reset));
-        assert_eq!(parse(b""), Ok(Command::Toggle));
-        assert_eq!(parse(b"\n"), Ok(Command::Toggle));
-        assert_eq!(parse(b"ON"), Err(()));
-        assert_eq!(parse(b"on off"), Err(()));
+    fn control_file_requests() {
+        assert_eq!(Request::parse(b"on\n"), Some(Request::On));
+        assert_eq!(Request::parse(b"  off "), Some(Request::Off));
+        assert_eq!(Request::parse(b"off now\n"), Some(Request::OffNow));
+        assert_eq!(Request::parse(b"reset"), Some(Request::Reset));
+        assert_eq!(Request::parse(b"ON"), None);
+        assert_eq!(Request::parse(b"on off"), None);
+        assert_eq!(Request::parse(b""), None);
     }
 }

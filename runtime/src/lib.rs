@@ -1,20 +1,24 @@
 //! The alloctramp runtime: the library every patched module loads (a
 //! DT_NEEDED entry of the module). It is a guest in someone else's process:
-//! it starts no thread unless asked (`ALLOCTRAMP_WATCH=1`), does nothing on a
+//! it holds no file descriptor while the program runs, does nothing on a
 //! trampoline path, runs only async-signal-safe code in signal handlers, and
 //! a panic aborts (it never unwinds into C).
 //!
-//! At start-up it creates the process's counters file and control file,
-//! installs the control signal's handler and a SIGTRAP handler, and
-//! registers every patched module already loaded; modules loaded later
-//! register from their init stub, and unregister from their fini stub.
+//! At start-up it creates the process's counters file, starts the watcher
+//! thread that waits for requests (or installs the control signal's
+//! handler), installs a SIGTRAP handler, and registers every patched module
+//! already loaded; modules loaded later register from their init stub, and
+//! unregister from their fini stub. At exit, a process that never profiled
+//! removes its file.
 //!
 //! Environment: `ALLOCTRAMP=on` (profile from the start), `ALLOCTRAMP_LIVE=0`
 //! (count calls and bytes only, no live figures; fixed for the process's
-//! lifetime), `ALLOCTRAMP_SIGNAL`
-//! (a signal name or number, or `none`; default `SIGRTMAX-7`, see
-//! [`DEFAULT_SIGNAL_FROM_RTMAX`]), `ALLOCTRAMP_WATCH=1` (follow the control file with a
-//! thread), `ALLOCTRAMP_DIR` (where the counters and control files go).
+//! lifetime), `ALLOCTRAMP_SWITCH` (`thread`, the default: a watcher thread
+//! waits on a futex in the counters file; `signal`: the control signal
+//! `ALLOCTRAMP_SIGNAL`, default `SIGRTMAX-7`, see
+//! [`DEFAULT_SIGNAL_FROM_RTMAX`]; `none`: only the environment),
+//! `ALLOCTRAMP_DIR` (where the counters files go), `ALLOCTRAMP_KEEP` (how
+//! many files of ended processes stay there).
 
 mod control;
 mod live;
@@ -26,6 +30,7 @@ mod tls;
 
 use alloctramp_trampolines::layout::{self, API_VERSION};
 use alloctramp_trampolines::process;
+use registry::PROC;
 use std::ffi::{c_char, c_void};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -131,8 +136,44 @@ fn command_name() -> Vec<u8> {
     cmd.split(|&c| c == 0).next().unwrap_or(&[]).to_vec()
 }
 
-/// Creates the process file and control file for the current pid.
-fn open_process_file(dir: &str, signal: i32, watcher: bool) -> Option<procfile::ProcFile> {
+/// How a running process hears requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Switch {
+    /// A watcher thread waits on a futex word of the counters file.
+    Thread,
+    /// The control signal's handler carries requests out.
+    Signal(i32),
+    /// Only `ALLOCTRAMP=on` at start.
+    None,
+}
+
+fn switch_mode() -> Switch {
+    let signal = || match std::env::var("ALLOCTRAMP_SIGNAL") {
+        Ok(s) => match parse_signal(&s) {
+            Ok(n) if n != 0 => n,
+            Ok(_) | Err(_) => {
+                sys::log(
+                    format!("ALLOCTRAMP_SIGNAL={s:?}: not a signal; using SIGRTMAX-{DEFAULT_SIGNAL_FROM_RTMAX}")
+                        .as_bytes(),
+                );
+                libc::SIGRTMAX() - DEFAULT_SIGNAL_FROM_RTMAX
+            }
+        },
+        Err(_) => libc::SIGRTMAX() - DEFAULT_SIGNAL_FROM_RTMAX,
+    };
+    match std::env::var("ALLOCTRAMP_SWITCH").as_deref() {
+        Ok("thread") | Ok("") | Err(_) => Switch::Thread,
+        Ok("signal") => Switch::Signal(signal()),
+        Ok("none") => Switch::None,
+        Ok(other) => {
+            sys::log(format!("ALLOCTRAMP_SWITCH={other:?}: expected thread, signal or none; using thread").as_bytes());
+            Switch::Thread
+        }
+    }
+}
+
+/// Creates the process file for the current pid.
+fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
     let mut d = sys::Buf::<256>::new();
     d.str(dir);
     if let Err(e) = procfile::ensure_dir(d.c_str()) {
@@ -143,12 +184,12 @@ fn open_process_file(dir: &str, signal: i32, watcher: bool) -> Option<procfile::
     }
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() } as u32;
-    match procfile::ProcFile::create(dir.as_bytes(), pid, signal as u32, watcher, &command_name()) {
+    let signal = if let Switch::Signal(n) = mode { n as u32 } else { 0 };
+    match procfile::ProcFile::create(dir.as_bytes(), pid, signal, mode == Switch::Thread, &command_name()) {
         Ok(f) => {
             let ctl = format!("{dir}/{}", process::control_file_name(pid));
             control::CONTROL_PATH.set(ctl.as_bytes());
             registry::PROC_HEADER.store(f.header as usize, Ordering::Release);
-            registry::PROC_FD.store(f.fd as u32, Ordering::Release);
             Some(f)
         }
         Err(e) => {
@@ -160,16 +201,29 @@ fn open_process_file(dir: &str, signal: i32, watcher: bool) -> Option<procfile::
     }
 }
 
-static SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
-static WATCH: AtomicBool = AtomicBool::new(false);
+/// Starts the watcher thread; if it cannot start, the file says no watcher
+/// listens (so `alloctramp enable` says why instead of waiting).
+fn start_watcher() {
+    if !control::start_watcher() {
+        sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
+        PROC.with(|p| {
+            if let Some(f) = p.as_ref() {
+                f.header_u32(process::hdr::WATCHER).store(0, Ordering::Release);
+            }
+        });
+    }
+}
+
+static MODE: OnceLock<Switch> = OnceLock::new();
 static DIR: OnceLock<String> = OnceLock::new();
 
 extern "C" fn after_fork_in_child() {
-    let Some(dir) = DIR.get() else { return };
-    registry::reopen_after_fork(|| {
-        open_process_file(dir, SIGNAL.load(Ordering::Relaxed), WATCH.load(Ordering::Relaxed))
-    });
+    let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
+    registry::reopen_after_fork(|| open_process_file(dir, mode));
     registry::publish_state();
+    if mode == Switch::Thread && registry::PROC_HEADER.load(Ordering::Acquire) != 0 {
+        start_watcher();
+    }
 }
 
 fn install(sig: i32, handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut c_void)) -> Option<libc::sigaction> {
@@ -200,17 +254,8 @@ fn init() {
     let barrier = sys::register_barrier();
     let _ = CONFIG.set(Config { inert, barrier });
 
-    let signal = match std::env::var("ALLOCTRAMP_SIGNAL") {
-        Ok(s) => match parse_signal(&s) {
-            Ok(n) => n,
-            Err(e) => {
-                sys::log(format!("ALLOCTRAMP_SIGNAL: {e}; using the default").as_bytes());
-                libc::SIGRTMAX() - DEFAULT_SIGNAL_FROM_RTMAX
-            }
-        },
-        Err(_) => libc::SIGRTMAX() - DEFAULT_SIGNAL_FROM_RTMAX,
-    };
-    let watch = std::env::var("ALLOCTRAMP_WATCH").is_ok_and(|v| v == "1");
+    let mode = switch_mode();
+    let _ = MODE.set(mode);
     match std::env::var("ALLOCTRAMP_LIVE").as_deref() {
         Ok("0") => {}
         Ok("1") | Ok("") | Err(_) => registry::LIVE.store(true, Ordering::Release),
@@ -220,8 +265,6 @@ fn init() {
         }
     }
     live::RSEQ.store(rseq_offset() as u64, Ordering::Relaxed);
-    SIGNAL.store(signal, Ordering::Relaxed);
-    WATCH.store(watch, Ordering::Relaxed);
     match std::env::var("ALLOCTRAMP").as_deref() {
         Ok("on") => registry::WANT.store(patching::Sites::On as u8, Ordering::Release),
         Ok("off") | Ok("") | Err(_) => {}
@@ -229,25 +272,23 @@ fn init() {
     }
 
     let dir = counters_dir();
-    let f = open_process_file(&dir, signal, watch);
+    let f = open_process_file(&dir, mode);
     let have_file = f.is_some();
-    registry::PROC.with(|p| *p = f);
+    PROC.with(|p| *p = f);
     registry::publish_state();
-    let _ = DIR.set(dir.clone());
+    let _ = DIR.set(dir);
 
     if let Some(old) = install(libc::SIGTRAP, control::on_trap) {
         control::OLD_TRAP.set(&old);
     }
-    if signal != 0 && have_file {
-        install(signal, control::on_signal);
+    if let (Switch::Signal(n), true) = (mode, have_file) {
+        install(n, control::on_signal);
     }
     // SAFETY: registering a fork handler that runs in the child.
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
     scan_loaded_modules(false);
-    if watch && have_file {
-        // SAFETY: getpid has no preconditions.
-        let pid = unsafe { libc::getpid() } as u32;
-        control::start_watcher(dir.into_bytes(), process::control_file_name(pid).into_bytes());
+    if mode == Switch::Thread && have_file {
+        start_watcher();
     }
 }
 
@@ -294,17 +335,29 @@ static INIT: extern "C" fn() = {
     run
 };
 
-/// At exit: mark the counters file as the process's final snapshot.
+/// At exit: the counters file of a process that profiled becomes its final
+/// snapshot; a process that never profiled removes its file. Then the
+/// directory is pruned to its bound (`ALLOCTRAMP_KEEP` files of ended
+/// processes).
 #[used]
 #[unsafe(link_section = ".fini_array")]
 static FINI: extern "C" fn() = {
     extern "C" fn run() {
-        let h = registry::PROC_HEADER.load(Ordering::Acquire);
-        if h != 0 {
-            live::publish_objects();
-            // SAFETY: EXITED is a u32 field of the live header.
-            unsafe { &*((h + process::hdr::EXITED) as *const std::sync::atomic::AtomicU32) }
-                .store(1, Ordering::Release);
+        if registry::PROC_HEADER.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        PROC.with(|p| {
+            let Some(f) = p.as_mut() else { return };
+            if registry::PROFILED.load(Ordering::Relaxed) {
+                live::publish_objects();
+                f.header_u32(process::hdr::EXITED).store(1, Ordering::Release);
+            } else {
+                f.remove();
+            }
+        });
+        let keep = std::env::var("ALLOCTRAMP_KEEP").ok().and_then(|k| k.parse().ok()).unwrap_or(process::DEFAULT_KEEP);
+        if let Some(dir) = DIR.get() {
+            procfile::prune(dir, keep);
         }
     }
     run

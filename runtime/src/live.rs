@@ -159,16 +159,24 @@ pub static EPOCH: AtomicU32 = AtomicU32::new(0);
 /// a module that was unloaded meanwhile).
 pub struct ModuleCounters {
     pub base: AtomicU64,
+    pub size: AtomicU64,
     pub stride: AtomicU64,
     pub mask: AtomicU32,
 }
 
-pub static MODULES: [ModuleCounters; 256] =
-    [const { ModuleCounters { base: AtomicU64::new(0), stride: AtomicU64::new(0), mask: AtomicU32::new(0) } }; 256];
+pub static MODULES: [ModuleCounters; 256] = [const {
+    ModuleCounters {
+        base: AtomicU64::new(0),
+        size: AtomicU64::new(0),
+        stride: AtomicU64::new(0),
+        mask: AtomicU32::new(0),
+    }
+}; 256];
 
 /// Records where module slot `slot`'s counters are (the runtime's view).
-pub fn set_module(slot: usize, base: u64, stride: u64, mask: u32) {
+pub fn set_module(slot: usize, base: u64, size: u64, stride: u64, mask: u32) {
     let m = &MODULES[slot];
+    m.size.store(size, Ordering::Relaxed);
     m.stride.store(stride, Ordering::Relaxed);
     m.mask.store(mask, Ordering::Relaxed);
     m.base.store(base, Ordering::Release);

@@ -10,7 +10,9 @@
 //! states, so a thread is never left inside a half-written instruction.
 //!
 //! Code pages are made writable (and stay executable, for the other
-//! threads) only during a switch, then return to read+execute.
+//! threads) only during a switch, then get back exactly the protection each
+//! mapping had (read from `/proc/self/maps`): a segment that is writable and
+//! executable, or a page shared with a data segment, stays as it was.
 
 use crate::registry::{self, Slot};
 use crate::sys;
@@ -62,28 +64,66 @@ fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sit
     b
 }
 
-/// An executable range of a module, from its program headers.
-#[derive(Clone, Copy, Default)]
-pub struct Range {
-    pub start: u64,
-    pub end: u64,
+/// The mappings of a module's code that a switch made writable, with the
+/// protection each had.
+struct Unprotected {
+    n: usize,
+    saved: [(u64, u64, i32); MAX_MAPPINGS],
 }
 
-/// Sets the protection of the module's executable segments (not its
-/// trampolines).
-fn protect(ranges: &[Range], writable: bool) -> bool {
-    let prot = libc::PROT_READ | libc::PROT_EXEC | if writable { libc::PROT_WRITE } else { 0 };
-    let mut ok = true;
-    for r in ranges.iter().filter(|r| r.end > r.start) {
-        let start = r.start & !(PAGE - 1);
-        let len = r.end.div_ceil(PAGE) * PAGE - start;
-        // SAFETY: the range covers pages of the module's own executable
-        // segments, mapped while the module is registered.
-        if unsafe { libc::mprotect(start as *mut libc::c_void, len as usize, prot) } != 0 {
-            ok = false;
+/// More mappings than this in one module's span of sites: the switch is
+/// refused (a module's code is one or a few mappings).
+const MAX_MAPPINGS: usize = 32;
+
+impl Unprotected {
+    /// Makes every page of `[lo, hi)` writable, keeping each mapping's other
+    /// permissions. On failure, nothing stays changed.
+    fn new(lo: u64, hi: u64) -> Result<Unprotected, &'static str> {
+        let (lo, hi) = (lo & !(PAGE - 1), hi.div_ceil(PAGE) * PAGE);
+        let mut u = Unprotected { n: 0, saved: [(0, 0, 0); MAX_MAPPINGS] };
+        let mut too_many = false;
+        // The mappings are read in full before any changes them.
+        let read = sys::for_each_mapping(|start, end, prot| {
+            let (s, e) = (start.max(lo), end.min(hi));
+            if start >= hi {
+                return false;
+            }
+            if s < e && prot & libc::PROT_WRITE == 0 {
+                if u.n == MAX_MAPPINGS {
+                    too_many = true;
+                    return false;
+                }
+                u.saved[u.n] = (s, e, prot);
+                u.n += 1;
+            }
+            true
+        });
+        if !read {
+            return Err("cannot read /proc/self/maps");
+        }
+        if too_many {
+            return Err("the module's code spans too many mappings");
+        }
+        for i in 0..u.n {
+            let (s, e, prot) = u.saved[i];
+            // SAFETY: pages of the module's own code, mapped while the module
+            // is registered; only write permission is added.
+            if unsafe { libc::mprotect(s as *mut libc::c_void, (e - s) as usize, prot | libc::PROT_WRITE) } != 0 {
+                u.n = i;
+                u.restore();
+                return Err("the system refused to make code writable (mprotect)");
+            }
+        }
+        Ok(u)
+    }
+
+    /// Gives every mapping back the protection it had.
+    fn restore(&self) {
+        for &(s, e, prot) in &self.saved[..self.n] {
+            // SAFETY: as above; the protection the pages had before.
+            unsafe { libc::mprotect(s as *mut libc::c_void, (e - s) as usize, prot) };
         }
     }
-    ok
 }
 
 /// Switches the sites of one module to `on`. Returns an error message
@@ -96,7 +136,6 @@ pub unsafe fn switch_module(slot: &Slot, on: Sites, barrier: sys::Barrier) -> Re
     // SAFETY: the table stays mapped while the slot is held (caller).
     let Some(table) = (unsafe { slot.table() }) else { return Ok(()) };
     let bias = slot.bias.load(Ordering::Relaxed);
-    let ranges = slot.exec_ranges();
     let at = |s: &alloctramp_trampolines::layout::Site| bias.wrapping_add(s.addr) as *mut u8;
     let active = |s: &alloctramp_trampolines::layout::Site| s.trampoline != 0 && s.len >= 5;
 
@@ -112,10 +151,8 @@ pub unsafe fn switch_module(slot: &Slot, on: Sites, barrier: sys::Barrier) -> Re
     if barrier == sys::Barrier::None {
         return Err("membarrier is not available: cannot switch safely");
     }
-    if !protect(&ranges, true) {
-        protect(&ranges, false);
-        return Err("the system refused to make code writable (mprotect)");
-    }
+    let (lo, hi) = slot.span();
+    let unprotected = Unprotected::new(lo, hi)?;
     // SAFETY (all three passes): the pages are writable now; each write
     // stays within the site's first five bytes.
     for s in table.sites().filter(active) {
@@ -142,7 +179,7 @@ pub unsafe fn switch_module(slot: &Slot, on: Sites, barrier: sys::Barrier) -> Re
         }
     }
     sys::serialize(barrier);
-    protect(&ranges, false);
+    unprotected.restore();
     Ok(())
 }
 

@@ -9,12 +9,17 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 pub type Path = Buf<256>;
 
-/// An open process file: its descriptor, the mapped header, and how far it
-/// extends.
+/// The process file: its mapped header, how far it extends, and how to
+/// find it again. No descriptor is held while the program runs: a program
+/// may close every descriptor it did not open (daemons do) and get the
+/// number back for a file of its own. The runtime reopens the file by path
+/// when it must grow it, and checks that it is still the same file.
 pub struct ProcFile {
-    pub fd: i32,
     pub header: *mut u8,
     pub size: u64,
+    path: Path,
+    dev: u64,
+    ino: u64,
 }
 
 // SAFETY: the header mapping is shared memory accessed only through atomics
@@ -76,26 +81,41 @@ fn create_file(path: &CStr) -> Result<i32, &'static str> {
     }
 }
 
+/// A descriptor closed when dropped.
+struct Fd(i32);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: the descriptor was opened by this module and is closed once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+fn identity(fd: i32) -> Option<(u64, u64)> {
+    // SAFETY: fstat fills a plain struct.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        (libc::fstat(fd, &mut st) == 0).then_some((st.st_dev, st.st_ino))
+    }
+}
+
 impl ProcFile {
-    /// Creates the process file and its (empty) control file.
+    /// Creates the process file, complete with its header, under its final
+    /// name `dir/PID.counters`, and closes it.
     pub fn create(dir: &[u8], pid: u32, signal: u32, watcher: bool, command: &[u8]) -> Result<ProcFile, &'static str> {
-        let mut name = pid_name(pid, ".control");
-        let mut ctl = path_in(dir, name.bytes());
-        let cfd = create_file(ctl.c_str())?;
-        // SAFETY: cfd was just opened.
-        unsafe { libc::close(cfd) };
         // Written under a temporary name and renamed once the header is
         // complete, so a reader never sees a partial header.
-        name = pid_name(pid, ".counters.new");
+        let mut name = pid_name(pid, ".counters.new");
         let mut tmp = path_in(dir, name.bytes());
         name = pid_name(pid, ".counters");
         let mut path = path_in(dir, name.bytes());
-        let fd = create_file(tmp.c_str())?;
+        let fd = Fd(create_file(tmp.c_str())?);
+        let Some((dev, ino)) = identity(fd.0) else { return Err("cannot create the counters file") };
         // SAFETY: fd is ours; the mapping covers the file's first
         // PROC_HEADER_SIZE bytes, which ftruncate just created.
         let header = unsafe {
-            if libc::ftruncate(fd, PROC_HEADER_SIZE as i64) != 0 {
-                libc::close(fd);
+            if libc::ftruncate(fd.0, PROC_HEADER_SIZE as i64) != 0 {
+                libc::unlink(tmp.c_str().as_ptr());
                 return Err("cannot size the counters file");
             }
             let p = libc::mmap(
@@ -103,16 +123,15 @@ impl ProcFile {
                 PROC_HEADER_SIZE as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                fd,
+                fd.0,
                 0,
             );
             if p == libc::MAP_FAILED {
-                libc::close(fd);
+                libc::unlink(tmp.c_str().as_ptr());
                 return Err("cannot map the counters file");
             }
             p as *mut u8
         };
-        let f = ProcFile { fd, header, size: PROC_HEADER_SIZE };
         // SAFETY: the header is mapped and PROC_HEADER_SIZE long.
         unsafe {
             std::ptr::copy_nonoverlapping(process::PROC_MAGIC.as_ptr(), header, 8);
@@ -121,14 +140,53 @@ impl ProcFile {
             header.add(hdr::SIGNAL).cast::<u32>().write(signal);
             header.add(hdr::WATCHER).cast::<u32>().write(u32::from(watcher));
             header.add(hdr::START_TIME).cast::<u64>().write(sys::now_secs());
+            let (exe_dev, exe_ino) = file_identity(c"/proc/self/exe");
+            header.add(hdr::EXE_DEV).cast::<u64>().write(exe_dev);
+            header.add(hdr::EXE_INO).cast::<u64>().write(exe_ino);
             let n = command.len().min(111);
             std::ptr::copy_nonoverlapping(command.as_ptr(), header.add(hdr::COMMAND), n);
             if libc::rename(tmp.c_str().as_ptr(), path.c_str().as_ptr()) != 0 {
                 libc::unlink(tmp.c_str().as_ptr());
+                libc::munmap(header.cast(), PROC_HEADER_SIZE as usize);
                 return Err("cannot create the counters file");
             }
         }
-        Ok(f)
+        Ok(ProcFile { header, size: PROC_HEADER_SIZE, path, dev, ino })
+    }
+
+    /// Opens the file again by path, without following a symlink, and only
+    /// if it is still the file this process created.
+    fn reopen(&mut self) -> Result<Fd, &'static str> {
+        // SAFETY: the path is NUL-terminated.
+        let fd = unsafe { libc::open(self.path.c_str().as_ptr(), libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err("the counters file is gone");
+        }
+        let fd = Fd(fd);
+        if identity(fd.0) != Some((self.dev, self.ino)) {
+            return Err("the counters file was replaced by another file");
+        }
+        Ok(fd)
+    }
+
+    /// Removes the file (a process that never profiled, at exit).
+    pub fn remove(&mut self) {
+        if let Ok(fd) = self.reopen() {
+            drop(fd);
+            // SAFETY: the path is NUL-terminated; the file was just checked
+            // to be ours.
+            unsafe { libc::unlink(self.path.c_str().as_ptr()) };
+        }
+    }
+
+    /// Unmaps the header (after fork, in the child, the parent's file).
+    pub fn unmap(&self) {
+        // SAFETY: the header mapping is ours; nothing reads it after this.
+        unsafe { libc::munmap(self.header.cast(), PROC_HEADER_SIZE as usize) };
+    }
+
+    pub fn header_u32(&self, at: usize) -> &AtomicU32 {
+        self.u32(at)
     }
 
     pub fn u32(&self, at: usize) -> &AtomicU32 {
@@ -169,17 +227,19 @@ impl ProcFile {
         }
         let (table_off, counters_off, end) = process::module_region(table.len() as u64, counters_size, self.size);
         let mut own;
+        let file = self.reopen()?;
+        let fd = file.0;
         // SAFETY: fd is ours; pwrite reads `table`; the mapping replaces the
         // module's counters pages (page-aligned, its own, zero so far) with
         // the file's region of the same size.
         unsafe {
-            if libc::ftruncate(self.fd, end as i64) != 0 {
+            if libc::ftruncate(fd, end as i64) != 0 {
                 return Err("cannot grow the counters file");
             }
             let mut done = 0usize;
             while done < table.len() {
                 let n = libc::pwrite(
-                    self.fd,
+                    fd,
                     table[done..].as_ptr().cast(),
                     table.len() - done,
                     (table_off + done as u64) as i64,
@@ -194,7 +254,7 @@ impl ProcFile {
                 counters_size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
-                self.fd,
+                fd,
                 counters_off as i64,
             );
             if p == libc::MAP_FAILED {
@@ -205,7 +265,7 @@ impl ProcFile {
                 counters_size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                self.fd,
+                fd,
                 counters_off as i64,
             );
             if own == libc::MAP_FAILED {
@@ -228,5 +288,92 @@ impl ProcFile {
 
     pub fn set_unloaded(&self, index: u32) {
         self.slot_u32(index, slot::UNLOADED).store(1, Ordering::Release);
+    }
+}
+
+/// Device and inode of a file (following symlinks, as `/proc/PID/exe` must
+/// be followed).
+pub fn file_identity(path: &CStr) -> (u64, u64) {
+    // SAFETY: path is NUL-terminated; stat fills a plain struct.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::stat(path.as_ptr(), &mut st) == 0 { (st.st_dev, st.st_ino) } else { (0, 0) }
+    }
+}
+
+/// Whether process `pid` runs the program whose executable was `exe`.
+fn runs(pid: u32, exe: (u64, u64)) -> bool {
+    // SAFETY: kill with signal 0 only checks that the process exists.
+    if pid == 0 || (unsafe { libc::kill(pid as i32, 0) } != 0 && sys::errno() == libc::ESRCH) {
+        return false;
+    }
+    let mut p = Buf::<64>::new();
+    p.str("/proc/").num(u64::from(pid)).str("/exe");
+    // An executable we cannot see (another user's process): assume the same.
+    let now = file_identity(p.c_str());
+    now == (0, 0) || exe == (0, 0) || now == exe
+}
+
+/// Removes what [`process::files_to_remove`] says in `dir`: files of
+/// processes that ended without profiling, and all but the `keep` newest of
+/// the others, with their leftover control and temporary files. Called
+/// when a process exits (not in signal context).
+pub fn prune(dir: &str, keep: usize) {
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let mut found: Vec<(u32, process::FileState)> = Vec::new();
+    let mut strays: Vec<std::path::PathBuf> = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some((pid, kind)) = name.split_once('.') else { continue };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        match kind {
+            "counters" => {}
+            "counters.new" | "control" => {
+                if !runs(pid, (0, 0)) {
+                    strays.push(e.path());
+                }
+                continue;
+            }
+            _ => continue,
+        }
+        let Ok(f) =
+            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(e.path())
+        else {
+            continue;
+        };
+        let Ok(meta) = f.metadata() else { continue };
+        if !meta.is_file() {
+            continue;
+        }
+        let mut h = [0u8; 512];
+        if f.read_exact_at(&mut h, 0).is_err() || h[..8] != process::PROC_MAGIC {
+            continue;
+        }
+        let u32_at = |at: usize| u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
+        let u64_at = |at: usize| u64::from(u32_at(at)) | u64::from(u32_at(at + 4)) << 32;
+        let current = u32_at(hdr::VERSION) == process::PROC_VERSION;
+        let exe = if current { (u64_at(hdr::EXE_DEV), u64_at(hdr::EXE_INO)) } else { (0, 0) };
+        let exited = u32_at(hdr::EXITED) == 1;
+        let state = process::FileState {
+            running: !exited && runs(u32_at(hdr::PID), exe),
+            // A file of another version: keep it like a snapshot.
+            profiled: !current || u32_at(hdr::FLAGS) & process::flags::PROFILED != 0,
+            mtime: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
+        };
+        found.push((pid, state));
+    }
+    let states: Vec<process::FileState> = found.iter().map(|f| f.1).collect();
+    for (remove, (pid, _)) in process::files_to_remove(&states, keep).into_iter().zip(&found) {
+        if remove {
+            let _ = std::fs::remove_file(format!("{dir}/{pid}.counters"));
+            let _ = std::fs::remove_file(format!("{dir}/{pid}.control"));
+        }
+    }
+    for p in strays {
+        let _ = std::fs::remove_file(p);
     }
 }

@@ -2,7 +2,7 @@
 //! locks (signal handlers read it), written under a spin lock by the
 //! registration path (module init and fini, never in signal context).
 
-use crate::patching::{self, Range, Sites};
+use crate::patching::{self, Sites};
 use crate::procfile::ProcFile;
 use crate::{live, sys};
 use alloctramp_trampolines::layout::{self, HEADER_SIZE, Table};
@@ -10,7 +10,6 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 pub const MAX_SLOTS: usize = 256;
-const MAX_RANGES: usize = 4;
 
 const FREE: u8 = 0;
 const ACTIVE: u8 = 1;
@@ -25,7 +24,6 @@ pub struct Slot {
     /// Run-time addresses of the first and past the last site.
     lo: AtomicU64,
     hi: AtomicU64,
-    ranges: [(AtomicU64, AtomicU64); MAX_RANGES],
     state: AtomicU8,
     /// Held while the module's code is being switched or it is unloading.
     pub busy: AtomicBool,
@@ -43,7 +41,6 @@ impl Slot {
             bias: AtomicU64::new(0),
             lo: AtomicU64::new(0),
             hi: AtomicU64::new(0),
-            ranges: [const { (AtomicU64::new(0), AtomicU64::new(0)) }; MAX_RANGES],
             state: AtomicU8::new(FREE),
             busy: AtomicBool::new(false),
             sites: AtomicU8::new(Sites::Off as u8),
@@ -74,12 +71,9 @@ impl Slot {
         Table::parse(unsafe { std::slice::from_raw_parts(p, n) }).ok()
     }
 
-    pub fn exec_ranges(&self) -> [Range; MAX_RANGES] {
-        let mut r = [Range::default(); MAX_RANGES];
-        for (i, (s, e)) in self.ranges.iter().enumerate() {
-            r[i] = Range { start: s.load(Ordering::Relaxed), end: e.load(Ordering::Relaxed) };
-        }
-        r
+    /// Run-time addresses of the first site and past the last.
+    pub fn span(&self) -> (u64, u64) {
+        (self.lo.load(Ordering::Relaxed), self.hi.load(Ordering::Relaxed))
     }
 
     pub fn state(&self) -> Sites {
@@ -160,36 +154,6 @@ impl<T> SpinLock<T> {
 pub static PROC: SpinLock<Option<ProcFile>> = SpinLock::new(None);
 /// The process file's header, readable from signal handlers.
 pub static PROC_HEADER: AtomicUsize = AtomicUsize::new(0);
-pub static PROC_FD: AtomicU32 = AtomicU32::new(u32::MAX);
-
-/// Executable PT_LOAD ranges of the module whose ELF header is at `ehdr`,
-/// excluding alloctramp's own trampolines.
-///
-/// # Safety
-/// `ehdr` must point at the mapped ELF header of a loaded module whose
-/// program headers follow it.
-unsafe fn exec_ranges(ehdr: u64, bias: u64, text_addr: u64) -> [(u64, u64); MAX_RANGES] {
-    let mut out = [(0u64, 0u64); MAX_RANGES];
-    // SAFETY: reading the ELF header and program headers (caller).
-    unsafe {
-        let e = ehdr as *const u8;
-        let phoff = e.add(32).cast::<u64>().read_unaligned();
-        let phnum = e.add(56).cast::<u16>().read_unaligned() as usize;
-        let mut n = 0;
-        for i in 0..phnum {
-            let ph = e.add(phoff as usize + i * 56);
-            let p_type = ph.cast::<u32>().read_unaligned();
-            let flags = ph.add(4).cast::<u32>().read_unaligned();
-            let vaddr = ph.add(16).cast::<u64>().read_unaligned();
-            let memsz = ph.add(40).cast::<u64>().read_unaligned();
-            if p_type == libc::PT_LOAD && flags & libc::PF_X != 0 && vaddr != text_addr && n < MAX_RANGES {
-                out[n] = (bias.wrapping_add(vaddr), bias.wrapping_add(vaddr + memsz));
-                n += 1;
-            }
-        }
-    }
-    out
-}
 
 /// Registers a module by the run-time address of its site table, then
 /// brings its sites to the wanted state. Idempotent.
@@ -242,7 +206,7 @@ pub unsafe fn register(table: *const u8, inert: bool) {
             },
             None => (u32::MAX, private_counters(counters, h.counters_size)),
         };
-        live::set_module(i, own, h.shard_stride, h.shard_count.saturating_sub(1));
+        live::set_module(i, own, h.counters_size, h.shard_stride, h.shard_count.saturating_sub(1));
         // The trampolines count through the runtime's own mapping, which
         // outlives the module: a nursery or table entry may name a cell
         // after the module is unloaded.
@@ -262,12 +226,6 @@ pub unsafe fn register(table: *const u8, inert: bool) {
         };
         slot.lo.store(lo, Ordering::Relaxed);
         slot.hi.store(hi, Ordering::Relaxed);
-        // SAFETY: the ELF header of a patched module is mapped at ehdr_addr.
-        let ranges = unsafe { exec_ranges(bias.wrapping_add(h.ehdr_addr), bias, h.text_addr) };
-        for (k, (s, e)) in ranges.iter().enumerate() {
-            slot.ranges[k].0.store(*s, Ordering::Relaxed);
-            slot.ranges[k].1.store(*e, Ordering::Relaxed);
-        }
         slot.file_index.store(file_index, Ordering::Relaxed);
         slot.busy.store(true, Ordering::Relaxed);
         slot.state.store(ACTIVE, Ordering::Release);
@@ -338,13 +296,23 @@ fn header_set_module_on(idx: u32, on: bool) {
 /// Live figures may overstate from now on (until a reset).
 pub static INCOMPLETE: AtomicBool = AtomicBool::new(false);
 
+/// Profiling was on at some time in this process (inherited by a forked
+/// child, whose sites are in the same state).
+pub static PROFILED: AtomicBool = AtomicBool::new(false);
+
 /// Writes the wanted state and the live-tracking flags into the process
 /// file's header.
 pub fn publish_state() {
     use alloctramp_trampolines::process::{flags, hdr};
+    if is_on() {
+        PROFILED.store(true, Ordering::Relaxed);
+    }
     let h = PROC_HEADER.load(Ordering::Acquire);
     if h != 0 {
         let mut f = 0;
+        if PROFILED.load(Ordering::Relaxed) {
+            f |= flags::PROFILED;
+        }
         if LIVE.load(Ordering::Relaxed) {
             f |= flags::LIVE;
         }
@@ -469,15 +437,9 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         }
     }
     PROC_HEADER.store(f.header as usize, Ordering::Release);
-    PROC_FD.store(f.fd as u32, Ordering::Release);
     PROC.with(|p| {
         if let Some(old) = p.take() {
-            // SAFETY: the parent's header mapping and descriptor are ours
-            // to drop in the child.
-            unsafe {
-                libc::munmap(old.header.cast(), alloctramp_trampolines::process::PROC_HEADER_SIZE as usize);
-                libc::close(old.fd);
-            }
+            old.unmap();
         }
         *p = Some(f);
     });

@@ -168,3 +168,135 @@ pub fn now_secs() -> u64 {
     // SAFETY: time(NULL) has no memory effects.
     unsafe { libc::time(std::ptr::null_mut()) as u64 }
 }
+
+/// Waits while the shared futex word holds `expected` (returns at once if
+/// it does not; also on a spurious wake-up or a signal).
+pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32) {
+    // SAFETY: FUTEX_WAIT on a valid, aligned u32 with no timeout. Not
+    // FUTEX_PRIVATE_FLAG: requesters in other processes wake it through
+    // their own mapping of the same file.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, std::ptr::null::<libc::timespec>());
+    }
+}
+
+/// Calls `f(start, end, prot)` for each mapping of the process, in address
+/// order, from `/proc/self/maps` (read with a fixed buffer: safe in signal
+/// context). `f` returns false to stop. Returns false if the file could
+/// not be read.
+pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
+    // SAFETY: a NUL-terminated path; reads into a local buffer.
+    let fd = unsafe { libc::open(c"/proc/self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    let mut buf = [0u8; 4096];
+    let mut have = 0usize;
+    // Skipping the rest of a line longer than the buffer.
+    let mut skipping = false;
+    let mut ok = true;
+    'read: loop {
+        // SAFETY: reading into the free part of the buffer.
+        let n = unsafe { libc::read(fd, buf[have..].as_mut_ptr().cast(), buf.len() - have) };
+        if n < 0 && errno() == libc::EINTR {
+            continue;
+        }
+        if n < 0 {
+            ok = false;
+            break;
+        }
+        if n == 0 {
+            break;
+        }
+        have += n as usize;
+        let mut at = 0;
+        while let Some(nl) = buf[at..have].iter().position(|&c| c == b'\n') {
+            let line = &buf[at..at + nl];
+            at += nl + 1;
+            if std::mem::take(&mut skipping) {
+                continue;
+            }
+            if let Some((start, end, prot)) = parse_maps_line(line)
+                && !f(start, end, prot)
+            {
+                break 'read;
+            }
+        }
+        buf.copy_within(at..have, 0);
+        have -= at;
+        if have == buf.len() {
+            // A line longer than the buffer (a very long path): its
+            // beginning holds the addresses.
+            if let Some((start, end, prot)) = parse_maps_line(&buf[..have])
+                && !f(start, end, prot)
+            {
+                break;
+            }
+            have = 0;
+            skipping = true;
+        }
+    }
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(fd) };
+    ok
+}
+
+/// `start-end perms ...` of a maps line.
+fn parse_maps_line(line: &[u8]) -> Option<(u64, u64, i32)> {
+    let hex = |s: &[u8]| -> Option<u64> {
+        if s.is_empty() || s.len() > 16 {
+            return None;
+        }
+        s.iter().try_fold(0u64, |v, &c| Some(v << 4 | u64::from((c as char).to_digit(16)?)))
+    };
+    let dash = line.iter().position(|&c| c == b'-')?;
+    let space = line.iter().position(|&c| c == b' ')?;
+    let start = hex(line.get(..dash)?)?;
+    let end = hex(line.get(dash + 1..space)?)?;
+    let perms = line.get(space + 1..space + 4)?;
+    let mut prot = 0;
+    if perms[0] == b'r' {
+        prot |= libc::PROT_READ;
+    }
+    if perms[1] == b'w' {
+        prot |= libc::PROT_WRITE;
+    }
+    if perms[2] == b'x' {
+        prot |= libc::PROT_EXEC;
+    }
+    Some((start, end, prot))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_lines() {
+        assert_eq!(
+            parse_maps_line(b"55d0c0a00000-55d0c0a21000 r-xp 00001000 fd:01 123 /usr/bin/x"),
+            Some((0x55d0c0a00000, 0x55d0c0a21000, libc::PROT_READ | libc::PROT_EXEC))
+        );
+        assert_eq!(
+            parse_maps_line(b"7ffd1000-7ffd2000 rw-p 00000000 00:00 0 [stack]"),
+            Some((0x7ffd1000, 0x7ffd2000, 3))
+        );
+        assert_eq!(parse_maps_line(b"garbage"), None);
+    }
+
+    #[test]
+    fn own_mappings_are_listed_in_order() {
+        let here = own_mappings_are_listed_in_order as *const () as u64;
+        let mut last = 0;
+        let mut found = None;
+        assert!(for_each_mapping(|s, e, p| {
+            assert!(s >= last && e > s);
+            last = e;
+            if (s..e).contains(&here) {
+                found = Some(p);
+            }
+            true
+        }));
+        assert_eq!(found.map(|p| p & libc::PROT_EXEC), Some(libc::PROT_EXEC));
+    }
+}

@@ -17,7 +17,7 @@
 use crate::layout::{CELL_SIZE, PAGE, Table, TableError};
 
 pub const PROC_MAGIC: [u8; 8] = *b"ATPROC\x00\x01";
-pub const PROC_VERSION: u32 = 2;
+pub const PROC_VERSION: u32 = 3;
 pub const PROC_HEADER_SIZE: u64 = 16384;
 pub const MODULE_SLOT_SIZE: u64 = 64;
 pub const MODULE_SLOTS_AT: u64 = 512;
@@ -31,7 +31,8 @@ pub mod hdr {
     pub const PID: usize = 12;
     /// u32: 1 while profiling is on.
     pub const STATE: usize = 16;
-    /// u32: the signal that makes the runtime read the control file (0: none).
+    /// u32: the signal that makes the runtime carry out a request (0: the
+    /// process listens to no signal).
     pub const SIGNAL: usize = 20;
     /// u64: incremented after every completed switch or reset.
     pub const GENERATION: usize = 24;
@@ -39,7 +40,7 @@ pub mod hdr {
     pub const MODULE_COUNT: usize = 32;
     /// u32: 1 once the process has exited (the file is its final snapshot).
     pub const EXITED: usize = 36;
-    /// u32: 1 if a watcher thread follows the control file.
+    /// u32: 1 if a watcher thread waits for requests on [`WAKE`].
     pub const WATCHER: usize = 40;
     /// u32: [`flags`](super::flags) describing the live figures.
     pub const FLAGS: usize = 44;
@@ -63,6 +64,65 @@ pub mod hdr {
     /// u64: objects the pointer table holds now (updated as it grows and
     /// when a switch completes; exact figures are per site).
     pub const TABLE_OBJECTS: usize = 272;
+    /// u32: the pending request ([`Request`](super::Request) code; 0: none).
+    /// A requester stores it, then wakes the process (see [`WAKE`]); the
+    /// runtime takes it with an atomic swap.
+    pub const REQUEST: usize = 280;
+    /// u32: a futex word. A requester increments it and wakes its waiters
+    /// (`FUTEX_WAKE`, not private: the word is in a shared file mapping);
+    /// the watcher thread waits on it.
+    pub const WAKE: usize = 284;
+    /// u64, u64: device and inode of the process's executable
+    /// (`/proc/self/exe`) when the file was created, so that a reader can
+    /// tell a process that replaced its program (`exec`) from one still
+    /// running it.
+    pub const EXE_DEV: usize = 288;
+    pub const EXE_INO: usize = 296;
+}
+
+/// What a requester asks of a running process (the header's
+/// [`hdr::REQUEST`] field).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Request {
+    /// Every site on.
+    On = 1,
+    /// Off; with live tracking, free sites stay on until the tracked objects
+    /// are freed (or a reset).
+    Off = 2,
+    /// Every site off at once (live figures become incomplete if tracked
+    /// objects remain).
+    OffNow = 3,
+    /// Zero every figure and forget every tracked object.
+    Reset = 4,
+}
+
+impl Request {
+    pub fn from_code(code: u32) -> Option<Request> {
+        match code {
+            1 => Some(Request::On),
+            2 => Some(Request::Off),
+            3 => Some(Request::OffNow),
+            4 => Some(Request::Reset),
+            _ => None,
+        }
+    }
+
+    /// The words of the control file (`on`, `off`, `off now`, `reset`).
+    pub fn text(self) -> &'static str {
+        match self {
+            Request::On => "on",
+            Request::Off => "off",
+            Request::OffNow => "off now",
+            Request::Reset => "reset",
+        }
+    }
+
+    /// Parses a control file's words (surrounding white space ignored).
+    pub fn parse(text: &[u8]) -> Option<Request> {
+        let t = text.trim_ascii();
+        [Request::On, Request::Off, Request::OffNow, Request::Reset].into_iter().find(|r| r.text().as_bytes() == t)
+    }
 }
 
 /// Bits of the header's FLAGS field.
@@ -79,6 +139,11 @@ pub mod flags {
     pub const INCOMPLETE: u32 = 4;
     /// Usable-size tracking: the USABLE_BYTES cell field is maintained.
     pub const USABLE: u32 = 8;
+    /// Profiling was switched on at some time in this process: the file
+    /// holds figures. A process that never switched on removes its file
+    /// when it exits, and `alloctramp clean` removes such files left by
+    /// processes that could not (killed, or ended with `_exit`).
+    pub const PROFILED: u32 = 16;
 }
 
 /// Module slot fields (byte offsets in the slot).
@@ -270,10 +335,42 @@ pub fn default_dir(xdg_runtime_dir: Option<&str>, uid: u32) -> String {
     }
 }
 
+/// What a clean-up needs to know of one process file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileState {
+    /// The process still runs the program that wrote the file.
+    pub running: bool,
+    /// Profiling was on at some time ([`flags::PROFILED`]).
+    pub profiled: bool,
+    /// When the file was last written (any monotonic order will do).
+    pub mtime: i64,
+}
+
+/// Which process files to remove: files of running processes stay; files of
+/// processes that ended (or replaced their program) without ever profiling
+/// go; of the others, the `keep` most recently written stay. The runtime
+/// applies this when a process exits, `alloctramp clean` on request.
+pub fn files_to_remove(files: &[FileState], keep: usize) -> Vec<bool> {
+    let mut ended: Vec<usize> = (0..files.len()).filter(|&i| !files[i].running && files[i].profiled).collect();
+    ended.sort_by_key(|&i| std::cmp::Reverse(files[i].mtime));
+    let mut remove: Vec<bool> = files.iter().map(|f| !f.running && !f.profiled).collect();
+    for &i in ended.iter().skip(keep) {
+        remove[i] = true;
+    }
+    remove
+}
+
+/// How many files of ended processes the runtime keeps by default
+/// (`ALLOCTRAMP_KEEP`).
+pub const DEFAULT_KEEP: usize = 64;
+
 /// File names in that directory.
 pub fn counters_file_name(pid: u32) -> String {
     format!("{pid}.counters")
 }
+/// The optional control file a person may write for a process that
+/// switches on a signal (`ALLOCTRAMP_SWITCH=signal`); the runtime never
+/// creates it.
 pub fn control_file_name(pid: u32) -> String {
     format!("{pid}.control")
 }

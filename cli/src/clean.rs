@@ -1,0 +1,105 @@
+//! `alloctramp clean`: remove the files of processes that have ended.
+
+use crate::control::{counters_dir, file_process_running, process_exists};
+use crate::util::Snapshot;
+use alloctramp_trampolines::process::{self, FileState, ProcessFile, flags};
+use anyhow::{Result, anyhow};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+/// Remove the counters files of processes that have ended (or replaced
+/// their program), keeping the newest few if asked. Files of running
+/// processes always stay.
+///
+/// Example: alloctramp clean --keep 10
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where process counters files are [default: $ALLOCTRAMP_DIR, else
+    /// $XDG_RUNTIME_DIR/alloctramp, else /tmp/alloctramp-UID].
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Keep the files of this many ended processes that profiled (the most
+    /// recently written).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub keep: usize,
+    /// Say what would be removed, remove nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// One file in the directory.
+struct Found {
+    path: PathBuf,
+    bytes: u64,
+    state: FileState,
+}
+
+fn examine(path: &Path, pid: u32) -> Option<Found> {
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    if !meta.is_file() {
+        return None;
+    }
+    let mtime = meta.mtime() * 1_000_000_000 + meta.mtime_nsec();
+    let state = match Snapshot::read(path).ok().as_ref().and_then(|s| {
+        ProcessFile::parse(&s.bytes).ok().map(|pf| FileState {
+            running: file_process_running(&pf),
+            profiled: pf.flags & flags::PROFILED != 0,
+            mtime,
+        })
+    }) {
+        Some(s) => s,
+        // Damaged, or written by another version: its process decides.
+        None => FileState { running: process_exists(pid), profiled: true, mtime },
+    };
+    Some(Found { path: path.to_path_buf(), bytes: meta.blocks() * 512, state })
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let dir = counters_dir(args.dir.as_deref());
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("alloctramp: nothing to clean ({} does not exist)", dir.display());
+            return Ok(());
+        }
+        Err(e) => return Err(anyhow!("{}: {e}", dir.display())),
+    };
+    let mut found = Vec::new();
+    let mut strays = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some((pid, kind)) = name.to_str().and_then(|n| n.split_once('.')) else { continue };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        match kind {
+            "counters" => found.extend(examine(&e.path(), pid)),
+            "counters.new" | "control" if !process_exists(pid) => strays.push(e.path()),
+            _ => {}
+        }
+    }
+    let states: Vec<FileState> = found.iter().map(|f| f.state).collect();
+    let remove = process::files_to_remove(&states, args.keep);
+    let (mut n, mut bytes) = (0usize, 0u64);
+    for (f, _) in found.iter().zip(&remove).filter(|(_, r)| **r) {
+        if !args.dry_run {
+            std::fs::remove_file(&f.path).map_err(|e| anyhow!("{}: cannot remove: {e}", f.path.display()))?;
+            let _ = std::fs::remove_file(f.path.with_extension("control"));
+        }
+        n += 1;
+        bytes += f.bytes;
+    }
+    for p in &strays {
+        if !args.dry_run {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+    let running = found.iter().filter(|f| f.state.running).count();
+    let kept = found.len() - n - running;
+    eprintln!(
+        "alloctramp: {} {n} counters file{} of ended processes ({} KiB on disk) in {}; kept {running} of running processes and {kept} of ended ones",
+        if args.dry_run { "would remove" } else { "removed" },
+        if n == 1 { "" } else { "s" },
+        bytes.div_ceil(1024),
+        dir.display()
+    );
+    Ok(())
+}
