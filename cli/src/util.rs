@@ -72,6 +72,10 @@ pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
 /// Refuses an output path that exists and is not a regular file (a device,
 /// a FIFO, a directory: renaming over it would replace it).
 pub fn check_output_path(path: &Path) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        anyhow::bail!("{}: cannot create the output: {} is not a directory", path.display(), dir.display());
+    }
     match std::fs::metadata(path) {
         Ok(m) if !m.is_file() => {
             anyhow::bail!(

@@ -1,0 +1,414 @@
+//! Regression tests for what could damage a user's system, files or
+//! programs: special output paths, FIFOs, leftovers of failed patches,
+//! writable+executable segments, descriptors the program reuses, system
+//! calls interrupted by switching, and counters files piling up. The
+//! programs are in testbins/reliability/, built here.
+
+use crate::patch::patch_to;
+use crate::runtime::{counters_dir, report};
+use crate::util::*;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Builds testbins/reliability/NAME.c (PIE, -O2) into `dir`.
+fn build(name: &str, dir: &Path) -> PathBuf {
+    let src = testbins_dir().join("reliability").join(format!("{name}.c"));
+    let text = std::fs::read_to_string(&src).unwrap();
+    let line = text.lines().next().and_then(|l| l.strip_prefix("// build: ")).expect("a build line");
+    let out = dir.join(name);
+    let cmd = line
+        .replace("{cc}", "gcc")
+        .replace("{pie}", "-fPIE -pie")
+        .replace("{src}", src.to_str().unwrap())
+        .replace("{out}", out.to_str().unwrap());
+    let o = Command::new("sh").arg("-c").arg(&cmd).output().unwrap();
+    assert!(o.status.success(), "build failed: {cmd}\n{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+fn counters_files(dir: &Path) -> Vec<String> {
+    files_in(dir).into_iter().filter(|n| n.ends_with(".counters")).collect()
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A patch that fails: status 2, one line naming the output path.
+fn assert_refused(o: &std::process::Output, what: &str) {
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(o));
+    assert_eq!(stderr(o).lines().count(), 1, "one line: {}", stderr(o));
+    assert!(stderr(o).contains(what), "{what:?} in {}", stderr(o));
+}
+
+#[test]
+fn output_onto_a_fifo_a_directory_or_a_link_to_a_device_is_refused_and_nothing_is_left() {
+    let b = built(Config::default_o2());
+    let dir = scratch("special-outputs");
+    let input = b.path("basic");
+
+    // A FIFO at the output path stays a FIFO.
+    let fifo = dir.join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let o = alloctramp().arg("patch").arg(&input).arg("-o").arg(&fifo).output().unwrap();
+    assert_refused(&o, "output path is a FIFO, not a regular file");
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+
+    // A symbolic link to /dev/null: refused (renaming over it would only
+    // replace the link, but the user asked to write to a device).
+    let link = dir.join("null");
+    std::os::unix::fs::symlink("/dev/null", &link).unwrap();
+    let o = alloctramp().arg("patch").arg(&input).arg("-o").arg(&link).output().unwrap();
+    assert_refused(&o, "output path is a character device");
+    assert_eq!(std::fs::read_link(&link).unwrap(), Path::new("/dev/null"));
+
+    // A directory: refused, and no runtime copy or temporary file beside it.
+    let sub = dir.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let o = alloctramp().arg("patch").arg(&input).arg("-o").arg(&sub).output().unwrap();
+    assert_refused(&o, "output path is a directory");
+    assert_eq!(files_in(&dir), ["fifo", "null", "sub"], "nothing left beside the outputs");
+    assert!(files_in(&sub).is_empty());
+
+    // A runtime copy that would land on a special file: refused before the
+    // output is written.
+    let rt = dir.join("rt");
+    std::fs::create_dir(&rt).unwrap();
+    assert!(Command::new("mkfifo").arg(rt.join("liballoctramp_rt.so")).status().unwrap().success());
+    let o = alloctramp().arg("patch").arg(&input).arg("-o").arg(rt.join("basic")).output().unwrap();
+    assert_refused(&o, "liballoctramp_rt.so: output path is a FIFO");
+    assert_eq!(files_in(&rt), ["liballoctramp_rt.so"]);
+
+    // A directory that does not exist: the message names the output path.
+    let missing = dir.join("no/such/dir/out");
+    let o = alloctramp().arg("patch").arg(&input).arg("-o").arg(&missing).output().unwrap();
+    assert_refused(&o, &format!("{}: cannot create the output", missing.display()));
+    assert_eq!(files_in(&dir), ["fifo", "null", "rt", "sub"]);
+}
+
+use std::os::unix::fs::FileTypeExt;
+
+#[test]
+fn a_fifo_as_input_is_refused_without_blocking() {
+    let dir = scratch("fifo-input");
+    let fifo = dir.join("f");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for cmd in [&["sites"][..], &["patch"], &["report"]] {
+        let start = Instant::now();
+        let mut child = alloctramp().args(cmd).arg(&fifo).stderr(Stdio::piped()).spawn().unwrap();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                let _ = child.kill();
+                panic!("alloctramp {cmd:?} blocked on a FIFO");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(2), "{cmd:?}: {err}");
+        assert!(err.contains("not a regular file (a FIFO)"), "{cmd:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    assert_eq!(files_in(&dir), ["f"]);
+}
+
+/// The report's calls at each line of `file`, summed over sites.
+fn calls_by_line(doc: &serde_json::Value, file: &str) -> std::collections::BTreeMap<(u64, String), u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for s in doc["sites"].as_array().unwrap() {
+        if s["file"].as_str().is_some_and(|f| base(f) == file) {
+            let k = (s["line"].as_u64().unwrap(), s["entry"].as_str().unwrap().to_string());
+            *m.entry(k).or_insert(0) += s["calls"].as_u64().unwrap();
+        }
+    }
+    m
+}
+
+#[test]
+fn a_writable_and_executable_segment_stays_writable_when_profiling_switches_on() {
+    let dir = counters_dir("rwx");
+    let bin = build("rwx", &dir);
+    let patched = dir.join("rwx.patched");
+    patch_to(&bin, &patched, &[]);
+    let original = run_program(&bin, &[], &[]);
+    assert_eq!(original.2, 0);
+    let d = dir.to_str().unwrap();
+    assert_eq!(run_program(&patched, &[], &[("ALLOCTRAMP_DIR", d)]), original, "off");
+    assert_eq!(run_program(&patched, &[], &[("ALLOCTRAMP_DIR", d), ("ALLOCTRAMP", "on")]), original, "on");
+    let doc = report(only_counters_file(&dir).to_str().unwrap(), &dir);
+    let want: std::collections::BTreeMap<(u64, String), u64> =
+        program_markers("reliability/rwx.c").into_iter().map(|(line, entry, calls)| ((line, entry), calls)).collect();
+    assert_eq!(calls_by_line(&doc, "rwx.c"), want);
+}
+
+/// (line, entry, calls) of every `@site` marker in a test source.
+fn program_markers(rel: &str) -> Vec<(u64, String, u64)> {
+    let text = std::fs::read_to_string(testbins_dir().join(rel)).unwrap();
+    let mut v = Vec::new();
+    for (i, l) in text.lines().enumerate() {
+        let Some(at) = l.find("/* @site ") else { continue };
+        let mut w = l[at + 9..].split_whitespace();
+        let entry = w.next().unwrap().to_string();
+        let calls = w.find_map(|x| x.strip_prefix("calls=")).unwrap().parse().unwrap();
+        v.push((i as u64 + 1, entry, calls));
+    }
+    v
+}
+
+fn only_counters_file(dir: &Path) -> PathBuf {
+    let f = counters_files(dir);
+    assert_eq!(f.len(), 1, "one counters file in {}: {f:?}", dir.display());
+    dir.join(&f[0])
+}
+
+/// A program talking over stdin/stdout.
+struct Talk {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Talk {
+    fn start(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> Talk {
+        let mut child = Command::new(bin)
+            .args(args)
+            .env_remove("ALLOCTRAMP")
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Talk { child, out }
+    }
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.out.read_line(&mut l).unwrap();
+        l
+    }
+    fn send(&mut self, s: &str) {
+        writeln!(self.child.stdin.as_mut().unwrap(), "{s}").unwrap();
+    }
+    /// The rest of stdout and the exit status (the program is killed if the
+    /// test fails first: see Drop).
+    fn finish(&mut self) -> (String, Option<i32>) {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.out, &mut rest).unwrap();
+        let status = self.child.wait().unwrap();
+        (rest, status.code())
+    }
+}
+
+#[test]
+fn a_program_that_closes_every_descriptor_keeps_its_own_file_through_fork_dlopen_and_reset() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("fds");
+    let bin = build("fds", &dir);
+    let patched = dir.join("fds.patched");
+    patch_to(&bin, &patched, &[]);
+    let lib = b.path("libatshared");
+    let plib = dir.join("libatshared.patched.so");
+    patch_to(&lib, &plib, &[]);
+
+    let run = |prog: &Path, library: &Path, file: &Path, reset: bool| -> String {
+        let env = [("ALLOCTRAMP_DIR", dir.to_str().unwrap()), ("ALLOCTRAMP", "on")];
+        let mut t = Talk::start(prog, &[file.to_str().unwrap(), library.to_str().unwrap()], &env);
+        let mut out = String::new();
+        for _ in 0..3 {
+            out += &t.line();
+        }
+        assert!(out.ends_with("dlopen ok\n"), "{out}");
+        if reset {
+            let o = alloctramp().arg("reset").arg("--dir").arg(&dir).arg(t.child.id().to_string()).output().unwrap();
+            assert!(o.status.success(), "{}", stderr(&o));
+        }
+        t.send("go");
+        let (rest, code) = t.finish();
+        assert_eq!(code, Some(0));
+        out + &rest
+    };
+    let plain_file = dir.join("plain.txt");
+    let patched_file = dir.join("patched.txt");
+    let plain = run(&bin, &lib, &plain_file, false);
+    let with_runtime = run(&patched, &plib, &patched_file, true);
+    assert_eq!(plain, "file descriptor 3\nchild exit 0\ndlopen ok\ndescriptors: 0 1 2 3\n");
+    assert_eq!(with_runtime, plain, "the patched program's output and descriptors");
+    assert_eq!(std::fs::read(&patched_file).unwrap(), std::fs::read(&plain_file).unwrap());
+}
+
+impl Drop for Talk {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Switches the process on and off `n` times with `alloctramp enable` and
+/// `disable`, each waiting until the process has done it.
+fn switch_many(dir: &Path, pid: u32, n: usize) {
+    for _ in 0..n {
+        for what in ["enable", "disable"] {
+            let o = alloctramp().arg(what).arg("--dir").arg(dir).arg(pid.to_string()).output().unwrap();
+            assert!(o.status.success(), "{what}: {}", stderr(&o));
+        }
+    }
+}
+
+#[test]
+fn switching_fifty_times_interrupts_no_system_call() {
+    let dir = counters_dir("syscalls");
+    let bin = build("signals", &dir);
+    let patched = dir.join("signals.patched");
+    patch_to(&bin, &patched, &[]);
+    let d = dir.to_str().unwrap();
+
+    // pause() with an alarm pending: returns once, when the alarm fires.
+    let alarm = 6;
+    let expect = "pause returned -1 (Interrupted system call), alarms handled 1\n";
+    let mut t = Talk::start(&patched, &["pause", &alarm.to_string()], &[("ALLOCTRAMP_DIR", d)]);
+    assert_eq!(t.line(), "ready\n");
+    let start = Instant::now();
+    switch_many(&dir, t.child.id(), 50);
+    assert!(
+        start.elapsed() < Duration::from_secs(alarm - 1),
+        "switching took {:?}: too long for the alarm to still be pending",
+        start.elapsed()
+    );
+    assert_eq!(t.finish(), (expect.to_string(), Some(0)));
+    let mut t = Talk::start(&bin, &["pause", "1"], &[]);
+    assert_eq!(t.line(), "ready\n");
+    assert_eq!(t.finish(), (expect.to_string(), Some(0)), "the unpatched program");
+
+    // A blocking 1 MiB write into a full pipe: returns all of it.
+    let mut t = Talk::start(&patched, &["pipe"], &[("ALLOCTRAMP_DIR", d)]);
+    assert_eq!(t.line(), "ready\n");
+    std::thread::sleep(Duration::from_millis(50));
+    switch_many(&dir, t.child.id(), 50);
+    t.send("drain");
+    assert_eq!(t.finish(), ("write returned 1048576\n".to_string(), Some(0)));
+
+    // sigwait() for a process-directed SIGTERM that the program blocked.
+    let mut t = Talk::start(&patched, &["sigwait"], &[("ALLOCTRAMP_DIR", d)]);
+    assert_eq!(t.line(), "ready\n");
+    switch_many(&dir, t.child.id(), 50);
+    // SAFETY: kill(2) with the child's pid.
+    assert_eq!(unsafe { libc::kill(t.child.id() as i32, libc::SIGTERM) }, 0);
+    assert_eq!(t.finish(), ("sigwait returned 0, signal 15\n".to_string(), Some(0)));
+}
+
+#[test]
+fn the_watcher_thread_blocks_every_signal_and_holds_no_descriptor() {
+    let dir = counters_dir("watcher");
+    let bin = build("signals", &dir);
+    let patched = dir.join("signals.patched");
+    patch_to(&bin, &patched, &[]);
+    let mut t = Talk::start(&patched, &["sigwait"], &[("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    assert_eq!(t.line(), "ready\n");
+    let pid = t.child.id();
+    let mut watchers = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap();
+        if comm.trim() == "alloctramp" {
+            watchers += 1;
+            let status = std::fs::read_to_string(task.join("status")).unwrap();
+            let blocked = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).unwrap().trim().to_string();
+            // Every signal but SIGKILL and SIGSTOP, which cannot be blocked,
+            // and glibc's two internal ones (32 and 33), which it never lets
+            // a thread block.
+            let unblockable = [libc::SIGKILL, libc::SIGSTOP, 32, 33].iter().fold(0u64, |m, s| m | 1 << (s - 1));
+            assert_eq!(u64::from_str_radix(&blocked, 16).unwrap(), !unblockable, "SigBlk: {blocked}");
+        }
+    }
+    assert_eq!(watchers, 1);
+    // The same descriptors as the unpatched program (the test's runner
+    // may pass some of its own to every child).
+    let fds = |pid: u32| {
+        let mut v: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let mut plain = Talk::start(&bin, &["sigwait"], &[]);
+    assert_eq!(plain.line(), "ready\n");
+    assert_eq!(fds(pid), fds(plain.child.id()));
+    // SAFETY: kill(2) with the child's pid.
+    assert_eq!(unsafe { libc::kill(plain.child.id() as i32, libc::SIGTERM) }, 0);
+    assert_eq!(plain.finish().1, Some(0));
+    // SAFETY: kill(2) with the child's pid.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    assert_eq!(t.finish().1, Some(0));
+}
+
+#[test]
+fn counters_files_of_processes_that_never_profiled_do_not_pile_up() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("pile-up");
+    let bin = dir.join("basic");
+    patch_to(&b.path("basic"), &bin, &[]);
+    let d = dir.to_str().unwrap();
+    let runs = |n: usize, env: &[(&str, &str)]| {
+        for _ in 0..n {
+            let mut e = vec![("ALLOCTRAMP_DIR", d)];
+            e.extend_from_slice(env);
+            assert_eq!(run_program(&bin, &[], &e).2, 0);
+        }
+    };
+
+    // Never switched on: nothing left at exit.
+    runs(3, &[]);
+    assert!(counters_files(&dir).is_empty(), "{:?}", files_in(&dir));
+    // Profiled: the file stays as the final snapshot, within the bound.
+    runs(1, &[("ALLOCTRAMP", "on")]);
+    assert_eq!(counters_files(&dir).len(), 1);
+    runs(5, &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_KEEP", "2")]);
+    assert_eq!(counters_files(&dir).len(), 2, "ALLOCTRAMP_KEEP=2: {:?}", files_in(&dir));
+
+    // A process killed before it could remove its file, and one still
+    // running.
+    let server = |env: &[(&str, &str)]| {
+        let mut t = Talk::start(
+            &dir.join("server"),
+            &[],
+            &[("ALLOCTRAMP_DIR", d)].iter().chain(env).copied().collect::<Vec<_>>(),
+        );
+        t.send("round");
+        assert_eq!(t.line(), "done\n");
+        t
+    };
+    patch_to(&b.path("server"), &dir.join("server"), &[]);
+    let mut killed = server(&[]);
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    let running = server(&[]);
+    assert_eq!(counters_files(&dir).len(), 4);
+
+    let o = alloctramp().arg("clean").arg("--dir").arg(&dir).arg("--keep").arg("1").output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("removed 2 counters files of ended processes"), "{}", stderr(&o));
+    let left = counters_files(&dir);
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert!(left.contains(&format!("{}.counters", running.child.id())));
+    let o = alloctramp().arg("clean").arg("--dir").arg(&dir).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(counters_files(&dir), [format!("{}.counters", running.child.id())]);
+    let mut running = running;
+    running.send("quit");
+    assert_eq!(running.finish().1, Some(0));
+    assert!(counters_files(&dir).is_empty(), "{:?}", files_in(&dir));
+}
