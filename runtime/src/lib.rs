@@ -122,9 +122,16 @@ fn secure_execution() -> bool {
     unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
 }
 
+/// The directory of the counters files, as an absolute path: the runtime
+/// opens its file again by path later, after the program may have changed
+/// its working directory.
 fn counters_dir() -> String {
     if let Ok(d) = std::env::var("ALLOCTRAMP_DIR") {
-        return d;
+        if d.starts_with('/') {
+            return d;
+        }
+        let cwd = std::env::current_dir().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+        return format!("{cwd}/{d}");
     }
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };
@@ -219,6 +226,8 @@ static DIR: OnceLock<String> = OnceLock::new();
 
 extern "C" fn after_fork_in_child() {
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
+    // The child profiled only if its sites are on now.
+    registry::PROFILED.store(registry::is_on(), Ordering::Relaxed);
     registry::reopen_after_fork(|| open_process_file(dir, mode));
     registry::publish_state();
     if mode == Switch::Thread && registry::PROC_HEADER.load(Ordering::Acquire) != 0 {
