@@ -318,22 +318,28 @@ fn the_watcher_thread_blocks_every_signal_and_holds_no_descriptor() {
     let mut t = Talk::start(&patched, &["sigwait"], &[("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
     assert_eq!(t.line(), "ready\n");
     let pid = t.child.id();
-    let mut watchers = 0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let task = task.unwrap().path();
-        let comm = std::fs::read_to_string(task.join("comm")).unwrap();
-        if comm.trim() == "alloctramp" {
-            watchers += 1;
-            let status = std::fs::read_to_string(task.join("status")).unwrap();
-            let blocked = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).unwrap().trim().to_string();
-            // Every signal but SIGKILL and SIGSTOP, which cannot be blocked,
-            // and glibc's two internal ones (32 and 33), which it never lets
-            // a thread block.
-            let unblockable = [libc::SIGKILL, libc::SIGSTOP, 32, 33].iter().fold(0u64, |m, s| m | 1 << (s - 1));
-            assert_eq!(u64::from_str_radix(&blocked, 16).unwrap(), !unblockable, "SigBlk: {blocked}");
-        }
+    // The thread names itself as it starts.
+    let watchers = |pid: u32| -> Vec<PathBuf> {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .map(|t| t.unwrap().path())
+            .filter(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "alloctramp"))
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while watchers(pid).is_empty() {
+        assert!(Instant::now() < deadline, "no thread named alloctramp");
+        std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(watchers, 1);
+    let found = watchers(pid);
+    assert_eq!(found.len(), 1);
+    let status = std::fs::read_to_string(found[0].join("status")).unwrap();
+    let blocked = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).unwrap().trim().to_string();
+    // Every signal but SIGKILL and SIGSTOP, which cannot be blocked, and
+    // glibc's two internal ones (32 and 33), which it never lets a thread
+    // block.
+    let unblockable = [libc::SIGKILL, libc::SIGSTOP, 32, 33].iter().fold(0u64, |m, s| m | 1 << (s - 1));
+    assert_eq!(u64::from_str_radix(&blocked, 16).unwrap(), !unblockable, "SigBlk: {blocked}");
     // The same descriptors as the unpatched program (the test's runner
     // may pass some of its own to every child).
     let fds = |pid: u32| {
