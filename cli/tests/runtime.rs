@@ -375,15 +375,53 @@ fn calls(doc: &Value) -> u64 {
     doc["sites"].as_array().unwrap().iter().map(|s| s["calls"].as_u64().unwrap()).sum()
 }
 
+/// Posts a request in a process's counters file and wakes its watcher, as
+/// `alloctramp enable|disable` do, without waiting for it.
+fn post(file: &Path, code: u32) {
+    use alloctramp_trampolines::process::hdr;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(file).unwrap();
+    // SAFETY: a shared mapping of the header page of a file the test owns.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::unix::io::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: aligned u32 fields within the mapped page.
+    let word = |at: usize| unsafe { &*((p as usize + at) as *const AtomicU32) };
+    word(hdr::REQUEST).store(code, Ordering::Release);
+    word(hdr::WAKE).fetch_add(1, Ordering::AcqRel);
+    // SAFETY: FUTEX_WAKE on the shared word; then the page is unmapped.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word(hdr::WAKE).as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+        libc::munmap(p, 4096);
+    }
+}
+
 #[test]
 fn stress_eight_threads_while_switching_ten_thousand_times() {
+    stress("signal");
+}
+
+#[test]
+fn stress_eight_threads_while_the_watcher_switches_ten_thousand_times() {
+    stress("thread");
+}
+
+fn stress(mode: &str) {
     let b = built(Config::default_o2());
-    let dir = counters_dir("stress");
+    let dir = counters_dir(&format!("stress-{mode}"));
     let bin = dir.join("stress");
     patch_to(&b.path("stress"), &bin, &[]);
     let mut child = Command::new(&bin)
         .env("ALLOCTRAMP_DIR", &dir)
-        .env("ALLOCTRAMP_SWITCH", "signal")
+        .env("ALLOCTRAMP_SWITCH", mode)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -394,11 +432,17 @@ fn stress_eight_threads_while_switching_ten_thousand_times() {
     assert_eq!(line.trim(), "started");
     let pid = child.id();
     let sig = libc::SIGRTMAX() - 7;
-    // No control file: each signal toggles.
+    let file = dir.join(format!("{pid}.counters"));
+    // No control file: each signal toggles. The watcher is asked on and
+    // off in turn, faster than it can follow (requests fold together).
     let mut last = 0;
     let start = Instant::now();
     for i in 0..10_000 {
-        kill(pid, sig);
+        if mode == "signal" {
+            kill(pid, sig);
+        } else {
+            post(&file, if i % 2 == 0 { 1 } else { 2 });
+        }
         if i % 500 == 499 {
             let doc = report(&pid.to_string(), &dir);
             let c = calls(&doc);
@@ -425,7 +469,7 @@ fn stress_eight_threads_while_switching_ten_thousand_times() {
     out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "ok work done");
     assert!(child.wait().unwrap().success());
-    eprintln!("10,000 switch requests under load in {:?}", start.elapsed());
+    eprintln!("10,000 switch requests ({mode}) under load in {:?}", start.elapsed());
 }
 
 fn parked_figures(doc: &Value) -> BTreeMap<(u32, String), u64> {
