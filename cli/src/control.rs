@@ -2,7 +2,7 @@
 //! running process: `enable`, `disable [--now]`, `reset`.
 
 use crate::util::Snapshot;
-use alloctramp_trampolines::process::{self, ProcessFile, Request, flags, hdr};
+use alloctramp_trampolines::process::{self, ProcHeader, ProcessFile, Request, flags};
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -61,7 +61,7 @@ pub fn file_process_running(pf: &ProcessFile) -> bool {
     if pf.exited || !process_exists(pf.pid) {
         return false;
     }
-    let exe = (header_u64(pf, hdr::EXE_DEV), header_u64(pf, hdr::EXE_INO));
+    let exe = pf.exe;
     if exe != (0, 0)
         && let Ok(m) = std::fs::metadata(format!("/proc/{}/exe", pf.pid))
     {
@@ -72,19 +72,9 @@ pub fn file_process_running(pf: &ProcessFile) -> bool {
     }
     match process_start_time(pf.pid) {
         // Both are whole seconds, taken a moment apart.
-        Some(t) if start_time(pf) != 0 => t.abs_diff(start_time(pf)) <= 2,
+        Some(t) if pf.start_time != 0 => t.abs_diff(pf.start_time) <= 2,
         _ => true,
     }
-}
-
-/// The process's start time as its runtime recorded it (seconds since the
-/// epoch; 0: unknown).
-pub fn start_time(pf: &ProcessFile) -> u64 {
-    header_u64(pf, process::hdr::START_TIME)
-}
-
-pub fn header_u64(pf: &ProcessFile, at: usize) -> u64 {
-    pf.bytes.get(at..at + 8).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap()))
 }
 
 /// `ALLOCTRAMP_DIR` as set in a running process's environment (readable
@@ -280,7 +270,7 @@ pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
 /// a watcher, increments the wake word and wakes it.
 fn post_request(path: &Path, request: Request, watcher: bool) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
-    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::atomic::Ordering;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -290,20 +280,17 @@ fn post_request(path: &Path, request: Request, watcher: bool) -> Result<()> {
     if !file.metadata()?.is_file() || file.metadata()?.len() < process::PROC_HEADER_SIZE {
         bail!("{}: not a process file", path.display());
     }
-    // SAFETY: a shared mapping of the header page, written only through
-    // atomics (the process reads and writes the same words atomically).
-    let map = unsafe { memmap2::MmapOptions::new().len(4096).map_mut(&file) }
+    // SAFETY: a shared mapping of the header, written only through atomics
+    // (the process reads and writes the same words atomically).
+    let map = unsafe { memmap2::MmapOptions::new().len(process::PROC_HEADER_SIZE as usize).map_mut(&file) }
         .with_context(|| format!("{}: cannot map", path.display()))?;
-    let word = |at: usize| {
-        // SAFETY: `at` is a 4-aligned offset within the mapped page.
-        unsafe { &*(map.as_ptr().add(at) as *const AtomicU32) }
-    };
-    word(hdr::REQUEST).store(request as u32, Ordering::Release);
+    let h: &ProcHeader = alloctramp_trampolines::pod::view(&map).context("the header mapping")?;
+    h.request.store(request as u32, Ordering::Release);
     if watcher {
-        word(hdr::WAKE).fetch_add(1, Ordering::AcqRel);
+        h.wake.fetch_add(1, Ordering::AcqRel);
         // SAFETY: FUTEX_WAKE on an aligned u32 of a shared file mapping (not
         // private: the waiter is another process).
-        unsafe { libc::syscall(libc::SYS_futex, word(hdr::WAKE).as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+        unsafe { libc::syscall(libc::SYS_futex, h.wake.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
     }
     Ok(())
 }

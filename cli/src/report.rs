@@ -5,11 +5,11 @@
 //! The figures are read from the memory-mapped counters file (the process
 //! is never stopped), and names come from the site table copy in that file.
 
-use crate::control::{self, Target, counters_dir, file_process_running, parse_target, pid_file};
+use crate::control::{Target, counters_dir, file_process_running, parse_target, pid_file};
 use crate::util::{Snapshot, emit};
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::SiteForm;
-use alloctramp_trampolines::process::{ProcessFile, flags, hdr};
+use alloctramp_trampolines::process::{ProcessFile, flags};
 use anyhow::{Result, anyhow, bail};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -781,8 +781,8 @@ impl<'a> ProcessDoc<'a> {
             incomplete: pf.flags & flags::INCOMPLETE != 0,
             usable: pf.flags & flags::USABLE != 0,
             generation: pf.generation,
-            start_time: control::header_u64(pf, hdr::START_TIME),
-            reset_time: control::header_u64(pf, hdr::RESET_TIME),
+            start_time: pf.start_time,
+            reset_time: pf.reset_time,
             last_switch_ns: pf.last_switch_ns,
             last_switch_sites: pf.last_switch_sites,
             last_error: &pf.last_error,

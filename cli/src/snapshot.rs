@@ -7,7 +7,8 @@ use crate::report::{
     write_csv, write_text,
 };
 use crate::util::{emit, write_atomic};
-use alloctramp_trampolines::process::{MODULE_SLOT_SIZE, MODULE_SLOTS_AT, PROC_HEADER_SIZE, ProcessFile, hdr, slot};
+use alloctramp_trampolines::pod;
+use alloctramp_trampolines::process::{PROC_HEADER_SIZE, ProcessFile};
 use anyhow::{Result, anyhow, bail};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -32,24 +33,20 @@ pub struct SnapshotArgs {
     pub dir: Option<PathBuf>,
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
-}
-
 /// A consistent copy of a counters file: the header with the modules
 /// published when the copy started, and exactly their regions.
 pub fn consistent_copy(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    use std::sync::atomic::Ordering;
     let pf = ProcessFile::parse(bytes).map_err(|e| e.0)?;
-    let n = pf.module_count as usize;
+    let h = &pf.header;
     let head = PROC_HEADER_SIZE as usize;
-    let mut out = vec![0u8; head];
-    out.copy_from_slice(&bytes[..head]);
-    out[hdr::MODULE_COUNT..hdr::MODULE_COUNT + 4].copy_from_slice(&(n as u32).to_le_bytes());
+    // The copy publishes the modules the parsed header had published.
+    h.module_count.store(pf.module_count, Ordering::Relaxed);
+    let mut out = pod::bytes_of(&**h).to_vec();
     let mut regions = Vec::new();
-    for m in 0..n {
-        let s = MODULE_SLOTS_AT as usize + m * MODULE_SLOT_SIZE as usize;
-        for (o, z) in [(slot::TABLE_OFFSET, slot::TABLE_SIZE), (slot::COUNTERS_OFFSET, slot::COUNTERS_SIZE)] {
-            let (at, size) = (u64_at(&out, s + o) as usize, u64_at(&out, s + z) as usize);
+    for (m, sl) in h.published().iter().enumerate() {
+        for (at, size) in [(&sl.table_offset, &sl.table_size), (&sl.counters_offset, &sl.counters_size)] {
+            let (at, size) = (at.load(Ordering::Relaxed) as usize, size.load(Ordering::Relaxed) as usize);
             let end = at.checked_add(size).filter(|&e| e <= bytes.len() && at >= head);
             let Some(end) = end else {
                 return Err(format!("module {m}: region outside the file"));

@@ -378,30 +378,17 @@ fn calls(doc: &Value) -> u64 {
 /// Posts a request in a process's counters file and wakes its watcher, as
 /// `alloctramp enable|disable` do, without waiting for it.
 fn post(file: &Path, code: u32) {
-    use alloctramp_trampolines::process::hdr;
-    use std::sync::atomic::{AtomicU32, Ordering};
+    use alloctramp_trampolines::process::{PROC_HEADER_SIZE, ProcHeader};
+    use std::sync::atomic::Ordering;
     let f = std::fs::OpenOptions::new().read(true).write(true).open(file).unwrap();
-    // SAFETY: a shared mapping of the header page of a file the test owns.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            4096,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            std::os::unix::io::AsRawFd::as_raw_fd(&f),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    // SAFETY: aligned u32 fields within the mapped page.
-    let word = |at: usize| unsafe { &*((p as usize + at) as *const AtomicU32) };
-    word(hdr::REQUEST).store(code, Ordering::Release);
-    word(hdr::WAKE).fetch_add(1, Ordering::AcqRel);
-    // SAFETY: FUTEX_WAKE on the shared word; then the page is unmapped.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word(hdr::WAKE).as_ptr(), libc::FUTEX_WAKE, i32::MAX);
-        libc::munmap(p, 4096);
-    }
+    // SAFETY: a shared mapping of the header of a file the test owns, written
+    // only through atomics.
+    let map = unsafe { memmap2::MmapOptions::new().len(PROC_HEADER_SIZE as usize).map_mut(&f) }.unwrap();
+    let h: &ProcHeader = alloctramp_trampolines::pod::view(&map).unwrap();
+    h.request.store(code, Ordering::Release);
+    h.wake.fetch_add(1, Ordering::AcqRel);
+    // SAFETY: FUTEX_WAKE on the shared word.
+    unsafe { libc::syscall(libc::SYS_futex, h.wake.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
 }
 
 #[test]

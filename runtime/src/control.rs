@@ -7,10 +7,11 @@
 
 use crate::live;
 use crate::patching::Sites;
-use crate::registry::{self, LIVE, PROC_HEADER};
+use crate::procfile::header;
+use crate::registry::{self, LIVE};
 use crate::sys::{self, Buf};
-use alloctramp_trampolines::process::{Request, hdr};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use alloctramp_trampolines::process::{ProcHeader, Request};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// What to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,19 +54,6 @@ impl ControlPath {
         b.push(&raw[..n]);
         b
     }
-}
-
-fn header_u32(at: usize) -> Option<&'static AtomicU32> {
-    let h = PROC_HEADER.load(Ordering::Acquire);
-    // SAFETY: the header mapping lives until the process ends; `at` is a
-    // 4-aligned field offset.
-    (h != 0).then(|| unsafe { &*((h + at) as *const AtomicU32) })
-}
-
-pub(crate) fn header_u64(at: usize) -> Option<&'static AtomicU64> {
-    let h = PROC_HEADER.load(Ordering::Acquire);
-    // SAFETY: as above, 8-aligned.
-    (h != 0).then(|| unsafe { &*((h + at) as *const AtomicU64) })
 }
 
 static SWITCHING: AtomicBool = AtomicBool::new(false);
@@ -120,7 +108,7 @@ fn run_pending() {
 /// The pending request: the header's, else (after a control signal) the
 /// control file's, else a toggle.
 fn take_request() -> Option<Command> {
-    let code = header_u32(hdr::REQUEST).map_or(0, |r| r.swap(0, Ordering::AcqRel));
+    let code = header().map_or(0, |h| h.request.swap(0, Ordering::AcqRel));
     if let Some(r) = Request::from_code(code) {
         SIGNALED.store(false, Ordering::Release);
         return Some(Command::Do(r));
@@ -179,22 +167,20 @@ pub fn apply(cmd: Command) {
     };
     match result {
         Ok(()) => {
-            if let Some(e) = header_u32(hdr::LAST_ERROR) {
-                e.store(0, Ordering::Relaxed);
+            if let Some(h) = header() {
+                ProcHeader::set_text(&h.last_error, b"");
             }
         }
         Err(e) => registry::report_error(e),
     }
-    if let Some(t) = header_u64(hdr::LAST_SWITCH_NS) {
-        t.store(monotonic_ns().saturating_sub(start), Ordering::Relaxed);
-    }
-    if let Some(n) = header_u64(hdr::LAST_SWITCH_SITES) {
-        n.store(registry::site_count(), Ordering::Relaxed);
+    if let Some(h) = header() {
+        h.last_switch_ns.store(monotonic_ns().saturating_sub(start), Ordering::Relaxed);
+        h.last_switch_sites.store(registry::site_count(), Ordering::Relaxed);
     }
     registry::publish_state();
     live::publish_objects();
-    if let Some(g) = header_u64(hdr::GENERATION) {
-        g.fetch_add(1, Ordering::AcqRel);
+    if let Some(h) = header() {
+        h.generation.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -233,11 +219,9 @@ fn reset_counters() {
             }
         }
     }
-    if let Some(t) = header_u64(hdr::RESET_TIME) {
-        t.store(sys::now_secs(), Ordering::Relaxed);
-    }
-    if let Some(n) = header_u64(hdr::UNTRACKED_ALLOCS) {
-        n.store(0, Ordering::Relaxed);
+    if let Some(h) = header() {
+        h.reset_time.store(sys::now_secs(), Ordering::Relaxed);
+        h.untracked_allocs.store(0, Ordering::Relaxed);
     }
 }
 
@@ -319,9 +303,10 @@ extern "C" fn watch(_: *mut libc::c_void) -> *mut libc::c_void {
     loop {
         // The header moves after fork (the child's thread is a new one,
         // but the loop reads it afresh anyway).
-        let Some(wake) = header_u32(hdr::WAKE) else { return std::ptr::null_mut() };
+        let Some(h) = header() else { return std::ptr::null_mut() };
+        let wake = &h.wake;
         let seen = wake.load(Ordering::Acquire);
-        if header_u32(hdr::REQUEST).is_some_and(|r| r.load(Ordering::Acquire) != 0) {
+        if h.request.load(Ordering::Acquire) != 0 {
             handle_request(false);
         }
         // A requester stores the request, increments the word, then wakes:

@@ -196,7 +196,7 @@ fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
         Ok(f) => {
             let ctl = format!("{dir}/{}", process::control_file_name(pid));
             control::CONTROL_PATH.set(ctl.as_bytes());
-            registry::PROC_HEADER.store(f.header as usize, Ordering::Release);
+            procfile::set_header(f.header);
             Some(f)
         }
         Err(e) => {
@@ -215,7 +215,7 @@ fn start_watcher() {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
-                f.header_u32(process::hdr::WATCHER).store(0, Ordering::Release);
+                f.header.watcher.store(0, Ordering::Release);
             }
         });
     }
@@ -230,7 +230,7 @@ extern "C" fn after_fork_in_child() {
     registry::PROFILED.store(registry::is_on(), Ordering::Relaxed);
     registry::reopen_after_fork(|| open_process_file(dir, mode));
     registry::publish_state();
-    if mode == Switch::Thread && registry::PROC_HEADER.load(Ordering::Acquire) != 0 {
+    if mode == Switch::Thread && procfile::header().is_some() {
         start_watcher();
     }
 }
@@ -352,14 +352,14 @@ static INIT: extern "C" fn() = {
 #[unsafe(link_section = ".fini_array")]
 static FINI: extern "C" fn() = {
     extern "C" fn run() {
-        if registry::PROC_HEADER.load(Ordering::Acquire) == 0 {
+        if procfile::header().is_none() {
             return;
         }
         PROC.with(|p| {
             let Some(f) = p.as_mut() else { return };
             if registry::PROFILED.load(Ordering::Relaxed) {
                 live::publish_objects();
-                f.header_u32(process::hdr::EXITED).store(1, Ordering::Release);
+                f.header.exited.store(1, Ordering::Release);
             } else {
                 f.remove();
             }

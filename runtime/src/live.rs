@@ -55,11 +55,10 @@
 //! That keeps the reset path (a signal handler) away from the shard locks,
 //! which the interrupted thread may hold, and from the nurseries' slots.
 
-use crate::control::header_u64;
+use crate::procfile::header;
 use crate::tls;
 use alloctramp_trampolines::layout::nursery as ns;
 use alloctramp_trampolines::layout::{CELL_SIZE, cell};
-use alloctramp_trampolines::process::hdr;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -296,7 +295,7 @@ fn forget_shard(shard: &Shard) {
 /// Publishes the table's memory (and, while at it, its object count) in
 /// the process file's header.
 fn account(mapped_delta: isize) {
-    if let Some(b) = header_u64(hdr::TABLE_BYTES) {
+    if let Some(b) = header().map(|h| &h.table_bytes) {
         b.fetch_add(mapped_delta as u64, Ordering::Relaxed);
     }
     publish_objects();
@@ -304,7 +303,7 @@ fn account(mapped_delta: isize) {
 
 /// Writes the number of tracked objects into the process file's header.
 pub fn publish_objects() {
-    if let Some(o) = header_u64(hdr::TABLE_OBJECTS) {
+    if let Some(o) = header().map(|h| &h.table_objects) {
         o.store(objects(), Ordering::Relaxed);
     }
 }
@@ -873,7 +872,7 @@ unsafe fn slot_of(control: *const u8) -> u64 {
 #[inline(never)]
 fn untracked_alloc(cell: u64, size: u64) {
     charge_free(cell, size);
-    if let Some(n) = header_u64(hdr::UNTRACKED_ALLOCS) {
+    if let Some(n) = header().map(|h| &h.untracked_allocs) {
         n.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -3,9 +3,10 @@
 //! its counter regions mapped over each module's counters.
 
 use crate::sys::{self, Buf};
-use alloctramp_trampolines::process::{self, MODULE_SLOT_SIZE, MODULE_SLOTS_AT, PROC_HEADER_SIZE, hdr, slot};
+use alloctramp_trampolines::pod;
+use alloctramp_trampolines::process::{self, ModuleSlot, PROC_HEADER_SIZE, ProcHeader};
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub type Path = Buf<256>;
 
@@ -15,7 +16,7 @@ pub type Path = Buf<256>;
 /// number back for a file of its own. The runtime reopens the file by path
 /// when it must grow it, and checks that it is still the same file.
 pub struct ProcFile {
-    pub header: *mut u8,
+    pub header: &'static ProcHeader,
     pub size: u64,
     path: Path,
     dev: u64,
@@ -130,24 +131,28 @@ impl ProcFile {
                 libc::unlink(tmp.c_str().as_ptr());
                 return Err("cannot map the counters file");
             }
-            p as *mut u8
+            // The magic, while no other process can see the file yet.
+            std::ptr::copy_nonoverlapping(process::PROC_MAGIC.as_ptr(), p as *mut u8, 8);
+            // SAFETY: a fresh page-aligned mapping of PROC_HEADER_SIZE bytes,
+            // never unmapped while the runtime uses it (after fork, the
+            // child's thread drops the parent's only once it has its own).
+            pod::at::<ProcHeader>(p as usize)
         };
-        // SAFETY: the header is mapped and PROC_HEADER_SIZE long.
+        let r = Ordering::Relaxed;
+        header.version.store(process::PROC_VERSION, r);
+        header.pid.store(pid, r);
+        header.signal.store(signal, r);
+        header.watcher.store(u32::from(watcher), r);
+        header.start_time.store(sys::now_secs(), r);
+        let (exe_dev, exe_ino) = file_identity(c"/proc/self/exe");
+        header.exe_dev.store(exe_dev, r);
+        header.exe_ino.store(exe_ino, r);
+        ProcHeader::set_text(&header.command, command);
+        // SAFETY: NUL-terminated paths; on failure the mapping is ours to drop.
         unsafe {
-            std::ptr::copy_nonoverlapping(process::PROC_MAGIC.as_ptr(), header, 8);
-            header.add(hdr::VERSION).cast::<u32>().write(process::PROC_VERSION);
-            header.add(hdr::PID).cast::<u32>().write(pid);
-            header.add(hdr::SIGNAL).cast::<u32>().write(signal);
-            header.add(hdr::WATCHER).cast::<u32>().write(u32::from(watcher));
-            header.add(hdr::START_TIME).cast::<u64>().write(sys::now_secs());
-            let (exe_dev, exe_ino) = file_identity(c"/proc/self/exe");
-            header.add(hdr::EXE_DEV).cast::<u64>().write(exe_dev);
-            header.add(hdr::EXE_INO).cast::<u64>().write(exe_ino);
-            let n = command.len().min(111);
-            std::ptr::copy_nonoverlapping(command.as_ptr(), header.add(hdr::COMMAND), n);
             if libc::rename(tmp.c_str().as_ptr(), path.c_str().as_ptr()) != 0 {
                 libc::unlink(tmp.c_str().as_ptr());
-                libc::munmap(header.cast(), PROC_HEADER_SIZE as usize);
+                libc::munmap(header as *const ProcHeader as *mut libc::c_void, PROC_HEADER_SIZE as usize);
                 return Err("cannot create the counters file");
             }
         }
@@ -182,30 +187,11 @@ impl ProcFile {
     /// Unmaps the header (after fork, in the child, the parent's file).
     pub fn unmap(&self) {
         // SAFETY: the header mapping is ours; nothing reads it after this.
-        unsafe { libc::munmap(self.header.cast(), PROC_HEADER_SIZE as usize) };
+        unsafe { libc::munmap(self.header as *const ProcHeader as *mut libc::c_void, PROC_HEADER_SIZE as usize) };
     }
 
-    pub fn header_u32(&self, at: usize) -> &AtomicU32 {
-        self.u32(at)
-    }
-
-    pub fn u32(&self, at: usize) -> &AtomicU32 {
-        // SAFETY: `at` is a 4-aligned offset inside the mapped header, which
-        // lives as long as self.
-        unsafe { &*(self.header.add(at) as *const AtomicU32) }
-    }
-
-    pub fn u64(&self, at: usize) -> &AtomicU64 {
-        // SAFETY: as above, 8-aligned.
-        unsafe { &*(self.header.add(at) as *const AtomicU64) }
-    }
-
-    fn slot_u64(&self, module: u32, field: usize) -> &AtomicU64 {
-        self.u64(MODULE_SLOTS_AT as usize + module as usize * MODULE_SLOT_SIZE as usize + field)
-    }
-
-    fn slot_u32(&self, module: u32, field: usize) -> &AtomicU32 {
-        self.u32(MODULE_SLOTS_AT as usize + module as usize * MODULE_SLOT_SIZE as usize + field)
+    fn slot(&self, module: u32) -> &ModuleSlot {
+        &self.header.modules[module as usize]
     }
 
     /// Adds a module: copies its site table into the file and maps the
@@ -221,7 +207,7 @@ impl ProcFile {
         counters: u64,
         counters_size: u64,
     ) -> Result<(u32, u64), &'static str> {
-        let index = self.u32(hdr::MODULE_COUNT).load(Ordering::Acquire);
+        let index = self.header.module_count.load(Ordering::Acquire);
         if u64::from(index) >= process::MAX_MODULES {
             return Err("too many patched modules");
         }
@@ -273,21 +259,22 @@ impl ProcFile {
             }
         }
         self.size = end;
-        self.slot_u64(index, slot::TABLE_OFFSET).store(table_off, Ordering::Relaxed);
-        self.slot_u64(index, slot::TABLE_SIZE).store(table.len() as u64, Ordering::Relaxed);
-        self.slot_u64(index, slot::COUNTERS_OFFSET).store(counters_off, Ordering::Relaxed);
-        self.slot_u64(index, slot::COUNTERS_SIZE).store(counters_size, Ordering::Relaxed);
-        self.slot_u64(index, slot::BIAS).store(bias, Ordering::Relaxed);
-        self.u32(hdr::MODULE_COUNT).store(index + 1, Ordering::Release);
+        let s = self.slot(index);
+        s.table_offset.store(table_off, Ordering::Relaxed);
+        s.table_size.store(table.len() as u64, Ordering::Relaxed);
+        s.counters_offset.store(counters_off, Ordering::Relaxed);
+        s.counters_size.store(counters_size, Ordering::Relaxed);
+        s.bias.store(bias, Ordering::Relaxed);
+        self.header.module_count.store(index + 1, Ordering::Release);
         Ok((index, own as u64))
     }
 
     pub fn set_module_on(&self, index: u32, on: bool) {
-        self.slot_u32(index, slot::ON).store(u32::from(on), Ordering::Release);
+        self.slot(index).on.store(u32::from(on), Ordering::Release);
     }
 
     pub fn set_unloaded(&self, index: u32) {
-        self.slot_u32(index, slot::UNLOADED).store(1, Ordering::Release);
+        self.slot(index).unloaded.store(1, Ordering::Release);
     }
 }
 
@@ -349,19 +336,18 @@ pub fn prune(dir: &str, keep: usize) {
         if !meta.is_file() {
             continue;
         }
-        let mut h = [0u8; 512];
-        if f.read_exact_at(&mut h, 0).is_err() || h[..8] != process::PROC_MAGIC {
+        let mut h = vec![0u8; PROC_HEADER_SIZE as usize];
+        if f.read_exact_at(&mut h, 0).is_err() {
             continue;
         }
-        let u32_at = |at: usize| u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
-        let u64_at = |at: usize| u64::from(u32_at(at)) | u64::from(u32_at(at + 4)) << 32;
-        let current = u32_at(hdr::VERSION) == process::PROC_VERSION;
-        let exe = if current { (u64_at(hdr::EXE_DEV), u64_at(hdr::EXE_INO)) } else { (0, 0) };
-        let exited = u32_at(hdr::EXITED) == 1;
+        let Some(h) = pod::copy::<ProcHeader>(&h).filter(|h| h.magic == process::PROC_MAGIC) else { continue };
+        let r = Ordering::Relaxed;
+        let current = h.version.load(r) == process::PROC_VERSION;
+        let exe = if current { (h.exe_dev.load(r), h.exe_ino.load(r)) } else { (0, 0) };
         let state = process::FileState {
-            running: !exited && runs(u32_at(hdr::PID), exe),
+            running: h.exited.load(r) != 1 && runs(h.pid.load(r), exe),
             // A file of another version: keep it like a snapshot.
-            profiled: !current || u32_at(hdr::FLAGS) & process::flags::PROFILED != 0,
+            profiled: !current || h.flags.load(r) & process::flags::PROFILED != 0,
             mtime: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
         };
         found.push((pid, state));
@@ -376,4 +362,19 @@ pub fn prune(dir: &str, keep: usize) {
     for p in strays {
         let _ = std::fs::remove_file(p);
     }
+}
+
+/// The process file's header, once created: readable from signal handlers.
+static HEADER: AtomicUsize = AtomicUsize::new(0);
+
+/// The current process file's header (after fork, the child's).
+pub fn header() -> Option<&'static ProcHeader> {
+    let h = HEADER.load(Ordering::Acquire);
+    // SAFETY: set only to a live header mapping, never unmapped while set.
+    (h != 0).then(|| unsafe { pod::at::<ProcHeader>(h) })
+}
+
+/// Publishes the header that [`header`] returns.
+pub fn set_header(h: &'static ProcHeader) {
+    HEADER.store(h as *const ProcHeader as usize, Ordering::Release);
 }

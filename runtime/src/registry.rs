@@ -152,8 +152,6 @@ impl<T> SpinLock<T> {
 
 /// The process file, once created.
 pub static PROC: SpinLock<Option<ProcFile>> = SpinLock::new(None);
-/// The process file's header, readable from signal handlers.
-pub static PROC_HEADER: AtomicUsize = AtomicUsize::new(0);
 
 /// Registers a module by the run-time address of its site table, then
 /// brings its sites to the wanted state. Idempotent.
@@ -284,12 +282,8 @@ fn set_on(slot: &Slot, sites: Sites) {
 }
 
 fn header_set_module_on(idx: u32, on: bool) {
-    use alloctramp_trampolines::process::{MODULE_SLOT_SIZE, MODULE_SLOTS_AT, slot};
-    let h = PROC_HEADER.load(Ordering::Acquire);
-    if h != 0 {
-        let at = h + MODULE_SLOTS_AT as usize + idx as usize * MODULE_SLOT_SIZE as usize + slot::ON;
-        // SAFETY: the header mapping is live; the field is a 4-aligned u32.
-        unsafe { &*(at as *const AtomicU32) }.store(u32::from(on), Ordering::Release);
+    if let Some(s) = crate::procfile::header().and_then(|h| h.modules.get(idx as usize)) {
+        s.on.store(u32::from(on), Ordering::Release);
     }
 }
 
@@ -303,12 +297,11 @@ pub static PROFILED: AtomicBool = AtomicBool::new(false);
 /// Writes the wanted state and the live-tracking flags into the process
 /// file's header.
 pub fn publish_state() {
-    use alloctramp_trampolines::process::{flags, hdr};
+    use alloctramp_trampolines::process::flags;
     if is_on() {
         PROFILED.store(true, Ordering::Relaxed);
     }
-    let h = PROC_HEADER.load(Ordering::Acquire);
-    if h != 0 {
+    if let Some(h) = crate::procfile::header() {
         let mut f = 0;
         if PROFILED.load(Ordering::Relaxed) {
             f |= flags::PROFILED;
@@ -322,26 +315,15 @@ pub fn publish_state() {
         if INCOMPLETE.load(Ordering::Relaxed) {
             f |= flags::INCOMPLETE;
         }
-        // SAFETY: STATE and FLAGS are 4-aligned u32 fields of the live
-        // header mapping.
-        unsafe {
-            (*((h + hdr::FLAGS) as *const AtomicU32)).store(f, Ordering::Release);
-            (*((h + hdr::STATE) as *const AtomicU32)).store(u32::from(is_on()), Ordering::Release);
-        }
+        h.flags.store(f, Ordering::Release);
+        h.state.store(u32::from(is_on()), Ordering::Release);
     }
 }
 
 pub fn report_error(e: &str) {
     sys::log(e.as_bytes());
-    let h = PROC_HEADER.load(Ordering::Acquire);
-    if h != 0 {
-        let n = e.len().min(63);
-        // SAFETY: LAST_ERROR is a 64-byte field of the live header mapping.
-        unsafe {
-            let p = (h + alloctramp_trampolines::process::hdr::LAST_ERROR) as *mut u8;
-            std::ptr::write_bytes(p, 0, 64);
-            std::ptr::copy_nonoverlapping(e.as_ptr(), p, n);
-        }
+    if let Some(h) = crate::procfile::header() {
+        alloctramp_trampolines::process::ProcHeader::set_text(&h.last_error, e.as_bytes());
     }
 }
 
@@ -436,7 +418,7 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
             Err(e) => sys::log(e.as_bytes()),
         }
     }
-    PROC_HEADER.store(f.header as usize, Ordering::Release);
+    crate::procfile::set_header(f.header);
     PROC.with(|p| {
         if let Some(old) = p.take() {
             old.unmap();

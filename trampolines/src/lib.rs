@@ -4,6 +4,7 @@
 //! * [`addr`]: typed addresses (file offsets, virtual addresses in a file).
 //! * [`layout`]: the site table, module control block and counters.
 //! * [`process`]: the per-process counters file the runtime shares.
+//! * [`pod`]: plain-data views, the one place bytes become structs.
 //! * `codegen` (feature `codegen`): the trampolines and stubs.
 
 pub mod addr;
@@ -11,4 +12,5 @@ pub mod addr;
 pub mod codegen;
 pub mod entry;
 pub mod layout;
+pub mod pod;
 pub mod process;

@@ -15,73 +15,183 @@
 //! sees each u64 either before or after an increment.
 
 use crate::layout::{CELL_SIZE, PAGE, Table, TableError};
+use crate::pod::Pod;
+use std::mem::{offset_of, size_of};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 pub const PROC_MAGIC: [u8; 8] = *b"ATPROC\x00\x01";
 pub const PROC_VERSION: u32 = 3;
-pub const PROC_HEADER_SIZE: u64 = 16384;
-pub const MODULE_SLOT_SIZE: u64 = 64;
-pub const MODULE_SLOTS_AT: u64 = 512;
+pub const PROC_HEADER_SIZE: u64 = size_of::<ProcHeader>() as u64;
+pub const MODULE_SLOT_SIZE: u64 = size_of::<ModuleSlot>() as u64;
+pub const MODULE_SLOTS_AT: u64 = offset_of!(ProcHeader, modules) as u64;
 pub const MAX_MODULES: u64 = (PROC_HEADER_SIZE - MODULE_SLOTS_AT) / MODULE_SLOT_SIZE;
 
-/// Header fields (byte offsets).
-pub mod hdr {
-    pub const MAGIC: usize = 0;
-    pub const VERSION: usize = 8;
-    /// u32: the process id.
-    pub const PID: usize = 12;
-    /// u32: 1 while profiling is on.
-    pub const STATE: usize = 16;
-    /// u32: the signal that makes the runtime carry out a request (0: the
+/// The header of a process file, as the runtime maps it (shared with every
+/// reader) and as a reader copies it. Every field another process may read
+/// while the runtime writes it is atomic.
+#[repr(C)]
+pub struct ProcHeader {
+    /// [`PROC_MAGIC`].
+    pub magic: [u8; 8],
+    /// [`PROC_VERSION`].
+    pub version: AtomicU32,
+    /// The process id.
+    pub pid: AtomicU32,
+    /// 1 while profiling is on.
+    pub state: AtomicU32,
+    /// The signal that makes the runtime carry out a request (0: the
     /// process listens to no signal).
-    pub const SIGNAL: usize = 20;
-    /// u64: incremented after every completed switch or reset.
-    pub const GENERATION: usize = 24;
-    /// u32: number of published module slots.
-    pub const MODULE_COUNT: usize = 32;
-    /// u32: 1 once the process has exited (the file is its final snapshot).
-    pub const EXITED: usize = 36;
-    /// u32: 1 if a watcher thread waits for requests on [`WAKE`].
-    pub const WATCHER: usize = 40;
-    /// u32: [`flags`](super::flags) describing the live figures.
-    pub const FLAGS: usize = 44;
-    /// u64: time of the last reset (seconds since the epoch).
-    pub const RESET_TIME: usize = 48;
-    /// u64: start time (seconds since the epoch).
-    pub const START_TIME: usize = 56;
-    /// [u8; 112]: the command (argv[0]), NUL-padded.
-    pub const COMMAND: usize = 64;
-    /// u64: nanoseconds the last switch took.
-    pub const LAST_SWITCH_NS: usize = 176;
-    /// u64: sites rewritten by the last switch.
-    pub const LAST_SWITCH_SITES: usize = 184;
-    /// [u8; 64]: the last error of a switch, NUL-padded (empty: none).
-    pub const LAST_ERROR: usize = 192;
-    /// u64: allocations counted but not tracked (the pointer table could
-    /// not grow); they were counted as freed at once.
-    pub const UNTRACKED_ALLOCS: usize = 256;
-    /// u64: bytes of memory the pointer table holds now.
-    pub const TABLE_BYTES: usize = 264;
-    /// u64: objects the pointer table holds now (updated as it grows and
-    /// when a switch completes; exact figures are per site).
-    pub const TABLE_OBJECTS: usize = 272;
-    /// u32: the pending request ([`Request`](super::Request) code; 0: none).
-    /// A requester stores it, then wakes the process (see [`WAKE`]); the
-    /// runtime takes it with an atomic swap.
-    pub const REQUEST: usize = 280;
-    /// u32: a futex word. A requester increments it and wakes its waiters
+    pub signal: AtomicU32,
+    /// Incremented after every completed switch or reset.
+    pub generation: AtomicU64,
+    /// Number of published module slots (a release store, after the
+    /// module's region is written).
+    pub module_count: AtomicU32,
+    /// 1 once the process has exited (the file is its final snapshot).
+    pub exited: AtomicU32,
+    /// 1 if a watcher thread waits for requests on [`wake`](Self::wake).
+    pub watcher: AtomicU32,
+    /// [`flags`] describing the figures.
+    pub flags: AtomicU32,
+    /// Time of the last reset (seconds since the epoch).
+    pub reset_time: AtomicU64,
+    /// Start time (seconds since the epoch).
+    pub start_time: AtomicU64,
+    /// The command (argv[0]), NUL-padded.
+    pub command: [AtomicU8; 112],
+    /// Nanoseconds the last switch took.
+    pub last_switch_ns: AtomicU64,
+    /// Sites rewritten by the last switch.
+    pub last_switch_sites: AtomicU64,
+    /// The last error of a switch, NUL-padded (empty: none).
+    pub last_error: [AtomicU8; 64],
+    /// Allocations counted but not tracked (the pointer table could not
+    /// grow); they were counted as freed at once.
+    pub untracked_allocs: AtomicU64,
+    /// Bytes of memory the pointer table holds now.
+    pub table_bytes: AtomicU64,
+    /// Objects the pointer table holds now (updated as it grows and when a
+    /// switch completes; exact figures are per site).
+    pub table_objects: AtomicU64,
+    /// The pending request ([`Request`] code; 0: none). A requester stores
+    /// it, then wakes the process; the runtime takes it with a swap.
+    pub request: AtomicU32,
+    /// A futex word: a requester increments it and wakes its waiters
     /// (`FUTEX_WAKE`, not private: the word is in a shared file mapping);
     /// the watcher thread waits on it.
-    pub const WAKE: usize = 284;
-    /// u64, u64: device and inode of the process's executable
-    /// (`/proc/self/exe`) when the file was created, so that a reader can
-    /// tell a process that replaced its program (`exec`) from one still
-    /// running it.
-    pub const EXE_DEV: usize = 288;
-    pub const EXE_INO: usize = 296;
+    pub wake: AtomicU32,
+    /// Device and inode of the process's executable (`/proc/self/exe`)
+    /// when the file was created, so that a reader can tell a process that
+    /// replaced its program (`exec`) from one still running it.
+    pub exe_dev: AtomicU64,
+    pub exe_ino: AtomicU64,
+    pub reserved: [u8; 208],
+    /// The modules, [`module_count`](Self::module_count) of them published.
+    pub modules: [ModuleSlot; 248],
+}
+
+/// One module's place in the process file.
+#[repr(C)]
+pub struct ModuleSlot {
+    /// File offset and size of the module's site table copy.
+    pub table_offset: AtomicU64,
+    pub table_size: AtomicU64,
+    /// File offset and size of the module's counters.
+    pub counters_offset: AtomicU64,
+    pub counters_size: AtomicU64,
+    /// The load bias (run-time address minus file address).
+    pub bias: AtomicU64,
+    /// 1 once the module was unloaded (its figures stay).
+    pub unloaded: AtomicU32,
+    /// 1 while the module's sites are switched on.
+    pub on: AtomicU32,
+    pub reserved: [u8; 16],
+}
+
+// SAFETY: repr(C), integers, atomics of integers and byte arrays only.
+unsafe impl Pod for ProcHeader {}
+// SAFETY: as above.
+unsafe impl Pod for ModuleSlot {}
+
+/// Every field of the header: name, offset, type as docs/formats.md gives
+/// them (a test checks that document against this list).
+pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
+    ("magic", offset_of!(ProcHeader, magic), "[u8; 8]"),
+    ("version", offset_of!(ProcHeader, version), "u32"),
+    ("pid", offset_of!(ProcHeader, pid), "u32"),
+    ("state", offset_of!(ProcHeader, state), "u32"),
+    ("signal", offset_of!(ProcHeader, signal), "u32"),
+    ("generation", offset_of!(ProcHeader, generation), "u64"),
+    ("module_count", offset_of!(ProcHeader, module_count), "u32"),
+    ("exited", offset_of!(ProcHeader, exited), "u32"),
+    ("watcher", offset_of!(ProcHeader, watcher), "u32"),
+    ("flags", offset_of!(ProcHeader, flags), "u32"),
+    ("reset_time", offset_of!(ProcHeader, reset_time), "u64"),
+    ("start_time", offset_of!(ProcHeader, start_time), "u64"),
+    ("command", offset_of!(ProcHeader, command), "[u8; 112]"),
+    ("last_switch_ns", offset_of!(ProcHeader, last_switch_ns), "u64"),
+    ("last_switch_sites", offset_of!(ProcHeader, last_switch_sites), "u64"),
+    ("last_error", offset_of!(ProcHeader, last_error), "[u8; 64]"),
+    ("untracked_allocs", offset_of!(ProcHeader, untracked_allocs), "u64"),
+    ("table_bytes", offset_of!(ProcHeader, table_bytes), "u64"),
+    ("table_objects", offset_of!(ProcHeader, table_objects), "u64"),
+    ("request", offset_of!(ProcHeader, request), "u32"),
+    ("wake", offset_of!(ProcHeader, wake), "u32"),
+    ("exe_dev", offset_of!(ProcHeader, exe_dev), "u64"),
+    ("exe_ino", offset_of!(ProcHeader, exe_ino), "u64"),
+    ("modules", offset_of!(ProcHeader, modules), "[slot; 248]"),
+];
+
+/// Every field of a module slot, likewise.
+pub const SLOT_FIELDS: &[(&str, usize, &str)] = &[
+    ("table_offset", offset_of!(ModuleSlot, table_offset), "u64"),
+    ("table_size", offset_of!(ModuleSlot, table_size), "u64"),
+    ("counters_offset", offset_of!(ModuleSlot, counters_offset), "u64"),
+    ("counters_size", offset_of!(ModuleSlot, counters_size), "u64"),
+    ("bias", offset_of!(ModuleSlot, bias), "u64"),
+    ("unloaded", offset_of!(ModuleSlot, unloaded), "u32"),
+    ("on", offset_of!(ModuleSlot, on), "u32"),
+];
+
+// The layout is a file format: these offsets are documented and must not
+// move.
+const _: () = {
+    assert!(size_of::<ProcHeader>() == 16384);
+    assert!(size_of::<ModuleSlot>() == 64);
+    assert!(offset_of!(ProcHeader, generation) == 24);
+    assert!(offset_of!(ProcHeader, command) == 64);
+    assert!(offset_of!(ProcHeader, last_error) == 192);
+    assert!(offset_of!(ProcHeader, untracked_allocs) == 256);
+    assert!(offset_of!(ProcHeader, request) == 280);
+    assert!(offset_of!(ProcHeader, exe_ino) == 296);
+    assert!(offset_of!(ProcHeader, modules) == 512);
+    assert!(offset_of!(ModuleSlot, unloaded) == 40);
+};
+
+impl ProcHeader {
+    /// A NUL-padded text field.
+    pub fn text(field: &[AtomicU8]) -> String {
+        let b: Vec<u8> = field.iter().map(|c| c.load(Ordering::Relaxed)).take_while(|&c| c != 0).collect();
+        String::from_utf8_lossy(&b).into_owned()
+    }
+
+    /// Stores `text` into a NUL-padded field (cut to leave one NUL).
+    pub fn set_text(field: &[AtomicU8], text: &[u8]) {
+        for (i, c) in field.iter().enumerate() {
+            let v = if i + 1 < field.len() { text.get(i).copied().unwrap_or(0) } else { 0 };
+            c.store(v, Ordering::Relaxed);
+        }
+    }
+
+    /// The published module slots.
+    pub fn published(&self) -> &[ModuleSlot] {
+        let n = (self.module_count.load(Ordering::Acquire) as usize).min(self.modules.len());
+        &self.modules[..n]
+    }
 }
 
 /// What a requester asks of a running process (the header's
-/// [`hdr::REQUEST`] field).
+/// [`request`](ProcHeader::request) field).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum Request {
@@ -146,27 +256,6 @@ pub mod flags {
     pub const PROFILED: u32 = 16;
 }
 
-/// Module slot fields (byte offsets in the slot).
-pub mod slot {
-    /// u64: file offset of the module's site table copy.
-    pub const TABLE_OFFSET: usize = 0;
-    /// u64: its size.
-    pub const TABLE_SIZE: usize = 8;
-    /// u64: file offset of the module's counters.
-    pub const COUNTERS_OFFSET: usize = 16;
-    /// u64: their size.
-    pub const COUNTERS_SIZE: usize = 24;
-    /// u64: the load bias (run-time address minus file address).
-    pub const BIAS: usize = 32;
-    /// u32: 1 once the module was unloaded (its figures stay).
-    pub const UNLOADED: usize = 40;
-    /// u32: 1 while the module's sites are switched on.
-    pub const ON: usize = 44;
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
-}
 fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
 }
@@ -258,11 +347,13 @@ pub struct ProcessFile<'a> {
     pub untracked_allocs: u64,
     pub table_bytes: u64,
     pub table_objects: u64,
-}
-
-fn c_string(b: &[u8]) -> String {
-    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
-    String::from_utf8_lossy(&b[..end]).into_owned()
+    /// Seconds since the epoch (0: unknown).
+    pub start_time: u64,
+    pub reset_time: u64,
+    /// Device and inode of the process's executable.
+    pub exe: (u64, u64),
+    /// The header as read.
+    pub header: Box<ProcHeader>,
 }
 
 impl<'a> ProcessFile<'a> {
@@ -272,30 +363,36 @@ impl<'a> ProcessFile<'a> {
     }
 
     pub fn parse(bytes: &'a [u8]) -> Result<ProcessFile<'a>, TableError> {
-        if bytes.len() < PROC_HEADER_SIZE as usize || bytes[..8] != PROC_MAGIC {
+        let Some(h) = crate::pod::copy::<ProcHeader>(bytes).filter(|h| h.magic == PROC_MAGIC) else {
             return Err(TableError("not an alloctramp process file".into()));
-        }
-        let v = u32_at(bytes, hdr::VERSION);
+        };
+        let v = h.version.load(Ordering::Relaxed);
         if v != PROC_VERSION {
             return Err(TableError(format!("process file version {v}; this alloctramp reads version {PROC_VERSION}")));
         }
+        let get32 = |a: &AtomicU32| a.load(Ordering::Relaxed);
+        let get64 = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Ok(ProcessFile {
             bytes,
-            pid: u32_at(bytes, hdr::PID),
-            on: u32_at(bytes, hdr::STATE) == 1,
-            signal: u32_at(bytes, hdr::SIGNAL),
-            generation: u64_at(bytes, hdr::GENERATION),
-            exited: u32_at(bytes, hdr::EXITED) == 1,
-            watcher: u32_at(bytes, hdr::WATCHER) == 1,
-            command: c_string(&bytes[hdr::COMMAND..hdr::COMMAND + 112]),
-            last_switch_ns: u64_at(bytes, hdr::LAST_SWITCH_NS),
-            last_switch_sites: u64_at(bytes, hdr::LAST_SWITCH_SITES),
-            last_error: c_string(&bytes[hdr::LAST_ERROR..hdr::LAST_ERROR + 64]),
-            module_count: u32_at(bytes, hdr::MODULE_COUNT).min(MAX_MODULES as u32),
-            flags: u32_at(bytes, hdr::FLAGS),
-            untracked_allocs: u64_at(bytes, hdr::UNTRACKED_ALLOCS),
-            table_bytes: u64_at(bytes, hdr::TABLE_BYTES),
-            table_objects: u64_at(bytes, hdr::TABLE_OBJECTS),
+            pid: get32(&h.pid),
+            on: get32(&h.state) == 1,
+            signal: get32(&h.signal),
+            generation: get64(&h.generation),
+            exited: get32(&h.exited) == 1,
+            watcher: get32(&h.watcher) == 1,
+            command: ProcHeader::text(&h.command),
+            last_switch_ns: get64(&h.last_switch_ns),
+            last_switch_sites: get64(&h.last_switch_sites),
+            last_error: ProcHeader::text(&h.last_error),
+            module_count: h.published().len() as u32,
+            flags: get32(&h.flags),
+            untracked_allocs: get64(&h.untracked_allocs),
+            table_bytes: get64(&h.table_bytes),
+            table_objects: get64(&h.table_objects),
+            start_time: get64(&h.start_time),
+            reset_time: get64(&h.reset_time),
+            exe: (get64(&h.exe_dev), get64(&h.exe_ino)),
+            header: h,
         })
     }
 
@@ -303,11 +400,10 @@ impl<'a> ProcessFile<'a> {
     /// bytes is an error.
     pub fn modules(&self) -> Result<Vec<Module<'a>>, TableError> {
         let mut out = Vec::new();
-        for m in 0..self.module_count as usize {
-            let s = MODULE_SLOTS_AT as usize + m * MODULE_SLOT_SIZE as usize;
-            let sl = &self.bytes[s..s + MODULE_SLOT_SIZE as usize];
-            let (to, ts) = (u64_at(sl, slot::TABLE_OFFSET) as usize, u64_at(sl, slot::TABLE_SIZE) as usize);
-            let (co, cs) = (u64_at(sl, slot::COUNTERS_OFFSET) as usize, u64_at(sl, slot::COUNTERS_SIZE) as usize);
+        for (m, sl) in self.header.published().iter().enumerate() {
+            let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as usize;
+            let (to, ts) = (get(&sl.table_offset), get(&sl.table_size));
+            let (co, cs) = (get(&sl.counters_offset), get(&sl.counters_size));
             let tb = to.checked_add(ts).and_then(|e| self.bytes.get(to..e));
             let cb = co.checked_add(cs).and_then(|e| self.bytes.get(co..e));
             let (Some(tb), Some(cb)) = (tb, cb) else {
@@ -316,9 +412,9 @@ impl<'a> ProcessFile<'a> {
             let table = Table::parse(tb).map_err(|e| TableError(format!("module {m}: {e}")))?;
             out.push(Module {
                 table,
-                bias: u64_at(sl, slot::BIAS),
-                unloaded: u32_at(sl, slot::UNLOADED) == 1,
-                on: u32_at(sl, slot::ON) == 1,
+                bias: sl.bias.load(Ordering::Relaxed),
+                unloaded: sl.unloaded.load(Ordering::Relaxed) == 1,
+                on: sl.on.load(Ordering::Relaxed) == 1,
                 counters: cb,
             });
         }
@@ -373,4 +469,59 @@ pub fn counters_file_name(pid: u32) -> String {
 /// creates it.
 pub fn control_file_name(pid: u32) -> String {
     format!("{pid}.control")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (offset, type, name) of each row of the table that follows `heading`
+    /// in docs/formats.md, up to the next blank line after it.
+    fn documented(doc: &str, heading: &str) -> Vec<(usize, String, String)> {
+        let at = doc.find(heading).unwrap_or_else(|| panic!("docs/formats.md has no {heading:?}"));
+        let table = doc[at..].lines().skip_while(|l| !l.starts_with("| offset")).skip(2);
+        table
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| {
+                let c: Vec<&str> = l.split('|').map(str::trim).collect();
+                (c[1].parse().unwrap(), c[2].to_string(), c[3].trim_matches('`').to_string())
+            })
+            .collect()
+    }
+
+    fn fields(list: &[(&str, usize, &str)]) -> Vec<(usize, String, String)> {
+        list.iter().map(|(n, o, t)| (*o, t.to_string(), n.to_string())).collect()
+    }
+
+    #[test]
+    fn the_documented_process_file_is_the_struct() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/formats.md")).unwrap();
+        assert!(doc.contains(&format!("## The process counters file (`PID.counters`, version {PROC_VERSION})")));
+        assert_eq!(documented(&doc, "## The process counters file"), fields(HEADER_FIELDS));
+        assert_eq!(documented(&doc, "Module slot (64 bytes)"), fields(SLOT_FIELDS));
+    }
+
+    #[test]
+    fn a_copy_reads_back() {
+        let h = crate::pod::copy::<ProcHeader>(&vec![0u8; PROC_HEADER_SIZE as usize]).unwrap();
+        h.pid.store(42, Ordering::Relaxed);
+        h.module_count.store(1, Ordering::Relaxed);
+        h.modules[0].bias.store(7, Ordering::Relaxed);
+        ProcHeader::set_text(&h.command, b"server --port 1");
+        let bytes = crate::pod::bytes_of(&*h);
+        assert_eq!(bytes[12..16], 42u32.to_le_bytes());
+        assert_eq!(bytes[512 + 32..512 + 40], 7u64.to_le_bytes());
+        let again = crate::pod::copy::<ProcHeader>(bytes).unwrap();
+        assert_eq!(ProcHeader::text(&again.command), "server --port 1");
+        assert_eq!(again.published().len(), 1);
+        assert!(crate::pod::copy::<ProcHeader>(&bytes[..100]).is_none());
+    }
+
+    #[test]
+    fn only_files_of_ended_processes_go() {
+        let f = |running, profiled, mtime| FileState { running, profiled, mtime };
+        let files = [f(true, false, 1), f(false, false, 2), f(false, true, 3), f(false, true, 4), f(false, true, 5)];
+        assert_eq!(files_to_remove(&files, 2), [false, true, true, false, false]);
+        assert_eq!(files_to_remove(&files, 0), [false, true, true, true, true]);
+    }
 }

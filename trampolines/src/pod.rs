@@ -1,0 +1,59 @@
+//! Plain data: the one place where bytes become typed structs and back.
+//!
+//! A [`Pod`] type is `#[repr(C)]`, has no padding the format leaves
+//! undefined, and is valid for every bit pattern (integers, byte arrays,
+//! atomics of integers, arrays of those). Its fields are little-endian on
+//! disk and in memory (x86-64 only). The runtime views live shared memory
+//! through these types (atomics for every field another process may read
+//! or write); readers copy a file's bytes into an owned, aligned value.
+
+use std::mem::{align_of, size_of};
+
+/// Types that may be viewed over any bytes of their size.
+///
+/// # Safety
+/// The implementing type must be `#[repr(C)]`, contain only integers,
+/// integer atomics and arrays of them, and be valid for every bit pattern.
+pub unsafe trait Pod: Sized {}
+
+/// A view of `bytes` as a `T`, if they are long enough and aligned for it.
+pub fn view<T: Pod>(bytes: &[u8]) -> Option<&T> {
+    if bytes.len() < size_of::<T>() || !(bytes.as_ptr() as usize).is_multiple_of(align_of::<T>()) {
+        return None;
+    }
+    // SAFETY: long enough, aligned, and T is valid for any bits (Pod).
+    Some(unsafe { &*(bytes.as_ptr() as *const T) })
+}
+
+/// An owned, aligned copy of the first `size_of::<T>()` bytes, if there are
+/// that many.
+pub fn copy<T: Pod>(bytes: &[u8]) -> Option<Box<T>> {
+    if bytes.len() < size_of::<T>() {
+        return None;
+    }
+    let mut b: Box<std::mem::MaybeUninit<T>> = Box::new_uninit();
+    // SAFETY: the box holds size_of::<T>() bytes; every bit pattern is a
+    // valid T (Pod), so after the copy it is initialized.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.as_mut_ptr() as *mut u8, size_of::<T>());
+        Some(b.assume_init())
+    }
+}
+
+/// The bytes of a value.
+pub fn bytes_of<T: Pod>(v: &T) -> &[u8] {
+    // SAFETY: a Pod value has no uninitialized bytes that matter to a
+    // reader of the format (padding is declared as reserved byte arrays).
+    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()) }
+}
+
+/// A view of live shared memory at `addr` as a `T`.
+///
+/// # Safety
+/// `addr` must be aligned for `T` and point at `size_of::<T>()` bytes that
+/// stay mapped for as long as the reference is used; concurrent writers
+/// (other threads or processes) must only touch the atomic fields.
+pub unsafe fn at<'a, T: Pod>(addr: usize) -> &'a T {
+    // SAFETY: the caller's contract.
+    unsafe { &*(addr as *const T) }
+}
