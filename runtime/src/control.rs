@@ -6,9 +6,9 @@
 //! is async-signal-safe: system calls, atomics, fixed buffers.
 
 use crate::live;
-use crate::patching::Sites;
 use crate::procfile::header;
-use crate::registry::{self, LIVE};
+use crate::registry;
+use crate::state::{self, LIVE, Sites};
 use crate::sys::{self, Buf};
 use alloctramp_trampolines::process::{ProcHeader, Request};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -91,7 +91,7 @@ fn run_pending() {
                     apply(cmd);
                 }
             } else if DRAIN.swap(false, Ordering::AcqRel) {
-                if registry::want() == Sites::Frees && live::is_empty() {
+                if state::want() == Sites::Frees && live::is_empty() {
                     apply(Command::Do(Request::Off));
                 }
             } else {
@@ -150,19 +150,19 @@ pub fn apply(cmd: Command) {
     let result = match cmd {
         Command::Do(Request::On) => registry::switch_all(Sites::On),
         Command::Do(Request::Off) => off(),
-        Command::Toggle if registry::is_on() => off(),
+        Command::Toggle if state::is_on() => off(),
         Command::Toggle => registry::switch_all(Sites::On),
         Command::Do(Request::OffNow) => {
             if live && !live::is_empty() {
-                registry::INCOMPLETE.store(true, Ordering::Relaxed);
+                state::INCOMPLETE.store(true, Ordering::Relaxed);
             }
             registry::switch_all(Sites::Off)
         }
         Command::Do(Request::Reset) => {
             reset_counters();
             live::forget_all();
-            registry::INCOMPLETE.store(false, Ordering::Relaxed);
-            if registry::want() == Sites::Frees { registry::switch_all(Sites::Off) } else { Ok(()) }
+            state::INCOMPLETE.store(false, Ordering::Relaxed);
+            if state::want() == Sites::Frees { registry::switch_all(Sites::Off) } else { Ok(()) }
         }
     };
     match result {
@@ -171,13 +171,13 @@ pub fn apply(cmd: Command) {
                 ProcHeader::set_text(&h.last_error, b"");
             }
         }
-        Err(e) => registry::report_error(e),
+        Err(e) => state::report_error(e),
     }
     if let Some(h) = header() {
         h.last_switch_ns.store(monotonic_ns().saturating_sub(start), Ordering::Relaxed);
         h.last_switch_sites.store(registry::site_count(), Ordering::Relaxed);
     }
-    registry::publish_state();
+    state::publish_state();
     live::publish_objects();
     if let Some(h) = header() {
         h.generation.fetch_add(1, Ordering::AcqRel);
@@ -258,7 +258,7 @@ pub extern "C" fn on_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::
     let uc = ctx as *mut libc::ucontext_t;
     // SAFETY: the kernel passes a valid ucontext to an SA_SIGINFO handler.
     let rip = unsafe { (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] } as u64;
-    if let Some(t) = crate::patching::trampoline_for(rip.wrapping_sub(1)) {
+    if let Some(t) = registry::trampoline_for(rip.wrapping_sub(1)) {
         // SAFETY: as above; the trampoline does what the site's
         // instruction does, from the same stack state.
         unsafe { (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] = t as i64 };

@@ -20,18 +20,21 @@
 //! `ALLOCTRAMP_DIR` (where the counters files go), `ALLOCTRAMP_KEEP` (how
 //! many files of ended processes stay there).
 
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+
 mod control;
 mod live;
 mod patching;
 mod procfile;
 mod registry;
+mod state;
 mod sys;
 mod tls;
 
 use alloctramp_trampolines::layout::{self, API_VERSION};
 use alloctramp_trampolines::process;
 use registry::PROC;
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -53,34 +56,10 @@ pub const DEFAULT_SIGNAL_FROM_RTMAX: i32 = 7;
 
 struct Config {
     inert: bool,
-    barrier: sys::Barrier,
 }
 
 static CONFIG: OnceLock<Config> = OnceLock::new();
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
-
-pub(crate) fn barrier() -> sys::Barrier {
-    CONFIG.get().map_or(sys::Barrier::None, |c| c.barrier)
-}
-
-unsafe extern "C" {
-    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
-}
-
-/// glibc's offset of `struct rseq` from the thread pointer, or 0 (the
-/// thread pointer's own first word, always readable) without rseq.
-pub(crate) fn rseq_offset() -> i64 {
-    static OFFSET: OnceLock<i64> = OnceLock::new();
-    *OFFSET.get_or_init(|| {
-        // SAFETY: dlsym with RTLD_DEFAULT (null) and a NUL-terminated name;
-        // the symbol, when present, is a `ptrdiff_t` exported by glibc 2.35+.
-        unsafe {
-            let p = dlsym(std::ptr::null_mut(), c"__rseq_offset".as_ptr()) as *const isize;
-            let size = dlsym(std::ptr::null_mut(), c"__rseq_size".as_ptr()) as *const u32;
-            if p.is_null() || size.is_null() || *size == 0 { 0 } else { *p as i64 }
-        }
-    })
-}
 
 /// Parses `ALLOCTRAMP_SIGNAL`: `none`, a number, or a name (`USR2`,
 /// `SIGUSR2`, `RTMIN+3`, `RTMAX-7`).
@@ -227,9 +206,9 @@ static DIR: OnceLock<String> = OnceLock::new();
 extern "C" fn after_fork_in_child() {
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
     // The child profiled only if its sites are on now.
-    registry::PROFILED.store(registry::is_on(), Ordering::Relaxed);
+    state::PROFILED.store(state::is_on(), Ordering::Relaxed);
     registry::reopen_after_fork(|| open_process_file(dir, mode));
-    registry::publish_state();
+    state::publish_state();
     if mode == Switch::Thread && procfile::header().is_some() {
         start_watcher();
     }
@@ -256,26 +235,27 @@ fn init() {
     }
     let inert = secure_execution();
     if inert {
-        let _ = CONFIG.set(Config { inert, barrier: sys::Barrier::None });
+        let _ = CONFIG.set(Config { inert });
         scan_loaded_modules(true);
         return;
     }
-    let barrier = sys::register_barrier();
-    let _ = CONFIG.set(Config { inert, barrier });
+    sys::register_barrier();
+    let _ = CONFIG.set(Config { inert });
+    live::set_on_drained(control::finish_drain);
 
     let mode = switch_mode();
     let _ = MODE.set(mode);
     match std::env::var("ALLOCTRAMP_LIVE").as_deref() {
         Ok("0") => {}
-        Ok("1") | Ok("") | Err(_) => registry::LIVE.store(true, Ordering::Release),
+        Ok("1") | Ok("") | Err(_) => state::LIVE.store(true, Ordering::Release),
         Ok(other) => {
             sys::log(format!("ALLOCTRAMP_LIVE={other:?}: expected 0 or 1; tracking live objects").as_bytes());
-            registry::LIVE.store(true, Ordering::Release);
+            state::LIVE.store(true, Ordering::Release);
         }
     }
-    live::RSEQ.store(rseq_offset() as u64, Ordering::Relaxed);
+    live::RSEQ.store(sys::rseq_offset() as u64, Ordering::Relaxed);
     match std::env::var("ALLOCTRAMP").as_deref() {
-        Ok("on") => registry::WANT.store(patching::Sites::On as u8, Ordering::Release),
+        Ok("on") => state::WANT.store(state::Sites::On as u8, Ordering::Release),
         Ok("off") | Ok("") | Err(_) => {}
         Ok(other) => sys::log(format!("ALLOCTRAMP={other:?}: expected on or off; profiling stays off").as_bytes()),
     }
@@ -284,7 +264,7 @@ fn init() {
     let f = open_process_file(&dir, mode);
     let have_file = f.is_some();
     PROC.with(|p| *p = f);
-    registry::publish_state();
+    state::publish_state();
     let _ = DIR.set(dir);
 
     if let Some(old) = install(libc::SIGTRAP, control::on_trap) {
@@ -357,7 +337,7 @@ static FINI: extern "C" fn() = {
         }
         PROC.with(|p| {
             let Some(f) = p.as_mut() else { return };
-            if registry::PROFILED.load(Ordering::Relaxed) {
+            if state::PROFILED.load(Ordering::Relaxed) {
                 live::publish_objects();
                 f.header.exited.store(1, Ordering::Release);
             } else {
@@ -392,6 +372,13 @@ unsafe extern "C" fn unregister(table: *const u8) {
     unsafe { registry::unregister(table) };
 }
 
+/// The runtime's layers, lowest first: a module may use only modules of
+/// lower layers (checked by a test), so what a signal handler or a
+/// trampoline can reach is read from a few files.
+#[cfg(test)]
+const LAYERS: &[&[&str]] =
+    &[&["sys", "tls"], &["procfile"], &["state"], &["patching", "live"], &["registry"], &["control"], &["lib"]];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,5 +393,29 @@ mod tests {
         assert_eq!(parse_signal("RTMIN+2"), Ok(libc::SIGRTMIN() + 2));
         assert!(parse_signal("BOGUS").is_err());
         assert!(parse_signal("999").is_err());
+    }
+
+    #[test]
+    fn modules_import_only_lower_layers() {
+        let layer = |m: &str| LAYERS.iter().position(|l| l.contains(&m));
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+        for e in std::fs::read_dir(dir).unwrap() {
+            let path = e.unwrap().path();
+            let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+            let mine = layer(&name).unwrap_or_else(|| panic!("{name}.rs is in no layer"));
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap();
+            for (i, _) in code.match_indices("crate::") {
+                let rest = &code[i + 7..];
+                let names: Vec<&str> = if let Some(list) = rest.strip_prefix('{') {
+                    list[..list.find('}').unwrap()].split(',').map(|n| n.split("::").next().unwrap().trim()).collect()
+                } else {
+                    vec![rest.split(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap()]
+                };
+                for used in names.into_iter().filter(|n| layer(n).is_some()) {
+                    assert!(layer(used).unwrap() < mine, "{name}.rs uses {used}, which is not below it");
+                }
+            }
+        }
     }
 }

@@ -213,6 +213,24 @@ pub unsafe fn enable_in(control: *mut u8, slot: u64) {
     }
 }
 
+/// What to call when a free while draining may have taken the last tracked
+/// object (set at start-up by the layer that switches: live tracking sits
+/// below it and does not call up into it).
+static ON_DRAINED: AtomicUsize = AtomicUsize::new(0);
+
+pub fn set_on_drained(f: fn()) {
+    ON_DRAINED.store(f as usize, Ordering::Release);
+}
+
+fn drain_may_be_over() {
+    let f = ON_DRAINED.load(Ordering::Acquire);
+    if f != 0 {
+        // SAFETY: only ever set from a `fn()` by `set_on_drained`.
+        let f: fn() = unsafe { std::mem::transmute::<usize, fn()>(f) };
+        f();
+    }
+}
+
 /// glibc's rseq offset from the thread pointer (see `rseq_offset`).
 pub static RSEQ: AtomicU64 = AtomicU64::new(0);
 
@@ -919,7 +937,7 @@ fn free_draining(ptr: u64) -> u64 {
     let misses = DRAIN_MISSES.load(Ordering::Relaxed).wrapping_add(u32::from(found.is_none()));
     DRAIN_MISSES.store(misses, Ordering::Relaxed);
     if emptied || (found.is_none() && misses % 1024 == 0) {
-        crate::control::finish_drain();
+        drain_may_be_over();
     }
     ptr
 }
@@ -948,7 +966,7 @@ pub unsafe extern "C" fn track_free(ptr: u64, index: u64, control: *const u8) ->
         None => untracked_free(index, control),
     }
     if emptied {
-        crate::control::finish_drain();
+        drain_may_be_over();
     }
     ptr
 }

@@ -14,7 +14,7 @@
 //! mapping had (read from `/proc/self/maps`): a segment that is writable and
 //! executable, or a page shared with a data segment, stays as it was.
 
-use crate::registry::{self, Slot};
+use crate::state::{LIVE, Sites};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, Table};
@@ -22,35 +22,13 @@ use std::sync::atomic::Ordering;
 
 const INT3: u8 = 0xcc;
 
-/// Which sites of a module jump to their trampolines.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Sites {
-    /// None: the module runs its original code.
-    Off = 0,
-    /// Only the free sites (live tracking drains after profiling is off).
-    Frees = 1,
-    /// Every site.
-    On = 2,
-}
-
-impl Sites {
-    pub fn from_u8(v: u8) -> Sites {
-        match v {
-            2 => Sites::On,
-            1 => Sites::Frees,
-            _ => Sites::Off,
-        }
-    }
-}
-
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
 /// (counting and tracking, counting only when live tracking is off, or the
 /// drain entry of a free site while draining), or the original bytes.
 fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
     let free = || table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
     let entry = match sites {
-        Sites::On if crate::registry::LIVE.load(std::sync::atomic::Ordering::Relaxed) => Some(0),
+        Sites::On if LIVE.load(Ordering::Relaxed) => Some(0),
         Sites::On => Some(site.count),
         Sites::Frees if free() && site.drain != 0 => Some(site.drain),
         Sites::Frees | Sites::Off => None,
@@ -126,47 +104,58 @@ impl Unprotected {
     }
 }
 
+/// What switching needs to know of a loaded module.
+pub struct Module<'a> {
+    /// Its site table (in the module's mapped, read-only segment).
+    pub table: Table<'a>,
+    /// Run-time address minus file address.
+    pub bias: u64,
+    /// Run-time addresses of its first site and past its last.
+    pub span: (u64, u64),
+}
+
 /// Switches the sites of one module to `on`. Returns an error message
 /// when the code could not be made writable (nothing was changed then).
 ///
 /// # Safety
-/// The slot must be registered and held busy by the caller (its module
-/// stays mapped).
-pub unsafe fn switch_module(slot: &Slot, on: Sites, barrier: sys::Barrier) -> Result<(), &'static str> {
-    // SAFETY: the table stays mapped while the slot is held (caller).
-    let Some(table) = (unsafe { slot.table() }) else { return Ok(()) };
-    let bias = slot.bias.load(Ordering::Relaxed);
+/// The module must stay mapped during the call and no other thread may
+/// switch it at the same time (the registry holds its slot).
+pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Result<(), &'static str> {
+    let (table, bias) = (&m.table, m.bias);
     let at = |s: &alloctramp_trampolines::layout::Site| bias.wrapping_add(s.addr) as *mut u8;
     let active = |s: &alloctramp_trampolines::layout::Site| s.trampoline != 0 && s.len >= 5;
 
     // Nothing to do if every site already holds the wanted bytes.
-    // SAFETY: sites lie in the module's mapped executable segments.
-    let differs = table
-        .sites()
-        .filter(active)
-        .any(|s| unsafe { std::slice::from_raw_parts(at(&s) as *const u8, 5) != wanted(&table, &s, on) });
+    // SAFETY: sites lie in the module's mapped executable segments, which
+    // stay mapped during the call (caller).
+    let differs = table.sites().filter(active).any(|s| unsafe { read5(at(&s)) } != wanted(table, &s, on));
     if !differs {
         return Ok(());
     }
     if barrier == sys::Barrier::None {
         return Err("membarrier is not available: cannot switch safely");
     }
-    let (lo, hi) = slot.span();
+    let (lo, hi) = m.span;
     let unprotected = Unprotected::new(lo, hi)?;
-    // SAFETY (all three passes): the pages are writable now; each write
-    // stays within the site's first five bytes.
+    // The three passes of the protocol. SAFETY (every block below): the
+    // site's five bytes are mapped (caller) and writable now (`unprotected`
+    // covers the module's span of sites); each write stays within them.
     for s in table.sites().filter(active) {
         let p = at(&s);
-        if unsafe { std::slice::from_raw_parts(p as *const u8, 5) } != wanted(&table, &s, on) {
+        // SAFETY: as above.
+        if unsafe { read5(p) } != wanted(table, &s, on) {
+            // SAFETY: as above.
             unsafe { std::ptr::write_volatile(p, INT3) };
         }
     }
     sys::serialize(barrier);
     for s in table.sites().filter(active) {
         let p = at(&s);
+        // SAFETY: as above.
         if unsafe { std::ptr::read_volatile(p) } == INT3 {
-            let w = wanted(&table, &s, on);
+            let w = wanted(table, &s, on);
             for (k, &b) in w.iter().enumerate().skip(1) {
+                // SAFETY: as above (k < 5).
                 unsafe { std::ptr::write_volatile(p.add(k), b) };
             }
         }
@@ -174,8 +163,10 @@ pub unsafe fn switch_module(slot: &Slot, on: Sites, barrier: sys::Barrier) -> Re
     sys::serialize(barrier);
     for s in table.sites().filter(active) {
         let p = at(&s);
+        // SAFETY: as above.
         if unsafe { std::ptr::read_volatile(p) } == INT3 {
-            unsafe { std::ptr::write_volatile(p, wanted(&table, &s, on)[0]) };
+            // SAFETY: as above.
+            unsafe { std::ptr::write_volatile(p, wanted(table, &s, on)[0]) };
         }
     }
     sys::serialize(barrier);
@@ -183,28 +174,30 @@ pub unsafe fn switch_module(slot: &Slot, on: Sites, barrier: sys::Barrier) -> Re
     Ok(())
 }
 
-/// Where a thread that trapped on a site's INT3 goes: its trampoline.
-pub fn trampoline_for(addr: u64) -> Option<u64> {
-    for slot in registry::slots() {
-        if !slot.contains(addr) {
-            continue;
+/// The five bytes at a site.
+///
+/// # Safety
+/// `p` must point at five mapped bytes.
+unsafe fn read5(p: *const u8) -> [u8; 5] {
+    // SAFETY: the caller's contract; [u8; 5] has alignment 1.
+    unsafe { std::ptr::read_volatile(p as *const [u8; 5]) }
+}
+
+/// The trampoline of the site of `m` at run-time address `addr`, if any.
+pub fn trampoline_in(m: &Module, addr: u64) -> Option<u64> {
+    let (table, bias) = (&m.table, m.bias);
+    let want = addr.wrapping_sub(bias);
+    let (mut lo, mut hi) = (0usize, table.header.site_count as usize);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let s = table.site(mid);
+        if s.addr == want {
+            return (s.trampoline != 0).then(|| bias.wrapping_add(s.trampoline));
         }
-        // SAFETY: a registered slot's table is mapped.
-        let table: Table = unsafe { slot.table() }?;
-        let bias = slot.bias.load(Ordering::Relaxed);
-        let want = addr.wrapping_sub(bias);
-        let (mut lo, mut hi) = (0usize, table.header.site_count as usize);
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            let s = table.site(mid);
-            if s.addr == want {
-                return (s.trampoline != 0).then(|| bias.wrapping_add(s.trampoline));
-            }
-            if s.addr < want {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
+        if s.addr < want {
+            lo = mid + 1;
+        } else {
+            hi = mid;
         }
     }
     None

@@ -23,11 +23,6 @@ pub struct ProcFile {
     ino: u64,
 }
 
-// SAFETY: the header mapping is shared memory accessed only through atomics
-// and by the thread that owns the registration lock.
-unsafe impl Send for ProcFile {}
-unsafe impl Sync for ProcFile {}
-
 /// Creates (or checks) the per-user directory: mode 0700, owned by us, not
 /// a symlink.
 pub fn ensure_dir(dir: &CStr) -> Result<(), &'static str> {

@@ -2,8 +2,9 @@
 //! locks (signal handlers read it), written under a spin lock by the
 //! registration path (module init and fini, never in signal context).
 
-use crate::patching::{self, Sites};
+use crate::patching;
 use crate::procfile::ProcFile;
+use crate::state::{self, LIVE, Sites, WANT, want};
 use crate::{live, sys};
 use alloctramp_trampolines::layout::{self, HEADER_SIZE, Table};
 use std::cell::UnsafeCell;
@@ -71,9 +72,17 @@ impl Slot {
         Table::parse(unsafe { std::slice::from_raw_parts(p, n) }).ok()
     }
 
-    /// Run-time addresses of the first site and past the last.
-    pub fn span(&self) -> (u64, u64) {
-        (self.lo.load(Ordering::Relaxed), self.hi.load(Ordering::Relaxed))
+    /// What switching needs of the module.
+    ///
+    /// # Safety
+    /// The module must still be mapped (active, or held busy).
+    pub unsafe fn module<'a>(&self) -> Option<patching::Module<'a>> {
+        Some(patching::Module {
+            // SAFETY: forwarded from the caller.
+            table: unsafe { self.table() }?,
+            bias: self.bias.load(Ordering::Relaxed),
+            span: (self.lo.load(Ordering::Relaxed), self.hi.load(Ordering::Relaxed)),
+        })
     }
 
     pub fn state(&self) -> Sites {
@@ -106,21 +115,6 @@ pub fn site_count() -> u64 {
         .map(|t| u64::from(t.header.site_count))
         .sum()
 }
-
-/// Which sites should be on: what every module converges to ([`Sites`]).
-pub static WANT: AtomicU8 = AtomicU8::new(Sites::Off as u8);
-
-pub fn want() -> Sites {
-    Sites::from_u8(WANT.load(Ordering::Acquire))
-}
-
-/// Whether profiling is on (every site).
-pub fn is_on() -> bool {
-    want() == Sites::On
-}
-
-/// Live tracking in this process (decided at start-up).
-pub static LIVE: AtomicBool = AtomicBool::new(false);
 
 /// A spin lock for the registration path (never taken in signal context).
 pub struct SpinLock<T> {
@@ -172,7 +166,7 @@ pub unsafe fn register(table: *const u8, inert: bool) {
     let counters = bias.wrapping_add(h.counters_addr);
     // SAFETY: the control block is the module's writable .alloctramp.data.
     unsafe {
-        control.byte_add(layout::control::RSEQ_OFFSET as usize).write_volatile(crate::rseq_offset() as u64);
+        control.byte_add(layout::control::RSEQ_OFFSET as usize).write_volatile(crate::sys::rseq_offset() as u64);
         // A module registers twice (the runtime finds it loaded, then its
         // init stub runs): the second time must keep the runtime's mapping.
         let at = control.byte_add(layout::control::COUNTERS as usize);
@@ -261,9 +255,9 @@ fn converge(slot: &Slot) {
         let target = want();
         if slot.state() != target {
             // SAFETY: the slot is held.
-            match unsafe { patching::switch_module(slot, target, crate::barrier()) } {
+            match unsafe { switch(slot, target) } {
                 Ok(()) => set_on(slot, target),
-                Err(e) => report_error(e),
+                Err(e) => state::report_error(e),
             }
         }
         slot.release();
@@ -271,6 +265,28 @@ fn converge(slot: &Slot) {
             return;
         }
     }
+}
+
+/// Switches a held slot's module.
+///
+/// # Safety
+/// The slot must be held busy by the caller.
+unsafe fn switch(slot: &Slot, to: Sites) -> Result<(), &'static str> {
+    // SAFETY: a held slot's module stays mapped (caller).
+    match unsafe { slot.module() } {
+        // SAFETY: as above; holding the slot excludes other switches.
+        Some(m) => unsafe { patching::switch_module(&m, to, crate::sys::barrier()) },
+        None => Ok(()),
+    }
+}
+
+/// Where a thread that trapped on a site's INT3 goes: its trampoline.
+pub fn trampoline_for(addr: u64) -> Option<u64> {
+    slots()
+        .filter(|s| s.contains(addr))
+        // SAFETY: an active slot's module is mapped (a module unloading
+        // waits for no trap: its code cannot be running).
+        .find_map(|s| unsafe { s.module() }.and_then(|m| patching::trampoline_in(&m, addr)))
 }
 
 fn set_on(slot: &Slot, sites: Sites) {
@@ -284,46 +300,6 @@ fn set_on(slot: &Slot, sites: Sites) {
 fn header_set_module_on(idx: u32, on: bool) {
     if let Some(s) = crate::procfile::header().and_then(|h| h.modules.get(idx as usize)) {
         s.on.store(u32::from(on), Ordering::Release);
-    }
-}
-
-/// Live figures may overstate from now on (until a reset).
-pub static INCOMPLETE: AtomicBool = AtomicBool::new(false);
-
-/// Profiling was on at some time in this process (inherited by a forked
-/// child, whose sites are in the same state).
-pub static PROFILED: AtomicBool = AtomicBool::new(false);
-
-/// Writes the wanted state and the live-tracking flags into the process
-/// file's header.
-pub fn publish_state() {
-    use alloctramp_trampolines::process::flags;
-    if is_on() {
-        PROFILED.store(true, Ordering::Relaxed);
-    }
-    if let Some(h) = crate::procfile::header() {
-        let mut f = 0;
-        if PROFILED.load(Ordering::Relaxed) {
-            f |= flags::PROFILED;
-        }
-        if LIVE.load(Ordering::Relaxed) {
-            f |= flags::LIVE;
-        }
-        if want() == Sites::Frees {
-            f |= flags::DRAINING;
-        }
-        if INCOMPLETE.load(Ordering::Relaxed) {
-            f |= flags::INCOMPLETE;
-        }
-        h.flags.store(f, Ordering::Release);
-        h.state.store(u32::from(is_on()), Ordering::Release);
-    }
-}
-
-pub fn report_error(e: &str) {
-    sys::log(e.as_bytes());
-    if let Some(h) = crate::procfile::header() {
-        alloctramp_trampolines::process::ProcHeader::set_text(&h.last_error, e.as_bytes());
     }
 }
 
@@ -362,7 +338,7 @@ pub fn switch_all(to: Sites) -> Result<(), &'static str> {
         }
         if slot.state() != to {
             // SAFETY: the slot is held.
-            match unsafe { patching::switch_module(slot, to, crate::barrier()) } {
+            match unsafe { switch(slot, to) } {
                 Ok(()) => set_on(slot, to),
                 Err(e) => {
                     if result.is_ok() {
@@ -381,7 +357,7 @@ pub fn switch_all(to: Sites) -> Result<(), &'static str> {
             if slot.try_hold() {
                 if slot.state() != back {
                     // SAFETY: the slot is held.
-                    if unsafe { patching::switch_module(slot, back, crate::barrier()) }.is_ok() {
+                    if unsafe { switch(slot, back) }.is_ok() {
                         set_on(slot, back);
                     }
                 }

@@ -1,7 +1,7 @@
 //! System calls and logging usable from signal handlers: no allocation, no
 //! locks, errno preserved by the callers that need it.
 
-use std::ffi::CStr;
+use std::ffi::{CStr, c_char, c_void};
 
 /// A fixed buffer for composing messages and paths without allocating.
 pub struct Buf<const N: usize> {
@@ -123,6 +123,25 @@ pub fn read_small_file(path: &CStr, buf: &mut [u8]) -> Option<usize> {
     }
 }
 
+unsafe extern "C" {
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+
+/// glibc's offset of `struct rseq` from the thread pointer, or 0 (the
+/// thread pointer's own first word, always readable) without rseq.
+pub fn rseq_offset() -> i64 {
+    static OFFSET: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *OFFSET.get_or_init(|| {
+        // SAFETY: dlsym with RTLD_DEFAULT (null) and a NUL-terminated name;
+        // the symbol, when present, is a `ptrdiff_t` exported by glibc 2.35+.
+        unsafe {
+            let p = dlsym(std::ptr::null_mut(), c"__rseq_offset".as_ptr()) as *const isize;
+            let size = dlsym(std::ptr::null_mut(), c"__rseq_size".as_ptr()) as *const u32;
+            if p.is_null() || size.is_null() || *size == 0 { 0 } else { *p as i64 }
+        }
+    })
+}
+
 /// membarrier(2) commands.
 const MEMBARRIER_CMD_PRIVATE_EXPEDITED_SYNC_CORE: i32 = 1 << 5;
 const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE: i32 = 1 << 6;
@@ -144,14 +163,27 @@ fn membarrier(cmd: i32) -> i64 {
     unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0, 0) }
 }
 
+/// The barrier registered at start-up (0: none, 1: sync-core, 2: expedited).
+static BARRIER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
 /// Registers for expedited barriers (at start-up).
-pub fn register_barrier() -> Barrier {
-    if membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE) == 0 {
-        Barrier::SyncCore
+pub fn register_barrier() {
+    let b = if membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE) == 0 {
+        1
     } else if membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0 {
-        Barrier::Expedited
+        2
     } else {
-        Barrier::None
+        0
+    };
+    BARRIER.store(b, std::sync::atomic::Ordering::Release);
+}
+
+/// The barrier that serializes every thread of this process.
+pub fn barrier() -> Barrier {
+    match BARRIER.load(std::sync::atomic::Ordering::Acquire) {
+        1 => Barrier::SyncCore,
+        2 => Barrier::Expedited,
+        _ => Barrier::None,
     }
 }
 

@@ -1,0 +1,85 @@
+//! The process's profiling state: which sites should be on, whether live
+//! tracking runs, what the figures mean, and how they are published in the
+//! counters file's header. Below patching, live tracking and the registry;
+//! imports only the process file and system calls.
+
+use crate::procfile;
+use crate::sys;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+/// Which sites of a module jump to their trampolines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Sites {
+    /// None: the module runs its original code.
+    Off = 0,
+    /// Only the free sites (live tracking drains after profiling is off).
+    Frees = 1,
+    /// Every site.
+    On = 2,
+}
+
+impl Sites {
+    pub fn from_u8(v: u8) -> Sites {
+        match v {
+            2 => Sites::On,
+            1 => Sites::Frees,
+            _ => Sites::Off,
+        }
+    }
+}
+
+/// Which sites should be on: what every module converges to ([`Sites`]).
+pub static WANT: AtomicU8 = AtomicU8::new(Sites::Off as u8);
+
+pub fn want() -> Sites {
+    Sites::from_u8(WANT.load(Ordering::Acquire))
+}
+
+/// Whether profiling is on (every site).
+pub fn is_on() -> bool {
+    want() == Sites::On
+}
+
+/// Live tracking in this process (decided at start-up).
+pub static LIVE: AtomicBool = AtomicBool::new(false);
+
+/// Live figures may overstate from now on (until a reset).
+pub static INCOMPLETE: AtomicBool = AtomicBool::new(false);
+
+/// Profiling was on at some time in this process (inherited by a forked
+/// child, whose sites are in the same state).
+pub static PROFILED: AtomicBool = AtomicBool::new(false);
+
+/// Writes the wanted state and the live-tracking flags into the process
+/// file's header.
+pub fn publish_state() {
+    use alloctramp_trampolines::process::flags;
+    if is_on() {
+        PROFILED.store(true, Ordering::Relaxed);
+    }
+    if let Some(h) = procfile::header() {
+        let mut f = 0;
+        if PROFILED.load(Ordering::Relaxed) {
+            f |= flags::PROFILED;
+        }
+        if LIVE.load(Ordering::Relaxed) {
+            f |= flags::LIVE;
+        }
+        if want() == Sites::Frees {
+            f |= flags::DRAINING;
+        }
+        if INCOMPLETE.load(Ordering::Relaxed) {
+            f |= flags::INCOMPLETE;
+        }
+        h.flags.store(f, Ordering::Release);
+        h.state.store(u32::from(is_on()), Ordering::Release);
+    }
+}
+
+pub fn report_error(e: &str) {
+    sys::log(e.as_bytes());
+    if let Some(h) = procfile::header() {
+        alloctramp_trampolines::process::ProcHeader::set_text(&h.last_error, e.as_bytes());
+    }
+}
