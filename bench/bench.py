@@ -18,7 +18,6 @@ import shlex
 import shutil
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -49,12 +48,6 @@ LIVE_OBJECTS = setting("BENCH_LIVE_OBJECTS", 1_000_000, 100_000)
 DHAT_LIMIT = setting("BENCH_DHAT_LIMIT", 30.0, 10.0)  # seconds for one DHAT run
 SWITCHES = 8
 
-# The process counters file (trampolines/src/process.rs): header offsets.
-HDR_FLAGS, HDR_LAST_SWITCH_NS, HDR_LAST_SWITCH_SITES = 44, 176, 184
-HDR_MODULE_COUNT, HDR_TABLE_BYTES, HDR_TABLE_OBJECTS = 32, 264, 272
-MODULE_SLOTS_AT, MODULE_SLOT_SIZE, PROC_HEADER_SIZE = 512, 64, 16384
-FLAG_LIVE = 1
-SITE_TABLE_SITE_COUNT = 20  # u32 in a site table's header (docs/formats.md)
 
 
 def log(msg):
@@ -240,25 +233,16 @@ def callgrind(argv, env, toggle=None, per_object=False):
 
 
 def read_header(path):
-    with open(path, "rb") as f:
-        data = f.read(PROC_HEADER_SIZE)
-
-    def u32(at):
-        return struct.unpack_from("<I", data, at)[0]
-
-    def u64(at):
-        return struct.unpack_from("<Q", data, at)[0]
-
+    """What a process file says of the runtime, as `alloctramp report --format json` gives it (docs/formats.md)."""
+    out = subprocess.run([AT, "report", "--format", "json", "--quiet", path], env=base_env(), check=True,
+                         capture_output=True, text=True).stdout
+    doc = json.loads(out)
     h = {
-        "flags": u32(HDR_FLAGS), "switch_ns": u64(HDR_LAST_SWITCH_NS), "switch_sites": u64(HDR_LAST_SWITCH_SITES),
-        "table_bytes": u64(HDR_TABLE_BYTES), "table_objects": u64(HDR_TABLE_OBJECTS), "modules": [],
+        "live": doc["live"], "switch_ns": doc["last_switch_ns"], "switch_sites": doc["last_switch_sites"],
+        "table_bytes": doc["table_bytes"], "table_objects": doc["table_objects"],
+        "modules": [{"table": m["table_size"], "counters": m["counters_size"], "sites": m["sites"]}
+                    for m in doc["modules"]],
     }
-    with open(path, "rb") as f:
-        for i in range(u32(HDR_MODULE_COUNT)):
-            toff, tsize, coff, csize = struct.unpack_from("<4Q", data, MODULE_SLOTS_AT + i * MODULE_SLOT_SIZE)
-            f.seek(toff + SITE_TABLE_SITE_COUNT)
-            (sites,) = struct.unpack("<I", f.read(4))
-            h["modules"].append({"table": tsize, "counters": csize, "sites": sites})
     st = os.stat(path)
     h["file_size"], h["file_allocated"] = st.st_size, st.st_blocks * 512
     return h
@@ -462,7 +446,7 @@ def live_tracking():
         clear_counters()
         timed([patched(build("malloc_loop.c", "-pthread"))[0], "1000", "1"], env_of(v))
         files = counters_files()
-        live[v] = bool(files) and bool(read_header(files[-1])["flags"] & FLAG_LIVE)
+        live[v] = bool(files) and read_header(files[-1])["live"]
     if live["live"] and not live["count"]:
         text = ("Live tracking: this build's runtime tracks live objects with `ALLOCTRAMP=on` and only counts with "
                 "`ALLOCTRAMP_LIVE=0` (the LIVE flag of the counters file).")

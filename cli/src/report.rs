@@ -271,6 +271,10 @@ pub struct ModuleDoc {
     pub sites: u32,
     pub on: bool,
     pub unloaded: bool,
+    /// Bytes of the module's site table copy and of its counters in the
+    /// process file.
+    pub table_size: u64,
+    pub counters_size: u64,
 }
 
 fn hex(b: &[u8]) -> String {
@@ -301,6 +305,8 @@ pub fn read_figures<'a>(pf: &ProcessFile<'a>) -> Result<Figures<'a>> {
             sites: h.site_count,
             on: m.on,
             unloaded: m.unloaded,
+            table_size: t.bytes().len() as u64,
+            counters_size: h.counters_size,
         });
         // Entry names and kinds, once per module.
         let entries: Vec<(&str, Kind)> = (0..h.entry_count as usize)
