@@ -50,28 +50,8 @@ fn check_config(config: Config) {
     }
 }
 
-macro_rules! matrix {
-    ($($name:ident: $opt:literal, $pie:literal, $extra:literal;)*) => {$(
-        #[test]
-        fn $name() {
-            check_config(Config { opt: $opt, pie: $pie, extra: $extra });
-        }
-    )*};
-}
-
-matrix! {
-    same_behaviour_o0_pie_plt: "-O0", true, "";
-    same_behaviour_o0_nopie_noplt: "-O0", false, "-fno-plt";
-    same_behaviour_o0_pie_cet: "-O0", true, "-fcf-protection=full";
-    same_behaviour_o2_pie_plt: "-O2", true, "";
-    same_behaviour_o2_pie_noplt: "-O2", true, "-fno-plt";
-    same_behaviour_o2_nopie_plt: "-O2", false, "";
-    same_behaviour_o2_nopie_cet: "-O2", false, "-fcf-protection=full";
-    same_behaviour_o0_pie_noplt: "-O0", true, "-fno-plt";
-    same_behaviour_o0_nopie_plt: "-O0", false, "";
-    same_behaviour_o0_nopie_cet: "-O0", false, "-fcf-protection=full";
-    same_behaviour_o2_pie_cet: "-O2", true, "-fcf-protection=full";
-    same_behaviour_o2_nopie_noplt: "-O2", false, "-fno-plt";
+mod same_behaviour {
+    crate::matrix!(super::check_config);
 }
 
 /// Section types of the dynamic-linking tables, which may move.

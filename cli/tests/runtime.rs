@@ -175,28 +175,8 @@ pub fn live_figures(file: &Path) -> BTreeMap<(String, u32, String), (u64, u64, u
     m
 }
 
-macro_rules! matrix {
-    ($($name:ident: $opt:literal, $pie:literal, $extra:literal;)*) => {$(
-        #[test]
-        fn $name() {
-            check_counts(Config { opt: $opt, pie: $pie, extra: $extra });
-        }
-    )*};
-}
-
-matrix! {
-    exact_counts_o0_pie_plt: "-O0", true, "";
-    exact_counts_o0_pie_noplt: "-O0", true, "-fno-plt";
-    exact_counts_o0_nopie_cet: "-O0", false, "-fcf-protection=full";
-    exact_counts_o2_pie_plt: "-O2", true, "";
-    exact_counts_o2_pie_noplt: "-O2", true, "-fno-plt";
-    exact_counts_o2_pie_cet: "-O2", true, "-fcf-protection=full";
-    exact_counts_o2_nopie_plt: "-O2", false, "";
-    exact_counts_o2_nopie_noplt: "-O2", false, "-fno-plt";
-    exact_counts_o0_pie_cet: "-O0", true, "-fcf-protection=full";
-    exact_counts_o0_nopie_plt: "-O0", false, "";
-    exact_counts_o0_nopie_noplt: "-O0", false, "-fno-plt";
-    exact_counts_o2_nopie_cet: "-O2", false, "-fcf-protection=full";
+mod exact_counts {
+    crate::matrix!(super::check_counts);
 }
 
 /// A patched `server` running under control of the test.
@@ -441,7 +421,7 @@ fn stress(mode: &str) {
     let o = alloctramp().arg("disable").arg("--dir").arg(&dir).arg(pid.to_string()).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let doc = report(&pid.to_string(), &dir);
-    assert!(doc["generation"].as_u64().unwrap_or(1) > 0);
+    assert!(doc["generation"].as_u64().expect("the report gives the generation") > 0, "requests were carried out");
     let off = calls(&doc);
     assert!(off >= last && off > 0, "counted while on: {off}");
     // A call already inside a trampoline when the switch completed may

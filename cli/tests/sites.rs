@@ -69,28 +69,8 @@ fn unpatchable_expected(name: &str, _config: Config) -> usize {
     }
 }
 
-macro_rules! matrix {
-    ($($name:ident: $opt:literal, $pie:literal, $extra:literal;)*) => {$(
-        #[test]
-        fn $name() {
-            check_markers(Config { opt: $opt, pie: $pie, extra: $extra });
-        }
-    )*};
-}
-
-matrix! {
-    markers_o0_pie_plt: "-O0", true, "";
-    markers_o0_pie_noplt: "-O0", true, "-fno-plt";
-    markers_o0_pie_cet: "-O0", true, "-fcf-protection=full";
-    markers_o0_nopie_plt: "-O0", false, "";
-    markers_o0_nopie_noplt: "-O0", false, "-fno-plt";
-    markers_o0_nopie_cet: "-O0", false, "-fcf-protection=full";
-    markers_o2_pie_plt: "-O2", true, "";
-    markers_o2_pie_noplt: "-O2", true, "-fno-plt";
-    markers_o2_pie_cet: "-O2", true, "-fcf-protection=full";
-    markers_o2_nopie_plt: "-O2", false, "";
-    markers_o2_nopie_noplt: "-O2", false, "-fno-plt";
-    markers_o2_nopie_cet: "-O2", false, "-fcf-protection=full";
+mod markers {
+    crate::matrix!(super::check_markers);
 }
 
 /// The function symbol (from `nm -S`) whose range holds `addr`.

@@ -259,26 +259,47 @@ fn same(key: u64, ptr: u64) -> bool {
     (key ^ ptr) << (64 - PTR_BITS) == 0
 }
 
-/// Locks a shard and returns its contents, emptied first if a reset
-/// happened since it was last used.
-/// The contents stay exclusively borrowed until [`unlock`]: the lock, not
-/// the borrow checker, makes the `&mut` unique.
+/// A locked shard: its contents, exclusively, until the guard is dropped.
+struct Locked<'a> {
+    shard: &'a Shard,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    #[inline(always)]
+    fn deref(&self) -> &Inner {
+        // SAFETY: the guard holds the shard's lock.
+        unsafe { &*self.shard.inner.get() }
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut Inner {
+        // SAFETY: the guard holds the shard's lock, and `&mut self` makes
+        // this the only borrow through it.
+        unsafe { &mut *self.shard.inner.get() }
+    }
+}
+
+impl Drop for Locked<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        self.shard.lock.store(false, Ordering::Release);
+    }
+}
+
+/// Locks a shard; its contents are emptied first if a reset happened since
+/// it was last used.
 #[inline(always)]
-#[allow(clippy::mut_from_ref)]
-fn lock(shard: &Shard) -> &mut Inner {
+fn lock(shard: &Shard) -> Locked<'_> {
     if shard.lock.swap(true, Ordering::Acquire) {
         lock_contended(shard);
     }
     if shard.epoch.load(Ordering::Relaxed) != EPOCH.load(Ordering::Relaxed) {
         forget_shard(shard);
     }
-    // SAFETY: the lock is held until `unlock`.
-    unsafe { &mut *shard.inner.get() }
-}
-
-#[inline(always)]
-fn unlock(shard: &Shard) {
-    shard.lock.store(false, Ordering::Release);
+    Locked { shard }
 }
 
 #[cold]
@@ -700,7 +721,7 @@ fn track(ptr: u64, cell: u64, size: u64) {
 fn evict(n: &Nursery, s: &Slot, k: u64) {
     let h = hash(k);
     let shard = shard_of(h);
-    let inner = lock(shard);
+    let mut inner = lock(shard);
     // The owner is the only writer of cell and size.
     let (cell, size) = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
     let taken = s.key.compare_exchange(k, ns::EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok();
@@ -708,10 +729,10 @@ fn evict(n: &Nursery, s: &Slot, k: u64) {
     // shard, just emptied by `lock`, must not take it).
     let stale = n.flags.load(Ordering::Acquire) & STALE != 0;
     let r = match Entry::pack(k, cell, size) {
-        Some(e) if taken && !stale => Some(insert_in(shard, inner, h, e)),
+        Some(e) if taken && !stale => Some(insert_in(shard, &mut inner, h, e)),
         _ => None,
     };
-    unlock(shard);
+    drop(inner);
     match r {
         None if taken && !stale => untracked_alloc(cell, size),
         Some(Insert::Replaced(old)) => charge_free(old.cell(), old.size()),
@@ -728,9 +749,9 @@ fn track_in_table(ptr: u64, cell: u64, size: u64) {
     };
     let h = hash(ptr);
     let shard = shard_of(h);
-    let inner = lock(shard);
-    let r = insert_in(shard, inner, h, e);
-    unlock(shard);
+    let mut inner = lock(shard);
+    let r = insert_in(shard, &mut inner, h, e);
+    drop(inner);
     match r {
         Insert::Done => {}
         Insert::Replaced(old) => charge_free(old.cell(), old.size()),
@@ -759,7 +780,7 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
     }
     let h = hash(ptr);
     let shard = shard_of(h);
-    let inner = lock(shard);
+    let mut inner = lock(shard);
     // Nurseries first: when a nursery and the table both hold an address,
     // the table's record is usually the stale one (an object freed unseen;
     // see docs/architecture.md, "Pointers freed unseen").
@@ -778,11 +799,11 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
         }
     }
     if r.0.is_none()
-        && let Some((e, emptied)) = remove_in(shard, inner, h, ptr)
+        && let Some((e, emptied)) = remove_in(shard, &mut inner, h, ptr)
     {
         r = (Some((e.cell(), e.size())), emptied && DRAINING.load(Ordering::Relaxed));
     }
-    unlock(shard);
+    drop(inner);
     if let (Some(n), Some(_)) = (mine, r.0) {
         n.last.store(ptr, Ordering::Relaxed);
     }
@@ -1036,14 +1057,7 @@ pub unsafe extern "C" fn track_realloc_end(
 /// Total objects in the pointer table (takes every shard lock in turn).
 #[cfg(test)]
 fn len() -> usize {
-    TABLE
-        .iter()
-        .map(|s| {
-            let n = lock(s).len;
-            unlock(s);
-            n
-        })
-        .sum()
+    TABLE.iter().map(|s| lock(s).len).sum()
 }
 
 #[cfg(test)]

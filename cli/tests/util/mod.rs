@@ -281,3 +281,26 @@ pub fn have(tool: &str) -> bool {
 pub fn base(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
+
+/// One test per build configuration of the matrix, each calling `$check`
+/// with its [`Config`]: `mod name { matrix!(super::check); }` gives tests
+/// `name::o0_pie_plt` ... `name::o2_nopie_cet`.
+#[macro_export]
+macro_rules! matrix {
+    ($check:path) => {
+        $crate::matrix!(@each $check;
+            o0_pie_plt: "-O0", true, ""; o0_pie_noplt: "-O0", true, "-fno-plt";
+            o0_pie_cet: "-O0", true, "-fcf-protection=full"; o0_nopie_plt: "-O0", false, "";
+            o0_nopie_noplt: "-O0", false, "-fno-plt"; o0_nopie_cet: "-O0", false, "-fcf-protection=full";
+            o2_pie_plt: "-O2", true, ""; o2_pie_noplt: "-O2", true, "-fno-plt";
+            o2_pie_cet: "-O2", true, "-fcf-protection=full"; o2_nopie_plt: "-O2", false, "";
+            o2_nopie_noplt: "-O2", false, "-fno-plt"; o2_nopie_cet: "-O2", false, "-fcf-protection=full";
+        );
+    };
+    (@each $check:path; $($name:ident: $opt:literal, $pie:literal, $extra:literal;)*) => {$(
+        #[test]
+        fn $name() {
+            $check($crate::util::Config { opt: $opt, pie: $pie, extra: $extra });
+        }
+    )*};
+}
