@@ -7,9 +7,8 @@
 use crate::patch::patch_to;
 use crate::runtime::{counters_dir, report};
 use crate::util::*;
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Builds testbins/reliability/NAME.c (PIE, -O2) into `dir`.
@@ -171,43 +170,6 @@ fn only_counters_file(dir: &Path) -> PathBuf {
     let f = counters_files(dir);
     assert_eq!(f.len(), 1, "one counters file in {}: {f:?}", dir.display());
     dir.join(&f[0])
-}
-
-/// A program talking over stdin/stdout.
-struct Talk {
-    child: Child,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Talk {
-    fn start(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> Talk {
-        let mut child = Command::new(bin)
-            .args(args)
-            .env_remove("ALLOCTRAMP")
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Talk { child, out }
-    }
-    fn line(&mut self) -> String {
-        let mut l = String::new();
-        self.out.read_line(&mut l).unwrap();
-        l
-    }
-    fn send(&mut self, s: &str) {
-        writeln!(self.child.stdin.as_mut().unwrap(), "{s}").unwrap();
-    }
-    /// The rest of stdout and the exit status (the program is killed if the
-    /// test fails first: see Drop).
-    fn finish(&mut self) -> (String, Option<i32>) {
-        let mut rest = String::new();
-        std::io::Read::read_to_string(&mut self.out, &mut rest).unwrap();
-        let status = self.child.wait().unwrap();
-        (rest, status.code())
-    }
 }
 
 #[test]

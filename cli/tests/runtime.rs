@@ -8,7 +8,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The display name of an entry point given by symbol.
@@ -181,8 +181,7 @@ mod exact_counts {
 
 /// A patched `server` running under control of the test.
 pub struct Server {
-    pub child: Child,
-    out: BufReader<std::process::ChildStdout>,
+    talk: Talk,
     pub dir: PathBuf,
 }
 
@@ -208,32 +207,22 @@ impl Server {
         };
         // The counters go to ALLOCTRAMP_DIR if `env` names one.
         let dir = env.iter().find(|e| e.0 == "ALLOCTRAMP_DIR").map_or(dir, |e| PathBuf::from(e.1));
-        let mut child = command
-            .env("ALLOCTRAMP_DIR", &dir)
-            .env_remove("ALLOCTRAMP")
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
+        let talk = Talk::spawn(command.env("ALLOCTRAMP_DIR", &dir), env);
         // The runtime creates the counters file before main runs.
-        let file = dir.join(format!("{}.counters", child.id()));
+        let file = dir.join(format!("{}.counters", talk.child.id()));
         let deadline = Instant::now() + Duration::from_secs(10);
         while !file.exists() {
             assert!(Instant::now() < deadline, "{} never appeared", file.display());
             std::thread::sleep(Duration::from_millis(2));
         }
-        Server { child, out, dir }
+        Server { talk, dir }
     }
     pub fn pid(&self) -> String {
-        self.child.id().to_string()
+        self.talk.child.id().to_string()
     }
     pub fn cmd(&mut self, c: &str) -> String {
-        writeln!(self.child.stdin.as_mut().unwrap(), "{c}").unwrap();
-        let mut line = String::new();
-        self.out.read_line(&mut line).unwrap();
-        line.trim().to_string()
+        self.talk.send(c);
+        self.talk.line().trim().to_string()
     }
     pub fn figures(&self) -> Figures {
         figures(&report(&self.pid(), &self.dir))
@@ -242,8 +231,8 @@ impl Server {
         alloctramp().arg(what).arg("--dir").arg(&self.dir).arg(self.pid()).output().unwrap()
     }
     pub fn quit(mut self) {
-        let _ = self.cmd("quit");
-        let _ = self.child.wait();
+        self.talk.send("quit");
+        let _ = self.talk.finish();
     }
 }
 

@@ -5,8 +5,9 @@
 
 use serde_json::Value;
 use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub fn workspace() -> PathBuf {
@@ -303,4 +304,44 @@ macro_rules! matrix {
             $check($crate::util::Config { opt: $opt, pie: $pie, extra: $extra });
         }
     )*};
+}
+
+/// A program talking over stdin/stdout.
+pub struct Talk {
+    pub child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Talk {
+    /// Starts `command` (without the caller's `ALLOCTRAMP`, with `env`).
+    pub fn spawn(command: &mut Command, env: &[(&str, &str)]) -> Talk {
+        let mut child = command
+            .env_remove("ALLOCTRAMP")
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Talk { child, out }
+    }
+    pub fn start(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> Talk {
+        Talk::spawn(Command::new(bin).args(args), env)
+    }
+    pub fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.out.read_line(&mut l).unwrap();
+        l
+    }
+    pub fn send(&mut self, s: &str) {
+        writeln!(self.child.stdin.as_mut().unwrap(), "{s}").unwrap();
+    }
+    /// The rest of stdout and the exit status (the program is killed if the
+    /// test fails first: see Drop).
+    pub fn finish(&mut self) -> (String, Option<i32>) {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.out, &mut rest).unwrap();
+        let status = self.child.wait().unwrap();
+        (rest, status.code())
+    }
 }
