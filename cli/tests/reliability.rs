@@ -363,7 +363,9 @@ fn counters_files_of_processes_that_never_profiled_do_not_pile_up() {
     let mut killed = server(&[]);
     killed.child.kill().unwrap();
     killed.child.wait().unwrap();
-    let running = server(&[]);
+    // Without a watcher (which would prune the killed process's file as it
+    // starts: see the end).
+    let running = server(&[("ALLOCTRAMP_SWITCH", "none")]);
     assert_eq!(counters_files(&dir).len(), 4);
 
     let o = alloctramp().arg("clean").arg("--dir").arg(&dir).arg("--keep").arg("1").output().unwrap();
@@ -378,5 +380,22 @@ fn counters_files_of_processes_that_never_profiled_do_not_pile_up() {
     let mut running = running;
     running.send("quit");
     assert_eq!(running.finish().1, Some(0));
+    assert!(counters_files(&dir).is_empty(), "{:?}", files_in(&dir));
+
+    // A process killed before it could remove its file: the next process's
+    // watcher thread removes it as it starts.
+    let mut killed = server(&[]);
+    let gone = format!("{}.counters", killed.child.id());
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    assert_eq!(counters_files(&dir), [gone.clone()]);
+    let mut next = server(&[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while counters_files(&dir).contains(&gone) {
+        assert!(Instant::now() < deadline, "the killed process's file stays: {:?}", files_in(&dir));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    next.send("quit");
+    assert_eq!(next.finish().1, Some(0));
     assert!(counters_files(&dir).is_empty(), "{:?}", files_in(&dir));
 }

@@ -296,10 +296,15 @@ pub extern "C" fn on_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::
 /// the program directs at the process always reaches one of the program's
 /// own threads, and none of its system calls is interrupted), and never
 /// exits.
-extern "C" fn watch(_: *mut libc::c_void) -> *mut libc::c_void {
+extern "C" fn watch(first: *mut libc::c_void) -> *mut libc::c_void {
     // Named from inside (prctl), so that naming it opens no file.
     // SAFETY: PR_SET_NAME reads a NUL-terminated name of at most 16 bytes.
     unsafe { libc::prctl(libc::PR_SET_NAME, c"alloctramp".as_ptr()) };
+    if !first.is_null() {
+        // SAFETY: `start_watcher` passes a `fn()` as the argument.
+        let first: fn() = unsafe { std::mem::transmute::<*mut libc::c_void, fn()>(first) };
+        first();
+    }
     loop {
         // The header moves after fork (the child's thread is a new one,
         // but the loop reads it afresh anyway).
@@ -315,9 +320,10 @@ extern "C" fn watch(_: *mut libc::c_void) -> *mut libc::c_void {
     }
 }
 
-/// Starts the watcher thread with every signal blocked. Returns false if
-/// the thread could not be created.
-pub fn start_watcher() -> bool {
+/// Starts the watcher thread with every signal blocked; it runs `first`
+/// before it waits for requests (work the program need not wait for).
+/// Returns false if the thread could not be created.
+pub fn start_watcher(first: fn()) -> bool {
     // SAFETY: plain pthread and signal-mask calls on local, initialized
     // structures; the thread function takes no argument.
     unsafe {
@@ -330,7 +336,7 @@ pub fn start_watcher() -> bool {
         libc::pthread_attr_setstacksize(&mut attr, 256 << 10);
         libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
         let mut t: libc::pthread_t = 0;
-        let ok = libc::pthread_create(&mut t, &attr, watch, std::ptr::null_mut()) == 0;
+        let ok = libc::pthread_create(&mut t, &attr, watch, first as *mut libc::c_void) == 0;
         libc::pthread_attr_destroy(&mut attr);
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
         ok

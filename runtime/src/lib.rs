@@ -190,7 +190,7 @@ fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
 /// Starts the watcher thread; if it cannot start, the file says no watcher
 /// listens (so `alloctramp enable` says why instead of waiting).
 fn start_watcher() {
-    if !control::start_watcher() {
+    if !control::start_watcher(prune) {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
@@ -245,6 +245,9 @@ fn init() {
 
     let mode = switch_mode();
     let _ = MODE.set(mode);
+    if let Some(k) = std::env::var("ALLOCTRAMP_KEEP").ok().and_then(|k| k.parse().ok()) {
+        KEEP.store(k, Ordering::Relaxed);
+    }
     match std::env::var("ALLOCTRAMP_LIVE").as_deref() {
         Ok("0") => {}
         Ok("1") | Ok("") | Err(_) => state::LIVE.store(true, Ordering::Release),
@@ -325,9 +328,7 @@ static INIT: extern "C" fn() = {
 };
 
 /// At exit: the counters file of a process that profiled becomes its final
-/// snapshot; a process that never profiled removes its file. Then the
-/// directory is pruned to its bound (`ALLOCTRAMP_KEEP` files of ended
-/// processes).
+/// snapshot; a process that never profiled removes its file.
 #[used]
 #[unsafe(link_section = ".fini_array")]
 static FINI: extern "C" fn() = {
@@ -344,13 +345,27 @@ static FINI: extern "C" fn() = {
                 f.remove();
             }
         });
-        let keep = std::env::var("ALLOCTRAMP_KEEP").ok().and_then(|k| k.parse().ok()).unwrap_or(process::DEFAULT_KEEP);
-        if let Some(dir) = DIR.get() {
-            procfile::prune(dir, keep);
+        // A process that keeps its file keeps the directory within its
+        // bound; others leave that to the watcher threads.
+        if state::PROFILED.load(Ordering::Relaxed) {
+            prune();
         }
     }
     run
 };
+
+/// How many files of ended processes stay (`ALLOCTRAMP_KEEP`), read at
+/// start-up.
+static KEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(process::DEFAULT_KEEP);
+
+/// Prunes the counters directory to its bound: in the watcher thread as it
+/// starts (the program does not wait for it), and at exit in a process
+/// that keeps its file.
+fn prune() {
+    if let Some(dir) = DIR.get() {
+        procfile::prune(dir, KEEP.load(Ordering::Relaxed));
+    }
+}
 
 /// Called by a module's init stub.
 ///

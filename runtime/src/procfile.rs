@@ -331,18 +331,15 @@ pub fn prune(dir: &str, keep: usize) {
         if !meta.is_file() {
             continue;
         }
-        let mut h = vec![0u8; PROC_HEADER_SIZE as usize];
-        if f.read_exact_at(&mut h, 0).is_err() {
+        let mut head = [0u8; process::MODULE_SLOTS_AT as usize];
+        let Some(h) = f.read_exact_at(&mut head, 0).ok().and_then(|()| process::Summary::read(&head)) else {
             continue;
-        }
-        let Some(h) = pod::copy::<ProcHeader>(&h).filter(|h| h.magic == process::PROC_MAGIC) else { continue };
-        let r = Ordering::Relaxed;
-        let current = h.version.load(r) == process::PROC_VERSION;
-        let exe = if current { (h.exe_dev.load(r), h.exe_ino.load(r)) } else { (0, 0) };
+        };
+        let current = h.version == process::PROC_VERSION;
         let state = process::FileState {
-            running: h.exited.load(r) != 1 && runs(h.pid.load(r), exe),
+            running: !h.exited && runs(h.pid, h.exe),
             // A file of another version: keep it like a snapshot.
-            profiled: !current || h.flags.load(r) & process::flags::PROFILED != 0,
+            profiled: !current || h.flags & process::flags::PROFILED != 0,
             mtime: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
         };
         found.push((pid, state));

@@ -456,6 +456,40 @@ pub fn files_to_remove(files: &[FileState], keep: usize) -> Vec<bool> {
     remove
 }
 
+/// What the first [`MODULE_SLOTS_AT`] bytes of a process file say about its
+/// process, read without copying the whole header (a clean-up reads many).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Summary {
+    pub version: u32,
+    pub pid: u32,
+    pub exited: bool,
+    pub flags: u32,
+    /// Device and inode of the executable (0, 0 in another version).
+    pub exe: (u64, u64),
+}
+
+impl Summary {
+    pub fn read(head: &[u8]) -> Option<Summary> {
+        if head.len() < MODULE_SLOTS_AT as usize || head[..8] != PROC_MAGIC {
+            return None;
+        }
+        let u32_at = |at: usize| u32::from_le_bytes([head[at], head[at + 1], head[at + 2], head[at + 3]]);
+        let version = u32_at(offset_of!(ProcHeader, version));
+        let current = version == PROC_VERSION;
+        Some(Summary {
+            version,
+            pid: u32_at(offset_of!(ProcHeader, pid)),
+            exited: u32_at(offset_of!(ProcHeader, exited)) == 1,
+            flags: u32_at(offset_of!(ProcHeader, flags)),
+            exe: if current {
+                (u64_at(head, offset_of!(ProcHeader, exe_dev)), u64_at(head, offset_of!(ProcHeader, exe_ino)))
+            } else {
+                (0, 0)
+            },
+        })
+    }
+}
+
 /// How many files of ended processes the runtime keeps by default
 /// (`ALLOCTRAMP_KEEP`).
 pub const DEFAULT_KEEP: usize = 64;

@@ -1,0 +1,17 @@
+//! Any bytes through site discovery and the patched-file writer: an error
+//! or a patched file, never a panic; a patched file is itself an ELF file
+//! that analyzes and is refused as already patched.
+#![no_main]
+
+use alloctramp_patcher::write::{PatchOptions, patch};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(analysis) = alloctramp_patcher::analyze(data, "fuzz", None, &[]) else { return };
+    let opts = PatchOptions { runtime_needed: "liballoctramp_rt.so".into(), shards: 4 };
+    let Ok(patched) = patch(data, &analysis, &opts) else { return };
+    let mut out = Vec::new();
+    patched.write_to(&mut out).expect("writing to memory");
+    let again = alloctramp_patcher::analyze(&out, "fuzz.patched", None, &[]).expect("a patched file analyzes");
+    assert!(patch(&out, &again, &opts).is_err(), "a patched file is refused");
+});
