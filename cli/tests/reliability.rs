@@ -388,7 +388,7 @@ fn counters_files_of_processes_that_never_profiled_do_not_pile_up() {
     let gone = format!("{}.counters", killed.child.id());
     killed.child.kill().unwrap();
     killed.child.wait().unwrap();
-    assert_eq!(counters_files(&dir), [gone.clone()]);
+    assert_eq!(counters_files(&dir), std::slice::from_ref(&gone));
     let mut next = server(&[]);
     let deadline = Instant::now() + Duration::from_secs(10);
     while counters_files(&dir).contains(&gone) {
