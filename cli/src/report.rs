@@ -904,7 +904,7 @@ pub fn write_report(
                 sites,
                 groups,
             };
-            serde_json::to_writer_pretty(&mut *w, &doc).map_err(io::Error::other)?;
+            serde_json::to_writer_pretty(&mut *w, &doc).map_err(crate::util::json_io)?;
             writeln!(w)
         }
     }

@@ -239,7 +239,7 @@ fn write_diff(
                 sites,
                 groups,
             };
-            serde_json::to_writer_pretty(&mut *w, &doc).map_err(io::Error::other)?;
+            serde_json::to_writer_pretty(&mut *w, &doc).map_err(crate::util::json_io)?;
             writeln!(w)
         }
     }

@@ -795,3 +795,37 @@ fn reading_counters_allocates_none_of_their_holes() {
     assert_eq!(s.cmd("round"), "done");
     drop(s);
 }
+
+/// `report --format json | head -c100` used to print "writing output:
+/// Broken pipe" and exit 2: a closed pipe ends every format quietly. The
+/// report (every C++ operator's sites, over 20 KB) is larger than the
+/// command's output buffer, and the pipe is made as small as the kernel
+/// allows (one page), so the writing meets the closed end.
+#[test]
+fn json_report_into_a_closed_pipe_is_quiet() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let files = final_files("closed-pipe");
+    let (_, file) = files.iter().find(|(p, _)| p.name == "cxx_new_delete").unwrap();
+    for format in ["json", "text", "csv"] {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 fills two descriptors, which the OwnedFds then own;
+        // F_SETPIPE_SZ only resizes the pipe.
+        let (read, write) = unsafe {
+            assert_eq!(libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC), 0);
+            libc::fcntl(fds[1], libc::F_SETPIPE_SZ, 4096);
+            (std::fs::File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]))
+        };
+        let child = {
+            let mut c = alloctramp();
+            c.args(["report", "--format", format, "--all-columns"]).arg(file);
+            c.stdout(std::process::Stdio::from(write)).stderr(std::process::Stdio::piped());
+            c.spawn().unwrap()
+        };
+        let mut first = [0u8; 10];
+        std::io::Read::read_exact(&mut &read, &mut first).unwrap();
+        drop(read);
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(0), "{format}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(o.stderr.is_empty(), "{format}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+}
