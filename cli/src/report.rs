@@ -400,10 +400,10 @@ impl Source {
 
     pub fn parse(&self) -> Result<ProcessFile<'_>> {
         ProcessFile::parse(&self.input.bytes).map_err(|e| {
-            let what = if e.0.contains("version") {
-                format!("{} (written by another version of alloctramp)", e.0)
+            let what = if e.is_version() {
+                format!("{e} (written by another version of alloctramp)")
             } else {
-                format!("{} (damaged or foreign file)", e.0)
+                format!("{e} (damaged or foreign file)")
             };
             anyhow!("{}: {what}", self.path.display())
         })

@@ -37,7 +37,7 @@ pub struct SnapshotArgs {
 /// published when the copy started, and exactly their regions.
 pub fn consistent_copy(bytes: &[u8]) -> Result<Vec<u8>, String> {
     use std::sync::atomic::Ordering;
-    let pf = ProcessFile::parse(bytes).map_err(|e| e.0)?;
+    let pf = ProcessFile::parse(bytes).map_err(|e| e.to_string())?;
     let h = &pf.header;
     let head = PROC_HEADER_SIZE as usize;
     // The copy publishes the modules the parsed header had published.
@@ -60,8 +60,8 @@ pub fn consistent_copy(bytes: &[u8]) -> Result<Vec<u8>, String> {
         out[a..e].copy_from_slice(&bytes[a..e]);
     }
     // What was copied must read back.
-    let copy = ProcessFile::parse(&out).map_err(|e| e.0)?;
-    copy.modules().map_err(|e| e.0)?;
+    let copy = ProcessFile::parse(&out).map_err(|e| e.to_string())?;
+    copy.modules().map_err(|e| e.to_string())?;
     Ok(out)
 }
 

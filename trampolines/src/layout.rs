@@ -412,13 +412,33 @@ pub fn encode(mut header: Header, sites: &[Site], entries: &[Entry], strings: &S
     b
 }
 
-/// Why a table could not be read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TableError(pub String);
+/// Why a site table could not be read. Plain data: parsing allocates
+/// nothing, so a signal handler may parse.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableError {
+    Truncated,
+    BadMagic,
+    /// Written by another version of the format.
+    Version {
+        found: u32,
+    },
+    HeaderSize,
+    InconsistentSizes,
+    ShardCount,
+}
 
 impl std::fmt::Display for TableError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            TableError::Truncated => f.write_str("site table truncated"),
+            TableError::BadMagic => f.write_str("not an alloctramp site table (bad magic)"),
+            TableError::Version { found } => {
+                write!(f, "site table version {found}, this build reads version {VERSION}")
+            }
+            TableError::HeaderSize => f.write_str("site table header size mismatch"),
+            TableError::InconsistentSizes => f.write_str("site table sizes are inconsistent"),
+            TableError::ShardCount => f.write_str("site table shard count is not a power of two"),
+        }
     }
 }
 
@@ -441,19 +461,18 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 impl<'a> Table<'a> {
     /// Parses and checks a table. `bytes` may extend past the table.
     pub fn parse(bytes: &'a [u8]) -> Result<Table<'a>, TableError> {
-        let err = |s: &str| Err(TableError(s.to_string()));
         if bytes.len() < HEADER_SIZE {
-            return err("site table truncated");
+            return Err(TableError::Truncated);
         }
         if bytes[..8] != MAGIC {
-            return err("not an alloctramp site table (bad magic)");
+            return Err(TableError::BadMagic);
         }
         let version = u32_at(bytes, 8);
         if version != VERSION {
-            return Err(TableError(format!("site table version {version}, this build reads version {VERSION}")));
+            return Err(TableError::Version { found: version });
         }
         if u32_at(bytes, 12) as usize != HEADER_SIZE {
-            return err("site table header size mismatch");
+            return Err(TableError::HeaderSize);
         }
         let mut build_id = [0u8; 20];
         build_id.copy_from_slice(&bytes[112..132]);
@@ -484,10 +503,10 @@ impl<'a> Table<'a> {
             || h.strings_offset as usize != h.entries_offset as usize + h.entry_count as usize * ENTRY_SIZE
             || bytes.len() < total
         {
-            return err("site table sizes are inconsistent");
+            return Err(TableError::InconsistentSizes);
         }
         if h.shard_count == 0 || !h.shard_count.is_power_of_two() {
-            return err("site table shard count is not a power of two");
+            return Err(TableError::ShardCount);
         }
         Ok(Table { header: h, bytes: &bytes[..total] })
     }
@@ -596,11 +615,12 @@ mod tests {
 
         let mut bad = bytes.clone();
         bad[8] = 9;
-        assert!(Table::parse(&bad).unwrap_err().0.contains("version 9"));
-        assert!(Table::parse(&bytes[..bytes.len() - 1]).is_err());
+        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Version { found: 9 });
+        assert!(Table::parse(&bad).unwrap_err().to_string().contains("version 9"));
+        assert_eq!(Table::parse(&bytes[..bytes.len() - 1]).unwrap_err(), TableError::InconsistentSizes);
         bad = bytes.clone();
         bad[0] = b'X';
-        assert!(Table::parse(&bad).unwrap_err().0.contains("magic"));
+        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::BadMagic);
     }
 }
 

@@ -15,6 +15,46 @@
 //! sees each u64 either before or after an increment.
 
 use crate::layout::{CELL_SIZE, PAGE, Table, TableError};
+
+/// Why a process file could not be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessFileError {
+    /// No process-file magic: damaged, or another kind of file.
+    NotProcessFile,
+    /// Written by another version of alloctramp.
+    Version { found: u32 },
+    /// A module's region lies outside the bytes (a truncated copy).
+    ModuleOutside { module: usize },
+    /// A module's site table copy is unreadable.
+    ModuleTable { module: usize, error: TableError },
+}
+
+impl ProcessFileError {
+    /// The file (or a table in it) was written by another version.
+    pub fn is_version(&self) -> bool {
+        matches!(
+            self,
+            ProcessFileError::Version { .. } | ProcessFileError::ModuleTable { error: TableError::Version { .. }, .. }
+        )
+    }
+}
+
+impl std::fmt::Display for ProcessFileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProcessFileError::NotProcessFile => f.write_str("not an alloctramp process file"),
+            ProcessFileError::Version { found } => {
+                write!(f, "process file version {found}; this alloctramp reads version {PROC_VERSION}")
+            }
+            ProcessFileError::ModuleOutside { module } => {
+                write!(f, "module {module}: region outside the file (truncated snapshot?)")
+            }
+            ProcessFileError::ModuleTable { module, error } => write!(f, "module {module}: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for ProcessFileError {}
 use crate::pod::Pod;
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
@@ -362,13 +402,13 @@ impl<'a> ProcessFile<'a> {
         self.flags & flags::LIVE != 0
     }
 
-    pub fn parse(bytes: &'a [u8]) -> Result<ProcessFile<'a>, TableError> {
+    pub fn parse(bytes: &'a [u8]) -> Result<ProcessFile<'a>, ProcessFileError> {
         let Some(h) = crate::pod::copy::<ProcHeader>(bytes).filter(|h| h.magic == PROC_MAGIC) else {
-            return Err(TableError("not an alloctramp process file".into()));
+            return Err(ProcessFileError::NotProcessFile);
         };
         let v = h.version.load(Ordering::Relaxed);
         if v != PROC_VERSION {
-            return Err(TableError(format!("process file version {v}; this alloctramp reads version {PROC_VERSION}")));
+            return Err(ProcessFileError::Version { found: v });
         }
         let get32 = |a: &AtomicU32| a.load(Ordering::Relaxed);
         let get64 = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -398,7 +438,7 @@ impl<'a> ProcessFile<'a> {
 
     /// The published modules. A module whose region is not (yet) within the
     /// bytes is an error.
-    pub fn modules(&self) -> Result<Vec<Module<'a>>, TableError> {
+    pub fn modules(&self) -> Result<Vec<Module<'a>>, ProcessFileError> {
         let mut out = Vec::new();
         for (m, sl) in self.header.published().iter().enumerate() {
             let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as usize;
@@ -407,9 +447,9 @@ impl<'a> ProcessFile<'a> {
             let tb = to.checked_add(ts).and_then(|e| self.bytes.get(to..e));
             let cb = co.checked_add(cs).and_then(|e| self.bytes.get(co..e));
             let (Some(tb), Some(cb)) = (tb, cb) else {
-                return Err(TableError(format!("module {m}: region outside the file (truncated snapshot?)")));
+                return Err(ProcessFileError::ModuleOutside { module: m });
             };
-            let table = Table::parse(tb).map_err(|e| TableError(format!("module {m}: {e}")))?;
+            let table = Table::parse(tb).map_err(|error| ProcessFileError::ModuleTable { module: m, error })?;
             out.push(Module {
                 table,
                 bias: sl.bias.load(Ordering::Relaxed),
