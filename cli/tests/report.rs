@@ -755,7 +755,7 @@ fn reading_counters_allocates_none_of_their_holes() {
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     let path = std::ffi::CString::new("/dev/shm").unwrap();
     if unsafe { libc::statfs(path.as_ptr(), &mut st) } != 0 || st.f_type != libc::TMPFS_MAGIC {
-        eprintln!("/dev/shm is not tmpfs here: the property holds trivially elsewhere");
+        skip(test_name(), "/dev/shm is not tmpfs here");
         return;
     }
     /// Removes the directory even when the test fails.

@@ -622,7 +622,7 @@ fn setuid_programs_leave_the_runtime_inert() {
     // Needs root (to make a setuid program) and an unprivileged user.
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 || !have("setpriv") {
-        eprintln!("skipped: needs root and setpriv");
+        skip(test_name(), "needs root and setpriv");
         return;
     }
     let b = built(Config::default_o2());
@@ -646,7 +646,7 @@ fn setuid_programs_leave_the_runtime_inert() {
     let expected = run_program(&b.path("basic"), &[], &[]);
     let _ = std::fs::remove_dir_all(&dir);
     if !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("Permission denied") {
-        eprintln!("skipped: the runtime is not readable by an unprivileged user here");
+        skip(test_name(), "the runtime is not readable by an unprivileged user here");
         return;
     }
     assert_eq!(String::from_utf8_lossy(&o.stdout), expected.0);
@@ -664,7 +664,7 @@ fn a_system_that_refuses_writable_code_keeps_the_program_unchanged() {
          sys.exit(77) if r != 0 else os.execv(sys.argv[1], sys.argv[1:])",
     ];
     if !have("python3") {
-        eprintln!("skipped: needs python3");
+        skip(test_name(), "needs python3");
         return;
     }
     let mut s = Server::start_with("mdwe", &[], Some(&launcher));
@@ -672,7 +672,7 @@ fn a_system_that_refuses_writable_code_keeps_the_program_unchanged() {
     let o = s.switch("enable");
     let err = String::from_utf8_lossy(&o.stderr);
     if o.status.success() {
-        eprintln!("skipped: this kernel has no Memory-Deny-Write-Execute");
+        skip(test_name(), "this kernel has no Memory-Deny-Write-Execute");
         s.quit();
         return;
     }
