@@ -11,25 +11,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "common.h"
+
 static volatile int iterations = 10;
 static volatile size_t huge_size = SIZE_MAX;
-static unsigned long checksum;
-
-/* Opaque to the optimiser: every block is written and read through these,
- * so no allocation can be removed or turned into another one. */
-__attribute__((noinline, noclone, noipa)) static void fill(void *p, size_t n, unsigned seed)
-{
-    unsigned char *c = p;
-    for (size_t i = 0; i < n; i++)
-        c[i] = (unsigned char)(seed + i * 31u + 1u);
-}
-
-__attribute__((noinline, noclone, noipa)) static void sum(const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    for (size_t i = 0; i < n; i++)
-        checksum = checksum * 131u + c[i];
-}
 
 int main(void)
 {

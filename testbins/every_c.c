@@ -13,21 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static unsigned long checksum;
+#include "common.h"
 
-__attribute__((noinline, noclone, noipa)) static void fill(void *p, size_t n, unsigned seed)
-{
-    unsigned char *c = p;
-    for (size_t i = 0; i < n; i++)
-        c[i] = (unsigned char)(seed + i * 31u + 1u);
-}
-
-__attribute__((noinline, noclone, noipa)) static void sum(const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    for (size_t i = 0; i < n; i++)
-        checksum = checksum * 131u + c[i];
-}
 
 /* Hides string literals from the optimiser (so strdup is not folded). */
 __attribute__((noinline, noclone, noipa)) static const char *opaque(const char *s)

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 void *live_make(size_t n);
 void live_drop(void *p);
 char *live_label(int i);
@@ -28,22 +30,7 @@ char *live_label(int i);
 static void *queue[PRODUCERS][PER];
 static void *keep[64];
 static int nkeep;
-static unsigned long checksum;
 static void *(*volatile indirect_malloc)(size_t) = malloc;
-
-__attribute__((noinline, noclone, noipa)) static void fill(void *p, size_t n, unsigned seed)
-{
-    unsigned char *c = p;
-    for (size_t i = 0; i < n; i++)
-        c[i] = (unsigned char)(seed + i * 31u + 1u);
-}
-
-__attribute__((noinline, noclone, noipa)) static void sum(const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    for (size_t i = 0; i < n; i++)
-        checksum = checksum * 131u + c[i];
-}
 
 static void *producer(void *arg)
 {

@@ -12,20 +12,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 void *atshared_alloc(size_t n);
 void atshared_free(void *p);
 char *atshared_dup(const char *s);
 
 static volatile int iterations = 5;
 static char name[16];
-static unsigned long checksum;
-
-__attribute__((noinline, noclone, noipa)) static void sum(const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    for (size_t i = 0; i < n; i++)
-        checksum = checksum * 131u + c[i];
-}
 
 int main(void)
 {
