@@ -23,6 +23,7 @@
 use crate::elf::Elf;
 use crate::error::{Error, ErrorKind, Location, Result};
 use crate::{Analysis, SiteInfo};
+use alloctramp_trampolines::addr::{FileOffset, Vaddr};
 use alloctramp_trampolines::codegen::{self, TrampolineSpec};
 use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
 use object::LittleEndian as LE;
@@ -32,7 +33,6 @@ use object::read::elf::ProgramHeader as _;
 
 type Phdr = elf::ProgramHeader64<LE>;
 type Shdr = elf::SectionHeader64<LE>;
-type Dyn = elf::Dyn64<LE>;
 type Sym = elf::Sym64<LE>;
 type Rela = elf::Rela64<LE>;
 
@@ -134,6 +134,165 @@ fn dyn_val(dynamic: &[(i64, u64)], tag: i64) -> Option<u64> {
     dynamic.iter().find(|(t, _)| *t == tag).map(|&(_, v)| v)
 }
 
+fn u16_at(d: &[u8], at: u64) -> Option<u16> {
+    Some(u16::from_le_bytes(d.get(at as usize..(at as usize).checked_add(2)?)?.try_into().ok()?))
+}
+
+fn u32_at(d: &[u8], at: u64) -> Option<u32> {
+    Some(u32::from_le_bytes(d.get(at as usize..(at as usize).checked_add(4)?)?.try_into().ok()?))
+}
+
+fn u64_at(d: &[u8], at: u64) -> Option<u64> {
+    Some(u64::from_le_bytes(d.get(at as usize..(at as usize).checked_add(8)?)?.try_into().ok()?))
+}
+
+/// Reads the dynamic table the way the dynamic linker does: at PT_DYNAMIC's
+/// address, through the loadable segment that holds it, up to the DT_NULL
+/// entry (PT_DYNAMIC's sizes are not used by the loader, so a table longer
+/// than they say is read whole). Returns the table's file offset and its
+/// entries before DT_NULL.
+fn read_dynamic(elf: &Elf, ph: &Phdr) -> Result<(u64, Vec<(i64, u64)>)> {
+    let e = LE;
+    let addr = ph.p_vaddr(e);
+    if let Some(s) = elf.sections.iter().find(|s| s.sh_type == elf::SHT_NOBITS.0 && s.name == ".dynamic") {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            Location::Vaddr(Vaddr(s.addr.0)),
+            "a separate debug information file (.dynamic has no contents): patch the program or library it belongs to",
+        ));
+    }
+    let seg = elf
+        .file
+        .elf_program_headers()
+        .iter()
+        .find(|p| p.p_type(e) == elf::PT_LOAD && addr >= p.p_vaddr(e) && addr - p.p_vaddr(e) < p.p_filesz(e));
+    let Some(seg) = seg else {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            Location::Both(FileOffset(ph.p_offset(e)), Vaddr(addr)),
+            "PT_DYNAMIC's address is not in the file contents of any PT_LOAD segment: the dynamic linker could not read it",
+        ));
+    };
+    let start = seg.p_offset(e) + (addr - seg.p_vaddr(e));
+    let end = seg.p_offset(e) + seg.p_filesz(e);
+    let mut entries = Vec::new();
+    let mut at = start;
+    while at + 16 <= end {
+        let (Some(tag), Some(val)) = (u64_at(elf.data, at), u64_at(elf.data, at + 8)) else { break };
+        if tag as i64 == elf::DT_NULL.0 {
+            return Ok((start, entries));
+        }
+        entries.push((tag as i64, val));
+        at += 16;
+    }
+    Err(Error::new(
+        ErrorKind::Malformed,
+        Location::Both(FileOffset(start), Vaddr(addr)),
+        format!(
+            "the dynamic table has no DT_NULL entry before the end of its segment (offset {end:#x}); it must end with DT_NULL"
+        ),
+    ))
+}
+
+/// Dynamic tags whose value is an offset in the dynamic string table.
+const STRING_TAGS: [(i64, &str); 9] = [
+    (elf::DT_NEEDED.0, "DT_NEEDED"),
+    (elf::DT_SONAME.0, "DT_SONAME"),
+    (elf::DT_RPATH.0, "DT_RPATH"),
+    (elf::DT_RUNPATH.0, "DT_RUNPATH"),
+    (elf::DT_AUXILIARY.0, "DT_AUXILIARY"),
+    (elf::DT_FILTER.0, "DT_FILTER"),
+    (elf::DT_CONFIG.0, "DT_CONFIG"),
+    (elf::DT_DEPAUDIT.0, "DT_DEPAUDIT"),
+    (elf::DT_AUDIT.0, "DT_AUDIT"),
+];
+
+/// Checks that a string offset names a NUL-terminated string inside the
+/// dynamic string table. The patched file's table is the original one with
+/// strings appended, so a string that ran past the original table's end
+/// would read different bytes there.
+fn check_string(strtab: &[u8], off: u64, at: Location, what: &str) -> Result<()> {
+    let size = strtab.len() as u64;
+    if off >= size {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            at,
+            format!(
+                "{what}: string offset {off:#x} is outside the dynamic string table (DT_STRSZ {size:#x}); it must be below {size:#x}"
+            ),
+        ));
+    }
+    if !strtab[off as usize..].contains(&0) {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            at,
+            format!(
+                "{what}: the string at offset {off:#x} is not NUL-terminated before the end of the dynamic string table (DT_STRSZ {size:#x})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Walks the version needs (`need == true`) or definitions at `addr` as the
+/// dynamic linker does (until a zero `next`), checking every name's string
+/// offset; returns the highest version index they define.
+fn walk_versions(elf: &Elf, addr: u64, strtab: &[u8], need: bool) -> Result<u16> {
+    let what = if need { "DT_VERNEED" } else { "DT_VERDEF" };
+    let d = elf.data;
+    let bad = |off: u64, msg: String| Error::new(ErrorKind::Malformed, Location::Offset(FileOffset(off)), msg);
+    let mut off = elf
+        .offset_of(Vaddr(addr))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(addr)),
+                format!("{what} is not in the file contents of a loadable segment"),
+            )
+        })?
+        .0;
+    let past = |off: u64, n: u64| bad(off, format!("{what}: entry of {n} bytes extends past the end of the file"));
+    let mut high = 0u16;
+    loop {
+        let next = if need {
+            // Elf64_Verneed: version, cnt, file, aux, next; then every
+            // Elf64_Vernaux (hash, flags, other, name, next) in its chain.
+            let file = u32_at(d, off + 4).ok_or_else(|| past(off, 16))?;
+            check_string(strtab, file.into(), Location::Offset(FileOffset(off + 4)), "version need file name")?;
+            let aux = u32_at(d, off + 8).ok_or_else(|| past(off, 16))?;
+            let next = u32_at(d, off + 12).ok_or_else(|| past(off, 16))?;
+            let mut a = off + u64::from(aux);
+            loop {
+                let other = u16_at(d, a + 6).ok_or_else(|| past(a, 16))?;
+                let name = u32_at(d, a + 8).ok_or_else(|| past(a, 16))?;
+                check_string(strtab, name.into(), Location::Offset(FileOffset(a + 8)), "version need name")?;
+                high = high.max(other & 0x7fff);
+                let an = u32_at(d, a + 12).ok_or_else(|| past(a, 16))?;
+                if an == 0 {
+                    break;
+                }
+                a += u64::from(an);
+            }
+            next
+        } else {
+            // Elf64_Verdef: version, flags, ndx, cnt, hash, aux, next; the
+            // loader reads the first Elf64_Verdaux's name only.
+            let ndx = u16_at(d, off + 4).ok_or_else(|| past(off, 20))?;
+            let aux = u32_at(d, off + 12).ok_or_else(|| past(off, 20))?;
+            let next = u32_at(d, off + 16).ok_or_else(|| past(off, 20))?;
+            high = high.max(ndx & 0x7fff);
+            let a = off + u64::from(aux);
+            let name = u32_at(d, a).ok_or_else(|| past(a, 8))?;
+            check_string(strtab, name.into(), Location::Offset(FileOffset(a)), "version definition name")?;
+            next
+        };
+        if next == 0 {
+            return Ok(high);
+        }
+        off += u64::from(next);
+    }
+}
+
 /// The ELF hash function of the SysV hash table.
 fn sysv_hash(name: &[u8]) -> u32 {
     let mut h: u32 = 0;
@@ -206,15 +365,9 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         return Err(refuse("no PT_LOAD segment"));
     }
 
-    // The dynamic table.
-    let dyn_off = dyn_ph.p_offset(e);
-    let dyn_bytes = data
-        .get(dyn_off as usize..(dyn_off + dyn_ph.p_filesz(e)) as usize)
-        .ok_or_else(|| Error::malformed_at(dyn_off, "PT_DYNAMIC extends past the end of the file"))?;
-    let dyns = slice_from_all_bytes::<Dyn>(&dyn_bytes[..dyn_bytes.len() / 16 * 16])
-        .map_err(|_| Error::malformed_at(dyn_off, "bad PT_DYNAMIC"))?;
-    let dynamic: Vec<(i64, u64)> =
-        dyns.iter().map(|d| (d.d_tag.get(e).0, d.d_val.get(e))).take_while(|&(t, _)| t != elf::DT_NULL.0).collect();
+    // The dynamic table, read as the dynamic linker reads it: from
+    // PT_DYNAMIC's address up to DT_NULL, whatever PT_DYNAMIC's size says.
+    let (dyn_off, dynamic) = read_dynamic(&elf, dyn_ph)?;
     for (tag, what) in [
         (elf::DT_REL.0, "REL relocations"),
         (elf::DT_SYMTAB_SHNDX.0, "DT_SYMTAB_SHNDX"),
@@ -224,7 +377,15 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             return Err(refuse(format!("{what} are not supported")));
         }
     }
-    let need = |tag: i64, what: &str| dyn_val(&dynamic, tag).ok_or_else(|| refuse(format!("no {what} in .dynamic")));
+    let need = |tag: i64, what: &str| {
+        dyn_val(&dynamic, tag).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Malformed,
+                Location::Both(FileOffset(dyn_off), Vaddr(dyn_ph.p_vaddr(e))),
+                format!("the dynamic table has no {what} entry; a dynamically linked file needs one"),
+            )
+        })
+    };
     let strtab_addr = need(elf::DT_STRTAB.0, "DT_STRTAB")?;
     let strsz = need(elf::DT_STRSZ.0, "DT_STRSZ")?;
     let symtab_addr = need(elf::DT_SYMTAB.0, "DT_SYMTAB")?;
@@ -236,6 +397,28 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let nsyms = dynsym_sec.size / 24;
     let old_syms: &[Sym] = table_at(&elf, symtab_addr, nsyms * 24, ".dynsym")?;
     let old_strtab: &[u8] = table_at(&elf, strtab_addr, strsz, ".dynstr")?;
+
+    // Every string the loader reads must lie inside the string table: the
+    // patched file's table is a copy with strings appended, and bytes past
+    // the original table are not copied.
+    for (k, &(tag, val)) in dynamic.iter().enumerate() {
+        if let Some((_, name)) = STRING_TAGS.iter().find(|(t, _)| *t == tag) {
+            let at = dyn_off + k as u64 * 16;
+            let loc = Location::Both(FileOffset(at), Vaddr(dyn_ph.p_vaddr(e) + k as u64 * 16));
+            check_string(old_strtab, val, loc, name)?;
+        }
+    }
+    let dynsym_off = elf.offset_of(Vaddr(symtab_addr)).map_or(0, |o| o.0);
+    for (i, sym) in old_syms.iter().enumerate().skip(1) {
+        let loc = Location::Offset(FileOffset(dynsym_off + i as u64 * 24));
+        check_string(old_strtab, sym.st_name.get(e).into(), loc, &format!("dynamic symbol {i}"))?;
+    }
+    let mut version_high = 1u16;
+    for (tag, need) in [(elf::DT_VERNEED.0, true), (elf::DT_VERDEF.0, false)] {
+        if let Some(addr) = dyn_val(&dynamic, tag) {
+            version_high = version_high.max(walk_versions(&elf, addr, old_strtab, need)?);
+        }
+    }
 
     // Where the imported symbol goes: before the hashed symbols of a GNU
     // hash table, else at the end.
@@ -290,6 +473,21 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let versym = match versym_addr {
         Some(addr) => {
             let old: &[u8] = table_at(&elf, addr, nsyms * 2, ".gnu.version")?;
+            // The loader indexes an array of version_high + 1 entries with
+            // these: a larger index reads past it.
+            let versym_off = elf.offset_of(Vaddr(addr)).map_or(0, |o| o.0);
+            for (i, v) in old.chunks_exact(2).enumerate() {
+                let v = u16::from_le_bytes([v[0], v[1]]) & 0x7fff;
+                if v > version_high {
+                    return Err(Error::new(
+                        ErrorKind::Malformed,
+                        Location::Offset(FileOffset(versym_off + i as u64 * 2)),
+                        format!(
+                            ".gnu.version entry of dynamic symbol {i}: version index {v} is out of range; the version tables define indices up to {version_high}"
+                        ),
+                    ));
+                }
+            }
             let mut v = old[..insert_at as usize * 2].to_vec();
             v.extend_from_slice(&1u16.to_le_bytes());
             v.extend_from_slice(&old[insert_at as usize * 2..]);
@@ -349,12 +547,18 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     };
 
     // Relocation tables, with symbol indices shifted.
-    let copy_relas = |addr: u64, size: u64, what: &str| -> Result<Vec<u8>> {
+    // How far relocated data reaches: a relocation's offset plus its
+    // symbol's size (elflint's test of whether a relocation writes to a
+    // read-only segment); the new segments are placed above it.
+    let mut reach = 0u64;
+    let mut copy_relas = |addr: u64, size: u64, what: &str| -> Result<Vec<u8>> {
         let old: &[Rela] = table_at(&elf, addr, size, what)?;
         let mut v = Vec::with_capacity(size as usize + 24);
         for r in old {
             let info = r.r_info.get(e);
             let (sym, typ) = ((info >> 32) as u32, info as u32);
+            let sym_size = old_syms.get(sym as usize).map_or(0, |s| s.st_size.get(e));
+            reach = reach.max(r.r_offset.get(e).saturating_add(sym_size));
             let nr = Rela {
                 r_offset: r.r_offset,
                 r_info: object::U64::new(e, (u64::from(shift(sym)) << 32) | u64::from(typ)),
@@ -409,11 +613,42 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     // of the largest segment alignment so that every original segment keeps
     // its address. Then the read-write and executable segments, and the
     // section headers.
-    let max_align = loads.iter().map(|p| p.p_align(e)).max().unwrap_or(PAGE).max(PAGE);
-    if !max_align.is_power_of_two() || max_align > 1 << 30 {
-        return Err(Error::malformed(format!("segment alignment {max_align:#x}")));
+    let phoff = elf.file.elf_header().e_phoff.get(e);
+    for (i, p) in phdrs.iter().enumerate().filter(|(_, p)| p.p_type(e) == elf::PT_LOAD) {
+        let a = p.p_align(e);
+        let at = Location::Offset(FileOffset(phoff + i as u64 * 56 + 48));
+        if a > 1 && !a.is_power_of_two() {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                at,
+                format!("program header {i}: PT_LOAD alignment {a:#x} is not a power of two (0x1000 is usual)"),
+            ));
+        }
+        if a > 1 << 30 {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                at,
+                format!("program header {i}: PT_LOAD alignment {a:#x} is larger than the 1 GiB (0x40000000) supported"),
+            ));
+        }
+        let end = p.p_vaddr(e).checked_add(p.p_memsz(e)).filter(|&end| end <= 1 << 46);
+        if end.is_none() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                Location::Offset(FileOffset(phoff + i as u64 * 56)),
+                format!(
+                    "program header {i}: PT_LOAD at address {:#x} of size {:#x} ends above 0x400000000000: no room for the new segments above it",
+                    p.p_vaddr(e),
+                    p.p_memsz(e)
+                ),
+            ));
+        }
     }
-    let max_end = loads.iter().map(|p| p.p_vaddr(e) + p.p_memsz(e)).max().unwrap_or(0);
+    let max_align = loads.iter().map(|p| p.p_align(e)).max().unwrap_or(PAGE).max(PAGE);
+    let max_end = loads.iter().map(|p| p.p_vaddr(e).saturating_add(p.p_memsz(e))).max().unwrap_or(0);
+    // Leave a gap above what relocations reach, unless a symbol size is
+    // absurd (then no gap would do).
+    let max_end = if reach >= max_end && reach - max_end < 1 << 30 { reach + 1 } else { max_end };
     let ro_addr = align(max_end, max_align);
     let new_phnum = phdrs.len() + 3; // the new PT_LOADs
     let mut region = Region { base_off: 0, delta: ro_addr, bytes: Vec::new() };
@@ -729,7 +964,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         if i == 0 {
             continue;
         }
-        sh.sh_offset.set(e, sh.sh_offset.get(e) + shift);
+        sh.sh_offset.set(e, sh.sh_offset.get(e).wrapping_add(shift));
         let addr = sh.sh_addr.get(e);
         let t = sh.sh_type.get(e);
         if addr == 0 {
@@ -756,6 +991,14 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             repoint(sh, &dynamic_place);
         }
     }
+    // Sections now elsewhere in memory: (index, old address, new address).
+    let moved: Vec<(usize, u64, u64)> = old_shdrs
+        .iter()
+        .zip(&shdrs)
+        .enumerate()
+        .filter(|(_, (o, n))| o.sh_addr.get(e) != n.sh_addr.get(e))
+        .map(|(i, (o, n))| (i, o.sh_addr.get(e), n.sh_addr.get(e)))
+        .collect();
     if let Some(sh) = shdrs.get_mut(shstrndx) {
         sh.sh_offset.set(e, shstrtab_place.off);
         sh.sh_size.set(e, shstrtab_place.size);
@@ -796,15 +1039,46 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     out[56..58].copy_from_slice(&(new_phnum as u16).to_le_bytes());
     out[60..62].copy_from_slice(&(shnum as u16).to_le_bytes());
 
-    // The linker's _DYNAMIC symbol in .symtab follows the dynamic table.
-    let mut fixups = Vec::new();
+    // Symbols that name a moved table follow it: the linker's _DYNAMIC
+    // (its address, and its size where the linker gave one, as gold does)
+    // and the section symbols of the moved sections, in .symtab (fixups of
+    // the original) and in the new .dynsym.
     let old_dynamic_addr = dyn_ph.p_vaddr(e);
+    let new_dynamic_size = dynamic_place.size;
+    let follow = |sym: &Sym, strtab: &[u8]| -> Option<(u64, Option<u64>)> {
+        if sym.st_value.get(e) == old_dynamic_addr && c_str(strtab, sym.st_name.get(e)) == b"_DYNAMIC" {
+            let size = (sym.st_size.get(e) != 0).then_some(new_dynamic_size);
+            return Some((dynamic_place.addr, size));
+        }
+        if sym.st_type() == elf::STT_SECTION {
+            let shndx = usize::from(sym.st_shndx.get(e).0);
+            if let Some(&(_, old, new)) = moved.iter().find(|m| m.0 == shndx) {
+                return Some((new.wrapping_add(sym.st_value.get(e).wrapping_sub(old)), None));
+            }
+        }
+        None
+    };
+    let mut fixups = Vec::new();
     if let Some(symtab) = elf.sections.iter().find(|s| s.sh_type == elf::SHT_SYMTAB.0) {
         let strtab = elf.sections.get(old_shdrs[symtab.index].sh_link.get(e) as usize).map_or(&[][..], |s| s.data);
         let syms: &[Sym] = slice_from_all_bytes(&symtab.data[..symtab.data.len() / 24 * 24]).unwrap_or(&[]);
         for (i, sym) in syms.iter().enumerate() {
-            if sym.st_value.get(e) == old_dynamic_addr && c_str(strtab, sym.st_name.get(e)) == b"_DYNAMIC" {
-                fixups.push((symtab.offset.0 + i as u64 * 24 + 8, dynamic_place.addr.to_le_bytes()));
+            if let Some((value, size)) = follow(sym, strtab) {
+                let at = symtab.offset.0 + i as u64 * 24;
+                fixups.push((at + 8, value.to_le_bytes()));
+                if let Some(size) = size {
+                    fixups.push((at + 16, size.to_le_bytes()));
+                }
+            }
+        }
+    }
+    let new_syms: &[Sym] = slice_from_all_bytes(&syms).unwrap_or(&[]);
+    for (i, sym) in new_syms.iter().enumerate() {
+        if let Some((value, size)) = follow(sym, &strtab) {
+            let at = dynsym_place.off as usize + i * 24;
+            head[at + 8..at + 16].copy_from_slice(&value.to_le_bytes());
+            if let Some(size) = size {
+                head[at + 16..at + 24].copy_from_slice(&size.to_le_bytes());
             }
         }
     }
