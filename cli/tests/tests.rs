@@ -7,6 +7,7 @@ mod util;
 mod bad_input;
 mod live;
 mod patch;
+mod reliability;
 mod report;
 mod runtime;
 mod sites;

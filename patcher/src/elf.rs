@@ -34,6 +34,8 @@ pub struct Section<'a> {
     pub size: u64,
     pub flags: u64,
     pub sh_type: u32,
+    pub link: u32,
+    pub info: u32,
     /// File contents (empty for SHT_NOBITS).
     pub data: &'a [u8],
 }
@@ -101,6 +103,12 @@ fn check_ident(data: &[u8]) -> Result<()> {
     if data[5] != 1 {
         return Err(Error::unsupported("big-endian ELF file: only x86-64 is supported"));
     }
+    if data[6] != 1 {
+        return Err(Error::malformed_at(
+            6,
+            format!("ELF identification version {} (EI_VERSION); it must be 1 (EV_CURRENT)", data[6]),
+        ));
+    }
     let machine = read_u16(data, 18);
     if machine != elf::EM_X86_64.0 {
         return Err(Error::unsupported(format!("ELF machine {machine} is not x86-64 (62)")));
@@ -113,6 +121,69 @@ fn check_ident(data: &[u8]) -> Result<()> {
     }
 }
 
+/// Checks what `object` needs of the section headers' links before it
+/// reads symbol and relocation tables, so that a bad link is reported at
+/// its section header with what is wrong, not as the library's bare text.
+fn check_links(sections: &[Section], count: usize, shoff: u64, shstrndx: u64) -> Result<()> {
+    let at = |i: usize, field: u64| shoff + i as u64 * 64 + field;
+    for s in sections {
+        let (i, name) = (s.index, s.name);
+        let sh = |f| at(i, f);
+        let is_sym = s.sh_type == elf::SHT_SYMTAB.0 || s.sh_type == elf::SHT_DYNSYM.0;
+        let is_rel = s.sh_type == elf::SHT_RELA.0 || s.sh_type == elf::SHT_REL.0;
+        if !is_sym && !is_rel {
+            continue;
+        }
+        if is_sym && s.size % 24 != 0 {
+            return Err(Error::malformed_at(
+                sh(32),
+                format!(
+                    "section [{i}] {name}: symbol table size {:#x} is not a multiple of 24 (one Elf64_Sym)",
+                    s.size
+                ),
+            ));
+        }
+        if is_sym && s.offset.0 % 8 != 0 {
+            return Err(Error::malformed_at(
+                sh(24),
+                format!("section [{i}] {name}: symbol table offset {} is not 8-byte aligned", s.offset),
+            ));
+        }
+        let link = s.link as usize;
+        if link >= count {
+            return Err(Error::malformed_at(
+                sh(40),
+                format!("section [{i}] {name}: sh_link {link} is not a section index (the file has {count} sections)"),
+            ));
+        }
+        if is_sym && link != 0 && sections[link].sh_type != elf::SHT_STRTAB.0 {
+            return Err(Error::malformed_at(
+                sh(40),
+                format!(
+                    "section [{i}] {name}: sh_link {link} names a section of type {:#x}; it must be a string table (SHT_STRTAB)",
+                    sections[link].sh_type
+                ),
+            ));
+        }
+        if is_rel && s.info as usize >= count && s.flags & elf::SHF_INFO_LINK.0 != 0 {
+            return Err(Error::malformed_at(
+                sh(44),
+                format!(
+                    "section [{i}] {name}: sh_info {} is not a section index (the file has {count} sections)",
+                    s.info
+                ),
+            ));
+        }
+    }
+    if count > 0 && shstrndx as usize >= count && shstrndx != u64::from(elf::SHN_XINDEX.0) {
+        return Err(Error::malformed_at(
+            62,
+            format!("e_shstrndx {shstrndx} is not a section index (the file has {count} sections)"),
+        ));
+    }
+    Ok(())
+}
+
 fn range_end(offset: u64, size: u64) -> Option<u64> {
     offset.checked_add(size)
 }
@@ -121,7 +192,8 @@ impl<'a> Elf<'a> {
     pub fn parse(data: &'a [u8]) -> Result<Elf<'a>> {
         check_ident(data)?;
         let len = data.len() as u64;
-        let header = Header::parse(data).map_err(|e| Error::malformed_at(0, format!("ELF header: {e}")))?;
+        let header =
+            Header::parse(data).map_err(|e| Error::malformed_at(0, format!("ELF header cannot be read: {e}")))?;
         let e = LE;
 
         // Program headers.
@@ -208,11 +280,15 @@ impl<'a> Elf<'a> {
                 size,
                 flags: sh.sh_flags(e).0,
                 sh_type,
+                link: sh.sh_link(e),
+                info: sh.sh_info(e),
                 data: file_data,
             });
         }
 
-        let file = ElfFile64::<LE>::parse(data).map_err(|err| Error::malformed_at(0, format!("{err}")))?;
+        check_links(&sections, table.len(), shoff, u64::from(header.e_shstrndx.get(e).0))?;
+        let file = ElfFile64::<LE>::parse(data)
+            .map_err(|err| Error::malformed_at(shoff, format!("section header table: {err}")))?;
         let file_type = match header.e_type.get(e).0 {
             2 => FileType::Exec,
             _ if phdrs.iter().any(|p| p.p_type(e) == elf::PT_INTERP) => FileType::Pie,

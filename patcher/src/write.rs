@@ -77,20 +77,55 @@ pub struct Patched<'a> {
 }
 
 impl Patched<'_> {
-    /// Writes the patched file.
-    pub fn write_to(&self, w: &mut (impl std::io::Write + ?Sized)) -> std::io::Result<()> {
-        w.write_all(&self.head)?;
+    /// Gives the patched file's bytes, in order, in pieces.
+    fn pieces(&self, mut put: impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        put(&self.head)?;
         let mut at = 0usize;
         let mut fixups = self.fixups.clone();
         fixups.sort();
         for (off, bytes) in fixups {
             let off = off as usize;
-            w.write_all(&self.original[at..off])?;
-            w.write_all(&bytes)?;
+            if off < at || off + bytes.len() > self.original.len() {
+                continue;
+            }
+            put(&self.original[at..off])?;
+            put(&bytes)?;
             at = off + bytes.len();
         }
-        w.write_all(&self.original[at..])?;
-        w.write_all(&self.tail)
+        put(&self.original[at..])?;
+        put(&self.tail)
+    }
+
+    /// Writes the patched file.
+    pub fn write_to(&self, w: &mut (impl std::io::Write + ?Sized)) -> std::io::Result<()> {
+        self.pieces(|p| w.write_all(p))
+    }
+
+    /// Writes the patched file from the writer's start, seeking over every
+    /// whole 4 KiB block (at a 4 KiB-aligned output offset) of zeros instead
+    /// of writing it, so that holes of a sparse input stay holes. Returns
+    /// the file's length: the caller sets it (`File::set_len`), since a
+    /// trailing hole is never written.
+    pub fn write_sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W) -> std::io::Result<u64> {
+        const BLOCK: u64 = 4096;
+        let (mut pos, mut written) = (0u64, 0u64);
+        self.pieces(|mut p| {
+            while !p.is_empty() {
+                let n = (BLOCK - pos % BLOCK).min(p.len() as u64) as usize;
+                let (chunk, rest) = p.split_at(n);
+                if n as u64 != BLOCK || !is_zero(chunk) {
+                    if written != pos {
+                        w.seek(std::io::SeekFrom::Start(pos))?;
+                    }
+                    w.write_all(chunk)?;
+                    written = pos + n as u64;
+                }
+                pos += n as u64;
+                p = rest;
+            }
+            Ok(())
+        })?;
+        Ok(pos)
     }
 
     /// The patched file in one buffer.
@@ -99,6 +134,11 @@ impl Patched<'_> {
         self.write_to(&mut v).expect("writing to a Vec");
         v
     }
+}
+
+fn is_zero(b: &[u8]) -> bool {
+    let (words, rest) = b.split_at(b.len() / 8 * 8);
+    words.chunks_exact(8).all(|w| u64::from_ne_bytes(w.try_into().unwrap()) == 0) && rest.iter().all(|&x| x == 0)
 }
 
 fn align(v: u64, a: u64) -> u64 {
@@ -358,7 +398,11 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         .find(|p| p.p_type(e) == elf::PT_DYNAMIC)
         .ok_or_else(|| refuse("statically linked (no PT_DYNAMIC): the runtime library cannot be loaded"))?;
     if elf.sections.is_empty() {
-        return Err(refuse("no section headers"));
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            Location::Offset(FileOffset(40)),
+            "no section headers (e_shoff is 0): they are needed to find and repoint the dynamic tables",
+        ));
     }
     let loads: Vec<&Phdr> = phdrs.iter().filter(|p| p.p_type(e) == elf::PT_LOAD).collect();
     if loads.is_empty() {
@@ -374,7 +418,12 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         (elf::DT_TEXTREL.0, "text relocations"),
     ] {
         if dyn_val(&dynamic, tag).is_some() {
-            return Err(refuse(format!("{what} are not supported")));
+            let k = dynamic.iter().position(|&(t, _)| t == tag).unwrap_or(0) as u64;
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                Location::Offset(FileOffset(dyn_off + k * 16)),
+                format!("{what} are not supported (only RELA dynamic relocations, as x86-64 linkers emit)"),
+            ));
         }
     }
     let need = |tag: i64, what: &str| {
@@ -393,7 +442,13 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         .sections
         .iter()
         .find(|s| s.sh_type == elf::SHT_DYNSYM.0 && s.addr.0 == symtab_addr)
-        .ok_or_else(|| refuse("no .dynsym section header matching DT_SYMTAB"))?;
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(symtab_addr)),
+                "no SHT_DYNSYM section header at DT_SYMTAB's address: the section headers must describe the dynamic symbol table",
+            )
+        })?;
     let nsyms = dynsym_sec.size / 24;
     let old_syms: &[Sym] = table_at(&elf, symtab_addr, nsyms * 24, ".dynsym")?;
     let old_strtab: &[u8] = table_at(&elf, strtab_addr, strsz, ".dynstr")?;
@@ -426,18 +481,34 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let gnu_hash_old: Option<&[u8]> = match gnu_hash_addr {
         Some(addr) => {
             let sec = elf.sections.iter().find(|s| s.addr.0 == addr && s.sh_type == elf::SHT_GNU_HASH.0);
-            let size = sec.map(|s| s.size).ok_or_else(|| refuse("no .gnu.hash section header matching DT_GNU_HASH"))?;
+            let size = sec.map(|s| s.size).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Malformed,
+                    Location::Vaddr(Vaddr(addr)),
+                    "no SHT_GNU_HASH section header at DT_GNU_HASH's address: the section headers must describe the GNU hash table",
+                )
+            })?;
             Some(table_at(&elf, addr, size, ".gnu.hash")?)
         }
         None => None,
     };
     let insert_at = match gnu_hash_old {
         Some(h) if h.len() >= 16 => u64::from(u32::from_le_bytes(h[4..8].try_into().unwrap())),
-        Some(_) => return Err(Error::malformed(".gnu.hash is truncated")),
+        Some(h) => {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(gnu_hash_addr.unwrap_or(0))),
+                format!(".gnu.hash is {} bytes, shorter than its 16-byte header", h.len()),
+            ));
+        }
         None => nsyms,
     };
     if insert_at > nsyms || insert_at == 0 {
-        return Err(Error::malformed(format!(".gnu.hash symbol offset {insert_at} does not fit {nsyms} symbols")));
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            Location::Vaddr(Vaddr(gnu_hash_addr.map_or(0, |a| a + 4))),
+            format!(".gnu.hash symoffset {insert_at}: it must be between 1 and the {nsyms} dynamic symbols"),
+        ));
     }
     let shift = |i: u32| if u64::from(i) >= insert_at { i + 1 } else { i };
 
@@ -503,7 +574,15 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             let bloom = u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
             let buckets_at = 16 + bloom * 8;
             if h.len() < buckets_at + nbuckets * 4 {
-                return Err(Error::malformed(".gnu.hash is truncated"));
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    Location::Vaddr(Vaddr(gnu_hash_addr.unwrap_or(0))),
+                    format!(
+                        ".gnu.hash is {} bytes; its header ({nbuckets} buckets, {bloom} bloom words) needs {}",
+                        h.len(),
+                        buckets_at + nbuckets * 4
+                    ),
+                ));
             }
             let mut v = h.to_vec();
             v[4..8].copy_from_slice(&(insert_at as u32 + 1).to_le_bytes());
