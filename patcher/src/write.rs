@@ -234,6 +234,67 @@ fn read_dynamic(elf: &Elf, ph: &Phdr) -> Result<(u64, Vec<(i64, u64)>)> {
     ))
 }
 
+/// The GNU hash table at `addr`, read from its own header (not from its
+/// section header, which the loader never reads), as far as the loader can
+/// read it: every chain to its end, and a chain entry for each of `nsyms`
+/// symbols. Every bucket must be empty or name a hashed symbol.
+fn gnu_hash_table<'a>(elf: &Elf<'a>, addr: u64, nsyms: u64) -> Result<&'a [u8]> {
+    let head: &[u8] = table_at(elf, addr, 16, ".gnu.hash")?;
+    let word = |b: &[u8], i: usize| u64::from(u32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().unwrap()));
+    let (nbuckets, symoffset, bloom) = (word(head, 0), word(head, 1), word(head, 2));
+    let buckets_at = 16 + bloom * 8;
+    let chains_at = buckets_at + nbuckets * 4;
+    let fixed: &[u8] = table_at(elf, addr, chains_at, ".gnu.hash")?;
+    let mut high = None;
+    for b in 0..nbuckets as usize {
+        let idx = word(&fixed[buckets_at as usize..], b);
+        if idx != 0 && idx < symoffset {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(addr + buckets_at + b as u64 * 4)),
+                format!(
+                    ".gnu.hash bucket {b} holds symbol {idx}, below the first hashed symbol {symoffset}; it must be 0 or at least {symoffset}"
+                ),
+            ));
+        }
+        high = high.max((idx != 0).then_some(idx));
+    }
+    // The chain that starts last ends last: follow it to its end (the
+    // entry with bit 0 set).
+    let mut end = symoffset.max(nsyms);
+    if let Some(high) = high {
+        let mut i = high;
+        loop {
+            let at = addr + chains_at + (i - symoffset) * 4;
+            let w = elf.offset_of(Vaddr(at)).and_then(|o| elf.data.get(o.0 as usize));
+            let Some(&w) = w else {
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    Location::Vaddr(Vaddr(addr + buckets_at)),
+                    format!(
+                        ".gnu.hash: the chain of symbol {high} has no end marker before its segment ends at address {at:#x}; every chain must end"
+                    ),
+                ));
+            };
+            if w & 1 != 0 {
+                break;
+            }
+            i += 1;
+        }
+        end = end.max(i + 1);
+        if i >= nsyms && nsyms >= symoffset {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(addr + chains_at + (i - symoffset) * 4)),
+                format!(
+                    ".gnu.hash: a chain reaches symbol {i}, but the .dynsym section header gives {nsyms} symbols; they must agree"
+                ),
+            ));
+        }
+    }
+    table_at(elf, addr, chains_at + (end - symoffset) * 4, ".gnu.hash")
+}
+
 /// Dynamic tags whose value is an offset in the dynamic string table.
 const STRING_TAGS: [(i64, &str); 9] = [
     (elf::DT_NEEDED.0, "DT_NEEDED"),
@@ -450,6 +511,31 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             )
         })?;
     let nsyms = dynsym_sec.size / 24;
+    // The loader knows the symbol count only from the hash tables. The GNU
+    // table is copied as far as the loader can read it (every chain to its
+    // end, at least one entry per hashed symbol); the SysV table is rebuilt,
+    // so where it is the only one, its count must match the section's.
+    let gnu_hash_addr = dyn_val(&dynamic, elf::DT_GNU_HASH.0);
+    let gnu_hash_old = gnu_hash_addr.map(|addr| gnu_hash_table(&elf, addr, nsyms)).transpose()?;
+    let hash_addr = dyn_val(&dynamic, elf::DT_HASH.0);
+    let hash_count = hash_addr
+        .map(|addr| {
+            table_at::<u8>(&elf, addr, 8, ".hash").map(|h| u64::from(u32::from_le_bytes(h[4..8].try_into().unwrap())))
+        })
+        .transpose()?;
+    if gnu_hash_old.is_none() {
+        let what = ".hash";
+        if let Some(count) = hash_count.filter(|&c| c != nsyms) {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Offset(FileOffset(dynsym_sec.offset.0)),
+                format!(
+                    "the .dynsym section header gives {nsyms} symbols ({:#x} bytes) but {what} covers {count}; they must agree",
+                    dynsym_sec.size
+                ),
+            ));
+        }
+    }
     let old_syms: &[Sym] = table_at(&elf, symtab_addr, nsyms * 24, ".dynsym")?;
     let old_strtab: &[u8] = table_at(&elf, strtab_addr, strsz, ".dynstr")?;
 
@@ -477,21 +563,6 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
 
     // Where the imported symbol goes: before the hashed symbols of a GNU
     // hash table, else at the end.
-    let gnu_hash_addr = dyn_val(&dynamic, elf::DT_GNU_HASH.0);
-    let gnu_hash_old: Option<&[u8]> = match gnu_hash_addr {
-        Some(addr) => {
-            let sec = elf.sections.iter().find(|s| s.addr.0 == addr && s.sh_type == elf::SHT_GNU_HASH.0);
-            let size = sec.map(|s| s.size).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Malformed,
-                    Location::Vaddr(Vaddr(addr)),
-                    "no SHT_GNU_HASH section header at DT_GNU_HASH's address: the section headers must describe the GNU hash table",
-                )
-            })?;
-            Some(table_at(&elf, addr, size, ".gnu.hash")?)
-        }
-        None => None,
-    };
     let insert_at = match gnu_hash_old {
         Some(h) if h.len() >= 16 => u64::from(u32::from_le_bytes(h[4..8].try_into().unwrap())),
         Some(h) => {
@@ -510,7 +581,9 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             format!(".gnu.hash symoffset {insert_at}: it must be between 1 and the {nsyms} dynamic symbols"),
         ));
     }
-    let shift = |i: u32| if u64::from(i) >= insert_at { i + 1 } else { i };
+    // Symbol indices at and above the new symbol move up by one; an index
+    // past the table (in a relocation that ignores its symbol) stays.
+    let shift = |i: u32| if u64::from(i) >= insert_at && u64::from(i) < nsyms { i + 1 } else { i };
 
     // New .dynstr: old strings plus the runtime's name and symbol.
     let mut strtab = old_strtab.to_vec();
@@ -589,6 +662,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             for b in 0..nbuckets {
                 let at = buckets_at + b * 4;
                 let idx = u32::from_le_bytes(v[at..at + 4].try_into().unwrap());
+                // Checked by gnu_hash_table: 0 or a hashed symbol.
                 if idx != 0 {
                     v[at..at + 4].copy_from_slice(&(idx + 1).to_le_bytes());
                 }
@@ -599,7 +673,6 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     };
 
     // New SysV .hash, rebuilt for the new symbol list.
-    let hash_addr = dyn_val(&dynamic, elf::DT_HASH.0);
     let hash = match hash_addr {
         Some(addr) => {
             let head: &[u8] = table_at(&elf, addr, 8, ".hash")?;
@@ -637,6 +710,17 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             let info = r.r_info.get(e);
             let (sym, typ) = ((info >> 32) as u32, info as u32);
             let sym_size = old_syms.get(sym as usize).map_or(0, |s| s.st_size.get(e));
+            let ignores_symbol =
+                [elf::R_X86_64_NONE.0, elf::R_X86_64_RELATIVE.0, elf::R_X86_64_IRELATIVE.0].contains(&typ);
+            if u64::from(sym) >= nsyms && !ignores_symbol {
+                let at = elf.offset_of(Vaddr(addr)).map_or(0, |o| o.0)
+                    + (r as *const Rela as usize - old.as_ptr() as usize) as u64;
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    Location::Offset(FileOffset(at)),
+                    format!("{what}: relocation of type {typ} names symbol {sym}, but .dynsym has {nsyms} symbols"),
+                ));
+            }
             reach = reach.max(r.r_offset.get(e).saturating_add(sym_size));
             let nr = Rela {
                 r_offset: r.r_offset,
