@@ -107,25 +107,44 @@ impl Patched<'_> {
     /// the file's length: the caller sets it (`File::set_len`), since a
     /// trailing hole is never written.
     pub fn write_sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W) -> std::io::Result<u64> {
-        const BLOCK: u64 = 4096;
+        const BLOCK: usize = 4096;
+        // `pos` bytes given so far; `written` where the writer stands; a
+        // block that spans pieces is gathered in `partial` first.
         let (mut pos, mut written) = (0u64, 0u64);
+        let mut partial: Vec<u8> = Vec::with_capacity(BLOCK);
+        let mut emit = |block: &[u8], at: u64, written: &mut u64| -> std::io::Result<()> {
+            if !is_zero(block) {
+                if *written != at {
+                    w.seek(std::io::SeekFrom::Start(at))?;
+                }
+                w.write_all(block)?;
+                *written = at + block.len() as u64;
+            }
+            Ok(())
+        };
         self.pieces(|mut p| {
             while !p.is_empty() {
-                let n = (BLOCK - pos % BLOCK).min(p.len() as u64) as usize;
-                let (chunk, rest) = p.split_at(n);
-                if n as u64 != BLOCK || !is_zero(chunk) {
-                    if written != pos {
-                        w.seek(std::io::SeekFrom::Start(pos))?;
-                    }
-                    w.write_all(chunk)?;
-                    written = pos + n as u64;
+                if partial.is_empty() && p.len() >= BLOCK && pos % BLOCK as u64 == 0 {
+                    let (block, rest) = p.split_at(BLOCK);
+                    emit(block, pos, &mut written)?;
+                    pos += BLOCK as u64;
+                    p = rest;
+                    continue;
                 }
-                pos += n as u64;
-                p = rest;
+                let n = (BLOCK - (pos as usize + partial.len()) % BLOCK).min(p.len());
+                partial.extend_from_slice(&p[..n]);
+                p = &p[n..];
+                if (pos as usize + partial.len()).is_multiple_of(BLOCK) {
+                    emit(&partial, pos, &mut written)?;
+                    pos += partial.len() as u64;
+                    partial.clear();
+                }
             }
             Ok(())
         })?;
-        Ok(pos)
+        // A last, partial block: zeros are left to the length.
+        emit(&partial, pos, &mut written)?;
+        Ok(pos + partial.len() as u64)
     }
 
     /// The patched file in one buffer.
@@ -1257,4 +1276,69 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         table_size: table_len as u64,
         counters_size,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Cursor, Read, Seek, SeekFrom, Write};
+
+    /// A writer that records which byte ranges were written.
+    struct Recorder {
+        inner: Cursor<Vec<u8>>,
+        written: u64,
+    }
+
+    impl Write for Recorder {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.written += b.len() as u64;
+            self.inner.write(b)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Seek for Recorder {
+        fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+            self.inner.seek(to)
+        }
+    }
+
+    #[test]
+    fn sparse_writer_skips_zero_blocks_and_keeps_bytes() {
+        // An original of 64 KiB: zeros but for a few bytes, a fixup inside
+        // a zero block, and head and tail of odd lengths.
+        let mut original = vec![0u8; 64 << 10];
+        original[5000] = 1;
+        original[40_000] = 2;
+        let p = Patched {
+            head: vec![7u8; 4096 + 100],
+            original: &original,
+            fixups: vec![(20_000, [9; 8])],
+            tail: vec![0u8; 5000],
+            sites: 0,
+            skipped: vec![],
+            text_size: 0,
+            table_size: 0,
+            counters_size: 0,
+        };
+        let mut r = Recorder { inner: Cursor::new(Vec::new()), written: 0 };
+        let len = p.write_sparse(&mut r).unwrap();
+        let dense = p.to_vec();
+        assert_eq!(len, dense.len() as u64);
+        let mut got = r.inner.into_inner();
+        got.resize(len as usize, 0); // set_len
+        assert!(got == dense, "same bytes as the dense writer");
+        // Written: the head's 2 blocks (the second shared with the
+        // original) and the 3 blocks holding a non-zero byte; the rest,
+        // blocks spanning pieces and the trailing partial block included,
+        // are holes.
+        assert_eq!(r.written, 5 * 4096);
+        let mut c = Cursor::new(got);
+        let mut b = [0u8; 1];
+        c.seek(SeekFrom::Start(4196 + 20_000)).unwrap();
+        c.read_exact(&mut b).unwrap();
+        assert_eq!(b[0], 9);
+    }
 }
