@@ -368,6 +368,11 @@ fn vague_messages_say_what_is_wrong_and_what_would_be_right() {
     let msg = sites(&input);
     assert!(msg.contains("offset 0x6: ELF identification version 0 (EI_VERSION); it must be 1"), "{msg}");
 
+    // Was "offset 0x...: section headers: Invalid ELF e_shstrndx".
+    let input = edited(&dir, "shstrndx", &real, |d| d[62..64].copy_from_slice(&900u16.to_le_bytes()));
+    let msg = sites(&input);
+    assert!(msg.contains("offset 0x3e: e_shstrndx 900 is not a section index (e_shnum is "), "{msg}");
+
     // Was "offset 0x0: Invalid ELF section index": .symtab's sh_link.
     let data = alloctramp_patcher::Elf::parse(&real).unwrap();
     let symtab = data.sections.iter().find(|s| s.name == ".symtab").unwrap().index;

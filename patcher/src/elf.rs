@@ -247,8 +247,27 @@ impl<'a> Elf<'a> {
                 ));
             }
         }
-        let table =
-            header.sections(e, data).map_err(|err| Error::malformed_at(shoff, format!("section headers: {err}")))?;
+        // The section name table's index, checked before `object` reads
+        // the names (its error would not say which field is wrong).
+        let shstrndx = u64::from(header.e_shstrndx.get(e).0);
+        let shnum = if shoff != 0 && shnum_raw == 0 {
+            // More than 0xff00 sections: the count is section 0's sh_size.
+            data.get(shoff as usize + 32..shoff as usize + 40).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap()))
+        } else {
+            shnum_raw
+        };
+        if shoff != 0 && shstrndx != u64::from(elf::SHN_XINDEX.0) && shstrndx >= shnum.max(1) {
+            return Err(Error::malformed_at(
+                62,
+                format!("e_shstrndx {shstrndx} is not a section index (e_shnum is {shnum}); it must be below {shnum}"),
+            ));
+        }
+        let table = header.sections(e, data).map_err(|err| {
+            Error::malformed_at(
+                shoff,
+                format!("the section header table cannot be read ({err}); check e_shoff, e_shnum and e_shstrndx"),
+            )
+        })?;
         let mut sections = Vec::with_capacity(table.len());
         for (index, sh) in table.iter().enumerate() {
             let name = table.section_name(e, sh).ok().and_then(|n| std::str::from_utf8(n).ok()).unwrap_or("");
