@@ -98,7 +98,7 @@ fn check_ident(data: &[u8]) -> Result<()> {
     match data[4] {
         2 => {}
         1 => return Err(Error::unsupported("32-bit ELF file: only x86-64 (ELFCLASS64) is supported")),
-        c => return Err(Error::malformed_at(4, format!("bad ELF class {c}"))),
+        c => return Err(Error::malformed_at(4, format!("ELF class {c} (EI_CLASS); it must be 2 (ELFCLASS64)"))),
     }
     if data[5] != 1 {
         return Err(Error::unsupported("big-endian ELF file: only x86-64 is supported"));
@@ -227,7 +227,10 @@ impl<'a> Elf<'a> {
             if ph.p_type(e) == elf::PT_LOAD && ph.p_memsz(e) < filesz {
                 return Err(Error::malformed_at(
                     phoff + i as u64 * 56,
-                    format!("program header {i}: memory size is smaller than file size"),
+                    format!(
+                        "program header {i}: PT_LOAD memory size {:#x} is smaller than its file size {filesz:#x}; it must be at least that",
+                        ph.p_memsz(e)
+                    ),
                 ));
             }
         }

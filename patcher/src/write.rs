@@ -179,14 +179,31 @@ fn table_at<'a, T: object::Pod>(elf: &Elf<'a>, addr: u64, size: u64, what: &str)
         Error::new(
             ErrorKind::Malformed,
             Location::Vaddr(alloctramp_trampolines::addr::Vaddr(addr)),
-            format!("{what} is not in a loaded segment"),
+            format!("{what} at address {addr:#x} is not in the file contents of any PT_LOAD segment; the loader reads it there"),
         )
     })?;
     let bytes = elf
         .data
         .get(off.0 as usize..(off.0 as usize).saturating_add(size as usize))
-        .ok_or_else(|| Error::malformed_at(off.0, format!("{what} extends past the end of the file")))?;
-    slice_from_all_bytes::<T>(bytes).map_err(|_| Error::malformed_at(off.0, format!("{what}: bad size {size:#x}")))
+        .ok_or_else(|| {
+            Error::malformed_at(
+                off.0,
+                format!(
+                    "{what} of {size:#x} bytes extends past the end of the file ({:#x} bytes); its size or address is wrong",
+                    elf.data.len()
+                ),
+            )
+        })?;
+    slice_from_all_bytes::<T>(bytes).map_err(|_| {
+        Error::malformed_at(
+            off.0,
+            format!(
+                "{what}: size {size:#x} is not a whole number of {}-byte entries, or the table is not {}-byte aligned",
+                std::mem::size_of::<T>(),
+                std::mem::align_of::<T>()
+            ),
+        )
+    })
 }
 
 fn dyn_val(dynamic: &[(i64, u64)], tag: i64) -> Option<u64> {
