@@ -206,8 +206,10 @@ fn table_at<'a, T: object::Pod>(elf: &Elf<'a>, addr: u64, size: u64, what: &str)
     })
 }
 
+/// A dynamic entry's value. The loader keeps the last entry of each tag
+/// (DT_NEEDED aside, which it reads one by one), so this does too.
 fn dyn_val(dynamic: &[(i64, u64)], tag: i64) -> Option<u64> {
-    dynamic.iter().find(|(t, _)| *t == tag).map(|&(_, v)| v)
+    dynamic.iter().rev().find(|(t, _)| *t == tag).map(|&(_, v)| v)
 }
 
 fn u16_at(d: &[u8], at: u64) -> Option<u16> {
@@ -329,6 +331,33 @@ fn gnu_hash_table<'a>(elf: &Elf<'a>, addr: u64, nsyms: u64) -> Result<&'a [u8]> 
         }
     }
     table_at(elf, addr, chains_at + (end - symoffset) * 4, ".gnu.hash")
+}
+
+/// Checks that every lazy-binding stub in .plt pushes the index of a
+/// relocation the copied .rela.plt has (`count` of them): the loader reads
+/// the relocation at that index, and past the copy it would read other
+/// bytes than past the original.
+fn check_plt_indices(elf: &Elf, count: u64) -> Result<()> {
+    use iced_x86::{Code, Decoder, DecoderOptions};
+    for s in elf.sections.iter().filter(|s| s.name == ".plt" && s.is_exec()) {
+        let mut dec = Decoder::with_ip(64, s.data, s.addr.0, DecoderOptions::NONE);
+        for ins in &mut dec {
+            if matches!(ins.code(), Code::Pushq_imm32 | Code::Pushq_imm8) {
+                let index = ins.immediate64();
+                if index >= count {
+                    let at = s.offset.0 + (ins.ip() - s.addr.0);
+                    return Err(Error::new(
+                        ErrorKind::Malformed,
+                        Location::Both(FileOffset(at), Vaddr(ins.ip())),
+                        format!(
+                            "PLT stub pushes relocation index {index:#x}, but .rela.plt (DT_JMPREL) has {count} relocations; the index must be below {count}"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Dynamic tags whose value is an offset in the dynamic string table.
@@ -771,9 +800,20 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let relasz = dyn_val(&dynamic, elf::DT_RELASZ.0).unwrap_or(0);
     let jmprel_addr = dyn_val(&dynamic, elf::DT_JMPREL.0);
     let pltrelsz = dyn_val(&dynamic, elf::DT_PLTRELSZ.0).unwrap_or(0);
+    // Lazy binding reads .rela.plt at the index a PLT stub pushes, not
+    // within DT_PLTRELSZ: the copy covers the section header's extent too,
+    // and every index a stub pushes must be inside it.
+    let jmprel_size = jmprel_addr.map_or(0, |j| {
+        let sec = elf.sections.iter().filter(|s| s.sh_type == elf::SHT_RELA.0 && s.addr.0 == j).map(|s| s.size);
+        sec.max().unwrap_or(0).max(pltrelsz)
+    });
+    check_plt_indices(&elf, jmprel_size / 24)?;
     // JMPREL inside the RELA range (some linkers): copied as part of RELA.
     let jmprel_inside = match (rela_addr, jmprel_addr) {
-        (Some(r), Some(j)) => j >= r && j + pltrelsz <= r + relasz,
+        (Some(r), Some(j)) => {
+            let end = r.saturating_add(relasz);
+            j >= r && j < end && j.saturating_add(jmprel_size) <= end
+        }
         _ => false,
     };
     let mut rela = match rela_addr {
@@ -781,7 +821,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         None => Vec::new(),
     };
     let jmprel = match jmprel_addr {
-        Some(addr) if !jmprel_inside => Some(copy_relas(addr, pltrelsz, ".rela.plt")?),
+        Some(addr) if !jmprel_inside => Some(copy_relas(addr, jmprel_size, ".rela.plt")?),
         _ => None,
     };
 
