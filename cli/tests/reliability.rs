@@ -373,8 +373,26 @@ fn vague_messages_say_what_is_wrong_and_what_would_be_right() {
     let msg = sites(&input);
     assert!(msg.contains("offset 0x3e: e_shstrndx 900 is not a section index (e_shnum is "), "{msg}");
 
-    // Was "offset 0x0: Invalid ELF section index": .symtab's sh_link.
     let data = alloctramp_patcher::Elf::parse(&real).unwrap();
+    // A code section whose file offset is not where its segment maps its
+    // address from: the sites were read from other bytes than the ones
+    // that run (a `jmp free` became a `jmp malloc` site).
+    let text = data.sections.iter().find(|s| s.name == ".text").unwrap();
+    let at = le64(&real, 40) as usize + text.index * 64 + 24;
+    let input = edited(&dir, "textoff", &real, |d| set64(d, at, text.offset.0 + 0x10));
+    let msg = sites(&input);
+    assert!(
+        msg.contains(&format!(
+            "offset {at:#x}: section [{}] .text: file offset {:#x} but its address {} is loaded from offset {}; they must agree",
+            text.index,
+            text.offset.0 + 0x10,
+            text.addr,
+            text.offset
+        )),
+        "{msg}"
+    );
+
+    // Was "offset 0x0: Invalid ELF section index": .symtab's sh_link.
     let symtab = data.sections.iter().find(|s| s.name == ".symtab").unwrap().index;
     let sh = le64(&real, 40) as usize + symtab * 64;
     let input = edited(&dir, "link", &real, |d| d[sh + 40..sh + 44].copy_from_slice(&9999u32.to_le_bytes()));
@@ -386,4 +404,39 @@ fn vague_messages_say_what_is_wrong_and_what_would_be_right() {
         )),
         "{msg}"
     );
+}
+
+const DT_STRTAB: i64 = 5;
+const DT_FINI: i64 = 13;
+const DT_PLTRELSZ: i64 = 2;
+
+#[test]
+fn dynamic_entries_read_as_the_loader_reads_them() {
+    let dir = scratch("dynamic-as-loader");
+    let b = built(Config { opt: "-O2", pie: false, extra: "" });
+    let real = std::fs::read(b.path("basic")).unwrap();
+    let expected = run_program(&b.path("basic"), &[], &[]);
+    assert_eq!(expected.2, 0);
+    let check = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| {
+        let input = edited(&dir, name, &real, |d| edit(d));
+        assert_eq!(run_program(&input, &[], &[]), expected, "{name}: the edited input starts");
+        let out = dir.join("out").join(name);
+        std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+        patch_to(&input, &out, &[]);
+        assert_eq!(run_program(&out, &[], &[]), expected, "{name}: the patched copy behaves the same");
+    };
+    // A second DT_STRTAB before the real one, pointing at code: the loader
+    // keeps the last; the patcher used to copy strings from the first.
+    let (fini, _) = dyn_entry(&real, DT_FINI);
+    let (strtab, _) = dyn_entry(&real, DT_STRTAB);
+    assert!(fini < strtab, "DT_FINI comes before DT_STRTAB in gcc's output");
+    check("duplicate-strtab", &|d: &mut Vec<u8>| {
+        set64(d, fini, DT_STRTAB as u64);
+        set64(d, fini + 8, 0x401000);
+    });
+    // DT_PLTRELSZ 0: lazy binding still reads .rela.plt by the index each
+    // PLT stub pushes; the patcher used to copy nothing (and took the empty
+    // table at the end of .rela.dyn for part of it).
+    let (pltrelsz, _) = dyn_entry(&real, DT_PLTRELSZ);
+    check("pltrelsz-0", &|d: &mut Vec<u8>| set64(d, pltrelsz + 8, 0));
 }

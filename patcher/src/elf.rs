@@ -309,6 +309,26 @@ impl<'a> Elf<'a> {
         }
 
         check_links(&sections, table.len(), shoff, u64::from(header.e_shstrndx.get(e).0))?;
+        // What is scanned is what is loaded: an allocated section's file
+        // offset must be where the loadable segment holding its address
+        // maps it from (the code is read through the section headers).
+        for s in sections.iter().filter(|s| s.is_alloc() && !s.data.is_empty()) {
+            let load = phdrs.iter().find(|p| {
+                p.p_type(e) == elf::PT_LOAD && s.addr.0 >= p.p_vaddr(e) && s.addr.0 - p.p_vaddr(e) < p.p_filesz(e)
+            });
+            if let Some(p) = load {
+                let mapped = p.p_offset(e) + (s.addr.0 - p.p_vaddr(e));
+                if mapped != s.offset.0 {
+                    return Err(Error::malformed_at(
+                        shoff + s.index as u64 * 64 + 24,
+                        format!(
+                            "section [{}] {}: file offset {} but its address {} is loaded from offset {mapped:#x}; they must agree",
+                            s.index, s.name, s.offset, s.addr
+                        ),
+                    ));
+                }
+            }
+        }
         let file = ElfFile64::<LE>::parse(data)
             .map_err(|err| Error::malformed_at(shoff, format!("section header table: {err}")))?;
         let file_type = match header.e_type.get(e).0 {
