@@ -162,7 +162,8 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
             staged.add(&copy, 0o755, |w| w.write_all(&bytes))?;
         }
     }
-    staged.add(&output, in_meta.permissions().mode() & 0o7777, |w| patched.write_to(w))?;
+    // Runs of zero pages in the input (a sparse file) stay holes.
+    staged.add_sparse(&output, in_meta.permissions().mode() & 0o7777, |w| patched.write_sparse(w))?;
     staged.commit()?;
     for s in &patched.skipped {
         let site = &analysis.scan.sites[s.site];

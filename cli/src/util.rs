@@ -216,6 +216,26 @@ pub struct Staged {
 
 impl Staged {
     pub fn add(&mut self, path: &Path, mode: u32, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
+        self.add_with(path, mode, |w| fill(w).map(|()| None))
+    }
+
+    /// Like [`add`](Self::add), for a writer that seeks over runs of zeros
+    /// (keeping them holes on disk) and returns the file's length.
+    pub fn add_sparse(
+        &mut self,
+        path: &Path,
+        mode: u32,
+        fill: impl FnOnce(&mut io::BufWriter<File>) -> io::Result<u64>,
+    ) -> Result<()> {
+        self.add_with(path, mode, |w| fill(w).map(Some))
+    }
+
+    fn add_with(
+        &mut self,
+        path: &Path,
+        mode: u32,
+        fill: impl FnOnce(&mut io::BufWriter<File>) -> io::Result<Option<u64>>,
+    ) -> Result<()> {
         use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         check_output_path(path)?;
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));

@@ -6,6 +6,7 @@ mod util;
 
 mod bad_input;
 mod live;
+mod malformed;
 mod patch;
 mod reliability;
 mod report;

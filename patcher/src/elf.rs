@@ -34,6 +34,8 @@ pub struct Section<'a> {
     pub size: u64,
     pub flags: u64,
     pub sh_type: u32,
+    pub link: u32,
+    pub info: u32,
     /// File contents (empty for SHT_NOBITS).
     pub data: &'a [u8],
 }
@@ -96,10 +98,16 @@ fn check_ident(data: &[u8]) -> Result<()> {
     match data[4] {
         2 => {}
         1 => return Err(Error::unsupported("32-bit ELF file: only x86-64 (ELFCLASS64) is supported")),
-        c => return Err(Error::malformed_at(4, format!("bad ELF class {c}"))),
+        c => return Err(Error::malformed_at(4, format!("ELF class {c} (EI_CLASS); it must be 2 (ELFCLASS64)"))),
     }
     if data[5] != 1 {
         return Err(Error::unsupported("big-endian ELF file: only x86-64 is supported"));
+    }
+    if data[6] != 1 {
+        return Err(Error::malformed_at(
+            6,
+            format!("ELF identification version {} (EI_VERSION); it must be 1 (EV_CURRENT)", data[6]),
+        ));
     }
     let machine = read_u16(data, 18);
     if machine != elf::EM_X86_64.0 {
@@ -113,6 +121,69 @@ fn check_ident(data: &[u8]) -> Result<()> {
     }
 }
 
+/// Checks what `object` needs of the section headers' links before it
+/// reads symbol and relocation tables, so that a bad link is reported at
+/// its section header with what is wrong, not as the library's bare text.
+fn check_links(sections: &[Section], count: usize, shoff: u64, shstrndx: u64) -> Result<()> {
+    let at = |i: usize, field: u64| shoff + i as u64 * 64 + field;
+    for s in sections {
+        let (i, name) = (s.index, s.name);
+        let sh = |f| at(i, f);
+        let is_sym = s.sh_type == elf::SHT_SYMTAB.0 || s.sh_type == elf::SHT_DYNSYM.0;
+        let is_rel = s.sh_type == elf::SHT_RELA.0 || s.sh_type == elf::SHT_REL.0;
+        if !is_sym && !is_rel {
+            continue;
+        }
+        if is_sym && s.size % 24 != 0 {
+            return Err(Error::malformed_at(
+                sh(32),
+                format!(
+                    "section [{i}] {name}: symbol table size {:#x} is not a multiple of 24 (one Elf64_Sym)",
+                    s.size
+                ),
+            ));
+        }
+        if is_sym && s.offset.0 % 8 != 0 {
+            return Err(Error::malformed_at(
+                sh(24),
+                format!("section [{i}] {name}: symbol table offset {} is not 8-byte aligned", s.offset),
+            ));
+        }
+        let link = s.link as usize;
+        if link >= count {
+            return Err(Error::malformed_at(
+                sh(40),
+                format!("section [{i}] {name}: sh_link {link} is not a section index (the file has {count} sections)"),
+            ));
+        }
+        if is_sym && link != 0 && sections[link].sh_type != elf::SHT_STRTAB.0 {
+            return Err(Error::malformed_at(
+                sh(40),
+                format!(
+                    "section [{i}] {name}: sh_link {link} names a section of type {:#x}; it must be a string table (SHT_STRTAB)",
+                    sections[link].sh_type
+                ),
+            ));
+        }
+        if is_rel && s.info as usize >= count && s.flags & elf::SHF_INFO_LINK.0 != 0 {
+            return Err(Error::malformed_at(
+                sh(44),
+                format!(
+                    "section [{i}] {name}: sh_info {} is not a section index (the file has {count} sections)",
+                    s.info
+                ),
+            ));
+        }
+    }
+    if count > 0 && shstrndx as usize >= count && shstrndx != u64::from(elf::SHN_XINDEX.0) {
+        return Err(Error::malformed_at(
+            62,
+            format!("e_shstrndx {shstrndx} is not a section index (the file has {count} sections)"),
+        ));
+    }
+    Ok(())
+}
+
 fn range_end(offset: u64, size: u64) -> Option<u64> {
     offset.checked_add(size)
 }
@@ -121,7 +192,8 @@ impl<'a> Elf<'a> {
     pub fn parse(data: &'a [u8]) -> Result<Elf<'a>> {
         check_ident(data)?;
         let len = data.len() as u64;
-        let header = Header::parse(data).map_err(|e| Error::malformed_at(0, format!("ELF header: {e}")))?;
+        let header =
+            Header::parse(data).map_err(|e| Error::malformed_at(0, format!("ELF header cannot be read: {e}")))?;
         let e = LE;
 
         // Program headers.
@@ -155,7 +227,10 @@ impl<'a> Elf<'a> {
             if ph.p_type(e) == elf::PT_LOAD && ph.p_memsz(e) < filesz {
                 return Err(Error::malformed_at(
                     phoff + i as u64 * 56,
-                    format!("program header {i}: memory size is smaller than file size"),
+                    format!(
+                        "program header {i}: PT_LOAD memory size {:#x} is smaller than its file size {filesz:#x}; it must be at least that",
+                        ph.p_memsz(e)
+                    ),
                 ));
             }
         }
@@ -175,8 +250,27 @@ impl<'a> Elf<'a> {
                 ));
             }
         }
-        let table =
-            header.sections(e, data).map_err(|err| Error::malformed_at(shoff, format!("section headers: {err}")))?;
+        // The section name table's index, checked before `object` reads
+        // the names (its error would not say which field is wrong).
+        let shstrndx = u64::from(header.e_shstrndx.get(e).0);
+        let shnum = if shoff != 0 && shnum_raw == 0 {
+            // More than 0xff00 sections: the count is section 0's sh_size.
+            data.get(shoff as usize + 32..shoff as usize + 40).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap()))
+        } else {
+            shnum_raw
+        };
+        if shoff != 0 && shstrndx != u64::from(elf::SHN_XINDEX.0) && shstrndx >= shnum.max(1) {
+            return Err(Error::malformed_at(
+                62,
+                format!("e_shstrndx {shstrndx} is not a section index (e_shnum is {shnum}); it must be below {shnum}"),
+            ));
+        }
+        let table = header.sections(e, data).map_err(|err| {
+            Error::malformed_at(
+                shoff,
+                format!("the section header table cannot be read ({err}); check e_shoff, e_shnum and e_shstrndx"),
+            )
+        })?;
         let mut sections = Vec::with_capacity(table.len());
         for (index, sh) in table.iter().enumerate() {
             let name = table.section_name(e, sh).ok().and_then(|n| std::str::from_utf8(n).ok()).unwrap_or("");
@@ -208,11 +302,35 @@ impl<'a> Elf<'a> {
                 size,
                 flags: sh.sh_flags(e).0,
                 sh_type,
+                link: sh.sh_link(e),
+                info: sh.sh_info(e),
                 data: file_data,
             });
         }
 
-        let file = ElfFile64::<LE>::parse(data).map_err(|err| Error::malformed_at(0, format!("{err}")))?;
+        check_links(&sections, table.len(), shoff, u64::from(header.e_shstrndx.get(e).0))?;
+        // What is scanned is what is loaded: an allocated section's file
+        // offset must be where the loadable segment holding its address
+        // maps it from (the code is read through the section headers).
+        for s in sections.iter().filter(|s| s.is_alloc() && !s.data.is_empty()) {
+            let load = phdrs.iter().find(|p| {
+                p.p_type(e) == elf::PT_LOAD && s.addr.0 >= p.p_vaddr(e) && s.addr.0 - p.p_vaddr(e) < p.p_filesz(e)
+            });
+            if let Some(p) = load {
+                let mapped = p.p_offset(e) + (s.addr.0 - p.p_vaddr(e));
+                if mapped != s.offset.0 {
+                    return Err(Error::malformed_at(
+                        shoff + s.index as u64 * 64 + 24,
+                        format!(
+                            "section [{}] {}: file offset {} but its address {} is loaded from offset {mapped:#x}; they must agree",
+                            s.index, s.name, s.offset, s.addr
+                        ),
+                    ));
+                }
+            }
+        }
+        let file = ElfFile64::<LE>::parse(data)
+            .map_err(|err| Error::malformed_at(shoff, format!("section header table: {err}")))?;
         let file_type = match header.e_type.get(e).0 {
             2 => FileType::Exec,
             _ if phdrs.iter().any(|p| p.p_type(e) == elf::PT_INTERP) => FileType::Pie,

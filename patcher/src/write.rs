@@ -23,6 +23,7 @@
 use crate::elf::Elf;
 use crate::error::{Error, ErrorKind, Location, Result};
 use crate::{Analysis, SiteInfo};
+use alloctramp_trampolines::addr::{FileOffset, Vaddr};
 use alloctramp_trampolines::codegen::{self, TrampolineSpec};
 use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
 use object::LittleEndian as LE;
@@ -32,7 +33,6 @@ use object::read::elf::ProgramHeader as _;
 
 type Phdr = elf::ProgramHeader64<LE>;
 type Shdr = elf::SectionHeader64<LE>;
-type Dyn = elf::Dyn64<LE>;
 type Sym = elf::Sym64<LE>;
 type Rela = elf::Rela64<LE>;
 
@@ -77,20 +77,74 @@ pub struct Patched<'a> {
 }
 
 impl Patched<'_> {
-    /// Writes the patched file.
-    pub fn write_to(&self, w: &mut (impl std::io::Write + ?Sized)) -> std::io::Result<()> {
-        w.write_all(&self.head)?;
+    /// Gives the patched file's bytes, in order, in pieces.
+    fn pieces(&self, mut put: impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        put(&self.head)?;
         let mut at = 0usize;
         let mut fixups = self.fixups.clone();
         fixups.sort();
         for (off, bytes) in fixups {
             let off = off as usize;
-            w.write_all(&self.original[at..off])?;
-            w.write_all(&bytes)?;
+            if off < at || off + bytes.len() > self.original.len() {
+                continue;
+            }
+            put(&self.original[at..off])?;
+            put(&bytes)?;
             at = off + bytes.len();
         }
-        w.write_all(&self.original[at..])?;
-        w.write_all(&self.tail)
+        put(&self.original[at..])?;
+        put(&self.tail)
+    }
+
+    /// Writes the patched file.
+    pub fn write_to(&self, w: &mut (impl std::io::Write + ?Sized)) -> std::io::Result<()> {
+        self.pieces(|p| w.write_all(p))
+    }
+
+    /// Writes the patched file from the writer's start, seeking over every
+    /// whole 4 KiB block (at a 4 KiB-aligned output offset) of zeros instead
+    /// of writing it, so that holes of a sparse input stay holes. Returns
+    /// the file's length: the caller sets it (`File::set_len`), since a
+    /// trailing hole is never written.
+    pub fn write_sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W) -> std::io::Result<u64> {
+        const BLOCK: usize = 4096;
+        // `pos` bytes given so far; `written` where the writer stands; a
+        // block that spans pieces is gathered in `partial` first.
+        let (mut pos, mut written) = (0u64, 0u64);
+        let mut partial: Vec<u8> = Vec::with_capacity(BLOCK);
+        let mut emit = |block: &[u8], at: u64, written: &mut u64| -> std::io::Result<()> {
+            if !is_zero(block) {
+                if *written != at {
+                    w.seek(std::io::SeekFrom::Start(at))?;
+                }
+                w.write_all(block)?;
+                *written = at + block.len() as u64;
+            }
+            Ok(())
+        };
+        self.pieces(|mut p| {
+            while !p.is_empty() {
+                if partial.is_empty() && p.len() >= BLOCK && pos % BLOCK as u64 == 0 {
+                    let (block, rest) = p.split_at(BLOCK);
+                    emit(block, pos, &mut written)?;
+                    pos += BLOCK as u64;
+                    p = rest;
+                    continue;
+                }
+                let n = (BLOCK - (pos as usize + partial.len()) % BLOCK).min(p.len());
+                partial.extend_from_slice(&p[..n]);
+                p = &p[n..];
+                if (pos as usize + partial.len()).is_multiple_of(BLOCK) {
+                    emit(&partial, pos, &mut written)?;
+                    pos += partial.len() as u64;
+                    partial.clear();
+                }
+            }
+            Ok(())
+        })?;
+        // A last, partial block: zeros are left to the length.
+        emit(&partial, pos, &mut written)?;
+        Ok(pos + partial.len() as u64)
     }
 
     /// The patched file in one buffer.
@@ -99,6 +153,11 @@ impl Patched<'_> {
         self.write_to(&mut v).expect("writing to a Vec");
         v
     }
+}
+
+fn is_zero(b: &[u8]) -> bool {
+    let (words, rest) = b.split_at(b.len() / 8 * 8);
+    words.chunks_exact(8).all(|w| u64::from_ne_bytes(w.try_into().unwrap()) == 0) && rest.iter().all(|&x| x == 0)
 }
 
 fn align(v: u64, a: u64) -> u64 {
@@ -120,18 +179,284 @@ fn table_at<'a, T: object::Pod>(elf: &Elf<'a>, addr: u64, size: u64, what: &str)
         Error::new(
             ErrorKind::Malformed,
             Location::Vaddr(alloctramp_trampolines::addr::Vaddr(addr)),
-            format!("{what} is not in a loaded segment"),
+            format!("{what} at address {addr:#x} is not in the file contents of any PT_LOAD segment; the loader reads it there"),
         )
     })?;
     let bytes = elf
         .data
         .get(off.0 as usize..(off.0 as usize).saturating_add(size as usize))
-        .ok_or_else(|| Error::malformed_at(off.0, format!("{what} extends past the end of the file")))?;
-    slice_from_all_bytes::<T>(bytes).map_err(|_| Error::malformed_at(off.0, format!("{what}: bad size {size:#x}")))
+        .ok_or_else(|| {
+            Error::malformed_at(
+                off.0,
+                format!(
+                    "{what} of {size:#x} bytes extends past the end of the file ({:#x} bytes); its size or address is wrong",
+                    elf.data.len()
+                ),
+            )
+        })?;
+    slice_from_all_bytes::<T>(bytes).map_err(|_| {
+        Error::malformed_at(
+            off.0,
+            format!(
+                "{what}: size {size:#x} is not a whole number of {}-byte entries, or the table is not {}-byte aligned",
+                std::mem::size_of::<T>(),
+                std::mem::align_of::<T>()
+            ),
+        )
+    })
 }
 
+/// A dynamic entry's value. The loader keeps the last entry of each tag
+/// (DT_NEEDED aside, which it reads one by one), so this does too.
 fn dyn_val(dynamic: &[(i64, u64)], tag: i64) -> Option<u64> {
-    dynamic.iter().find(|(t, _)| *t == tag).map(|&(_, v)| v)
+    dynamic.iter().rev().find(|(t, _)| *t == tag).map(|&(_, v)| v)
+}
+
+fn u16_at(d: &[u8], at: u64) -> Option<u16> {
+    Some(u16::from_le_bytes(d.get(at as usize..(at as usize).checked_add(2)?)?.try_into().ok()?))
+}
+
+fn u32_at(d: &[u8], at: u64) -> Option<u32> {
+    Some(u32::from_le_bytes(d.get(at as usize..(at as usize).checked_add(4)?)?.try_into().ok()?))
+}
+
+fn u64_at(d: &[u8], at: u64) -> Option<u64> {
+    Some(u64::from_le_bytes(d.get(at as usize..(at as usize).checked_add(8)?)?.try_into().ok()?))
+}
+
+/// Reads the dynamic table the way the dynamic linker does: at PT_DYNAMIC's
+/// address, through the loadable segment that holds it, up to the DT_NULL
+/// entry (PT_DYNAMIC's sizes are not used by the loader, so a table longer
+/// than they say is read whole). Returns the table's file offset and its
+/// entries before DT_NULL.
+fn read_dynamic(elf: &Elf, ph: &Phdr) -> Result<(u64, Vec<(i64, u64)>)> {
+    let e = LE;
+    let addr = ph.p_vaddr(e);
+    if let Some(s) = elf.sections.iter().find(|s| s.sh_type == elf::SHT_NOBITS.0 && s.name == ".dynamic") {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            Location::Vaddr(Vaddr(s.addr.0)),
+            "a separate debug information file (.dynamic has no contents): patch the program or library it belongs to",
+        ));
+    }
+    let seg = elf
+        .file
+        .elf_program_headers()
+        .iter()
+        .find(|p| p.p_type(e) == elf::PT_LOAD && addr >= p.p_vaddr(e) && addr - p.p_vaddr(e) < p.p_filesz(e));
+    let Some(seg) = seg else {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            Location::Both(FileOffset(ph.p_offset(e)), Vaddr(addr)),
+            "PT_DYNAMIC's address is not in the file contents of any PT_LOAD segment: the dynamic linker could not read it",
+        ));
+    };
+    let start = seg.p_offset(e) + (addr - seg.p_vaddr(e));
+    let end = seg.p_offset(e) + seg.p_filesz(e);
+    let mut entries = Vec::new();
+    let mut at = start;
+    while at + 16 <= end {
+        let (Some(tag), Some(val)) = (u64_at(elf.data, at), u64_at(elf.data, at + 8)) else { break };
+        if tag as i64 == elf::DT_NULL.0 {
+            return Ok((start, entries));
+        }
+        entries.push((tag as i64, val));
+        at += 16;
+    }
+    Err(Error::new(
+        ErrorKind::Malformed,
+        Location::Both(FileOffset(start), Vaddr(addr)),
+        format!(
+            "the dynamic table has no DT_NULL entry before the end of its segment (offset {end:#x}); it must end with DT_NULL"
+        ),
+    ))
+}
+
+/// The GNU hash table at `addr`, read from its own header (not from its
+/// section header, which the loader never reads), as far as the loader can
+/// read it: every chain to its end, and a chain entry for each of `nsyms`
+/// symbols. Every bucket must be empty or name a hashed symbol.
+fn gnu_hash_table<'a>(elf: &Elf<'a>, addr: u64, nsyms: u64) -> Result<&'a [u8]> {
+    let head: &[u8] = table_at(elf, addr, 16, ".gnu.hash")?;
+    let word = |b: &[u8], i: usize| u64::from(u32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().unwrap()));
+    let (nbuckets, symoffset, bloom) = (word(head, 0), word(head, 1), word(head, 2));
+    let buckets_at = 16 + bloom * 8;
+    let chains_at = buckets_at + nbuckets * 4;
+    let fixed: &[u8] = table_at(elf, addr, chains_at, ".gnu.hash")?;
+    let mut high = None;
+    for b in 0..nbuckets as usize {
+        let idx = word(&fixed[buckets_at as usize..], b);
+        if idx != 0 && idx < symoffset {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(addr + buckets_at + b as u64 * 4)),
+                format!(
+                    ".gnu.hash bucket {b} holds symbol {idx}, below the first hashed symbol {symoffset}; it must be 0 or at least {symoffset}"
+                ),
+            ));
+        }
+        high = high.max((idx != 0).then_some(idx));
+    }
+    // The chain that starts last ends last: follow it to its end (the
+    // entry with bit 0 set).
+    let mut end = symoffset.max(nsyms);
+    if let Some(high) = high {
+        let mut i = high;
+        loop {
+            let at = addr + chains_at + (i - symoffset) * 4;
+            let w = elf.offset_of(Vaddr(at)).and_then(|o| elf.data.get(o.0 as usize));
+            let Some(&w) = w else {
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    Location::Vaddr(Vaddr(addr + buckets_at)),
+                    format!(
+                        ".gnu.hash: the chain of symbol {high} has no end marker before its segment ends at address {at:#x}; every chain must end"
+                    ),
+                ));
+            };
+            if w & 1 != 0 {
+                break;
+            }
+            i += 1;
+        }
+        end = end.max(i + 1);
+        if i >= nsyms && nsyms >= symoffset {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(addr + chains_at + (i - symoffset) * 4)),
+                format!(
+                    ".gnu.hash: a chain reaches symbol {i}, but the .dynsym section header gives {nsyms} symbols; they must agree"
+                ),
+            ));
+        }
+    }
+    table_at(elf, addr, chains_at + (end - symoffset) * 4, ".gnu.hash")
+}
+
+/// Checks that every lazy-binding stub in .plt pushes the index of a
+/// relocation the copied .rela.plt has (`count` of them): the loader reads
+/// the relocation at that index, and past the copy it would read other
+/// bytes than past the original.
+fn check_plt_indices(elf: &Elf, count: u64) -> Result<()> {
+    use iced_x86::{Code, Decoder, DecoderOptions};
+    for s in elf.sections.iter().filter(|s| s.name == ".plt" && s.is_exec()) {
+        let mut dec = Decoder::with_ip(64, s.data, s.addr.0, DecoderOptions::NONE);
+        for ins in &mut dec {
+            if matches!(ins.code(), Code::Pushq_imm32 | Code::Pushq_imm8) {
+                let index = ins.immediate64();
+                if index >= count {
+                    let at = s.offset.0 + (ins.ip() - s.addr.0);
+                    return Err(Error::new(
+                        ErrorKind::Malformed,
+                        Location::Both(FileOffset(at), Vaddr(ins.ip())),
+                        format!(
+                            "PLT stub pushes relocation index {index:#x}, but .rela.plt (DT_JMPREL) has {count} relocations; the index must be below {count}"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Dynamic tags whose value is an offset in the dynamic string table.
+const STRING_TAGS: [(i64, &str); 9] = [
+    (elf::DT_NEEDED.0, "DT_NEEDED"),
+    (elf::DT_SONAME.0, "DT_SONAME"),
+    (elf::DT_RPATH.0, "DT_RPATH"),
+    (elf::DT_RUNPATH.0, "DT_RUNPATH"),
+    (elf::DT_AUXILIARY.0, "DT_AUXILIARY"),
+    (elf::DT_FILTER.0, "DT_FILTER"),
+    (elf::DT_CONFIG.0, "DT_CONFIG"),
+    (elf::DT_DEPAUDIT.0, "DT_DEPAUDIT"),
+    (elf::DT_AUDIT.0, "DT_AUDIT"),
+];
+
+/// Checks that a string offset names a NUL-terminated string inside the
+/// dynamic string table. The patched file's table is the original one with
+/// strings appended, so a string that ran past the original table's end
+/// would read different bytes there.
+fn check_string(strtab: &[u8], off: u64, at: Location, what: &str) -> Result<()> {
+    let size = strtab.len() as u64;
+    if off >= size {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            at,
+            format!(
+                "{what}: string offset {off:#x} is outside the dynamic string table (DT_STRSZ {size:#x}); it must be below {size:#x}"
+            ),
+        ));
+    }
+    if !strtab[off as usize..].contains(&0) {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            at,
+            format!(
+                "{what}: the string at offset {off:#x} is not NUL-terminated before the end of the dynamic string table (DT_STRSZ {size:#x})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Walks the version needs (`need == true`) or definitions at `addr` as the
+/// dynamic linker does (until a zero `next`), checking every name's string
+/// offset; returns the highest version index they define.
+fn walk_versions(elf: &Elf, addr: u64, strtab: &[u8], need: bool) -> Result<u16> {
+    let what = if need { "DT_VERNEED" } else { "DT_VERDEF" };
+    let d = elf.data;
+    let bad = |off: u64, msg: String| Error::new(ErrorKind::Malformed, Location::Offset(FileOffset(off)), msg);
+    let mut off = elf
+        .offset_of(Vaddr(addr))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(addr)),
+                format!("{what} is not in the file contents of a loadable segment"),
+            )
+        })?
+        .0;
+    let past = |off: u64, n: u64| bad(off, format!("{what}: entry of {n} bytes extends past the end of the file"));
+    let mut high = 0u16;
+    loop {
+        let next = if need {
+            // Elf64_Verneed: version, cnt, file, aux, next; then every
+            // Elf64_Vernaux (hash, flags, other, name, next) in its chain.
+            let file = u32_at(d, off + 4).ok_or_else(|| past(off, 16))?;
+            check_string(strtab, file.into(), Location::Offset(FileOffset(off + 4)), "version need file name")?;
+            let aux = u32_at(d, off + 8).ok_or_else(|| past(off, 16))?;
+            let next = u32_at(d, off + 12).ok_or_else(|| past(off, 16))?;
+            let mut a = off + u64::from(aux);
+            loop {
+                let other = u16_at(d, a + 6).ok_or_else(|| past(a, 16))?;
+                let name = u32_at(d, a + 8).ok_or_else(|| past(a, 16))?;
+                check_string(strtab, name.into(), Location::Offset(FileOffset(a + 8)), "version need name")?;
+                high = high.max(other & 0x7fff);
+                let an = u32_at(d, a + 12).ok_or_else(|| past(a, 16))?;
+                if an == 0 {
+                    break;
+                }
+                a += u64::from(an);
+            }
+            next
+        } else {
+            // Elf64_Verdef: version, flags, ndx, cnt, hash, aux, next; the
+            // loader reads the first Elf64_Verdaux's name only.
+            let ndx = u16_at(d, off + 4).ok_or_else(|| past(off, 20))?;
+            let aux = u32_at(d, off + 12).ok_or_else(|| past(off, 20))?;
+            let next = u32_at(d, off + 16).ok_or_else(|| past(off, 20))?;
+            high = high.max(ndx & 0x7fff);
+            let a = off + u64::from(aux);
+            let name = u32_at(d, a).ok_or_else(|| past(a, 8))?;
+            check_string(strtab, name.into(), Location::Offset(FileOffset(a)), "version definition name")?;
+            next
+        };
+        if next == 0 {
+            return Ok(high);
+        }
+        off += u64::from(next);
+    }
 }
 
 /// The ELF hash function of the SysV hash table.
@@ -199,32 +524,43 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         .find(|p| p.p_type(e) == elf::PT_DYNAMIC)
         .ok_or_else(|| refuse("statically linked (no PT_DYNAMIC): the runtime library cannot be loaded"))?;
     if elf.sections.is_empty() {
-        return Err(refuse("no section headers"));
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            Location::Offset(FileOffset(40)),
+            "no section headers (e_shoff is 0): they are needed to find and repoint the dynamic tables",
+        ));
     }
     let loads: Vec<&Phdr> = phdrs.iter().filter(|p| p.p_type(e) == elf::PT_LOAD).collect();
     if loads.is_empty() {
         return Err(refuse("no PT_LOAD segment"));
     }
 
-    // The dynamic table.
-    let dyn_off = dyn_ph.p_offset(e);
-    let dyn_bytes = data
-        .get(dyn_off as usize..(dyn_off + dyn_ph.p_filesz(e)) as usize)
-        .ok_or_else(|| Error::malformed_at(dyn_off, "PT_DYNAMIC extends past the end of the file"))?;
-    let dyns = slice_from_all_bytes::<Dyn>(&dyn_bytes[..dyn_bytes.len() / 16 * 16])
-        .map_err(|_| Error::malformed_at(dyn_off, "bad PT_DYNAMIC"))?;
-    let dynamic: Vec<(i64, u64)> =
-        dyns.iter().map(|d| (d.d_tag.get(e).0, d.d_val.get(e))).take_while(|&(t, _)| t != elf::DT_NULL.0).collect();
+    // The dynamic table, read as the dynamic linker reads it: from
+    // PT_DYNAMIC's address up to DT_NULL, whatever PT_DYNAMIC's size says.
+    let (dyn_off, dynamic) = read_dynamic(&elf, dyn_ph)?;
     for (tag, what) in [
         (elf::DT_REL.0, "REL relocations"),
         (elf::DT_SYMTAB_SHNDX.0, "DT_SYMTAB_SHNDX"),
         (elf::DT_TEXTREL.0, "text relocations"),
     ] {
         if dyn_val(&dynamic, tag).is_some() {
-            return Err(refuse(format!("{what} are not supported")));
+            let k = dynamic.iter().position(|&(t, _)| t == tag).unwrap_or(0) as u64;
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                Location::Offset(FileOffset(dyn_off + k * 16)),
+                format!("{what} are not supported (only RELA dynamic relocations, as x86-64 linkers emit)"),
+            ));
         }
     }
-    let need = |tag: i64, what: &str| dyn_val(&dynamic, tag).ok_or_else(|| refuse(format!("no {what} in .dynamic")));
+    let need = |tag: i64, what: &str| {
+        dyn_val(&dynamic, tag).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Malformed,
+                Location::Both(FileOffset(dyn_off), Vaddr(dyn_ph.p_vaddr(e))),
+                format!("the dynamic table has no {what} entry; a dynamically linked file needs one"),
+            )
+        })
+    };
     let strtab_addr = need(elf::DT_STRTAB.0, "DT_STRTAB")?;
     let strsz = need(elf::DT_STRSZ.0, "DT_STRSZ")?;
     let symtab_addr = need(elf::DT_SYMTAB.0, "DT_SYMTAB")?;
@@ -232,31 +568,87 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         .sections
         .iter()
         .find(|s| s.sh_type == elf::SHT_DYNSYM.0 && s.addr.0 == symtab_addr)
-        .ok_or_else(|| refuse("no .dynsym section header matching DT_SYMTAB"))?;
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(symtab_addr)),
+                "no SHT_DYNSYM section header at DT_SYMTAB's address: the section headers must describe the dynamic symbol table",
+            )
+        })?;
     let nsyms = dynsym_sec.size / 24;
+    // The loader knows the symbol count only from the hash tables. The GNU
+    // table is copied as far as the loader can read it (every chain to its
+    // end, at least one entry per hashed symbol); the SysV table is rebuilt,
+    // so where it is the only one, its count must match the section's.
+    let gnu_hash_addr = dyn_val(&dynamic, elf::DT_GNU_HASH.0);
+    let gnu_hash_old = gnu_hash_addr.map(|addr| gnu_hash_table(&elf, addr, nsyms)).transpose()?;
+    let hash_addr = dyn_val(&dynamic, elf::DT_HASH.0);
+    let hash_count = hash_addr
+        .map(|addr| {
+            table_at::<u8>(&elf, addr, 8, ".hash").map(|h| u64::from(u32::from_le_bytes(h[4..8].try_into().unwrap())))
+        })
+        .transpose()?;
+    if gnu_hash_old.is_none() {
+        let what = ".hash";
+        if let Some(count) = hash_count.filter(|&c| c != nsyms) {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Offset(FileOffset(dynsym_sec.offset.0)),
+                format!(
+                    "the .dynsym section header gives {nsyms} symbols ({:#x} bytes) but {what} covers {count}; they must agree",
+                    dynsym_sec.size
+                ),
+            ));
+        }
+    }
     let old_syms: &[Sym] = table_at(&elf, symtab_addr, nsyms * 24, ".dynsym")?;
     let old_strtab: &[u8] = table_at(&elf, strtab_addr, strsz, ".dynstr")?;
 
+    // Every string the loader reads must lie inside the string table: the
+    // patched file's table is a copy with strings appended, and bytes past
+    // the original table are not copied.
+    for (k, &(tag, val)) in dynamic.iter().enumerate() {
+        if let Some((_, name)) = STRING_TAGS.iter().find(|(t, _)| *t == tag) {
+            let at = dyn_off + k as u64 * 16;
+            let loc = Location::Both(FileOffset(at), Vaddr(dyn_ph.p_vaddr(e) + k as u64 * 16));
+            check_string(old_strtab, val, loc, name)?;
+        }
+    }
+    let dynsym_off = elf.offset_of(Vaddr(symtab_addr)).map_or(0, |o| o.0);
+    for (i, sym) in old_syms.iter().enumerate().skip(1) {
+        let loc = Location::Offset(FileOffset(dynsym_off + i as u64 * 24));
+        check_string(old_strtab, sym.st_name.get(e).into(), loc, &format!("dynamic symbol {i}"))?;
+    }
+    let mut version_high = 1u16;
+    for (tag, need) in [(elf::DT_VERNEED.0, true), (elf::DT_VERDEF.0, false)] {
+        if let Some(addr) = dyn_val(&dynamic, tag) {
+            version_high = version_high.max(walk_versions(&elf, addr, old_strtab, need)?);
+        }
+    }
+
     // Where the imported symbol goes: before the hashed symbols of a GNU
     // hash table, else at the end.
-    let gnu_hash_addr = dyn_val(&dynamic, elf::DT_GNU_HASH.0);
-    let gnu_hash_old: Option<&[u8]> = match gnu_hash_addr {
-        Some(addr) => {
-            let sec = elf.sections.iter().find(|s| s.addr.0 == addr && s.sh_type == elf::SHT_GNU_HASH.0);
-            let size = sec.map(|s| s.size).ok_or_else(|| refuse("no .gnu.hash section header matching DT_GNU_HASH"))?;
-            Some(table_at(&elf, addr, size, ".gnu.hash")?)
-        }
-        None => None,
-    };
     let insert_at = match gnu_hash_old {
         Some(h) if h.len() >= 16 => u64::from(u32::from_le_bytes(h[4..8].try_into().unwrap())),
-        Some(_) => return Err(Error::malformed(".gnu.hash is truncated")),
+        Some(h) => {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                Location::Vaddr(Vaddr(gnu_hash_addr.unwrap_or(0))),
+                format!(".gnu.hash is {} bytes, shorter than its 16-byte header", h.len()),
+            ));
+        }
         None => nsyms,
     };
     if insert_at > nsyms || insert_at == 0 {
-        return Err(Error::malformed(format!(".gnu.hash symbol offset {insert_at} does not fit {nsyms} symbols")));
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            Location::Vaddr(Vaddr(gnu_hash_addr.map_or(0, |a| a + 4))),
+            format!(".gnu.hash symoffset {insert_at}: it must be between 1 and the {nsyms} dynamic symbols"),
+        ));
     }
-    let shift = |i: u32| if u64::from(i) >= insert_at { i + 1 } else { i };
+    // Symbol indices at and above the new symbol move up by one; an index
+    // past the table (in a relocation that ignores its symbol) stays.
+    let shift = |i: u32| if u64::from(i) >= insert_at && u64::from(i) < nsyms { i + 1 } else { i };
 
     // New .dynstr: old strings plus the runtime's name and symbol.
     let mut strtab = old_strtab.to_vec();
@@ -290,6 +682,21 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let versym = match versym_addr {
         Some(addr) => {
             let old: &[u8] = table_at(&elf, addr, nsyms * 2, ".gnu.version")?;
+            // The loader indexes an array of version_high + 1 entries with
+            // these: a larger index reads past it.
+            let versym_off = elf.offset_of(Vaddr(addr)).map_or(0, |o| o.0);
+            for (i, v) in old.chunks_exact(2).enumerate() {
+                let v = u16::from_le_bytes([v[0], v[1]]) & 0x7fff;
+                if v > version_high {
+                    return Err(Error::new(
+                        ErrorKind::Malformed,
+                        Location::Offset(FileOffset(versym_off + i as u64 * 2)),
+                        format!(
+                            ".gnu.version entry of dynamic symbol {i}: version index {v} is out of range; the version tables define indices up to {version_high}"
+                        ),
+                    ));
+                }
+            }
             let mut v = old[..insert_at as usize * 2].to_vec();
             v.extend_from_slice(&1u16.to_le_bytes());
             v.extend_from_slice(&old[insert_at as usize * 2..]);
@@ -305,13 +712,22 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             let bloom = u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
             let buckets_at = 16 + bloom * 8;
             if h.len() < buckets_at + nbuckets * 4 {
-                return Err(Error::malformed(".gnu.hash is truncated"));
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    Location::Vaddr(Vaddr(gnu_hash_addr.unwrap_or(0))),
+                    format!(
+                        ".gnu.hash is {} bytes; its header ({nbuckets} buckets, {bloom} bloom words) needs {}",
+                        h.len(),
+                        buckets_at + nbuckets * 4
+                    ),
+                ));
             }
             let mut v = h.to_vec();
             v[4..8].copy_from_slice(&(insert_at as u32 + 1).to_le_bytes());
             for b in 0..nbuckets {
                 let at = buckets_at + b * 4;
                 let idx = u32::from_le_bytes(v[at..at + 4].try_into().unwrap());
+                // Checked by gnu_hash_table: 0 or a hashed symbol.
                 if idx != 0 {
                     v[at..at + 4].copy_from_slice(&(idx + 1).to_le_bytes());
                 }
@@ -322,7 +738,6 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     };
 
     // New SysV .hash, rebuilt for the new symbol list.
-    let hash_addr = dyn_val(&dynamic, elf::DT_HASH.0);
     let hash = match hash_addr {
         Some(addr) => {
             let head: &[u8] = table_at(&elf, addr, 8, ".hash")?;
@@ -349,12 +764,29 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     };
 
     // Relocation tables, with symbol indices shifted.
-    let copy_relas = |addr: u64, size: u64, what: &str| -> Result<Vec<u8>> {
+    // How far relocated data reaches: a relocation's offset plus its
+    // symbol's size (elflint's test of whether a relocation writes to a
+    // read-only segment); the new segments are placed above it.
+    let mut reach = 0u64;
+    let mut copy_relas = |addr: u64, size: u64, what: &str| -> Result<Vec<u8>> {
         let old: &[Rela] = table_at(&elf, addr, size, what)?;
         let mut v = Vec::with_capacity(size as usize + 24);
         for r in old {
             let info = r.r_info.get(e);
             let (sym, typ) = ((info >> 32) as u32, info as u32);
+            let sym_size = old_syms.get(sym as usize).map_or(0, |s| s.st_size.get(e));
+            let ignores_symbol =
+                [elf::R_X86_64_NONE.0, elf::R_X86_64_RELATIVE.0, elf::R_X86_64_IRELATIVE.0].contains(&typ);
+            if u64::from(sym) >= nsyms && !ignores_symbol {
+                let at = elf.offset_of(Vaddr(addr)).map_or(0, |o| o.0)
+                    + (r as *const Rela as usize - old.as_ptr() as usize) as u64;
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    Location::Offset(FileOffset(at)),
+                    format!("{what}: relocation of type {typ} names symbol {sym}, but .dynsym has {nsyms} symbols"),
+                ));
+            }
+            reach = reach.max(r.r_offset.get(e).saturating_add(sym_size));
             let nr = Rela {
                 r_offset: r.r_offset,
                 r_info: object::U64::new(e, (u64::from(shift(sym)) << 32) | u64::from(typ)),
@@ -368,9 +800,20 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let relasz = dyn_val(&dynamic, elf::DT_RELASZ.0).unwrap_or(0);
     let jmprel_addr = dyn_val(&dynamic, elf::DT_JMPREL.0);
     let pltrelsz = dyn_val(&dynamic, elf::DT_PLTRELSZ.0).unwrap_or(0);
+    // Lazy binding reads .rela.plt at the index a PLT stub pushes, not
+    // within DT_PLTRELSZ: the copy covers the section header's extent too,
+    // and every index a stub pushes must be inside it.
+    let jmprel_size = jmprel_addr.map_or(0, |j| {
+        let sec = elf.sections.iter().filter(|s| s.sh_type == elf::SHT_RELA.0 && s.addr.0 == j).map(|s| s.size);
+        sec.max().unwrap_or(0).max(pltrelsz)
+    });
+    check_plt_indices(&elf, jmprel_size / 24)?;
     // JMPREL inside the RELA range (some linkers): copied as part of RELA.
     let jmprel_inside = match (rela_addr, jmprel_addr) {
-        (Some(r), Some(j)) => j >= r && j + pltrelsz <= r + relasz,
+        (Some(r), Some(j)) => {
+            let end = r.saturating_add(relasz);
+            j >= r && j < end && j.saturating_add(jmprel_size) <= end
+        }
         _ => false,
     };
     let mut rela = match rela_addr {
@@ -378,7 +821,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         None => Vec::new(),
     };
     let jmprel = match jmprel_addr {
-        Some(addr) if !jmprel_inside => Some(copy_relas(addr, pltrelsz, ".rela.plt")?),
+        Some(addr) if !jmprel_inside => Some(copy_relas(addr, jmprel_size, ".rela.plt")?),
         _ => None,
     };
 
@@ -409,11 +852,42 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     // of the largest segment alignment so that every original segment keeps
     // its address. Then the read-write and executable segments, and the
     // section headers.
-    let max_align = loads.iter().map(|p| p.p_align(e)).max().unwrap_or(PAGE).max(PAGE);
-    if !max_align.is_power_of_two() || max_align > 1 << 30 {
-        return Err(Error::malformed(format!("segment alignment {max_align:#x}")));
+    let phoff = elf.file.elf_header().e_phoff.get(e);
+    for (i, p) in phdrs.iter().enumerate().filter(|(_, p)| p.p_type(e) == elf::PT_LOAD) {
+        let a = p.p_align(e);
+        let at = Location::Offset(FileOffset(phoff + i as u64 * 56 + 48));
+        if a > 1 && !a.is_power_of_two() {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                at,
+                format!("program header {i}: PT_LOAD alignment {a:#x} is not a power of two (0x1000 is usual)"),
+            ));
+        }
+        if a > 1 << 30 {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                at,
+                format!("program header {i}: PT_LOAD alignment {a:#x} is larger than the 1 GiB (0x40000000) supported"),
+            ));
+        }
+        let end = p.p_vaddr(e).checked_add(p.p_memsz(e)).filter(|&end| end <= 1 << 46);
+        if end.is_none() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                Location::Offset(FileOffset(phoff + i as u64 * 56)),
+                format!(
+                    "program header {i}: PT_LOAD at address {:#x} of size {:#x} ends above 0x400000000000: no room for the new segments above it",
+                    p.p_vaddr(e),
+                    p.p_memsz(e)
+                ),
+            ));
+        }
     }
-    let max_end = loads.iter().map(|p| p.p_vaddr(e) + p.p_memsz(e)).max().unwrap_or(0);
+    let max_align = loads.iter().map(|p| p.p_align(e)).max().unwrap_or(PAGE).max(PAGE);
+    let max_end = loads.iter().map(|p| p.p_vaddr(e).saturating_add(p.p_memsz(e))).max().unwrap_or(0);
+    // Leave a gap above what relocations reach, unless a symbol size is
+    // absurd (then no gap would do).
+    let max_end = if reach >= max_end && reach - max_end < 1 << 30 { reach + 1 } else { max_end };
     let ro_addr = align(max_end, max_align);
     let new_phnum = phdrs.len() + 3; // the new PT_LOADs
     let mut region = Region { base_off: 0, delta: ro_addr, bytes: Vec::new() };
@@ -729,7 +1203,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         if i == 0 {
             continue;
         }
-        sh.sh_offset.set(e, sh.sh_offset.get(e) + shift);
+        sh.sh_offset.set(e, sh.sh_offset.get(e).wrapping_add(shift));
         let addr = sh.sh_addr.get(e);
         let t = sh.sh_type.get(e);
         if addr == 0 {
@@ -756,6 +1230,14 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             repoint(sh, &dynamic_place);
         }
     }
+    // Sections now elsewhere in memory: (index, old address, new address).
+    let moved: Vec<(usize, u64, u64)> = old_shdrs
+        .iter()
+        .zip(&shdrs)
+        .enumerate()
+        .filter(|(_, (o, n))| o.sh_addr.get(e) != n.sh_addr.get(e))
+        .map(|(i, (o, n))| (i, o.sh_addr.get(e), n.sh_addr.get(e)))
+        .collect();
     if let Some(sh) = shdrs.get_mut(shstrndx) {
         sh.sh_offset.set(e, shstrtab_place.off);
         sh.sh_size.set(e, shstrtab_place.size);
@@ -796,15 +1278,46 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     out[56..58].copy_from_slice(&(new_phnum as u16).to_le_bytes());
     out[60..62].copy_from_slice(&(shnum as u16).to_le_bytes());
 
-    // The linker's _DYNAMIC symbol in .symtab follows the dynamic table.
-    let mut fixups = Vec::new();
+    // Symbols that name a moved table follow it: the linker's _DYNAMIC
+    // (its address, and its size where the linker gave one, as gold does)
+    // and the section symbols of the moved sections, in .symtab (fixups of
+    // the original) and in the new .dynsym.
     let old_dynamic_addr = dyn_ph.p_vaddr(e);
+    let new_dynamic_size = dynamic_place.size;
+    let follow = |sym: &Sym, strtab: &[u8]| -> Option<(u64, Option<u64>)> {
+        if sym.st_value.get(e) == old_dynamic_addr && c_str(strtab, sym.st_name.get(e)) == b"_DYNAMIC" {
+            let size = (sym.st_size.get(e) != 0).then_some(new_dynamic_size);
+            return Some((dynamic_place.addr, size));
+        }
+        if sym.st_type() == elf::STT_SECTION {
+            let shndx = usize::from(sym.st_shndx.get(e).0);
+            if let Some(&(_, old, new)) = moved.iter().find(|m| m.0 == shndx) {
+                return Some((new.wrapping_add(sym.st_value.get(e).wrapping_sub(old)), None));
+            }
+        }
+        None
+    };
+    let mut fixups = Vec::new();
     if let Some(symtab) = elf.sections.iter().find(|s| s.sh_type == elf::SHT_SYMTAB.0) {
         let strtab = elf.sections.get(old_shdrs[symtab.index].sh_link.get(e) as usize).map_or(&[][..], |s| s.data);
         let syms: &[Sym] = slice_from_all_bytes(&symtab.data[..symtab.data.len() / 24 * 24]).unwrap_or(&[]);
         for (i, sym) in syms.iter().enumerate() {
-            if sym.st_value.get(e) == old_dynamic_addr && c_str(strtab, sym.st_name.get(e)) == b"_DYNAMIC" {
-                fixups.push((symtab.offset.0 + i as u64 * 24 + 8, dynamic_place.addr.to_le_bytes()));
+            if let Some((value, size)) = follow(sym, strtab) {
+                let at = symtab.offset.0 + i as u64 * 24;
+                fixups.push((at + 8, value.to_le_bytes()));
+                if let Some(size) = size {
+                    fixups.push((at + 16, size.to_le_bytes()));
+                }
+            }
+        }
+    }
+    let new_syms: &[Sym] = slice_from_all_bytes(&syms).unwrap_or(&[]);
+    for (i, sym) in new_syms.iter().enumerate() {
+        if let Some((value, size)) = follow(sym, &strtab) {
+            let at = dynsym_place.off as usize + i * 24;
+            head[at + 8..at + 16].copy_from_slice(&value.to_le_bytes());
+            if let Some(size) = size {
+                head[at + 16..at + 24].copy_from_slice(&size.to_le_bytes());
             }
         }
     }
@@ -820,4 +1333,69 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         table_size: table_len as u64,
         counters_size,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Cursor, Read, Seek, SeekFrom, Write};
+
+    /// A writer that records which byte ranges were written.
+    struct Recorder {
+        inner: Cursor<Vec<u8>>,
+        written: u64,
+    }
+
+    impl Write for Recorder {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.written += b.len() as u64;
+            self.inner.write(b)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Seek for Recorder {
+        fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+            self.inner.seek(to)
+        }
+    }
+
+    #[test]
+    fn sparse_writer_skips_zero_blocks_and_keeps_bytes() {
+        // An original of 64 KiB: zeros but for a few bytes, a fixup inside
+        // a zero block, and head and tail of odd lengths.
+        let mut original = vec![0u8; 64 << 10];
+        original[5000] = 1;
+        original[40_000] = 2;
+        let p = Patched {
+            head: vec![7u8; 4096 + 100],
+            original: &original,
+            fixups: vec![(20_000, [9; 8])],
+            tail: vec![0u8; 5000],
+            sites: 0,
+            skipped: vec![],
+            text_size: 0,
+            table_size: 0,
+            counters_size: 0,
+        };
+        let mut r = Recorder { inner: Cursor::new(Vec::new()), written: 0 };
+        let len = p.write_sparse(&mut r).unwrap();
+        let dense = p.to_vec();
+        assert_eq!(len, dense.len() as u64);
+        let mut got = r.inner.into_inner();
+        got.resize(len as usize, 0); // set_len
+        assert!(got == dense, "same bytes as the dense writer");
+        // Written: the head's 2 blocks (the second shared with the
+        // original) and the 3 blocks holding a non-zero byte; the rest,
+        // blocks spanning pieces and the trailing partial block included,
+        // are holes.
+        assert_eq!(r.written, 5 * 4096);
+        let mut c = Cursor::new(got);
+        let mut b = [0u8; 1];
+        c.seek(SeekFrom::Start(4196 + 20_000)).unwrap();
+        c.read_exact(&mut b).unwrap();
+        assert_eq!(b[0], 9);
+    }
 }
