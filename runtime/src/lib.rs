@@ -227,6 +227,14 @@ fn install(sig: i32, handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut c_vo
     }
 }
 
+/// The SIGTRAP handler of the patching protocol, installed before the first
+/// switch (chaining to the handler the program had).
+fn install_trap_handler() {
+    if let Some(old) = install(libc::SIGTRAP, control::on_trap) {
+        control::OLD_TRAP.set(&old);
+    }
+}
+
 /// Start-up: runs as a constructor of the runtime, before the patched
 /// modules' initializers.
 fn init() {
@@ -242,6 +250,7 @@ fn init() {
     sys::register_barrier();
     let _ = CONFIG.set(Config { inert });
     live::set_on_drained(control::finish_drain);
+    patching::set_trap_installer(install_trap_handler);
 
     let mode = switch_mode();
     let _ = MODE.set(mode);
@@ -270,9 +279,6 @@ fn init() {
     state::publish_state();
     let _ = DIR.set(dir);
 
-    if let Some(old) = install(libc::SIGTRAP, control::on_trap) {
-        control::OLD_TRAP.set(&old);
-    }
     if let (Switch::Signal(n), true) = (mode, have_file) {
         install(n, control::on_signal);
     }

@@ -18,9 +18,40 @@ use crate::state::{LIVE, Sites};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, Table};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 const INT3: u8 = 0xcc;
+
+/// What installs the SIGTRAP handler that sends a thread trapped on a
+/// site's INT3 to its trampoline (given at start-up by the layer that owns
+/// signal handling). It runs before the first INT3 is ever written, so a
+/// process that never switches has no handler of ours (a program that
+/// looks at its inherited dispositions, as gdb does, sees its own).
+static TRAP_INSTALLER: AtomicUsize = AtomicUsize::new(0);
+/// 0: not installed, 1: being installed, 2: installed.
+static TRAP: AtomicU8 = AtomicU8::new(0);
+
+pub fn set_trap_installer(f: fn()) {
+    TRAP_INSTALLER.store(f as usize, Ordering::Release);
+}
+
+/// Installs the SIGTRAP handler once; concurrent callers wait for it.
+fn ensure_trap_handler() {
+    if TRAP.load(Ordering::Acquire) == 2 {
+        return;
+    }
+    if TRAP.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        let f = TRAP_INSTALLER.load(Ordering::Acquire);
+        if f != 0 {
+            // SAFETY: only ever set from a `fn()` by `set_trap_installer`.
+            unsafe { std::mem::transmute::<usize, fn()>(f)() };
+        }
+        TRAP.store(2, Ordering::Release);
+    }
+    while TRAP.load(Ordering::Acquire) != 2 {
+        std::hint::spin_loop();
+    }
+}
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
 /// (counting and tracking, counting only when live tracking is off, or the
@@ -135,6 +166,7 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     if barrier == sys::Barrier::None {
         return Err("membarrier is not available: cannot switch safely");
     }
+    ensure_trap_handler();
     let (lo, hi) = m.span;
     let unprotected = Unprotected::new(lo, hi)?;
     // The three passes of the protocol. SAFETY (every block below): the
