@@ -203,8 +203,8 @@ fn elflint_ok(p: &Path) -> (bool, String) {
 
 /// Programs that print their version with `--version` and do nothing
 /// else; those installed here form the run sample. Not gdb: it reports the
-/// signal handlers it inherits, and the runtime installs SIGTRAP and
-/// control-signal handlers at start, profiling off or on.
+/// signal handlers it inherits, and with profiling on from the start the
+/// runtime's SIGTRAP handler (installed by the first switch) is one.
 const VERSION_PROGRAMS: &[&str] = &[
     "ls",
     "cat",
