@@ -250,11 +250,16 @@ impl Staged {
             .with_context(|| format!("{}: cannot create the output in {}", path.display(), dir.display()))?;
         self.files.push((tmp.clone(), path.to_path_buf(), std::fs::symlink_metadata(path).is_ok()));
         let mut buf = io::BufWriter::with_capacity(1 << 20, f);
-        fill(&mut buf).with_context(|| format!("{}: cannot write", path.display()))?;
+        let len = fill(&mut buf).with_context(|| format!("{}: cannot write", path.display()))?;
         let f = buf
             .into_inner()
             .map_err(|e| e.into_error())
             .with_context(|| format!("{}: cannot write", path.display()))?;
+        if let Some(len) = len {
+            // A file that ends in zeros: they were skipped, the length
+            // makes them.
+            f.set_len(len).with_context(|| format!("{}: cannot write", path.display()))?;
+        }
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
         f.sync_all().ok();
         Ok(())
@@ -288,5 +293,46 @@ impl Drop for Staged {
         for (tmp, _, _) in &self.files {
             let _ = std::fs::remove_file(tmp);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sparse output that ends in zeros gets its full length (the
+    /// section header table of /usr/bin/editres ended in eight zero bytes
+    /// past the last 4 KiB block, and the output came out eight bytes
+    /// short).
+    #[test]
+    fn a_sparse_output_ending_in_zeros_keeps_its_length() {
+        let dir = std::env::temp_dir().join(format!("alloctramp-staged-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("out");
+        let mut staged = Staged::default();
+        staged
+            .add_sparse(&out, 0o644, |w| {
+                w.write_all(b"abc")?;
+                Ok(4096 + 8)
+            })
+            .unwrap();
+        staged.commit().unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        assert_eq!(bytes.len(), 4104);
+        assert_eq!(&bytes[..3], b"abc");
+        assert!(bytes[3..].iter().all(|&b| b == 0));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_leaves_nothing() {
+        let dir = std::env::temp_dir().join(format!("alloctramp-staged-fail-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut staged = Staged::default();
+        staged.add(&dir.join("first"), 0o644, |w| w.write_all(b"one")).unwrap();
+        assert!(staged.add(&dir.join("second"), 0o644, |_| Err(io::Error::other("disk full"))).is_err());
+        drop(staged);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no temporary file is left");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
