@@ -433,3 +433,27 @@ fn dynamic_entries_read_as_the_loader_reads_them() {
     let (pltrelsz, _) = dyn_entry(&real, DT_PLTRELSZ);
     check("pltrelsz-0", &|d: &mut Vec<u8>| set64(d, pltrelsz + 8, 0));
 }
+
+/// A damaged SysV `.hash` header (bucket count 0x46444000) used to size the
+/// rebuilt table: 4.7 GB of output and 9 GB of memory from a 20 KB input
+/// (found by the analyze_patch fuzz target). The count must fit the file.
+#[test]
+fn a_hash_bucket_count_larger_than_the_file_is_refused() {
+    const DT_HASH: i64 = 4;
+    let dir = scratch("hash-buckets");
+    let src = testbins_dir().join("basic.c");
+    let bin = dir.join("basic");
+    gcc(&["-O2", "-Wl,--hash-style=both", src.to_str().unwrap(), "-o", bin.to_str().unwrap()]);
+    let real = std::fs::read(&bin).unwrap();
+    let (_, hash_addr) = dyn_entry(&real, DT_HASH);
+    let at = offset_of(&real, hash_addr);
+    let input = edited(&dir, "basic.damaged", &real, |d| d[at..at + 4].copy_from_slice(&0x4644_4000u32.to_le_bytes()));
+    let out = dir.join("out");
+    let o = alloctramp().arg("patch").arg(&input).arg("-o").arg(&out).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(".hash with its buckets") && err.contains("extends past the end of the file"), "{err}");
+    assert!(!out.exists());
+    // The undamaged program still patches.
+    patch_to(&bin, &out, &[]);
+}

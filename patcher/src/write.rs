@@ -742,6 +742,10 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         Some(addr) => {
             let head: &[u8] = table_at(&elf, addr, 8, ".hash")?;
             let nbucket = u32::from_le_bytes(head[0..4].try_into().unwrap()).max(1);
+            // The rebuilt table keeps the bucket count, whose buckets the
+            // original holds in the file: a count read from a damaged header
+            // must not size a table larger than the input.
+            let _: &[u8] = table_at(&elf, addr, 8 + 4 * u64::from(nbucket), ".hash with its buckets")?;
             let n = nsyms as u32 + 1;
             let mut buckets = vec![0u32; nbucket as usize];
             let mut chains = vec![0u32; n as usize];
