@@ -457,3 +457,26 @@ fn a_hash_bucket_count_larger_than_the_file_is_refused() {
     // The undamaged program still patches.
     patch_to(&bin, &out, &[]);
 }
+
+/// Section header 0 is reserved: a damaged one claiming to be an allocated
+/// section used to be checked and carried into the output, which then
+/// failed its own check ("section [0]: file offset ... they must agree";
+/// found by the analyze_patch fuzz target). It is ignored, as tools do.
+#[test]
+fn a_damaged_section_header_zero_is_ignored() {
+    let dir = scratch("section-zero");
+    let b = built(Config::default_o2());
+    let real = std::fs::read(b.path("basic")).unwrap();
+    let shoff = le64(&real, 0x28) as usize;
+    let input = edited(&dir, "basic", &real, |d| {
+        d[shoff + 4..shoff + 8].copy_from_slice(&1u32.to_le_bytes()); // SHT_PROGBITS
+        set64(d, shoff + 8, 2); // SHF_ALLOC
+        set64(d, shoff + 16, 0x1318); // sh_addr
+        set64(d, shoff + 24, 0x1318); // sh_offset
+        set64(d, shoff + 32, 16); // sh_size
+    });
+    let out = dir.join("out");
+    patch_to(&input, &out, &[]);
+    sites_json(&out, &[]);
+    assert_eq!(run_program(&out, &[], &[]), run_program(&input, &[], &[]));
+}

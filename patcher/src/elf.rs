@@ -274,7 +274,9 @@ impl<'a> Elf<'a> {
         let mut sections = Vec::with_capacity(table.len());
         for (index, sh) in table.iter().enumerate() {
             let name = table.section_name(e, sh).ok().and_then(|n| std::str::from_utf8(n).ok()).unwrap_or("");
-            let sh_type = sh.sh_type(e).0;
+            // Section 0 is reserved (SHN_UNDEF): whatever its fields say, it
+            // describes no section (tools and the writer ignore it).
+            let sh_type = if index == 0 { elf::SHT_NULL.0 } else { sh.sh_type(e).0 };
             let (offset, size) = (sh.sh_offset(e), sh.sh_size(e));
             let at = shoff + index as u64 * 64;
             let file_data: &[u8] = if sh_type == elf::SHT_NOBITS.0 || sh_type == elf::SHT_NULL.0 {
@@ -300,7 +302,7 @@ impl<'a> Elf<'a> {
                 addr: Vaddr(addr),
                 offset: FileOffset(offset),
                 size,
-                flags: sh.sh_flags(e).0,
+                flags: if index == 0 { 0 } else { sh.sh_flags(e).0 },
                 sh_type,
                 link: sh.sh_link(e),
                 info: sh.sh_info(e),
