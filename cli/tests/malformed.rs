@@ -480,3 +480,33 @@ fn a_damaged_section_header_zero_is_ignored() {
     sites_json(&out, &[]);
     assert_eq!(run_program(&out, &[], &[]), run_program(&input, &[], &[]));
 }
+
+/// An allocated section whose address no segment loads: the new segments
+/// used to be placed over it, and the patched file then failed the check
+/// it had passed ("file offset ... but its address ... is loaded from
+/// ..."; found by the analyze_patch fuzz target). They go above it.
+#[test]
+fn an_allocated_section_outside_every_segment_stays_outside_the_new_ones() {
+    let dir = scratch("section-outside");
+    let b = built(Config::default_o2());
+    let real = std::fs::read(b.path("basic")).unwrap();
+    let (shoff, shnum, shstrndx) = (le64(&real, 0x28) as usize, le16(&real, 0x3c) as usize, le16(&real, 0x3e) as usize);
+    let names = le64(&real, shoff + shstrndx * 64 + 24) as usize;
+    let note = (0..shnum)
+        .find(|&i| {
+            let n = names + le32(&real, shoff + i * 64) as usize;
+            real[n..].starts_with(b".note.gnu.build-id\0")
+        })
+        .expect("a build-id note");
+    let end = phdrs(&real)
+        .iter()
+        .filter(|(_, t)| *t == 1)
+        .map(|(at, _)| le64(&real, at + 16) + le64(&real, at + 40))
+        .max()
+        .unwrap();
+    let input = edited(&dir, "basic", &real, |d| set64(d, shoff + note * 64 + 16, end + 0x1803));
+    let out = dir.join("out");
+    patch_to(&input, &out, &[]);
+    sites_json(&out, &[]);
+    assert_eq!(run_program(&out, &[], &[]), run_program(&input, &[], &[]));
+}

@@ -892,6 +892,25 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     // Leave a gap above what relocations reach, unless a symbol size is
     // absurd (then no gap would do).
     let max_end = if reach >= max_end && reach - max_end < 1 << 30 { reach + 1 } else { max_end };
+    // Nor may they cover an allocated section that no segment loads (a
+    // patched file must read as the input did: its sections are checked
+    // against the segments that hold their addresses).
+    let mut max_end = max_end;
+    for s in elf.sections.iter().filter(|s| s.is_alloc() && !s.data.is_empty()) {
+        let end = s.addr.0.saturating_add(s.size);
+        if end > max_end {
+            if end - max_end >= 1 << 30 {
+                return Err(Error::malformed_at(
+                    elf.file.elf_header().e_shoff.get(e) + s.index as u64 * 64 + 16,
+                    format!(
+                        "section [{}] {}: its addresses end at {end:#x}, far above every loadable segment (they end at {max_end:#x}); an allocated section lies within a PT_LOAD",
+                        s.index, s.name
+                    ),
+                ));
+            }
+            max_end = end;
+        }
+    }
     let ro_addr = align(max_end, max_align);
     let new_phnum = phdrs.len() + 3; // the new PT_LOADs
     let mut region = Region { base_off: 0, delta: ro_addr, bytes: Vec::new() };
