@@ -612,8 +612,12 @@ fn mutants() {
             let (jobs, subjects, stats, next, base) = (&jobs, &subjects, &stats, &next, &base);
             sc.spawn(move || {
                 let dir = base.join(format!("w{w}"));
+                // The mutant and its patched copy run from paths of one length:
+                // a mutant that reads memory it never set sees the stack
+                // shifted by a longer argv[0] (the environment's strings
+                // are on it).
                 let (ind, outd, tmp, counters) =
-                    (dir.join("in"), dir.join("out"), dir.join("tmp"), dir.join("counters"));
+                    (dir.join("in_"), dir.join("out"), dir.join("tmp"), dir.join("counters"));
                 for d in [&ind, &outd, &tmp, &counters] {
                     std::fs::create_dir_all(d).unwrap();
                 }
