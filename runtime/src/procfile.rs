@@ -298,12 +298,19 @@ fn runs(pid: u32, exe: (u64, u64)) -> bool {
 
 /// Removes what [`process::files_to_remove`] says in `dir`: files of
 /// processes that ended without profiling, and all but the `keep` newest of
-/// the others, with their leftover control and temporary files. Called
-/// when a process exits (not in signal context).
+/// the others, with their leftover control and temporary files. A directory
+/// with no more than `keep` counters files is left as it is (only its names
+/// are read). Not in signal context.
 pub fn prune(dir: &str, keep: usize) {
     use std::os::unix::fs::FileExt;
     use std::os::unix::fs::MetadataExt;
     use std::os::unix::fs::OpenOptionsExt;
+    // Within the bound whatever the files say: no file needs reading.
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let count = entries.flatten().filter(|e| e.file_name().as_encoded_bytes().ends_with(b".counters")).count();
+    if count <= keep {
+        return;
+    }
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     let mut found: Vec<(u32, process::FileState)> = Vec::new();
     let mut strays: Vec<std::path::PathBuf> = Vec::new();
