@@ -6,8 +6,8 @@
 //!
 //! At start-up it creates the process's counters file, starts the watcher
 //! thread that waits for requests (or installs the control signal's
-//! handler), installs a SIGTRAP handler, and registers every patched module
-//! already loaded; modules loaded later register from their init stub, and
+//! handler), and registers every patched module already loaded (the SIGTRAP
+//! handler of the patching protocol waits for the first switch); modules loaded later register from their init stub, and
 //! unregister from their fini stub. At exit, a process that never profiled
 //! removes its file.
 //!
@@ -249,8 +249,8 @@ fn init() {
     }
     sys::register_barrier();
     let _ = CONFIG.set(Config { inert });
-    live::set_on_drained(control::finish_drain);
-    patching::set_trap_installer(install_trap_handler);
+    live::ON_DRAINED.set(control::finish_drain);
+    patching::TRAP_INSTALLER.set(install_trap_handler);
 
     let mode = switch_mode();
     let _ = MODE.set(mode);

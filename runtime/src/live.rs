@@ -216,19 +216,10 @@ pub unsafe fn enable_in(control: *mut u8, slot: u64) {
 /// What to call when a free while draining may have taken the last tracked
 /// object (set at start-up by the layer that switches: live tracking sits
 /// below it and does not call up into it).
-static ON_DRAINED: AtomicUsize = AtomicUsize::new(0);
-
-pub fn set_on_drained(f: fn()) {
-    ON_DRAINED.store(f as usize, Ordering::Release);
-}
+pub static ON_DRAINED: crate::sys::Hook = crate::sys::Hook::new();
 
 fn drain_may_be_over() {
-    let f = ON_DRAINED.load(Ordering::Acquire);
-    if f != 0 {
-        // SAFETY: only ever set from a `fn()` by `set_on_drained`.
-        let f: fn() = unsafe { std::mem::transmute::<usize, fn()>(f) };
-        f();
-    }
+    ON_DRAINED.call();
 }
 
 /// glibc's rseq offset from the thread pointer (see `rseq_offset`).

@@ -18,7 +18,7 @@ use crate::state::{LIVE, Sites};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, Table};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 const INT3: u8 = 0xcc;
 
@@ -27,13 +27,9 @@ const INT3: u8 = 0xcc;
 /// signal handling). It runs before the first INT3 is ever written, so a
 /// process that never switches has no handler of ours (a program that
 /// looks at its inherited dispositions, as gdb does, sees its own).
-static TRAP_INSTALLER: AtomicUsize = AtomicUsize::new(0);
+pub static TRAP_INSTALLER: sys::Hook = sys::Hook::new();
 /// 0: not installed, 1: being installed, 2: installed.
 static TRAP: AtomicU8 = AtomicU8::new(0);
-
-pub fn set_trap_installer(f: fn()) {
-    TRAP_INSTALLER.store(f as usize, Ordering::Release);
-}
 
 /// Installs the SIGTRAP handler once; concurrent callers wait for it.
 fn ensure_trap_handler() {
@@ -41,11 +37,7 @@ fn ensure_trap_handler() {
         return;
     }
     if TRAP.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-        let f = TRAP_INSTALLER.load(Ordering::Acquire);
-        if f != 0 {
-            // SAFETY: only ever set from a `fn()` by `set_trap_installer`.
-            unsafe { std::mem::transmute::<usize, fn()>(f)() };
-        }
+        TRAP_INSTALLER.call();
         TRAP.store(2, Ordering::Release);
     }
     while TRAP.load(Ordering::Acquire) != 2 {

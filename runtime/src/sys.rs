@@ -212,6 +212,27 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32) {
     }
 }
 
+/// A function a higher layer gives a lower one at start-up (so that the
+/// lower one calls up without importing it). Safe in signal context.
+pub struct Hook(std::sync::atomic::AtomicUsize);
+
+impl Hook {
+    pub const fn new() -> Hook {
+        Hook(std::sync::atomic::AtomicUsize::new(0))
+    }
+    pub fn set(&self, f: fn()) {
+        self.0.store(f as usize, std::sync::atomic::Ordering::Release);
+    }
+    /// Calls the function, if one was set.
+    pub fn call(&self) {
+        let f = self.0.load(std::sync::atomic::Ordering::Acquire);
+        if f != 0 {
+            // SAFETY: only ever set from a `fn()` by `set`.
+            unsafe { std::mem::transmute::<usize, fn()>(f)() };
+        }
+    }
+}
+
 /// Calls `f(start, end, prot)` for each mapping of the process, in address
 /// order, from `/proc/self/maps` (read with a fixed buffer: safe in signal
 /// context). `f` returns false to stop. Returns false if the file could
