@@ -291,7 +291,7 @@ fn signed(v: u64) -> i128 {
 /// Reads every site's names and figures.
 pub fn read_figures<'a>(pf: &ProcessFile<'a>) -> Result<Figures<'a>> {
     let live = pf.live();
-    let usable = pf.flags & flags::USABLE != 0;
+    let usable = false;
     let mut sites = Vec::new();
     let mut modules = Vec::new();
     for m in pf.modules().map_err(|e| anyhow!("{e}"))? {
@@ -331,7 +331,7 @@ pub fn read_figures<'a>(pf: &ProcessFile<'a>) -> Result<Figures<'a>> {
                     freed_bytes: signed(c.freed_bytes),
                     free_calls: 0,
                     untracked_frees: signed(c.untracked_frees),
-                    usable_bytes: usable.then(|| signed(c.live_usable_bytes())),
+                    usable_bytes: None,
                 }
             } else {
                 Fig {
@@ -785,7 +785,7 @@ impl<'a> ProcessDoc<'a> {
             live: pf.live(),
             draining: pf.flags & flags::DRAINING != 0,
             incomplete: pf.flags & flags::INCOMPLETE != 0,
-            usable: pf.flags & flags::USABLE != 0,
+            usable: false,
             generation: pf.generation,
             start_time: pf.start_time,
             reset_time: pf.reset_time,

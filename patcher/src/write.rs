@@ -1028,6 +1028,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
             line,
             drain,
             count,
+            ..layout::Site::default()
         });
     }
     // File order: the read-only segment, the executable one, the
@@ -1130,7 +1131,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         text_size: text_place.size,
         module_name,
         build_id: id,
-        build_id_len: id_len as u8,
+        build_id_len: id_len as u32,
         ehdr_addr: ro_addr,
         ..layout::Header::default()
     };
@@ -1139,7 +1140,12 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         .entries
         .iter()
         .zip(&entry_names)
-        .map(|(en, &name)| layout::Entry { name, kind: en.sig.kind.code(), sig: layout::encode_sig(&en.sig) })
+        .map(|(en, &name)| layout::Entry {
+            name,
+            kind: en.sig.kind.code(),
+            sig: layout::encode_sig(&en.sig),
+            ..layout::Entry::default()
+        })
         .collect();
     let table = layout::encode(header, &table_sites, &entries, &strings);
     debug_assert_eq!(table.len(), table_len);

@@ -58,7 +58,7 @@
 use crate::procfile::header;
 use crate::tls;
 use alloctramp_trampolines::layout::nursery as ns;
-use alloctramp_trampolines::layout::{CELL_SIZE, cell};
+use alloctramp_trampolines::layout::{CELL_SIZE, ControlBlock, Nursery, NurserySlot as Slot, cell};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -197,20 +197,16 @@ pub fn replace_module_view(slot: usize, base: u64, size: u64, module_counters: u
 ///
 /// # Safety
 /// `control` must be the module's control block, with no site switched on.
-pub unsafe fn enable_in(control: *mut u8, slot: u64) {
-    use alloctramp_trampolines::layout::control as c;
+pub unsafe fn enable_in(control: &ControlBlock, slot: u64) {
     NURSERIES[0].flags.store(INERT, Ordering::Relaxed);
-    // SAFETY: 8-aligned u64 fields of the control block (caller).
-    unsafe {
-        let f = |at: u32| control.add(at as usize).cast::<u64>();
-        f(c::MODULE_ID).write_volatile(slot);
-        f(c::TRACK_ALLOC).write_volatile(track_alloc as *const () as u64);
-        f(c::TRACK_FREE).write_volatile(track_free as *const () as u64);
-        f(c::TRACK_REALLOC_BEGIN).write_volatile(track_realloc_begin as *const () as u64);
-        f(c::TRACK_REALLOC_END).write_volatile(track_realloc_end as *const () as u64);
-        f(c::NURSERY_TLS).write_volatile((tls::offset() + 8 * tls::NURSERY as i64) as u64);
-        f(c::NURSERIES).write_volatile(NURSERIES.as_ptr() as u64);
-    }
+    let r = Ordering::Relaxed;
+    control.module_id.store(slot, r);
+    control.track_alloc.store(track_alloc as *const () as u64, r);
+    control.track_free.store(track_free as *const () as u64, r);
+    control.track_realloc_begin.store(track_realloc_begin as *const () as u64, r);
+    control.track_realloc_end.store(track_realloc_end as *const () as u64, r);
+    control.nursery_tls.store(tls::offset() + 8 * tls::NURSERY as i64, r);
+    control.nurseries.store(NURSERIES.as_ptr() as u64, r);
 }
 
 /// What to call when a free while draining may have taken the last tracked
@@ -519,33 +515,6 @@ const ASSIGNED: u64 = 1;
 /// Exited, or no nursery was free: the pointer table only.
 const WITHOUT: u64 = 2;
 
-#[repr(C)]
-struct Slot {
-    /// The object; `ns::EMPTY` when free. Written by the owner with plain
-    /// stores (the trampolines) or release stores; taken by other threads
-    /// only by compare-and-swap, holding the key's shard lock.
-    key: AtomicU64,
-    cell: AtomicU64,
-    size: AtomicU64,
-    _reserved: u64,
-}
-
-#[repr(C, align(64))]
-struct Nursery {
-    flags: AtomicU8,
-    owned: AtomicBool,
-    _pad: [u8; 6],
-    /// The thread's last tracked free (`layout::nursery::LAST`).
-    last: AtomicU64,
-    _pad2: [u8; 48],
-    slots: [Slot; ns::SLOT_COUNT],
-}
-
-const _: () = assert!(std::mem::size_of::<Nursery>() == ns::BYTES);
-const _: () = assert!(std::mem::offset_of!(Nursery, slots) == ns::SLOTS as usize);
-const _: () = assert!(std::mem::size_of::<Slot>() == ns::SLOT_SIZE as usize);
-const _: () = assert!(std::mem::offset_of!(Nursery, last) == ns::LAST as usize);
-
 /// Nursery 0 is the inert one (every thread's TLS word starts at 0): its
 /// flags send the trampolines to the runtime, which gives the thread a
 /// nursery of its own. Nurseries are never freed: one whose thread exited
@@ -553,12 +522,18 @@ const _: () = assert!(std::mem::offset_of!(Nursery, last) == ns::LAST as usize);
 static NURSERIES: [Nursery; MAX_NURSERIES + 1] = [const {
     Nursery {
         flags: AtomicU8::new(INERT),
-        owned: AtomicBool::new(false),
-        _pad: [0; 6],
+        owned: AtomicU8::new(0),
+        reserved: [0; 6],
         last: AtomicU64::new(0),
-        _pad2: [0; 48],
-        slots: [const { Slot { key: AtomicU64::new(0), cell: AtomicU64::new(0), size: AtomicU64::new(0), _reserved: 0 } };
-            ns::SLOT_COUNT],
+        reserved2: [0; 48],
+        slots: [const {
+            Slot {
+                key: AtomicU64::new(0),
+                cell: AtomicU64::new(0),
+                size: AtomicU64::new(0),
+                reserved: AtomicU64::new(0),
+            }
+        }; ns::SLOT_COUNT],
     }
 }; MAX_NURSERIES + 1];
 
@@ -636,11 +611,11 @@ fn hand_out() -> Option<&'static Nursery> {
     if key != 0 {
         let made = CREATED.load(Ordering::Relaxed);
         got = (1..=made)
-            .find(|&i| NURSERIES[i].owned.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok());
+            .find(|&i| NURSERIES[i].owned.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed).is_ok());
         if got.is_none() && made < MAX_NURSERIES {
             let n = &NURSERIES[made + 1];
             empty_slots(n);
-            n.owned.store(true, Ordering::Relaxed);
+            n.owned.store(1, Ordering::Relaxed);
             n.flags.store(0, Ordering::Relaxed);
             CREATED.store(made + 1, Ordering::Release);
             account(ns::BYTES as isize);
@@ -672,7 +647,7 @@ extern "C" fn thread_exit(v: *mut libc::c_void) {
     tls::set(tls::STATE, WITHOUT);
     std::sync::atomic::compiler_fence(Ordering::SeqCst);
     if let Some(n) = NURSERIES.get(v as usize) {
-        n.owned.store(false, Ordering::Release);
+        n.owned.store(0, Ordering::Release);
     }
 }
 
@@ -847,7 +822,7 @@ pub fn after_fork_in_child() {
     let mine = own_index();
     for (i, n) in created().iter().enumerate() {
         if i + 1 != mine {
-            n.owned.store(false, Ordering::Release);
+            n.owned.store(0, Ordering::Release);
         }
     }
     forget_all();
@@ -892,8 +867,10 @@ fn charge_free(cell: u64, size: u64) {
 /// `control` must be a registered module's control block.
 #[inline(always)]
 unsafe fn slot_of(control: *const u8) -> u64 {
-    // SAFETY: MODULE_ID is an 8-aligned u64 of the control block (caller).
-    unsafe { control.add(alloctramp_trampolines::layout::control::MODULE_ID as usize).cast::<u64>().read() }
+    // SAFETY: a registered module's control block is mapped and 64-aligned
+    // (caller).
+    let control = unsafe { alloctramp_trampolines::pod::at::<ControlBlock>(control as usize) };
+    control.module_id.load(Ordering::Relaxed)
 }
 
 /// An allocation that was counted but cannot be followed: it leaves the

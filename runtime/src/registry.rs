@@ -6,7 +6,8 @@ use crate::patching;
 use crate::procfile::ProcFile;
 use crate::state::{self, LIVE, Sites, WANT, want};
 use crate::{live, sys};
-use alloctramp_trampolines::layout::{self, HEADER_SIZE, Table};
+use alloctramp_trampolines::layout::{self, ControlBlock, HEADER_SIZE, Table};
+use alloctramp_trampolines::pod;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -147,6 +148,16 @@ impl<T> SpinLock<T> {
 /// The process file, once created.
 pub static PROC: SpinLock<Option<ProcFile>> = SpinLock::new(None);
 
+/// The control block of a module loaded at `bias`.
+///
+/// # Safety
+/// The module must be loaded, and stay loaded while the reference is used.
+unsafe fn control_block<'a>(bias: u64, h: &layout::Header) -> &'a ControlBlock {
+    // SAFETY: the caller's contract; the patcher aligns the control block
+    // to 64 bytes and the runtime writes it only through atomics.
+    unsafe { pod::at(bias.wrapping_add(h.control_addr) as usize) }
+}
+
 /// Registers a module by the run-time address of its site table, then
 /// brings its sites to the wanted state. Idempotent.
 ///
@@ -162,18 +173,16 @@ pub unsafe fn register(table: *const u8, inert: bool) {
     let h = &t.header;
 
     // The control block: where the counters are, how to find the CPU.
-    let control = bias.wrapping_add(h.control_addr) as *mut u64;
+    // SAFETY: the control block is the module's writable .alloctramp.data
+    // (the patcher placed CONTROL_SIZE bytes, 64-aligned, at control_addr),
+    // mapped while the module is loaded, which it is until its fini stub
+    // unregisters it.
+    let control = unsafe { control_block(bias, h) };
     let counters = bias.wrapping_add(h.counters_addr);
-    // SAFETY: the control block is the module's writable .alloctramp.data.
-    unsafe {
-        control.byte_add(layout::control::RSEQ_OFFSET as usize).write_volatile(crate::sys::rseq_offset() as u64);
-        // A module registers twice (the runtime finds it loaded, then its
-        // init stub runs): the second time must keep the runtime's mapping.
-        let at = control.byte_add(layout::control::COUNTERS as usize);
-        if at.read_volatile() == 0 {
-            at.write_volatile(counters);
-        }
-    }
+    control.rseq_offset.store(crate::sys::rseq_offset(), Ordering::Relaxed);
+    // A module registers twice (the runtime finds it loaded, then its init
+    // stub runs): the second time must keep the runtime's mapping.
+    let _ = control.counters.compare_exchange(0, counters, Ordering::Relaxed, Ordering::Relaxed);
     if inert {
         return;
     }
@@ -202,12 +211,10 @@ pub unsafe fn register(table: *const u8, inert: bool) {
         // The trampolines count through the runtime's own mapping, which
         // outlives the module: a nursery or table entry may name a cell
         // after the module is unloaded.
-        // SAFETY: the control block is the module's writable .alloctramp.data.
-        unsafe { control.byte_add(layout::control::COUNTERS as usize).write_volatile(own) };
+        control.counters.store(own, Ordering::Relaxed);
         if LIVE.load(Ordering::Relaxed) {
-            // SAFETY: the control block is the module's writable
-            // .alloctramp.data; its sites are all off until `converge`.
-            unsafe { live::enable_in(control.cast(), i as u64) };
+            // SAFETY: its sites are all off until `converge`.
+            unsafe { live::enable_in(control, i as u64) };
         }
         slot.table.store(table as usize, Ordering::Relaxed);
         slot.table_size.store(size, Ordering::Relaxed);
@@ -384,9 +391,10 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         let counters = bias.wrapping_add(t.header.counters_addr);
         match f.add_module(t.bytes(), bias, counters, t.header.counters_size) {
             Ok((idx, own)) => {
-                let control = bias.wrapping_add(t.header.control_addr) as *mut u64;
-                // SAFETY: the module's control block; only this thread runs.
-                unsafe { control.byte_add(layout::control::COUNTERS as usize).write_volatile(own) };
+                // SAFETY: an active slot's module is loaded (it leaves the
+                // slots before its fini stub returns).
+                let control = unsafe { control_block(bias, &t.header) };
+                control.counters.store(own, Ordering::Relaxed);
                 live::replace_module_view(i, own, t.header.counters_size, counters);
                 slot.file_index.store(idx, Ordering::Relaxed);
                 f.set_module_on(idx, slot.state() == Sites::On);

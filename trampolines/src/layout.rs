@@ -17,11 +17,14 @@
 //! ```
 
 use crate::entry::{Kind, Signature};
+use crate::pod::{self, Pod};
+use std::mem::{offset_of, size_of};
+use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64};
 
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -29,13 +32,13 @@ pub const VERSION: u32 = 4;
 /// headers (8-byte aligned). Given the first bytes of such a segment (the
 /// ELF header onwards), returns the table's offset in them.
 pub fn table_after_phdrs(segment: &[u8]) -> Option<usize> {
-    if segment.len() < 64 || segment[..4] != *b"\x7fELF" {
+    if segment.get(..4)? != b"\x7fELF" {
         return None;
     }
-    let phoff = u64_at(segment, 32) as usize;
-    let phnum = u16::from_le_bytes([segment[56], segment[57]]) as usize;
-    let at = phoff.checked_add(phnum.checked_mul(56)?)?.div_ceil(8) * 8;
-    (segment.get(at..at + 8)? == MAGIC).then_some(at)
+    let phoff = usize::try_from(pod::read::<u64>(segment, 32)?).ok()?;
+    let phnum = usize::from(pod::read::<u16>(segment, 56)?);
+    let at = phoff.checked_add(phnum.checked_mul(56)?)?.checked_next_multiple_of(8)?;
+    (segment.get(at..at.checked_add(8)?)? == MAGIC).then_some(at)
 }
 
 /// The 5 bytes written over a site to send it to `target` (one of its
@@ -59,70 +62,37 @@ pub const RUNTIME_SYMBOL: &str = "alloctramp_runtime_v1";
 /// The runtime's SONAME.
 pub const RUNTIME_SONAME: &str = "liballoctramp_rt.so";
 
-pub const HEADER_SIZE: usize = 144;
-pub const SITE_SIZE: usize = 48;
-pub const ENTRY_SIZE: usize = 16;
-pub const CONTROL_SIZE: usize = 128;
-pub const CELL_SIZE: usize = 64;
 pub const PAGE: u64 = 4096;
 
-/// Fields of a counter cell (u64 each), by byte offset in the cell. Every
-/// field is a sum over the shards; additions wrap, so a field the runtime
-/// both adds to and subtracts from (a gauge) reads right once summed.
+/// Fields of a counter cell by byte offset (see [`Cell`]), for the code
+/// generator and the runtime's atomic additions.
 pub mod cell {
-    /// Calls through the site (allocation, free or realloc).
-    pub const CALLS: u32 = 0;
-    /// Bytes requested (counted before the call, failed calls included).
-    pub const BYTES: u32 = 8;
-    /// Calls that returned NULL (or a non-zero error).
-    pub const FAILED: u32 = 16;
-    /// Objects allocated here and freed since (live tracking).
-    pub const FREED_OBJECTS: u32 = 24;
-    /// Requested bytes of those objects.
-    pub const FREED_BYTES: u32 = 32;
-    /// Frees through this site of memory the runtime did not track.
-    pub const UNTRACKED_FREES: u32 = 40;
-    /// Gauge: bytes the allocator reserved (malloc_usable_size) for the
-    /// site's live objects, when usable-size tracking is on.
-    pub const USABLE_BYTES: u32 = 48;
-    /// Requested bytes of the failed calls, counted while live tracking is
-    /// on (live bytes are BYTES - FAILED_BYTES - FREED_BYTES).
-    pub const FAILED_BYTES: u32 = 56;
+    use super::Cell;
+    use std::mem::offset_of;
+    pub const CALLS: u32 = offset_of!(Cell, calls) as u32;
+    pub const BYTES: u32 = offset_of!(Cell, bytes) as u32;
+    pub const FAILED: u32 = offset_of!(Cell, failed) as u32;
+    pub const FREED_OBJECTS: u32 = offset_of!(Cell, freed_objects) as u32;
+    pub const FREED_BYTES: u32 = offset_of!(Cell, freed_bytes) as u32;
+    pub const UNTRACKED_FREES: u32 = offset_of!(Cell, untracked_frees) as u32;
+    pub const FAILED_BYTES: u32 = offset_of!(Cell, failed_bytes) as u32;
 }
 
-/// Fields of the module control block, by byte offset.
+/// Fields of the module control block by byte offset (see
+/// [`ControlBlock`]), for the code generator and the patcher.
 pub mod control {
-    /// GOT slot the dynamic linker fills with the runtime's API table.
-    pub const RUNTIME: u32 = 0;
-    /// Offset from the thread pointer (fs) of glibc's `struct rseq`; its
-    /// `cpu_id` field selects the counter shard.
-    pub const RSEQ_OFFSET: u32 = 8;
-    /// Run-time address of shard 0 of the counters.
-    pub const COUNTERS: u32 = 16;
-    /// Module state owned by the runtime.
-    pub const STATE: u32 = 24;
-    /// u64: the module's identity in the runtime's pointer table (slot and
-    /// generation), written by the runtime at registration.
-    pub const MODULE_ID: u32 = 32;
-    /// Live-tracking functions the trampolines call; zero while live
-    /// tracking is off (the trampolines then only count).
-    /// `extern "C" fn(ptr, size, site, control) -> ptr`: an allocation succeeded.
-    pub const TRACK_ALLOC: u32 = 40;
-    /// `extern "C" fn(ptr, site, control) -> ptr`: a pointer is about to be freed.
-    pub const TRACK_FREE: u32 = 48;
-    /// `extern "C" fn(old, site, control) -> token`: a realloc is about to
-    /// run; the old pointer leaves the table.
-    pub const TRACK_REALLOC_BEGIN: u32 = 56;
-    /// `extern "C" fn(result, token, size, site, control) -> result`: the
-    /// realloc returned.
-    pub const TRACK_REALLOC_END: u32 = 64;
-    /// i64: offset from the thread pointer (fs) of the runtime's per-thread
-    /// word holding the byte offset of the thread's nursery from
-    /// [`NURSERIES`] (0: the inert nursery, which sends every trampoline to
-    /// the runtime). Written with the hooks.
-    pub const NURSERY_TLS: u32 = 72;
-    /// u64: run-time address of the runtime's nursery array.
-    pub const NURSERIES: u32 = 80;
+    use super::ControlBlock;
+    use std::mem::offset_of;
+    pub const RUNTIME: u32 = offset_of!(ControlBlock, runtime) as u32;
+    pub const RSEQ_OFFSET: u32 = offset_of!(ControlBlock, rseq_offset) as u32;
+    pub const COUNTERS: u32 = offset_of!(ControlBlock, counters) as u32;
+    pub const MODULE_ID: u32 = offset_of!(ControlBlock, module_id) as u32;
+    pub const TRACK_ALLOC: u32 = offset_of!(ControlBlock, track_alloc) as u32;
+    pub const TRACK_FREE: u32 = offset_of!(ControlBlock, track_free) as u32;
+    pub const TRACK_REALLOC_BEGIN: u32 = offset_of!(ControlBlock, track_realloc_begin) as u32;
+    pub const TRACK_REALLOC_END: u32 = offset_of!(ControlBlock, track_realloc_end) as u32;
+    pub const NURSERY_TLS: u32 = offset_of!(ControlBlock, nursery_tls) as u32;
+    pub const NURSERIES: u32 = offset_of!(ControlBlock, nurseries) as u32;
 }
 
 /// A thread's nursery: a direct-mapped table of the objects the thread
@@ -130,34 +100,29 @@ pub mod control {
 /// inline (no call, no lock, no atomic instruction). The runtime moves an
 /// object that stays live into the shared pointer table when a newer one
 /// needs its slot, and finds objects other threads free under the shard
-/// lock (see the runtime's `live` module).
+/// lock (see the runtime's `live` module). Offsets for the code generator;
+/// the layout is [`Nursery`].
 pub mod nursery {
-    /// u8: non-zero sends the trampolines to the runtime (bit 0: a reset
-    /// made the contents stale; bit 7: the inert nursery).
-    pub const FLAGS: u32 = 0;
-    /// u64: the pointer of the thread's last tracked free. A free of the
-    /// same pointer that misses the nursery is a nested layer of that free
-    /// (`operator delete` calling `free`, a wrapper calling the allocator's
-    /// free): it makes the original call without looking further.
-    pub const LAST: u32 = 8;
+    use super::{Nursery, NurserySlot};
+    use std::mem::{offset_of, size_of};
+    pub const FLAGS: u32 = offset_of!(Nursery, flags) as u32;
+    pub const LAST: u32 = offset_of!(Nursery, last) as u32;
     /// Offset of the slots.
-    pub const SLOTS: u32 = 64;
+    pub const SLOTS: u32 = offset_of!(Nursery, slots) as u32;
     /// log2 of the number of slots.
     pub const SLOT_BITS: u32 = 8;
     pub const SLOT_COUNT: usize = 1 << SLOT_BITS;
-    /// Bytes per slot: the pointer, its counter cell, the requested size
-    /// and a reserved word.
-    pub const SLOT_SIZE: u32 = 32;
-    pub const KEY: u32 = 0;
-    pub const CELL: u32 = 8;
-    pub const SIZE: u32 = 16;
+    pub const SLOT_SIZE: u32 = size_of::<NurserySlot>() as u32;
+    pub const KEY: u32 = offset_of!(NurserySlot, key) as u32;
+    pub const CELL: u32 = offset_of!(NurserySlot, cell) as u32;
+    pub const SIZE: u32 = offset_of!(NurserySlot, size) as u32;
     /// Key of an empty slot: not NULL, so that free(NULL) never matches,
     /// and no address an allocator returns or a program frees (unlike a
     /// small sentinel such as 1 that a user-named free might be given);
     /// an 8-bit immediate in the trampolines.
     pub const EMPTY: u64 = u64::MAX;
     /// Bytes per nursery.
-    pub const BYTES: usize = SLOTS as usize + SLOT_COUNT * SLOT_SIZE as usize;
+    pub const BYTES: usize = size_of::<Nursery>();
     /// The slot multiplier: slot = (low 32 bits of ptr * HASH) >> (32 - SLOT_BITS).
     pub const HASH: u32 = 0x9e37_79b1;
 
@@ -211,19 +176,29 @@ impl SiteForm {
 }
 
 /// The site table header. Addresses are virtual addresses as in the ELF
-/// file; add the module's load bias for run-time addresses.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+/// file; add the module's load bias for run-time addresses. [`encode`]
+/// fills in the magic, version, sizes, counts and offsets.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Header {
+    pub magic: [u8; 8],
+    pub version: u32,
+    pub header_size: u32,
+    /// [`flags`].
     pub flags: u32,
     pub site_count: u32,
     pub entry_count: u32,
+    /// Counter shards (a power of two).
     pub shard_count: u32,
+    /// Bytes per shard: site count x [`CELL_SIZE`], page-aligned.
     pub shard_stride: u64,
     /// Address of the site table itself (to compute the load bias).
     pub table_addr: u64,
     pub control_addr: u64,
     pub counters_addr: u64,
+    /// shard_count x shard_stride.
     pub counters_size: u64,
+    /// The trampolines.
     pub text_addr: u64,
     pub text_size: u64,
     /// Byte offsets of the arrays from the table's start.
@@ -233,24 +208,30 @@ pub struct Header {
     pub strings_size: u32,
     /// String offset of the module name.
     pub module_name: u32,
-    /// The original file's build-id (up to 20 bytes), zero-padded.
+    /// Bytes of `build_id` used (at most 20).
+    pub build_id_len: u32,
+    /// The original file's build-id, zero-padded.
     pub build_id: [u8; 20],
-    pub build_id_len: u8,
+    pub reserved: [u8; 4],
     /// Address of the ELF header (and program headers) in memory.
     pub ehdr_addr: u64,
 }
 
 /// One site.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Site {
     pub addr: u64,
+    /// Its trampoline; 0: not patched, reported only.
     pub trampoline: u64,
     /// The instruction's original bytes (first `len`).
     pub original: [u8; 8],
     pub len: u8,
+    /// [`SiteForm`] code.
     pub form: u8,
+    /// Index of its entry point.
     pub entry: u16,
-    /// String offsets (u32::MAX: unknown) and line (0: unknown).
+    /// String offsets ([`NO_STRING`]: unknown) and line (0: unknown).
     pub function: u32,
     pub file: u32,
     pub line: u32,
@@ -261,6 +242,7 @@ pub struct Site {
     /// Offset in the trampoline of its entry that counts without live
     /// tracking (the trampoline's start counts and tracks).
     pub count: u16,
+    pub reserved: [u8; 4],
 }
 
 impl Site {
@@ -271,14 +253,251 @@ impl Site {
 }
 
 /// One entry point.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Entry {
     /// String offset of the display name.
     pub name: u32,
+    /// [`Kind`] code.
     pub kind: u8,
-    /// Encoded [`Signature`]: size kind, size args, result kind, freed arg.
+    /// Encoded [`Signature`] (see [`encode_sig`]).
     pub sig: [u8; 6],
+    pub reserved: [u8; 5],
 }
+
+/// The module control block (`.alloctramp.data`): written by the dynamic
+/// linker (its first word) and the runtime, read by the trampolines. The
+/// patcher writes zeros.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct ControlBlock {
+    /// GOT slot the dynamic linker fills with the runtime's API table.
+    pub runtime: AtomicU64,
+    /// Offset from the thread pointer (fs) of glibc's `struct rseq`; its
+    /// `cpu_id` field selects the counter shard.
+    pub rseq_offset: AtomicI64,
+    /// Run-time address of shard 0 of the counters.
+    pub counters: AtomicU64,
+    /// Module state owned by the runtime.
+    pub state: AtomicU64,
+    /// The module's identity in the runtime's pointer table (slot and
+    /// generation), written by the runtime at registration.
+    pub module_id: AtomicU64,
+    /// Live-tracking functions the trampolines call; zero while live
+    /// tracking is off (the trampolines then only count).
+    /// `extern "C" fn(ptr, size, site, control) -> ptr`: an allocation succeeded.
+    pub track_alloc: AtomicU64,
+    /// `extern "C" fn(ptr, site, control) -> ptr`: a pointer is about to be freed.
+    pub track_free: AtomicU64,
+    /// `extern "C" fn(old, token, site, control) -> old`: a realloc is about
+    /// to run; the old pointer leaves the table into a 16-byte token.
+    pub track_realloc_begin: AtomicU64,
+    /// `extern "C" fn(result, token, size, site, control) -> result`: the
+    /// realloc returned.
+    pub track_realloc_end: AtomicU64,
+    /// Offset from the thread pointer (fs) of the runtime's per-thread
+    /// word holding the byte offset of the thread's nursery from
+    /// `nurseries` (0: the inert nursery, which sends every trampoline to
+    /// the runtime). Written with the hooks.
+    pub nursery_tls: AtomicI64,
+    /// Run-time address of the runtime's nursery array.
+    pub nurseries: AtomicU64,
+    pub reserved: [u64; 5],
+}
+
+/// The counters of one site in one shard (every field wraps; a reader sums
+/// the shards), or their sum over the shards.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cell {
+    /// Calls through the site (allocation, free or realloc).
+    pub calls: u64,
+    /// Bytes requested (counted before the call, failed calls included).
+    pub bytes: u64,
+    /// Calls that returned NULL (or a non-zero error).
+    pub failed: u64,
+    /// Objects allocated here and freed since (live tracking).
+    pub freed_objects: u64,
+    /// Requested bytes of those objects.
+    pub freed_bytes: u64,
+    /// Frees through this site of memory the runtime did not track.
+    pub untracked_frees: u64,
+    pub reserved: u64,
+    /// Requested bytes of the failed calls, counted while live tracking is
+    /// on (live bytes are bytes - failed_bytes - freed_bytes).
+    pub failed_bytes: u64,
+}
+
+impl Cell {
+    /// Adds another shard's cell (wrapping).
+    pub fn add(&mut self, o: &Cell) {
+        self.calls = self.calls.wrapping_add(o.calls);
+        self.bytes = self.bytes.wrapping_add(o.bytes);
+        self.failed = self.failed.wrapping_add(o.failed);
+        self.freed_objects = self.freed_objects.wrapping_add(o.freed_objects);
+        self.freed_bytes = self.freed_bytes.wrapping_add(o.freed_bytes);
+        self.untracked_frees = self.untracked_frees.wrapping_add(o.untracked_frees);
+        self.failed_bytes = self.failed_bytes.wrapping_add(o.failed_bytes);
+    }
+    /// Objects allocated here and not freed yet (live tracking; an
+    /// allocation site). Never negative: a reading taken while a free is
+    /// half-counted is clamped at zero.
+    pub fn live_objects(&self) -> u64 {
+        self.calls.wrapping_sub(self.failed).wrapping_sub(self.freed_objects).min(i64::MAX as u64)
+    }
+    /// Their requested bytes.
+    pub fn live_bytes(&self) -> u64 {
+        self.bytes.wrapping_sub(self.failed_bytes).wrapping_sub(self.freed_bytes).min(i64::MAX as u64)
+    }
+}
+
+/// One slot of a [`Nursery`].
+#[repr(C)]
+#[derive(Debug)]
+pub struct NurserySlot {
+    /// The object; [`nursery::EMPTY`] when free. Written by the owner with
+    /// plain stores (the trampolines) or release stores; taken by other
+    /// threads only by compare-and-swap, holding the key's shard lock.
+    pub key: AtomicU64,
+    /// The allocating site's cell address.
+    pub cell: AtomicU64,
+    /// The requested size.
+    pub size: AtomicU64,
+    pub reserved: AtomicU64,
+}
+
+/// A thread's nursery (runtime memory; see [`nursery`]).
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct Nursery {
+    /// Non-zero sends the trampolines to the runtime (bit 0: a reset made
+    /// the contents stale; bit 7: the inert nursery).
+    pub flags: AtomicU8,
+    /// Runtime-owned: a thread holds the nursery.
+    pub owned: AtomicU8,
+    pub reserved: [u8; 6],
+    /// The pointer of the thread's last tracked free. A free of the same
+    /// pointer that misses the nursery is a nested layer of that free
+    /// (`operator delete` calling `free`, a wrapper calling the allocator's
+    /// free): it makes the original call without looking further.
+    pub last: AtomicU64,
+    pub reserved2: [u8; 48],
+    pub slots: [NurserySlot; nursery::SLOT_COUNT],
+}
+
+// SAFETY: each is #[repr(C)], made of integers, integer atomics and arrays
+// of them with every padding byte declared, and valid for any bits.
+unsafe impl Pod for Header {}
+// SAFETY: as above.
+unsafe impl Pod for Site {}
+// SAFETY: as above.
+unsafe impl Pod for Entry {}
+// SAFETY: as above.
+unsafe impl Pod for ControlBlock {}
+// SAFETY: as above.
+unsafe impl Pod for Cell {}
+
+pub const HEADER_SIZE: usize = size_of::<Header>();
+pub const SITE_SIZE: usize = size_of::<Site>();
+pub const ENTRY_SIZE: usize = size_of::<Entry>();
+pub const CONTROL_SIZE: usize = size_of::<ControlBlock>();
+pub const CELL_SIZE: usize = size_of::<Cell>();
+
+const _: () = {
+    assert!(HEADER_SIZE == 144 && offset_of!(Header, build_id) == 112 && offset_of!(Header, ehdr_addr) == 136);
+    assert!(SITE_SIZE == 48 && offset_of!(Site, drain) == 40);
+    assert!(ENTRY_SIZE == 16 && offset_of!(Entry, sig) == 5);
+    assert!(CONTROL_SIZE == 128 && offset_of!(ControlBlock, nurseries) == 80);
+    assert!(CELL_SIZE == 64 && offset_of!(Cell, failed_bytes) == 56);
+    assert!(size_of::<NurserySlot>() == 32 && offset_of!(Nursery, slots) == 64);
+    assert!(size_of::<Nursery>() == 64 + 32 * nursery::SLOT_COUNT);
+};
+
+/// Every field of each structure: name, offset, type as docs/formats.md
+/// gives them (a test compares the two).
+pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
+    ("magic", offset_of!(Header, magic), "[u8; 8]"),
+    ("version", offset_of!(Header, version), "u32"),
+    ("header_size", offset_of!(Header, header_size), "u32"),
+    ("flags", offset_of!(Header, flags), "u32"),
+    ("site_count", offset_of!(Header, site_count), "u32"),
+    ("entry_count", offset_of!(Header, entry_count), "u32"),
+    ("shard_count", offset_of!(Header, shard_count), "u32"),
+    ("shard_stride", offset_of!(Header, shard_stride), "u64"),
+    ("table_addr", offset_of!(Header, table_addr), "u64"),
+    ("control_addr", offset_of!(Header, control_addr), "u64"),
+    ("counters_addr", offset_of!(Header, counters_addr), "u64"),
+    ("counters_size", offset_of!(Header, counters_size), "u64"),
+    ("text_addr", offset_of!(Header, text_addr), "u64"),
+    ("text_size", offset_of!(Header, text_size), "u64"),
+    ("sites_offset", offset_of!(Header, sites_offset), "u32"),
+    ("entries_offset", offset_of!(Header, entries_offset), "u32"),
+    ("strings_offset", offset_of!(Header, strings_offset), "u32"),
+    ("strings_size", offset_of!(Header, strings_size), "u32"),
+    ("module_name", offset_of!(Header, module_name), "u32"),
+    ("build_id_len", offset_of!(Header, build_id_len), "u32"),
+    ("build_id", offset_of!(Header, build_id), "[u8; 20]"),
+    ("reserved", offset_of!(Header, reserved), "[u8; 4]"),
+    ("ehdr_addr", offset_of!(Header, ehdr_addr), "u64"),
+];
+pub const SITE_FIELDS: &[(&str, usize, &str)] = &[
+    ("addr", offset_of!(Site, addr), "u64"),
+    ("trampoline", offset_of!(Site, trampoline), "u64"),
+    ("original", offset_of!(Site, original), "[u8; 8]"),
+    ("len", offset_of!(Site, len), "u8"),
+    ("form", offset_of!(Site, form), "u8"),
+    ("entry", offset_of!(Site, entry), "u16"),
+    ("function", offset_of!(Site, function), "u32"),
+    ("file", offset_of!(Site, file), "u32"),
+    ("line", offset_of!(Site, line), "u32"),
+    ("drain", offset_of!(Site, drain), "u16"),
+    ("count", offset_of!(Site, count), "u16"),
+    ("reserved", offset_of!(Site, reserved), "[u8; 4]"),
+];
+pub const ENTRY_FIELDS: &[(&str, usize, &str)] = &[
+    ("name", offset_of!(Entry, name), "u32"),
+    ("kind", offset_of!(Entry, kind), "u8"),
+    ("sig", offset_of!(Entry, sig), "[u8; 6]"),
+    ("reserved", offset_of!(Entry, reserved), "[u8; 5]"),
+];
+pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
+    ("runtime", offset_of!(ControlBlock, runtime), "u64"),
+    ("rseq_offset", offset_of!(ControlBlock, rseq_offset), "i64"),
+    ("counters", offset_of!(ControlBlock, counters), "u64"),
+    ("state", offset_of!(ControlBlock, state), "u64"),
+    ("module_id", offset_of!(ControlBlock, module_id), "u64"),
+    ("track_alloc", offset_of!(ControlBlock, track_alloc), "fn"),
+    ("track_free", offset_of!(ControlBlock, track_free), "fn"),
+    ("track_realloc_begin", offset_of!(ControlBlock, track_realloc_begin), "fn"),
+    ("track_realloc_end", offset_of!(ControlBlock, track_realloc_end), "fn"),
+    ("nursery_tls", offset_of!(ControlBlock, nursery_tls), "i64"),
+    ("nurseries", offset_of!(ControlBlock, nurseries), "u64"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 5]"),
+];
+pub const CELL_FIELDS: &[(&str, usize, &str)] = &[
+    ("calls", offset_of!(Cell, calls), "u64"),
+    ("bytes", offset_of!(Cell, bytes), "u64"),
+    ("failed", offset_of!(Cell, failed), "u64"),
+    ("freed_objects", offset_of!(Cell, freed_objects), "u64"),
+    ("freed_bytes", offset_of!(Cell, freed_bytes), "u64"),
+    ("untracked_frees", offset_of!(Cell, untracked_frees), "u64"),
+    ("reserved", offset_of!(Cell, reserved), "u64"),
+    ("failed_bytes", offset_of!(Cell, failed_bytes), "u64"),
+];
+pub const NURSERY_FIELDS: &[(&str, usize, &str)] = &[
+    ("flags", offset_of!(Nursery, flags), "u8"),
+    ("owned", offset_of!(Nursery, owned), "u8"),
+    ("reserved", offset_of!(Nursery, reserved), "[u8; 6]"),
+    ("last", offset_of!(Nursery, last), "u64"),
+    ("reserved2", offset_of!(Nursery, reserved2), "[u8; 48]"),
+    ("slots", offset_of!(Nursery, slots), "[slot; 256]"),
+];
+pub const NURSERY_SLOT_FIELDS: &[(&str, usize, &str)] = &[
+    ("key", offset_of!(NurserySlot, key), "u64"),
+    ("cell", offset_of!(NurserySlot, cell), "u64"),
+    ("size", offset_of!(NurserySlot, size), "u64"),
+    ("reserved", offset_of!(NurserySlot, reserved), "u64"),
+];
 
 pub const NO_STRING: u32 = u32::MAX;
 
@@ -318,13 +537,6 @@ pub fn decode_sig(kind: Kind, s: [u8; 6]) -> Option<Signature> {
     Some(Signature { kind, size, result, freed })
 }
 
-fn put_u32(b: &mut Vec<u8>, v: u32) {
-    b.extend_from_slice(&v.to_le_bytes());
-}
-fn put_u64(b: &mut Vec<u8>, v: u64) {
-    b.extend_from_slice(&v.to_le_bytes());
-}
-
 /// Builds the string area, deduplicating.
 #[derive(Default)]
 pub struct Strings {
@@ -356,8 +568,12 @@ pub fn table_size(sites: usize, entries: usize, strings: usize) -> usize {
     HEADER_SIZE + sites * SITE_SIZE + entries * ENTRY_SIZE + strings
 }
 
-/// Serializes a site table. `header`'s offsets and counts are filled in.
+/// Serializes a site table. `header`'s magic, version, sizes, counts and
+/// offsets are filled in.
 pub fn encode(mut header: Header, sites: &[Site], entries: &[Entry], strings: &Strings) -> Vec<u8> {
+    header.magic = MAGIC;
+    header.version = VERSION;
+    header.header_size = HEADER_SIZE as u32;
     header.site_count = sites.len() as u32;
     header.entry_count = entries.len() as u32;
     header.sites_offset = HEADER_SIZE as u32;
@@ -365,49 +581,9 @@ pub fn encode(mut header: Header, sites: &[Site], entries: &[Entry], strings: &S
     header.strings_offset = header.entries_offset + (entries.len() * ENTRY_SIZE) as u32;
     header.strings_size = strings.data.len() as u32;
     let mut b = Vec::with_capacity(table_size(sites.len(), entries.len(), strings.len()));
-    b.extend_from_slice(&MAGIC);
-    put_u32(&mut b, VERSION);
-    put_u32(&mut b, HEADER_SIZE as u32);
-    put_u32(&mut b, header.flags);
-    put_u32(&mut b, header.site_count);
-    put_u32(&mut b, header.entry_count);
-    put_u32(&mut b, header.shard_count);
-    put_u64(&mut b, header.shard_stride);
-    put_u64(&mut b, header.table_addr);
-    put_u64(&mut b, header.control_addr);
-    put_u64(&mut b, header.counters_addr);
-    put_u64(&mut b, header.counters_size);
-    put_u64(&mut b, header.text_addr);
-    put_u64(&mut b, header.text_size);
-    put_u32(&mut b, header.sites_offset);
-    put_u32(&mut b, header.entries_offset);
-    put_u32(&mut b, header.strings_offset);
-    put_u32(&mut b, header.strings_size);
-    put_u32(&mut b, header.module_name);
-    put_u32(&mut b, u32::from(header.build_id_len));
-    b.extend_from_slice(&header.build_id);
-    put_u64(&mut b, header.ehdr_addr);
-    b.resize(HEADER_SIZE, 0);
-    for s in sites {
-        put_u64(&mut b, s.addr);
-        put_u64(&mut b, s.trampoline);
-        b.extend_from_slice(&s.original);
-        b.push(s.len);
-        b.push(s.form);
-        b.extend_from_slice(&s.entry.to_le_bytes());
-        put_u32(&mut b, s.function);
-        put_u32(&mut b, s.file);
-        put_u32(&mut b, s.line);
-        b.extend_from_slice(&s.drain.to_le_bytes());
-        b.extend_from_slice(&s.count.to_le_bytes());
-        b.extend_from_slice(&[0; 4]);
-    }
-    for e in entries {
-        put_u32(&mut b, e.name);
-        b.push(e.kind);
-        b.extend_from_slice(&e.sig);
-        b.extend_from_slice(&[0; 5]);
-    }
+    b.extend_from_slice(pod::bytes_of(&header));
+    sites.iter().for_each(|s| b.extend_from_slice(pod::bytes_of(s)));
+    entries.iter().for_each(|e| b.extend_from_slice(pod::bytes_of(e)));
     b.extend_from_slice(&strings.data);
     b
 }
@@ -451,112 +627,81 @@ pub struct Table<'a> {
     bytes: &'a [u8],
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
-}
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
-}
-
 impl<'a> Table<'a> {
-    /// Parses and checks a table. `bytes` may extend past the table.
-    pub fn parse(bytes: &'a [u8]) -> Result<Table<'a>, TableError> {
-        if bytes.len() < HEADER_SIZE {
-            return Err(TableError::Truncated);
-        }
-        if bytes[..8] != MAGIC {
+    /// Reads and checks the header at the start of `head`: its magic,
+    /// version and header size.
+    fn header(head: &[u8]) -> Result<Header, TableError> {
+        let h: Header = pod::read(head, 0).ok_or(TableError::Truncated)?;
+        if h.magic != MAGIC {
             return Err(TableError::BadMagic);
         }
-        let version = u32_at(bytes, 8);
-        if version != VERSION {
-            return Err(TableError::Version { found: version });
+        if h.version != VERSION {
+            return Err(TableError::Version { found: h.version });
         }
-        if u32_at(bytes, 12) as usize != HEADER_SIZE {
+        if h.header_size as usize != HEADER_SIZE {
             return Err(TableError::HeaderSize);
         }
-        let mut build_id = [0u8; 20];
-        build_id.copy_from_slice(&bytes[112..132]);
-        let h = Header {
-            flags: u32_at(bytes, 16),
-            site_count: u32_at(bytes, 20),
-            entry_count: u32_at(bytes, 24),
-            shard_count: u32_at(bytes, 28),
-            shard_stride: u64_at(bytes, 32),
-            table_addr: u64_at(bytes, 40),
-            control_addr: u64_at(bytes, 48),
-            counters_addr: u64_at(bytes, 56),
-            counters_size: u64_at(bytes, 64),
-            text_addr: u64_at(bytes, 72),
-            text_size: u64_at(bytes, 80),
-            sites_offset: u32_at(bytes, 88),
-            entries_offset: u32_at(bytes, 92),
-            strings_offset: u32_at(bytes, 96),
-            strings_size: u32_at(bytes, 100),
-            module_name: u32_at(bytes, 104),
-            build_id,
-            build_id_len: u32_at(bytes, 108).min(20) as u8,
-            ehdr_addr: u64_at(bytes, 132),
-        };
-        let total = table_size(h.site_count as usize, h.entry_count as usize, h.strings_size as usize);
+        Ok(h)
+    }
+
+    /// Parses and checks a table. `bytes` may extend past the table.
+    pub fn parse(bytes: &'a [u8]) -> Result<Table<'a>, TableError> {
+        let h = Self::header(bytes)?;
+        let sites = h.site_count as usize;
+        let entries = h.entry_count as usize;
+        let total = table_size(sites, entries, h.strings_size as usize);
         if h.sites_offset as usize != HEADER_SIZE
-            || h.entries_offset as usize != HEADER_SIZE + h.site_count as usize * SITE_SIZE
-            || h.strings_offset as usize != h.entries_offset as usize + h.entry_count as usize * ENTRY_SIZE
-            || bytes.len() < total
+            || h.entries_offset as usize != HEADER_SIZE + sites * SITE_SIZE
+            || h.strings_offset as usize != h.entries_offset as usize + entries * ENTRY_SIZE
+            || h.build_id_len as usize > h.build_id.len()
         {
             return Err(TableError::InconsistentSizes);
         }
+        let Some(bytes) = bytes.get(..total) else { return Err(TableError::InconsistentSizes) };
         if h.shard_count == 0 || !h.shard_count.is_power_of_two() {
             return Err(TableError::ShardCount);
         }
-        Ok(Table { header: h, bytes: &bytes[..total] })
+        Ok(Table { header: h, bytes })
     }
 
     /// The total size of the table whose header starts `head` (at least
     /// [`HEADER_SIZE`] bytes), if the header is valid.
     pub fn parse_size(head: &[u8]) -> Option<usize> {
-        if head.len() < HEADER_SIZE || head[..8] != MAGIC || u32_at(head, 8) != VERSION {
-            return None;
-        }
-        Some(table_size(u32_at(head, 20) as usize, u32_at(head, 24) as usize, u32_at(head, 100) as usize))
+        let h = Self::header(head).ok()?;
+        Some(table_size(h.site_count as usize, h.entry_count as usize, h.strings_size as usize))
     }
 
     pub fn bytes(&self) -> &'a [u8] {
         self.bytes
     }
 
-    pub fn site(&self, i: usize) -> Site {
-        let at = self.header.sites_offset as usize + i * SITE_SIZE;
-        let b = &self.bytes[at..at + SITE_SIZE];
-        let mut original = [0u8; 8];
-        original.copy_from_slice(&b[16..24]);
-        Site {
-            addr: u64_at(b, 0),
-            trampoline: u64_at(b, 8),
-            original,
-            len: b[24],
-            form: b[25],
-            entry: u16::from_le_bytes([b[26], b[27]]),
-            function: u32_at(b, 28),
-            file: u32_at(b, 32),
-            line: u32_at(b, 36),
-            drain: u16::from_le_bytes([b[40], b[41]]),
-            count: u16::from_le_bytes([b[42], b[43]]),
+    /// The module's build-id.
+    pub fn build_id(&self) -> &[u8] {
+        self.header.build_id.get(..self.header.build_id_len as usize).unwrap_or(&[])
+    }
+
+    /// Site `i`, if there is one.
+    pub fn get_site(&self, i: usize) -> Option<Site> {
+        if i >= self.header.site_count as usize {
+            return None;
         }
+        pod::read(self.bytes, self.header.sites_offset as usize + i * SITE_SIZE)
+    }
+
+    /// Site `i` (`i` < site_count; a parsed table holds every site).
+    pub fn site(&self, i: usize) -> Site {
+        self.get_site(i).unwrap_or_else(|| panic!("site {i} of a table of {}", self.header.site_count))
     }
 
     pub fn sites(&self) -> impl Iterator<Item = Site> + '_ {
-        (0..self.header.site_count as usize).map(|i| self.site(i))
+        (0..self.header.site_count as usize).filter_map(|i| self.get_site(i))
     }
 
     pub fn entry(&self, i: usize) -> Option<Entry> {
         if i >= self.header.entry_count as usize {
             return None;
         }
-        let at = self.header.entries_offset as usize + i * ENTRY_SIZE;
-        let b = &self.bytes[at..at + ENTRY_SIZE];
-        let mut sig = [0u8; 6];
-        sig.copy_from_slice(&b[5..11]);
-        Some(Entry { name: u32_at(b, 0), kind: b[4], sig })
+        pod::read(self.bytes, self.header.entries_offset as usize + i * ENTRY_SIZE)
     }
 
     /// A string by offset; `None` for [`NO_STRING`] or a bad offset.
@@ -564,10 +709,11 @@ impl<'a> Table<'a> {
         if offset == NO_STRING || offset >= self.header.strings_size {
             return None;
         }
-        let start = self.header.strings_offset as usize + offset as usize;
-        let rest = &self.bytes[start..self.header.strings_offset as usize + self.header.strings_size as usize];
+        let start = self.header.strings_offset as usize;
+        let area = self.bytes.get(start..start + self.header.strings_size as usize)?;
+        let rest = area.get(offset as usize..)?;
         let end = rest.iter().position(|&c| c == 0)?;
-        std::str::from_utf8(&rest[..end]).ok()
+        std::str::from_utf8(rest.get(..end)?).ok()
     }
 
     pub fn module_name(&self) -> &'a str {
@@ -576,7 +722,7 @@ impl<'a> Table<'a> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::entry;
 
@@ -599,9 +745,15 @@ mod tests {
             line: 12,
             drain: 0x2a,
             count: 0x31,
+            ..Site::default()
         }];
         let sig = entry::defaults()[1].sig;
-        let entries = vec![Entry { name: strings.add("calloc"), kind: sig.kind.code(), sig: encode_sig(&sig) }];
+        let entries = vec![Entry {
+            name: strings.add("calloc"),
+            kind: sig.kind.code(),
+            sig: encode_sig(&sig),
+            ..Entry::default()
+        }];
         let header = Header { shard_count: 16, shard_stride: 4096, module_name: module, ..Header::default() };
         let bytes = encode(header, &sites, &entries, &strings);
         let t = Table::parse(&bytes).unwrap();
@@ -621,6 +773,47 @@ mod tests {
         bad = bytes.clone();
         bad[0] = b'X';
         assert_eq!(Table::parse(&bad).unwrap_err(), TableError::BadMagic);
+        bad = bytes.clone();
+        bad[offset_of!(Header, build_id_len)] = 21;
+        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::InconsistentSizes);
+        for cut in 0..bytes.len() {
+            assert!(Table::parse(&bytes[..cut]).is_err(), "a table cut at {cut} bytes");
+        }
+    }
+
+    /// (offset, type, name) of each row of the table that follows `heading`
+    /// in docs/formats.md, up to the next blank line after it.
+    pub(crate) fn documented(doc: &str, heading: &str) -> Vec<(usize, String, String)> {
+        let at = doc.find(heading).unwrap_or_else(|| panic!("docs/formats.md has no {heading:?}"));
+        let table = doc[at..].lines().skip_while(|l| !l.starts_with("| offset")).skip(2);
+        table
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| {
+                let c: Vec<&str> = l.split('|').map(str::trim).collect();
+                (c[1].parse().unwrap(), c[2].to_string(), c[3].trim_matches('`').to_string())
+            })
+            .collect()
+    }
+
+    pub(crate) fn fields(list: &[(&str, usize, &str)]) -> Vec<(usize, String, String)> {
+        list.iter().map(|(n, o, t)| (*o, t.to_string(), n.to_string())).collect()
+    }
+
+    pub(crate) fn formats_md() -> String {
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/formats.md")).unwrap()
+    }
+
+    #[test]
+    fn the_documented_module_formats_are_the_structs() {
+        let doc = formats_md();
+        assert!(doc.contains(&format!("## The site table (`.alloctramp.sites`, version {VERSION})")));
+        assert_eq!(documented(&doc, "Header (144 bytes)"), fields(HEADER_FIELDS));
+        assert_eq!(documented(&doc, "Site (48 bytes"), fields(SITE_FIELDS));
+        assert_eq!(documented(&doc, "Entry (16 bytes"), fields(ENTRY_FIELDS));
+        assert_eq!(documented(&doc, "## Module control block"), fields(CONTROL_FIELDS));
+        assert_eq!(documented(&doc, "## Nurseries"), fields(NURSERY_FIELDS));
+        assert_eq!(documented(&doc, "Nursery slot (32 bytes)"), fields(NURSERY_SLOT_FIELDS));
+        assert_eq!(documented(&doc, "## Counters"), fields(CELL_FIELDS));
     }
 }
 

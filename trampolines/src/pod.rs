@@ -16,6 +16,17 @@ use std::mem::{align_of, size_of};
 /// integer atomics and arrays of them, and be valid for every bit pattern.
 pub unsafe trait Pod: Sized {}
 
+// SAFETY: integers are valid for every bit pattern.
+unsafe impl Pod for u8 {}
+// SAFETY: as above.
+unsafe impl Pod for u16 {}
+// SAFETY: as above.
+unsafe impl Pod for u32 {}
+// SAFETY: as above.
+unsafe impl Pod for u64 {}
+// SAFETY: as above.
+unsafe impl Pod for i64 {}
+
 /// A view of `bytes` as a `T`, if they are long enough and aligned for it.
 pub fn view<T: Pod>(bytes: &[u8]) -> Option<&T> {
     if bytes.len() < size_of::<T>() || !(bytes.as_ptr() as usize).is_multiple_of(align_of::<T>()) {
@@ -38,6 +49,15 @@ pub fn copy<T: Pod>(bytes: &[u8]) -> Option<Box<T>> {
         std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.as_mut_ptr() as *mut u8, size_of::<T>());
         Some(b.assume_init())
     }
+}
+
+/// A copy of the `T` at byte `at` of `bytes`, if it lies inside them. No
+/// alignment is needed and nothing is allocated (a signal handler may read).
+pub fn read<T: Pod + Copy>(bytes: &[u8], at: usize) -> Option<T> {
+    let b = bytes.get(at..at.checked_add(size_of::<T>())?)?;
+    // SAFETY: `b` holds size_of::<T>() bytes; every bit pattern is a valid T
+    // (Pod); read_unaligned needs no alignment.
+    Some(unsafe { std::ptr::read_unaligned(b.as_ptr() as *const T) })
 }
 
 /// The bytes of a value.

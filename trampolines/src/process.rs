@@ -55,7 +55,7 @@ impl std::fmt::Display for ProcessFileError {
 }
 
 impl std::error::Error for ProcessFileError {}
-use crate::pod::Pod;
+use crate::pod::{self, Pod};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 
@@ -287,17 +287,11 @@ pub mod flags {
     /// seen leaving (profiling was switched fully off while they were
     /// live, or allocations could not be tracked).
     pub const INCOMPLETE: u32 = 4;
-    /// Usable-size tracking: the USABLE_BYTES cell field is maintained.
-    pub const USABLE: u32 = 8;
     /// Profiling was switched on at some time in this process: the file
     /// holds figures. A process that never switched on removes its file
     /// when it exits, and `alloctramp clean` removes such files left by
     /// processes that could not (killed, or ended with `_exit`).
     pub const PROFILED: u32 = 16;
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
 }
 
 /// Page-aligned layout of a module's region in the file.
@@ -307,36 +301,7 @@ pub fn module_region(table_size: u64, counters_size: u64, at: u64) -> (u64, u64,
     (table_off, counters_off, counters_off + counters_size)
 }
 
-/// Summed counters of one site.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Cell {
-    pub calls: u64,
-    pub bytes: u64,
-    pub failed: u64,
-    pub freed_objects: u64,
-    pub freed_bytes: u64,
-    pub untracked_frees: u64,
-    pub usable_bytes: u64,
-    /// Requested bytes of failed calls (live tracking only).
-    pub failed_bytes: u64,
-}
-
-impl Cell {
-    /// Objects allocated here and not freed yet (live tracking; an
-    /// allocation site). Never negative: a reading taken while a free is
-    /// half-counted is clamped at zero.
-    pub fn live_objects(&self) -> u64 {
-        self.calls.wrapping_sub(self.failed).wrapping_sub(self.freed_objects).min(i64::MAX as u64)
-    }
-    /// Their requested bytes.
-    pub fn live_bytes(&self) -> u64 {
-        self.bytes.wrapping_sub(self.failed_bytes).wrapping_sub(self.freed_bytes).min(i64::MAX as u64)
-    }
-    /// Bytes the allocator reserved for them (usable-size tracking).
-    pub fn live_usable_bytes(&self) -> u64 {
-        self.usable_bytes.min(i64::MAX as u64)
-    }
-}
+pub use crate::layout::Cell;
 
 /// One module as read from a process file.
 pub struct Module<'a> {
@@ -354,15 +319,8 @@ impl Module<'_> {
         let mut c = Cell::default();
         for s in 0..h.shard_count as usize {
             let at = s * h.shard_stride as usize + i * CELL_SIZE;
-            let Some(b) = self.counters.get(at..at + CELL_SIZE) else { break };
-            c.calls = c.calls.wrapping_add(u64_at(b, 0));
-            c.bytes = c.bytes.wrapping_add(u64_at(b, 8));
-            c.failed = c.failed.wrapping_add(u64_at(b, 16));
-            c.freed_objects = c.freed_objects.wrapping_add(u64_at(b, 24));
-            c.freed_bytes = c.freed_bytes.wrapping_add(u64_at(b, 32));
-            c.untracked_frees = c.untracked_frees.wrapping_add(u64_at(b, 40));
-            c.usable_bytes = c.usable_bytes.wrapping_add(u64_at(b, 48));
-            c.failed_bytes = c.failed_bytes.wrapping_add(u64_at(b, 56));
+            let Some(shard) = pod::read::<Cell>(self.counters, at) else { break };
+            c.add(&shard);
         }
         c
     }
@@ -510,19 +468,20 @@ pub struct Summary {
 
 impl Summary {
     pub fn read(head: &[u8]) -> Option<Summary> {
-        if head.len() < MODULE_SLOTS_AT as usize || head[..8] != PROC_MAGIC {
+        if head.len() < MODULE_SLOTS_AT as usize || head.get(..8)? != PROC_MAGIC {
             return None;
         }
-        let u32_at = |at: usize| u32::from_le_bytes([head[at], head[at + 1], head[at + 2], head[at + 3]]);
-        let version = u32_at(offset_of!(ProcHeader, version));
+        let u32_at = |at: usize| pod::read::<u32>(head, at);
+        let u64_at = |at: usize| pod::read::<u64>(head, at);
+        let version = u32_at(offset_of!(ProcHeader, version))?;
         let current = version == PROC_VERSION;
         Some(Summary {
             version,
-            pid: u32_at(offset_of!(ProcHeader, pid)),
-            exited: u32_at(offset_of!(ProcHeader, exited)) == 1,
-            flags: u32_at(offset_of!(ProcHeader, flags)),
+            pid: u32_at(offset_of!(ProcHeader, pid))?,
+            exited: u32_at(offset_of!(ProcHeader, exited))? == 1,
+            flags: u32_at(offset_of!(ProcHeader, flags))?,
             exe: if current {
-                (u64_at(head, offset_of!(ProcHeader, exe_dev)), u64_at(head, offset_of!(ProcHeader, exe_ino)))
+                (u64_at(offset_of!(ProcHeader, exe_dev))?, u64_at(offset_of!(ProcHeader, exe_ino))?)
             } else {
                 (0, 0)
             },
@@ -548,28 +507,11 @@ pub fn control_file_name(pid: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// (offset, type, name) of each row of the table that follows `heading`
-    /// in docs/formats.md, up to the next blank line after it.
-    fn documented(doc: &str, heading: &str) -> Vec<(usize, String, String)> {
-        let at = doc.find(heading).unwrap_or_else(|| panic!("docs/formats.md has no {heading:?}"));
-        let table = doc[at..].lines().skip_while(|l| !l.starts_with("| offset")).skip(2);
-        table
-            .take_while(|l| l.starts_with('|'))
-            .map(|l| {
-                let c: Vec<&str> = l.split('|').map(str::trim).collect();
-                (c[1].parse().unwrap(), c[2].to_string(), c[3].trim_matches('`').to_string())
-            })
-            .collect()
-    }
-
-    fn fields(list: &[(&str, usize, &str)]) -> Vec<(usize, String, String)> {
-        list.iter().map(|(n, o, t)| (*o, t.to_string(), n.to_string())).collect()
-    }
+    use crate::layout::tests::{documented, fields, formats_md};
 
     #[test]
     fn the_documented_process_file_is_the_struct() {
-        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/formats.md")).unwrap();
+        let doc = formats_md();
         assert!(doc.contains(&format!("## The process counters file (`PID.counters`, version {PROC_VERSION})")));
         assert_eq!(documented(&doc, "## The process counters file"), fields(HEADER_FIELDS));
         assert_eq!(documented(&doc, "Module slot (64 bytes)"), fields(SLOT_FIELDS));
