@@ -47,11 +47,11 @@ impl ControlPath {
     fn get(&self) -> Buf<256> {
         let n = self.len.load(Ordering::Acquire);
         let mut raw = [0u8; 256];
-        for (i, chunk) in self.bytes.iter().enumerate() {
-            raw[i * 8..i * 8 + 8].copy_from_slice(&chunk.load(Ordering::Relaxed).to_le_bytes());
+        for (w, chunk) in raw.chunks_exact_mut(8).zip(&self.bytes) {
+            w.copy_from_slice(&chunk.load(Ordering::Relaxed).to_le_bytes());
         }
         let mut b = Buf::new();
-        b.push(&raw[..n]);
+        b.push(raw.get(..n).unwrap_or(&raw));
         b
     }
 }
@@ -119,10 +119,11 @@ fn take_request() -> Option<Command> {
     let mut path = CONTROL_PATH.get();
     let mut buf = [0u8; 64];
     let n = sys::read_small_file(path.c_str(), &mut buf).unwrap_or(0);
-    if buf[..n].trim_ascii().is_empty() {
+    let text = buf.get(..n).unwrap_or_default();
+    if text.trim_ascii().is_empty() {
         return Some(Command::Toggle);
     }
-    match Request::parse(&buf[..n]) {
+    match Request::parse(text) {
         Some(r) => Some(Command::Do(r)),
         None => {
             let mut m = Buf::<256>::new();
@@ -198,11 +199,10 @@ fn monotonic_ns() -> u64 {
 /// through the runtime's own shared mapping, so no descriptor is needed);
 /// a file system that cannot punch holes gets zeros written.
 fn reset_counters() {
-    for (i, slot) in registry::slots().enumerate() {
+    for (slot, m) in registry::slots().zip(&live::MODULES) {
         if slot.file_index.load(Ordering::Relaxed) == u32::MAX {
             continue;
         }
-        let m = &live::MODULES[i];
         let (base, size) = (m.base.load(Ordering::Acquire), m.size.load(Ordering::Relaxed));
         if base == 0 || size == 0 {
             continue;
@@ -257,11 +257,13 @@ pub extern "C" fn on_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::
     let _errno = sys::ErrnoGuard::new();
     let uc = ctx as *mut libc::ucontext_t;
     // SAFETY: the kernel passes a valid ucontext to an SA_SIGINFO handler.
-    let rip = unsafe { (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] } as u64;
-    if let Some(t) = registry::trampoline_for(rip.wrapping_sub(1)) {
-        // SAFETY: as above; the trampoline does what the site's
-        // instruction does, from the same stack state.
-        unsafe { (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] = t as i64 };
+    let gregs = unsafe { &mut (*uc).uc_mcontext.gregs };
+    if let Some(rip) = gregs.get_mut(libc::REG_RIP as usize)
+        && let Some(t) = registry::trampoline_for((*rip as u64).wrapping_sub(1))
+    {
+        // The trampoline does what the site's instruction does, from the
+        // same stack state.
+        *rip = t as i64;
         return;
     }
     let h = OLD_TRAP.handler.load(Ordering::Acquire);
@@ -344,6 +346,7 @@ pub fn start_watcher(first: fn()) -> bool {
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
 

@@ -20,7 +20,7 @@
 //! `ALLOCTRAMP_DIR` (where the counters files go), `ALLOCTRAMP_KEEP` (how
 //! many files of ended processes stay there).
 
-#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc, clippy::indexing_slicing)]
 
 mod control;
 mod live;
@@ -313,8 +313,9 @@ fn scan_loaded_modules(inert: bool) {
             // SAFETY: the segment is mapped, p_filesz bytes from its start.
             let seg = unsafe { std::slice::from_raw_parts(start, p.p_filesz as usize) };
             if let Some(at) = layout::table_after_phdrs(seg) {
-                // SAFETY: a site table inside a loaded module.
-                unsafe { registry::register(start.add(at), inert) };
+                // SAFETY: a site table inside a loaded module's read-only
+                // segment, which holds `seg.len() - at` more bytes.
+                unsafe { registry::register(start.add(at), seg.len() - at, inert) };
             }
         }
         0
@@ -380,8 +381,44 @@ fn prune() {
 unsafe extern "C" fn register(table: *const u8) {
     init();
     let inert = CONFIG.get().is_none_or(|c| c.inert);
-    // SAFETY: forwarded from the caller.
-    unsafe { registry::register(table, inert) };
+    let Some(room) = room_in_segment(table as u64) else {
+        sys::log(b"a module registered a site table outside its segments; it is not profiled");
+        return;
+    };
+    // SAFETY: the table's module is loaded (its init stub is running), and
+    // `room` bytes of the read-only segment that holds it follow it.
+    unsafe { registry::register(table, room, inert) };
+}
+
+/// How many bytes of its loaded segment follow `addr` (the loader's view of
+/// every object's PT_LOAD segments).
+fn room_in_segment(addr: u64) -> Option<usize> {
+    struct Find {
+        addr: u64,
+        room: Option<usize>,
+    }
+    unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> i32 {
+        // SAFETY: dl_iterate_phdr passes a valid info and our `Find`.
+        let (info, find) = unsafe { (&*info, &mut *(data as *mut Find)) };
+        if info.dlpi_phdr.is_null() {
+            return 0;
+        }
+        // SAFETY: dlpi_phnum program headers at dlpi_phdr.
+        let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+        for p in phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD) {
+            let start = info.dlpi_addr.wrapping_add(p.p_vaddr);
+            if (start..start.saturating_add(p.p_filesz)).contains(&find.addr) {
+                find.room = usize::try_from(start + p.p_filesz - find.addr).ok();
+                return 1;
+            }
+        }
+        0
+    }
+    let mut find = Find { addr, room: None };
+    // SAFETY: the callback only reads what dl_iterate_phdr hands it and
+    // writes `find`, which outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each), (&mut find as *mut Find).cast()) };
+    find.room
 }
 
 /// Called by a module's fini stub.
@@ -401,6 +438,7 @@ const LAYERS: &[&[&str]] =
     &[&["sys", "tls"], &["procfile"], &["state"], &["patching", "live"], &["registry"], &["control"], &["lib"]];
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
 

@@ -58,7 +58,7 @@
 use crate::procfile::header;
 use crate::tls;
 use alloctramp_trampolines::layout::nursery as ns;
-use alloctramp_trampolines::layout::{CELL_SIZE, ControlBlock, Nursery, NurserySlot as Slot, cell};
+use alloctramp_trampolines::layout::{CELL_SIZE, ControlBlock, Nursery, NurserySlot, cell};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -174,7 +174,7 @@ pub static MODULES: [ModuleCounters; 256] = [const {
 
 /// Records where module slot `slot`'s counters are (the runtime's view).
 pub fn set_module(slot: usize, base: u64, size: u64, stride: u64, mask: u32) {
-    let m = &MODULES[slot];
+    let Some(m) = MODULES.get(slot) else { return };
     m.size.store(size, Ordering::Relaxed);
     m.stride.store(stride, Ordering::Relaxed);
     m.mask.store(mask, Ordering::Relaxed);
@@ -184,7 +184,8 @@ pub fn set_module(slot: usize, base: u64, size: u64, stride: u64, mask: u32) {
 /// After fork, in the child: the module's counters moved to the child's
 /// file; the parent's view is dropped.
 pub fn replace_module_view(slot: usize, base: u64, size: u64, module_counters: u64) {
-    let old = MODULES[slot].base.swap(base, Ordering::AcqRel);
+    let Some(m) = MODULES.get(slot) else { return };
+    let old = m.base.swap(base, Ordering::AcqRel);
     if old != 0 && old != base && old != module_counters {
         // SAFETY: the runtime's own view of the parent's counters, which
         // nothing in the child uses any more.
@@ -231,8 +232,19 @@ fn hash(ptr: u64) -> u64 {
 }
 
 #[inline(always)]
+#[allow(clippy::indexing_slicing)]
 fn shard_of(h: u64) -> &'static Shard {
+    // The top SHARD_BITS bits of a u64 index TABLE's 1 << SHARD_BITS shards.
+    const _: () = assert!(SHARDS == 1 << SHARD_BITS);
     &TABLE[(h >> (64 - SHARD_BITS)) as usize]
+}
+
+/// A pointer's slot in a nursery.
+#[inline(always)]
+#[allow(clippy::indexing_slicing)]
+fn slot_in(n: &Nursery, ptr: u64) -> &NurserySlot {
+    // slot_of keeps the top SLOT_BITS bits of a u32: below SLOT_COUNT.
+    &n.slots[ns::slot_of(ptr)]
 }
 
 /// Home position of a hash in a table of `cap` home slots.
@@ -527,7 +539,7 @@ static NURSERIES: [Nursery; MAX_NURSERIES + 1] = [const {
         last: AtomicU64::new(0),
         reserved2: [0; 48],
         slots: [const {
-            Slot {
+            NurserySlot {
                 key: AtomicU64::new(0),
                 cell: AtomicU64::new(0),
                 size: AtomicU64::new(0),
@@ -552,7 +564,7 @@ static HANDING_OUT: AtomicBool = AtomicBool::new(false);
 static EXIT_KEY: AtomicU32 = AtomicU32::new(0);
 
 fn created() -> &'static [Nursery] {
-    &NURSERIES[1..=CREATED.load(Ordering::Acquire).min(MAX_NURSERIES)]
+    NURSERIES.get(1..=CREATED.load(Ordering::Acquire).min(MAX_NURSERIES)).unwrap_or_default()
 }
 
 /// Index of the calling thread's nursery (0: none).
@@ -571,7 +583,7 @@ fn own() -> Option<&'static Nursery> {
         }
         hand_out()?
     } else {
-        &NURSERIES[i]
+        NURSERIES.get(i)?
     };
     if n.flags.load(Ordering::Acquire) & STALE != 0 {
         empty_slots(n);
@@ -610,10 +622,15 @@ fn hand_out() -> Option<&'static Nursery> {
     let mut got = None;
     if key != 0 {
         let made = CREATED.load(Ordering::Relaxed);
-        got = (1..=made)
-            .find(|&i| NURSERIES[i].owned.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed).is_ok());
-        if got.is_none() && made < MAX_NURSERIES {
-            let n = &NURSERIES[made + 1];
+        got = (1..=made).find(|&i| {
+            NURSERIES
+                .get(i)
+                .is_some_and(|n| n.owned.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed).is_ok())
+        });
+        if got.is_none()
+            && made < MAX_NURSERIES
+            && let Some(n) = NURSERIES.get(made + 1)
+        {
             empty_slots(n);
             n.owned.store(1, Ordering::Relaxed);
             n.flags.store(0, Ordering::Relaxed);
@@ -637,7 +654,7 @@ fn hand_out() -> Option<&'static Nursery> {
         thread_exit(i as *mut libc::c_void);
         return None;
     }
-    Some(&NURSERIES[i])
+    NURSERIES.get(i)
 }
 
 /// A thread exits: its nursery, objects and all, goes to the next thread
@@ -665,7 +682,7 @@ fn track(ptr: u64, cell: u64, size: u64) {
         track_in_table(ptr, cell, size);
         return;
     };
-    let s = &n.slots[ns::slot_of(ptr)];
+    let s = slot_in(n, ptr);
     let k = s.key.load(Ordering::Relaxed);
     if k == ptr {
         // The allocator handed out an address the nursery still holds:
@@ -684,7 +701,7 @@ fn track(ptr: u64, cell: u64, size: u64) {
 /// freed).
 #[cold]
 #[inline(never)]
-fn evict(n: &Nursery, s: &Slot, k: u64) {
+fn evict(n: &Nursery, s: &NurserySlot, k: u64) {
     let h = hash(k);
     let shard = shard_of(h);
     let mut inner = lock(shard);
@@ -734,9 +751,8 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
         return (None, false);
     }
     let mine = own();
-    let at = ns::slot_of(ptr);
     if let Some(n) = mine {
-        let s = &n.slots[at];
+        let s = slot_in(n, ptr);
         if s.key.load(Ordering::Relaxed) == ptr {
             let found = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
             s.key.store(ns::EMPTY, Ordering::Release);
@@ -755,7 +771,7 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
         if mine.is_some_and(|m| std::ptr::eq(m, n)) || n.flags.load(Ordering::Acquire) & STALE != 0 {
             continue;
         }
-        let s = &n.slots[at];
+        let s = slot_in(n, ptr);
         if s.key.load(Ordering::Acquire) == ptr {
             let found = (s.cell.load(Ordering::Relaxed), s.size.load(Ordering::Relaxed));
             if s.key.compare_exchange(ptr, ns::EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
@@ -781,7 +797,7 @@ fn remove(ptr: u64) -> (Option<(u64, u64)>, bool) {
 #[inline(always)]
 fn nested(ptr: u64) -> bool {
     let i = own_index();
-    i != 0 && NURSERIES[i].last.load(Ordering::Relaxed) == ptr
+    i != 0 && NURSERIES.get(i).is_some_and(|n| n.last.load(Ordering::Relaxed) == ptr)
 }
 
 /// Whether nothing is tracked (or everything is stale after a reset).
@@ -831,7 +847,7 @@ pub fn after_fork_in_child() {
 /// The current CPU's shard of module `slot`'s cell `index`.
 #[inline(always)]
 fn cell_at(slot: u64, index: u64) -> u64 {
-    let m = &MODULES[(slot & 0xff) as usize];
+    let Some(m) = MODULES.get((slot & 0xff) as usize) else { return SPARE_CELL.0.as_ptr() as u64 };
     let cpu: u32;
     // SAFETY: reads glibc's rseq cpu_id_start (or the thread pointer's own
     // first word when rseq is unavailable): always mapped for the thread.
@@ -1029,6 +1045,7 @@ fn len() -> usize {
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
 

@@ -90,11 +90,11 @@ impl Unprotected {
                 return false;
             }
             if s < e && prot & libc::PROT_WRITE == 0 {
-                if u.n == MAX_MAPPINGS {
+                let Some(free) = u.saved.get_mut(u.n) else {
                     too_many = true;
                     return false;
-                }
-                u.saved[u.n] = (s, e, prot);
+                };
+                *free = (s, e, prot);
                 u.n += 1;
             }
             true
@@ -105,8 +105,7 @@ impl Unprotected {
         if too_many {
             return Err("the module's code spans too many mappings");
         }
-        for i in 0..u.n {
-            let (s, e, prot) = u.saved[i];
+        for (i, &(s, e, prot)) in u.saved.iter().take(u.n).enumerate() {
             // SAFETY: pages of the module's own code, mapped while the module
             // is registered; only write permission is added.
             if unsafe { libc::mprotect(s as *mut libc::c_void, (e - s) as usize, prot | libc::PROT_WRITE) } != 0 {
@@ -120,7 +119,7 @@ impl Unprotected {
 
     /// Gives every mapping back the protection it had.
     fn restore(&self) {
-        for &(s, e, prot) in &self.saved[..self.n] {
+        for &(s, e, prot) in self.saved.iter().take(self.n) {
             // SAFETY: as above; the protection the pages had before.
             unsafe { libc::mprotect(s as *mut libc::c_void, (e - s) as usize, prot) };
         }

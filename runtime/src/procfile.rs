@@ -185,8 +185,8 @@ impl ProcFile {
         unsafe { libc::munmap(self.header as *const ProcHeader as *mut libc::c_void, PROC_HEADER_SIZE as usize) };
     }
 
-    fn slot(&self, module: u32) -> &ModuleSlot {
-        &self.header.modules[module as usize]
+    fn slot(&self, module: u32) -> Option<&'static ModuleSlot> {
+        self.header.modules.get(module as usize)
     }
 
     /// Adds a module: copies its site table into the file and maps the
@@ -203,9 +203,7 @@ impl ProcFile {
         counters_size: u64,
     ) -> Result<(u32, u64), &'static str> {
         let index = self.header.module_count.load(Ordering::Acquire);
-        if u64::from(index) >= process::MAX_MODULES {
-            return Err("too many patched modules");
-        }
+        let Some(s) = self.slot(index) else { return Err("too many patched modules") };
         let (table_off, counters_off, end) = process::module_region(table.len() as u64, counters_size, self.size);
         let mut own;
         let file = self.reopen()?;
@@ -221,7 +219,7 @@ impl ProcFile {
             while done < table.len() {
                 let n = libc::pwrite(
                     fd,
-                    table[done..].as_ptr().cast(),
+                    table.as_ptr().add(done).cast(),
                     table.len() - done,
                     (table_off + done as u64) as i64,
                 );
@@ -254,7 +252,6 @@ impl ProcFile {
             }
         }
         self.size = end;
-        let s = self.slot(index);
         s.table_offset.store(table_off, Ordering::Relaxed);
         s.table_size.store(table.len() as u64, Ordering::Relaxed);
         s.counters_offset.store(counters_off, Ordering::Relaxed);
@@ -265,11 +262,15 @@ impl ProcFile {
     }
 
     pub fn set_module_on(&self, index: u32, on: bool) {
-        self.slot(index).on.store(u32::from(on), Ordering::Release);
+        if let Some(s) = self.slot(index) {
+            s.on.store(u32::from(on), Ordering::Release);
+        }
     }
 
     pub fn set_unloaded(&self, index: u32) {
-        self.slot(index).unloaded.store(1, Ordering::Release);
+        if let Some(s) = self.slot(index) {
+            s.unloaded.store(1, Ordering::Release);
+        }
     }
 }
 

@@ -6,7 +6,7 @@ use crate::patching;
 use crate::procfile::ProcFile;
 use crate::state::{self, LIVE, Sites, WANT, want};
 use crate::{live, sys};
-use alloctramp_trampolines::layout::{self, ControlBlock, HEADER_SIZE, Table};
+use alloctramp_trampolines::layout::{self, ControlBlock, Table};
 use alloctramp_trampolines::pod;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -104,7 +104,7 @@ static SLOT_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// The slots in use so far (active or dead).
 pub fn slots() -> impl Iterator<Item = &'static Slot> {
-    SLOTS[..SLOT_COUNT.load(Ordering::Acquire).min(MAX_SLOTS)].iter()
+    SLOTS.get(..SLOT_COUNT.load(Ordering::Acquire).min(MAX_SLOTS)).unwrap_or_default().iter()
 }
 
 /// Sites of the active modules.
@@ -159,16 +159,26 @@ unsafe fn control_block<'a>(bias: u64, h: &layout::Header) -> &'a ControlBlock {
 }
 
 /// Registers a module by the run-time address of its site table, then
-/// brings its sites to the wanted state. Idempotent.
+/// brings its sites to the wanted state. Idempotent. A table that does not
+/// fit the `room` bytes is ignored (with a message).
 ///
 /// # Safety
-/// `table` must be the run-time address of a loaded module's site table.
-pub unsafe fn register(table: *const u8, inert: bool) {
-    // SAFETY: the header is readable (caller).
-    let head = unsafe { std::slice::from_raw_parts(table, HEADER_SIZE) };
-    let Some(size) = Table::parse_size(head) else { return };
-    // SAFETY: the whole table is in the module's read-only segment.
-    let Ok(t) = Table::parse(unsafe { std::slice::from_raw_parts(table, size) }) else { return };
+/// `table` must be the run-time address of a loaded module's site table,
+/// followed by `room` readable bytes of the module's read-only segment
+/// (the table's bytes are checked against `room`, not trusted).
+pub unsafe fn register(table: *const u8, room: usize, inert: bool) {
+    // SAFETY: `room` bytes are mapped and read-only (caller).
+    let bytes = unsafe { std::slice::from_raw_parts(table, room) };
+    let t = match Table::parse(bytes) {
+        Ok(t) => t,
+        Err(e) => {
+            let mut m = sys::Buf::<128>::new();
+            m.str("a patched module's site table is unreadable: ").str(e.as_str());
+            sys::log(m.bytes());
+            return;
+        }
+    };
+    let size = t.bytes().len();
     let bias = (table as u64).wrapping_sub(t.header.table_addr);
     let h = &t.header;
 
@@ -192,11 +202,10 @@ pub unsafe fn register(table: *const u8, inert: bool) {
             return None;
         }
         let i = SLOT_COUNT.load(Ordering::Relaxed);
-        if i >= MAX_SLOTS {
+        let Some(slot) = SLOTS.get(i) else {
             sys::log(b"too many patched modules; one is not profiled");
             return None;
-        }
-        let slot = &SLOTS[i];
+        };
         let (file_index, own) = match proc.as_mut() {
             Some(f) => match f.add_module(t.bytes(), bias, counters, h.counters_size) {
                 Ok(r) => r,

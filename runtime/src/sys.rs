@@ -15,8 +15,11 @@ impl<const N: usize> Buf<N> {
     }
     pub fn push(&mut self, s: &[u8]) -> &mut Self {
         // Keep one byte for the NUL terminator.
-        let n = s.len().min(N - 1 - self.len);
-        self.data[self.len..self.len + n].copy_from_slice(&s[..n]);
+        let room = self.data.get_mut(self.len..N.saturating_sub(1)).unwrap_or_default();
+        let n = s.len().min(room.len());
+        for (d, &c) in room.iter_mut().zip(s) {
+            *d = c;
+        }
         self.len += n;
         self
     }
@@ -26,23 +29,25 @@ impl<const N: usize> Buf<N> {
     pub fn num(&mut self, mut v: u64) -> &mut Self {
         let mut digits = [0u8; 20];
         let mut i = digits.len();
-        loop {
+        for d in digits.iter_mut().rev() {
+            *d = b'0' + (v % 10) as u8;
             i -= 1;
-            digits[i] = b'0' + (v % 10) as u8;
             v /= 10;
             if v == 0 {
                 break;
             }
         }
-        self.push(&digits[i..])
+        self.push(digits.get(i..).unwrap_or_default())
     }
     pub fn bytes(&self) -> &[u8] {
-        &self.data[..self.len]
+        self.data.get(..self.len).unwrap_or_default()
     }
     /// The contents as a NUL-terminated C string.
     pub fn c_str(&mut self) -> &CStr {
-        self.data[self.len] = 0;
-        CStr::from_bytes_with_nul(&self.data[..=self.len]).unwrap_or(c"")
+        // `push` keeps len < N, so the terminator fits.
+        let Some(nul) = self.data.get_mut(self.len) else { return c"" };
+        *nul = 0;
+        self.data.get(..=self.len).and_then(|b| CStr::from_bytes_with_nul(b).ok()).unwrap_or(c"")
     }
 }
 
@@ -69,7 +74,7 @@ pub fn write_all(fd: i32, mut data: &[u8]) {
             }
             return;
         }
-        data = &data[n as usize..];
+        data = data.get(n as usize..).unwrap_or_default();
     }
 }
 
@@ -109,7 +114,7 @@ pub fn read_small_file(path: &CStr, buf: &mut [u8]) -> Option<usize> {
         }
         let mut total = 0usize;
         while total < buf.len() {
-            let n = libc::read(fd, buf[total..].as_mut_ptr().cast(), buf.len() - total);
+            let n = libc::read(fd, buf.as_mut_ptr().add(total).cast(), buf.len() - total);
             if n < 0 && errno() == libc::EINTR {
                 continue;
             }
@@ -250,7 +255,7 @@ pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
     let mut ok = true;
     'read: loop {
         // SAFETY: reading into the free part of the buffer.
-        let n = unsafe { libc::read(fd, buf[have..].as_mut_ptr().cast(), buf.len() - have) };
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().add(have).cast(), buf.len() - have) };
         if n < 0 && errno() == libc::EINTR {
             continue;
         }
@@ -263,8 +268,8 @@ pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
         }
         have += n as usize;
         let mut at = 0;
-        while let Some(nl) = buf[at..have].iter().position(|&c| c == b'\n') {
-            let line = &buf[at..at + nl];
+        while let Some(nl) = buf.get(at..have).and_then(|b| b.iter().position(|&c| c == b'\n')) {
+            let line = buf.get(at..at + nl).unwrap_or_default();
             at += nl + 1;
             if std::mem::take(&mut skipping) {
                 continue;
@@ -280,7 +285,7 @@ pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
         if have == buf.len() {
             // A line longer than the buffer (a very long path): its
             // beginning holds the addresses.
-            if let Some((start, end, prot)) = parse_maps_line(&buf[..have])
+            if let Some((start, end, prot)) = parse_maps_line(buf.get(..have).unwrap_or_default())
                 && !f(start, end, prot)
             {
                 break;
@@ -306,21 +311,22 @@ fn parse_maps_line(line: &[u8]) -> Option<(u64, u64, i32)> {
     let space = line.iter().position(|&c| c == b' ')?;
     let start = hex(line.get(..dash)?)?;
     let end = hex(line.get(dash + 1..space)?)?;
-    let perms = line.get(space + 1..space + 4)?;
+    let &[r, w, x] = line.get(space + 1..space + 4)? else { return None };
     let mut prot = 0;
-    if perms[0] == b'r' {
+    if r == b'r' {
         prot |= libc::PROT_READ;
     }
-    if perms[1] == b'w' {
+    if w == b'w' {
         prot |= libc::PROT_WRITE;
     }
-    if perms[2] == b'x' {
+    if x == b'x' {
         prot |= libc::PROT_EXEC;
     }
     Some((start, end, prot))
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
 

@@ -16,6 +16,8 @@
 //!   shard_count shards of shard_stride bytes; a shard holds one Cell per site
 //! ```
 
+#![deny(clippy::indexing_slicing)]
+
 use crate::entry::{Kind, Signature};
 use crate::pod::{self, Pod};
 use std::mem::{offset_of, size_of};
@@ -603,17 +605,27 @@ pub enum TableError {
     ShardCount,
 }
 
+impl TableError {
+    /// A fixed description (nothing allocated: a signal handler may log it).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TableError::Truncated => "site table truncated",
+            TableError::BadMagic => "not an alloctramp site table (bad magic)",
+            TableError::Version { .. } => "site table of another version",
+            TableError::HeaderSize => "site table header size mismatch",
+            TableError::InconsistentSizes => "site table sizes are inconsistent",
+            TableError::ShardCount => "site table shard count is not a power of two",
+        }
+    }
+}
+
 impl std::fmt::Display for TableError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TableError::Truncated => f.write_str("site table truncated"),
-            TableError::BadMagic => f.write_str("not an alloctramp site table (bad magic)"),
             TableError::Version { found } => {
                 write!(f, "site table version {found}, this build reads version {VERSION}")
             }
-            TableError::HeaderSize => f.write_str("site table header size mismatch"),
-            TableError::InconsistentSizes => f.write_str("site table sizes are inconsistent"),
-            TableError::ShardCount => f.write_str("site table shard count is not a power of two"),
+            e => f.write_str(e.as_str()),
         }
     }
 }
@@ -722,6 +734,7 @@ impl<'a> Table<'a> {
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 pub(crate) mod tests {
     use super::*;
     use crate::entry;

@@ -7,6 +7,8 @@
 //! through these types (atomics for every field another process may read
 //! or write); readers copy a file's bytes into an owned, aligned value.
 
+#![deny(clippy::indexing_slicing)]
+
 use std::mem::{align_of, size_of};
 
 /// Types that may be viewed over any bytes of their size.

@@ -14,6 +14,8 @@
 //! `module_count` first. Counters are read while the process runs: a reader
 //! sees each u64 either before or after an increment.
 
+#![deny(clippy::indexing_slicing)]
+
 use crate::layout::{CELL_SIZE, PAGE, Table, TableError};
 
 /// Why a process file could not be read.
@@ -226,7 +228,7 @@ impl ProcHeader {
     /// The published module slots.
     pub fn published(&self) -> &[ModuleSlot] {
         let n = (self.module_count.load(Ordering::Acquire) as usize).min(self.modules.len());
-        &self.modules[..n]
+        self.modules.get(..n).unwrap_or_default()
     }
 }
 
@@ -445,11 +447,14 @@ pub struct FileState {
 /// go; of the others, the `keep` most recently written stay. The runtime
 /// applies this when a process exits, `alloctramp clean` on request.
 pub fn files_to_remove(files: &[FileState], keep: usize) -> Vec<bool> {
-    let mut ended: Vec<usize> = (0..files.len()).filter(|&i| !files[i].running && files[i].profiled).collect();
-    ended.sort_by_key(|&i| std::cmp::Reverse(files[i].mtime));
+    let mut ended: Vec<(usize, i64)> =
+        files.iter().enumerate().filter(|(_, f)| !f.running && f.profiled).map(|(i, f)| (i, f.mtime)).collect();
+    ended.sort_by_key(|&(_, mtime)| std::cmp::Reverse(mtime));
     let mut remove: Vec<bool> = files.iter().map(|f| !f.running && !f.profiled).collect();
-    for &i in ended.iter().skip(keep) {
-        remove[i] = true;
+    for &(i, _) in ended.iter().skip(keep) {
+        if let Some(r) = remove.get_mut(i) {
+            *r = true;
+        }
     }
     remove
 }
@@ -505,6 +510,7 @@ pub fn control_file_name(pid: u32) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
     use crate::layout::tests::{documented, fields, formats_md};
