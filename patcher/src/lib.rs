@@ -13,6 +13,7 @@ pub mod lines;
 pub mod output;
 pub mod scan;
 pub mod symbols;
+pub mod wrappers;
 pub mod write;
 
 use alloctramp_trampolines::entry::{self, EntryPoint};

@@ -139,13 +139,13 @@ impl Targets {
     }
 }
 
-fn is_plt(s: &Section) -> bool {
+pub(crate) fn is_plt(s: &Section) -> bool {
     matches!(s.name, ".plt" | ".plt.sec" | ".plt.got" | ".iplt")
 }
 
 /// Finds the GOT slot a PLT stub jumps through: the first `jmp [rip+disp]`
 /// from the stub's start, past an optional `endbr64` and NOPs.
-fn plt_stub_slot(sec: &Section, addr: u64) -> Option<u64> {
+pub(crate) fn plt_stub_slot(sec: &Section, addr: u64) -> Option<u64> {
     let start = (addr - sec.addr.0) as usize;
     let bytes = sec.data.get(start..)?;
     let mut dec = Decoder::with_ip(64, bytes, addr, DecoderOptions::NONE);

@@ -1,0 +1,1112 @@
+//! Allocation wrappers: functions that hand their callers what an allocator
+//! returned, or give an allocator back what they were given.
+//!
+//! A function is an allocation wrapper when, on every path that returns,
+//! what it returns is the result of a call to an allocator (or to another
+//! wrapper), possibly moved between registers, kept in a callee-saved
+//! register or a stack slot across other calls, checked for NULL (a path
+//! that never returns does not count; returning NULL does not disqualify),
+//! or offset by a constant (a size header in front); or when it tail-calls
+//! one. It is a realloc wrapper when such a result comes from a realloc
+//! whose pointer argument is one of the wrapper's own arguments, offset by
+//! a constant; a free wrapper when every free it calls frees one of its own
+//! arguments, offset by a constant. Wrappers of wrappers are found to any
+//! depth.
+//!
+//! The analysis is a forward data-flow over each candidate function's
+//! instructions (registers and stack slots, relative to the stack pointer
+//! at entry), joined at merge points; nothing is executed. A function the
+//! analysis cannot follow (an indirect jump, a path that reaches no known
+//! end) is not a wrapper. The core takes code bytes and a resolver of call
+//! targets, and returns data.
+
+use crate::elf::Elf;
+use alloctramp_trampolines::entry::{EntryPoint, Kind, Returns, Target as EntryTarget};
+use iced_x86::{
+    Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind, Register,
+};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// What a call reaches, as far as wrappers are concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Callee {
+    /// Returns a new object (an allocator or an allocation wrapper).
+    Alloc,
+    /// Frees the object passed in argument `ptr`.
+    Free { ptr: u8 },
+    /// Returns a new object for the one passed in argument `ptr`.
+    Realloc { ptr: u8 },
+    /// Never returns (`abort`, `exit`, a `die()` of the program).
+    NoReturn,
+}
+
+/// Where a call or a jump goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// A code address (a function, or a PLT stub).
+    Code(u64),
+    /// A pointer-sized slot read by `call/jmp [rip+disp]` (a GOT slot).
+    Slot(u64),
+}
+
+/// Resolves call targets the caller knows (allocators, their PLT stubs and
+/// GOT slots, functions that never return).
+pub trait Callees {
+    fn callee(&self, target: Target) -> Option<Callee>;
+}
+
+impl<F: Fn(Target) -> Option<Callee>> Callees for F {
+    fn callee(&self, target: Target) -> Option<Callee> {
+        self(target)
+    }
+}
+
+/// A function's code range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Function {
+    pub start: u64,
+    pub end: u64,
+}
+
+/// Why a function is a wrapper.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Why {
+    /// It returns the result of the call at `at` (offset by `offset`) on
+    /// every path that returns.
+    Returns { at: u64, offset: i64 },
+    /// It tail-calls an allocator or wrapper at `at`.
+    TailCall { at: u64 },
+    /// Every free it makes (the first at `at`) frees its argument, offset by
+    /// `offset`.
+    Frees { at: u64, offset: i64 },
+}
+
+/// A wrapper found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wrapper {
+    pub start: u64,
+    /// [`Callee::Alloc`], [`Callee::Free`] or [`Callee::Realloc`].
+    pub role: Callee,
+    pub why: Why,
+    /// 1 for a wrapper of allocators, 2 for a wrapper of such wrappers, ...
+    pub depth: u32,
+}
+
+/// Code bytes by address (the executable sections).
+pub struct Code<'a> {
+    pub ranges: Vec<(u64, &'a [u8])>,
+}
+
+impl<'a> Code<'a> {
+    fn bytes(&self, f: Function) -> Option<&'a [u8]> {
+        let (addr, bytes) = self.ranges.iter().find(|(a, b)| f.start >= *a && f.end <= a + b.len() as u64)?;
+        bytes.get((f.start - addr) as usize..(f.end - addr) as usize)
+    }
+}
+
+/// Functions larger than this are not analyzed (wrappers are small; this
+/// bounds the time spent on huge functions that merely call an allocator).
+const MAX_FUNCTION: u64 = 8192;
+
+/// Finds the wrappers among `functions` and the functions that never
+/// return, given what `known` resolves. Wrappers come sorted by address.
+pub fn find(code: &Code, functions: &[Function], known: &dyn Callees) -> (Vec<Wrapper>, Vec<u64>) {
+    let decoded: Vec<Decoded> = functions.iter().map(|&f| Decoded::new(code, f)).collect();
+    let by_start: HashMap<u64, usize> = functions.iter().enumerate().map(|(i, f)| (f.start, i)).collect();
+    let mut found: HashMap<u64, (Callee, u32)> = HashMap::new();
+    let resolve = |found: &HashMap<u64, (Callee, u32)>, t: Target| match t {
+        Target::Code(a) => found.get(&a).map(|&(c, _)| c).or_else(|| known.callee(t)),
+        Target::Slot(_) => known.callee(t),
+    };
+
+    // Functions that never return: no `ret`, no indirect jump, and every
+    // jump out of the function goes to a function that never returns.
+    loop {
+        let mut changed = false;
+        for (f, d) in functions.iter().zip(&decoded) {
+            if found.contains_key(&f.start) || d.returns || d.indirect_jump || d.instructions.is_empty() {
+                continue;
+            }
+            if d.jumps_out.iter().all(|&t| resolve(&found, t) == Some(Callee::NoReturn)) {
+                found.insert(f.start, (Callee::NoReturn, 0));
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+
+    // Callers of each function, to analyze again only what a new wrapper
+    // may have made a wrapper.
+    let mut callers: HashMap<u64, Vec<usize>> = HashMap::new();
+    for (i, d) in decoded.iter().enumerate() {
+        for &t in d.calls.iter().chain(&d.jumps_out) {
+            if let Target::Code(a) = t
+                && by_start.contains_key(&a)
+            {
+                callers.entry(a).or_default().push(i);
+            }
+        }
+    }
+    let role = |c: Option<Callee>| matches!(c, Some(Callee::Alloc | Callee::Free { .. } | Callee::Realloc { .. }));
+    let mut todo: Vec<usize> = (0..functions.len())
+        .filter(|&i| decoded[i].calls.iter().chain(&decoded[i].jumps_out).any(|&t| role(resolve(&found, t))))
+        .collect();
+    let mut wrappers = Vec::new();
+    let mut depth = 1;
+    while !todo.is_empty() {
+        let mut next = HashSet::new();
+        let mut new = Vec::new();
+        for &i in &todo {
+            let f = functions[i];
+            if found.contains_key(&f.start) {
+                continue;
+            }
+            if let Some((role, why)) = analyze(&decoded[i], f, &|t| resolve(&found, t)) {
+                new.push(Wrapper { start: f.start, role, why, depth });
+            }
+        }
+        for w in &new {
+            found.insert(w.start, (w.role, w.depth));
+            next.extend(callers.get(&w.start).into_iter().flatten().copied());
+        }
+        wrappers.extend(new);
+        todo = next.into_iter().collect();
+        todo.sort_unstable();
+        depth += 1;
+    }
+    wrappers.sort_by_key(|w| w.start);
+    let mut noreturn: Vec<u64> = found.iter().filter(|(_, (c, _))| *c == Callee::NoReturn).map(|(&a, _)| a).collect();
+    noreturn.sort_unstable();
+    (wrappers, noreturn)
+}
+
+/// A function's instructions and what a linear pass over them shows.
+#[derive(Default)]
+struct Decoded {
+    instructions: Vec<Instruction>,
+    returns: bool,
+    indirect_jump: bool,
+    calls: Vec<Target>,
+    jumps_out: Vec<Target>,
+}
+
+fn target_of(ins: &Instruction) -> Option<Target> {
+    match ins.op0_kind() {
+        OpKind::NearBranch64 => Some(Target::Code(ins.near_branch64())),
+        OpKind::Memory if ins.is_ip_rel_memory_operand() => Some(Target::Slot(ins.ip_rel_memory_address())),
+        _ => None,
+    }
+}
+
+impl Decoded {
+    fn new(code: &Code, f: Function) -> Decoded {
+        let mut d = Decoded::default();
+        if f.end <= f.start || f.end - f.start > MAX_FUNCTION {
+            return d;
+        }
+        let Some(bytes) = code.bytes(f) else { return d };
+        let mut dec = Decoder::with_ip(64, bytes, f.start, DecoderOptions::NONE);
+        while dec.can_decode() {
+            let ins = dec.decode();
+            if ins.is_invalid() {
+                break;
+            }
+            let inside = |a: u64| (f.start..f.end).contains(&a);
+            match ins.flow_control() {
+                FlowControl::Return => d.returns = true,
+                FlowControl::Call | FlowControl::IndirectCall => d.calls.extend(target_of(&ins)),
+                FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch => {
+                    if let Some(t @ Target::Code(a)) = target_of(&ins)
+                        && !inside(a)
+                    {
+                        d.jumps_out.push(t);
+                    }
+                }
+                FlowControl::IndirectBranch => match target_of(&ins) {
+                    Some(t) => d.jumps_out.push(t),
+                    None => d.indirect_jump = true,
+                },
+                _ => {}
+            }
+            d.instructions.push(ins);
+        }
+        d
+    }
+}
+
+/// An abstract value: what a register or stack slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Val {
+    Unknown,
+    /// NULL.
+    Zero,
+    /// Argument `n` at entry, plus an offset.
+    Arg(u8, i64),
+    /// The stack pointer at entry, plus an offset.
+    Stack(i64),
+    /// What a call returned, plus an offset.
+    Result(Origin, i64),
+}
+
+/// Which call a result came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    Alloc,
+    /// A realloc of the function's argument `n` plus an offset.
+    ReallocOfArg(u8, i64),
+    /// A realloc of something else.
+    Realloc,
+}
+
+impl Origin {
+    fn join(self, o: Origin) -> Origin {
+        match (self, o) {
+            _ if self == o => self,
+            (Origin::Alloc, r @ Origin::ReallocOfArg(..)) | (r @ Origin::ReallocOfArg(..), Origin::Alloc) => r,
+            _ => Origin::Realloc,
+        }
+    }
+}
+
+impl Val {
+    fn plus(self, d: i64) -> Val {
+        match self {
+            Val::Arg(n, o) => Val::Arg(n, o.wrapping_add(d)),
+            Val::Stack(o) => Val::Stack(o.wrapping_add(d)),
+            Val::Result(r, o) => Val::Result(r, o.wrapping_add(d)),
+            Val::Zero | Val::Unknown => Val::Unknown,
+        }
+    }
+    fn join(self, o: Val) -> Val {
+        match (self, o) {
+            _ if self == o => self,
+            // A realloc wrapper's paths: one reallocates, another (a NULL
+            // pointer) allocates.
+            (Val::Result(a, x), Val::Result(b, y)) if x == y => Val::Result(a.join(b), x),
+            _ => Val::Unknown,
+        }
+    }
+}
+
+const GPRS: [Register; 16] = [
+    Register::RAX,
+    Register::RCX,
+    Register::RDX,
+    Register::RBX,
+    Register::RSP,
+    Register::RBP,
+    Register::RSI,
+    Register::RDI,
+    Register::R8,
+    Register::R9,
+    Register::R10,
+    Register::R11,
+    Register::R12,
+    Register::R13,
+    Register::R14,
+    Register::R15,
+];
+const ARGS: [Register; 6] = [Register::RDI, Register::RSI, Register::RDX, Register::RCX, Register::R8, Register::R9];
+const CALLER_SAVED: [Register; 9] = [
+    Register::RAX,
+    Register::RCX,
+    Register::RDX,
+    Register::RSI,
+    Register::RDI,
+    Register::R8,
+    Register::R9,
+    Register::R10,
+    Register::R11,
+];
+
+/// The index of a 64-bit general-purpose register (its full register for
+/// a part of one).
+fn gpr(r: Register) -> Option<usize> {
+    let full = r.full_register();
+    GPRS.iter().position(|&g| g == full)
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct State {
+    regs: [Val; 16],
+    /// Stack slots (8 bytes) by offset from the stack pointer at entry.
+    stack: BTreeMap<i64, Val>,
+}
+
+impl State {
+    fn entry() -> State {
+        let mut regs = [Val::Unknown; 16];
+        for (n, &r) in ARGS.iter().enumerate() {
+            regs[gpr(r).unwrap_or(0)] = Val::Arg(n as u8, 0);
+        }
+        regs[4] = Val::Stack(0);
+        State { regs, stack: BTreeMap::new() }
+    }
+    fn get(&self, r: Register) -> Val {
+        gpr(r).map_or(Val::Unknown, |i| self.regs[i])
+    }
+    fn set(&mut self, r: Register, v: Val) {
+        if let Some(i) = gpr(r) {
+            // A write to a 32-bit part zero-extends: only full registers
+            // keep what they held.
+            self.regs[i] = if r.full_register() == r { v } else { Val::Unknown };
+        }
+    }
+    /// Joins `o` into `self`; whether `self` changed.
+    fn join(&mut self, o: &State) -> bool {
+        let before = self.clone();
+        for (a, b) in self.regs.iter_mut().zip(&o.regs) {
+            *a = a.join(*b);
+        }
+        self.stack.retain(|k, v| o.stack.get(k) == Some(v));
+        *self != before
+    }
+    /// The stack slot a memory operand names, if its base is known to point
+    /// into the stack.
+    fn slot(&self, ins: &Instruction) -> Option<i64> {
+        if ins.memory_index() != Register::None {
+            return None;
+        }
+        match self.get(ins.memory_base()) {
+            Val::Stack(o) => Some(o.wrapping_add(ins.memory_displacement64() as i64)),
+            _ => None,
+        }
+    }
+    /// Forgets the stack slots a memory write may reach. A write through
+    /// a pointer not known to point into the stack is taken not to reach
+    /// the frame (heap and globals).
+    fn clobber_memory(&mut self, ins: &Instruction) {
+        if let Some(at) = self.slot(ins) {
+            let size = (ins.memory_size().size() as i64).max(8);
+            self.stack.retain(|&k, _| k + 8 <= at || k >= at + size);
+        }
+    }
+}
+
+/// What one function's paths end in.
+#[derive(Default)]
+struct Ends {
+    /// Values returned (in rax) by paths that return, with the instruction
+    /// that ends each.
+    returned: Vec<(Val, u64)>,
+    /// Results of tail calls: (callee, value of the pointer argument), at.
+    tail: Vec<(Callee, Val, u64)>,
+    /// Frees made: value of the pointer argument, at.
+    frees: Vec<(Val, u64)>,
+    /// Where results come from: call address per origin.
+    first_call: Option<u64>,
+    /// A path the analysis cannot follow.
+    lost: bool,
+}
+
+/// Decides whether one function is a wrapper.
+fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<(Callee, Why)> {
+    let ends = flow(d, f, resolve)?;
+    if ends.lost {
+        return None;
+    }
+    let mut alloc = false;
+    // The argument every realloc reallocates; `Err` when they differ.
+    let mut realloc_of: Option<Result<u8, ()>> = None;
+    let mut realloc = |n: Option<u8>| {
+        realloc_of = match (realloc_of, n) {
+            (None | Some(Ok(_)), Some(n)) if realloc_of.is_none_or(|r| r == Ok(n)) => Some(Ok(n)),
+            _ => Some(Err(())),
+        }
+    };
+    // A path returns something other than an object or NULL.
+    let mut other = false;
+    let mut result: Option<(u64, i64)> = None;
+    for &(v, _) in &ends.returned {
+        match v {
+            Val::Zero => {}
+            Val::Result(Origin::Alloc, off) => {
+                alloc = true;
+                result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
+            }
+            Val::Result(Origin::ReallocOfArg(n, _), off) => {
+                realloc(Some(n));
+                result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
+            }
+            Val::Result(Origin::Realloc, _) => realloc(None),
+            _ => other = true,
+        }
+    }
+    let mut tail_at = None;
+    for &(callee, arg, at) in &ends.tail {
+        match (callee, arg) {
+            (Callee::Alloc, _) => alloc = true,
+            (Callee::Realloc { .. }, Val::Arg(n, _)) => realloc(Some(n)),
+            (Callee::Realloc { .. }, _) => realloc(None),
+            (Callee::Free { .. } | Callee::NoReturn, _) => continue,
+        }
+        tail_at.get_or_insert(at);
+    }
+    if alloc || realloc_of.is_some() {
+        // Every path that returns must return the object (or NULL), and
+        // every realloc must reallocate the same argument.
+        if other || realloc_of == Some(Err(())) {
+            return None;
+        }
+        let realloc_of = realloc_of.and_then(Result::ok);
+        let role = realloc_of.map_or(Callee::Alloc, |ptr| Callee::Realloc { ptr });
+        let why = match (result, tail_at) {
+            (Some((at, offset)), _) => Why::Returns { at, offset },
+            (None, Some(at)) => Why::TailCall { at },
+            (None, None) => return None,
+        };
+        return Some((role, why));
+    }
+    // A free wrapper: every free frees the same argument.
+    let (first, at) = *ends.frees.first()?;
+    let Val::Arg(n, offset) = first else { return None };
+    if ends.frees.iter().any(|(v, _)| !matches!(v, Val::Arg(m, _) if *m == n)) {
+        return None;
+    }
+    if ends.returned.iter().any(|(v, _)| matches!(v, Val::Result(..))) {
+        return None;
+    }
+    Some((Callee::Free { ptr: n }, Why::Frees { at, offset }))
+}
+
+/// Runs the data-flow over a function; `None` if it does not settle.
+fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<Ends> {
+    let index: HashMap<u64, usize> = d.instructions.iter().enumerate().map(|(i, ins)| (ins.ip(), i)).collect();
+    let mut states: Vec<Option<State>> = vec![None; d.instructions.len()];
+    *states.first_mut()? = Some(State::entry());
+    let mut work = vec![0usize];
+    let mut ends = Ends::default();
+    let mut info = InstructionInfoFactory::new();
+    let mut budget = d.instructions.len() * 64;
+    let inside = |a: u64| (f.start..f.end).contains(&a);
+    while let Some(i) = work.pop() {
+        budget = budget.checked_sub(1)?;
+        let (Some(ins), Some(Some(state))) = (d.instructions.get(i), states.get(i)) else { continue };
+        let mut s = state.clone();
+        let mut next: Vec<u64> = Vec::new();
+        let after = ins.next_ip();
+        match ins.flow_control() {
+            FlowControl::Return => ends.returned.push((s.get(Register::RAX), ins.ip())),
+            FlowControl::Call | FlowControl::IndirectCall => {
+                let callee = target_of(ins).and_then(resolve);
+                match callee {
+                    Some(Callee::NoReturn) => {}
+                    _ => {
+                        call(&mut s, ins, callee, &mut ends);
+                        next.push(after);
+                    }
+                }
+            }
+            FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch | FlowControl::IndirectBranch => {
+                if ins.flow_control() == FlowControl::ConditionalBranch {
+                    next.push(after);
+                }
+                match target_of(ins) {
+                    Some(Target::Code(a)) if inside(a) => next.push(a),
+                    Some(t) => tail_call(&s, ins, resolve(t), &mut ends),
+                    None => ends.lost = true,
+                }
+            }
+            FlowControl::Interrupt | FlowControl::Exception => {
+                // int3, ud2, hlt: the path ends here.
+            }
+            _ => {
+                step(&mut s, ins, &mut info);
+                next.push(after);
+            }
+        }
+        for a in next {
+            if !inside(a) {
+                // Falling off the end: code after a call that never returns.
+                continue;
+            }
+            let Some(&j) = index.get(&a) else {
+                ends.lost = true;
+                continue;
+            };
+            let Some(slot) = states.get_mut(j) else { continue };
+            match slot {
+                Some(old) => {
+                    if old.join(&s) {
+                        work.push(j);
+                    }
+                }
+                None => {
+                    *slot = Some(s.clone());
+                    work.push(j);
+                }
+            }
+        }
+    }
+    Some(ends)
+}
+
+/// A call that returns: records frees and what comes back.
+fn call(s: &mut State, ins: &Instruction, callee: Option<Callee>, ends: &mut Ends) {
+    let arg = |s: &State, n: u8| ARGS.get(usize::from(n)).map_or(Val::Unknown, |&r| s.get(r));
+    let result = match callee {
+        Some(Callee::Alloc) => Val::Result(Origin::Alloc, 0),
+        Some(Callee::Realloc { ptr }) => match arg(s, ptr) {
+            Val::Arg(n, o) => Val::Result(Origin::ReallocOfArg(n, o), 0),
+            _ => Val::Result(Origin::Realloc, 0),
+        },
+        Some(Callee::Free { ptr }) => {
+            ends.frees.push((arg(s, ptr), ins.ip()));
+            Val::Unknown
+        }
+        _ => Val::Unknown,
+    };
+    if matches!(result, Val::Result(..)) {
+        ends.first_call.get_or_insert(ins.ip());
+    }
+    for r in CALLER_SAVED {
+        s.set(r, Val::Unknown);
+    }
+    s.set(Register::RAX, result);
+}
+
+/// A jump out of the function: a tail call, which returns what its callee
+/// returns.
+fn tail_call(s: &State, ins: &Instruction, callee: Option<Callee>, ends: &mut Ends) {
+    let arg = |n: u8| ARGS.get(usize::from(n)).map_or(Val::Unknown, |&r| s.get(r));
+    match callee {
+        Some(Callee::NoReturn) => {}
+        Some(c @ Callee::Alloc) => ends.tail.push((c, Val::Unknown, ins.ip())),
+        Some(c @ Callee::Realloc { ptr }) => ends.tail.push((c, arg(ptr), ins.ip())),
+        Some(Callee::Free { ptr }) => {
+            ends.frees.push((arg(ptr), ins.ip()));
+            ends.returned.push((Val::Unknown, ins.ip()));
+        }
+        None => ends.returned.push((Val::Unknown, ins.ip())),
+    }
+}
+
+/// One instruction that neither branches nor calls.
+fn step(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory) {
+    let reg0 = || (ins.op_count() > 0 && ins.op0_kind() == OpKind::Register).then(|| ins.op0_register());
+    let reg1 = || (ins.op_count() > 1 && ins.op1_kind() == OpKind::Register).then(|| ins.op1_register());
+    let imm = || match ins.op1_kind() {
+        OpKind::Immediate8to64 | OpKind::Immediate32to64 => Some(ins.immediate64() as i64),
+        OpKind::Immediate8 | OpKind::Immediate32 => Some(ins.immediate(1) as i64),
+        _ => None,
+    };
+    let wide = |r: Register| r.full_register() == r && gpr(r).is_some();
+    match ins.mnemonic() {
+        Mnemonic::Mov if ins.op_count() == 2 => match (ins.op0_kind(), ins.op1_kind()) {
+            (OpKind::Register, OpKind::Register) => {
+                let (d, r) = (ins.op0_register(), ins.op1_register());
+                let v = if wide(r) { s.get(r) } else { Val::Unknown };
+                s.set(d, v);
+            }
+            (OpKind::Register, OpKind::Memory) => {
+                let d = ins.op0_register();
+                let v = match s.slot(ins) {
+                    Some(at) if wide(d) => s.stack.get(&at).copied().unwrap_or(Val::Unknown),
+                    _ => Val::Unknown,
+                };
+                s.set(d, v);
+            }
+            (OpKind::Memory, OpKind::Register) => {
+                let r = ins.op1_register();
+                s.clobber_memory(ins);
+                if let Some(at) = s.slot(ins)
+                    && wide(r)
+                {
+                    s.stack.insert(at, s.get(r));
+                }
+            }
+            (OpKind::Memory, _) => s.clobber_memory(ins),
+            (OpKind::Register, _) => {
+                let d = ins.op0_register();
+                s.set(d, if imm() == Some(0) { Val::Zero } else { Val::Unknown });
+            }
+            _ => generic(s, ins, info),
+        },
+        Mnemonic::Xor | Mnemonic::Sub if reg0().is_some() && reg0() == reg1() => {
+            if let Some(r) = reg0() {
+                s.set(r.full_register(), Val::Zero);
+            }
+        }
+        Mnemonic::Lea => {
+            let d = ins.op0_register();
+            let v = if ins.memory_index() == Register::None && ins.memory_base() != Register::RIP {
+                s.get(ins.memory_base()).plus(ins.memory_displacement64() as i64)
+            } else {
+                Val::Unknown
+            };
+            s.set(d, if wide(d) { v } else { Val::Unknown });
+        }
+        Mnemonic::Add | Mnemonic::Sub if reg0().is_some_and(wide) && imm().is_some() => {
+            if let (Some(d), Some(k)) = (reg0(), imm()) {
+                let k = if ins.mnemonic() == Mnemonic::Sub { k.wrapping_neg() } else { k };
+                s.set(d, s.get(d).plus(k));
+            }
+        }
+        Mnemonic::Push => {
+            let v = reg0().filter(|&r| wide(r)).map_or(Val::Unknown, |r| s.get(r));
+            let sp = s.get(Register::RSP).plus(-8);
+            s.set(Register::RSP, sp);
+            if let Val::Stack(at) = sp {
+                s.stack.insert(at, v);
+            }
+        }
+        Mnemonic::Pop => {
+            let sp = s.get(Register::RSP);
+            let v = match sp {
+                Val::Stack(at) => s.stack.get(&at).copied().unwrap_or(Val::Unknown),
+                _ => Val::Unknown,
+            };
+            s.set(Register::RSP, sp.plus(8));
+            if let Some(r) = reg0() {
+                s.set(r, v);
+            }
+        }
+        Mnemonic::Leave => {
+            let bp = s.get(Register::RBP);
+            let v = match bp {
+                Val::Stack(at) => s.stack.get(&at).copied().unwrap_or(Val::Unknown),
+                _ => Val::Unknown,
+            };
+            s.set(Register::RSP, bp.plus(8));
+            s.set(Register::RBP, v);
+        }
+        Mnemonic::Test | Mnemonic::Cmp | Mnemonic::Nop | Mnemonic::Endbr64 => {}
+        Mnemonic::Cmova
+        | Mnemonic::Cmovae
+        | Mnemonic::Cmovb
+        | Mnemonic::Cmovbe
+        | Mnemonic::Cmove
+        | Mnemonic::Cmovg
+        | Mnemonic::Cmovge
+        | Mnemonic::Cmovl
+        | Mnemonic::Cmovle
+        | Mnemonic::Cmovne
+        | Mnemonic::Cmovno
+        | Mnemonic::Cmovnp
+        | Mnemonic::Cmovns
+        | Mnemonic::Cmovo
+        | Mnemonic::Cmovp
+        | Mnemonic::Cmovs => {
+            if let (Some(d), Some(r)) = (reg0(), reg1()) {
+                let v = if wide(r) && wide(d) { s.get(d).join(s.get(r)) } else { Val::Unknown };
+                s.set(d, v);
+            } else {
+                generic(s, ins, info);
+            }
+        }
+        _ => generic(s, ins, info),
+    }
+}
+
+/// Any other instruction: every register it writes holds something
+/// unknown afterwards, and a stack slot it may write is forgotten.
+fn generic(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory) {
+    let writes = |a: OpAccess| {
+        matches!(a, OpAccess::Write | OpAccess::ReadWrite | OpAccess::CondWrite | OpAccess::ReadCondWrite)
+    };
+    let used = info.info(ins);
+    for r in used.used_registers() {
+        if writes(r.access())
+            && let Some(i) = gpr(r.register())
+        {
+            s.regs[i] = Val::Unknown;
+        }
+    }
+    if used.used_memory().iter().any(|m| writes(m.access())) {
+        s.clobber_memory(ins);
+    }
+}
+
+/// Functions of the C library and of language runtimes that never return.
+const NO_RETURN: &[&str] = &[
+    "abort",
+    "exit",
+    "_exit",
+    "_Exit",
+    "quick_exit",
+    "__assert_fail",
+    "__assert_perror_fail",
+    "__stack_chk_fail",
+    "__fortify_fail",
+    "__chk_fail",
+    "err",
+    "errx",
+    "verr",
+    "verrx",
+    "longjmp",
+    "siglongjmp",
+    "__longjmp_chk",
+    "pthread_exit",
+    "__cxa_throw",
+    "__cxa_rethrow",
+    "_Unwind_Resume",
+    "_ZSt9terminatev",
+    "_ZSt17__throw_bad_allocv",
+    "_ZSt28__throw_bad_array_new_lengthv",
+    "_ZSt20__throw_length_errorPKc",
+];
+
+/// Whether a (mangled) name is a function that never returns.
+fn never_returns(name: &str) -> bool {
+    if NO_RETURN.contains(&name) || (name.starts_with("_ZSt") && name.contains("__throw_")) {
+        return true;
+    }
+    // Rust's panics and allocation-failure handler (legacy or v0 mangling).
+    (name.starts_with("_ZN") || name.starts_with("_R")) && {
+        let d = crate::symbols::demangle(name);
+        d.starts_with("core::panicking::") || d.starts_with("alloc::alloc::handle_alloc_error")
+    }
+}
+
+/// The functions of a file: its symbols' extents, and for code no symbol
+/// covers (a stripped file), the ranges of `.eh_frame`'s FDEs.
+pub fn functions(elf: &Elf) -> Vec<Function> {
+    let mut out: Vec<Function> = elf
+        .symbols(false)
+        .iter()
+        .chain(elf.symbols(true))
+        .filter(|s| s.defined && s.is_func && s.size > 0)
+        .filter(|s| elf.section_at(s.value).is_some_and(|sec| sec.is_exec()))
+        .map(|s| Function { start: s.value, end: s.value.saturating_add(s.size) })
+        .collect();
+    out.extend(fde_ranges(elf).into_iter().filter(|f| elf.section_at(f.start).is_some_and(|s| s.is_exec())));
+    out.sort_by_key(|f| (f.start, std::cmp::Reverse(f.end)));
+    out.dedup_by_key(|f| f.start);
+    out
+}
+
+/// The code ranges `.eh_frame` describes (empty if it cannot be read).
+fn fde_ranges(elf: &Elf) -> Vec<Function> {
+    use gimli::UnwindSection;
+    let Some(sec) = elf.section_by_name(".eh_frame") else { return Vec::new() };
+    let eh = gimli::EhFrame::new(sec.data, gimli::LittleEndian);
+    let mut bases = gimli::BaseAddresses::default().set_eh_frame(sec.addr.0);
+    if let Some(text) = elf.section_by_name(".text") {
+        bases = bases.set_text(text.addr.0);
+    }
+    if let Some(got) = elf.section_by_name(".got") {
+        bases = bases.set_got(got.addr.0);
+    }
+    let mut out = Vec::new();
+    let mut entries = eh.entries(&bases);
+    while let Ok(Some(entry)) = entries.next() {
+        if let gimli::CieOrFde::Fde(partial) = entry
+            && let Ok(fde) = partial.parse(|s, b, o| s.cie_from_offset(b, o))
+            && fde.len() > 0
+        {
+            out.push(Function { start: fde.initial_address(), end: fde.end_address() });
+        }
+    }
+    out
+}
+
+/// What the entry points of an analysis are to the wrapper search, by
+/// their signature: allocators that return the object, frees and
+/// reallocs (entries that hand the object back through an argument, such
+/// as `posix_memalign`, make no wrapper of this kind).
+fn role_of(e: &EntryPoint) -> Option<Callee> {
+    let sig = &e.sig;
+    match (sig.kind, sig.result, sig.freed) {
+        (Kind::Alloc, Returns::Ret, _) => Some(Callee::Alloc),
+        (Kind::Free, _, Some(ptr)) => Some(Callee::Free { ptr }),
+        (Kind::Realloc, Returns::Ret, Some(ptr)) => Some(Callee::Realloc { ptr }),
+        _ => None,
+    }
+}
+
+/// The wrappers in a file whose entry points `entries` are (the defaults
+/// and any the user named): calls through PLT stubs, GOT slots and direct
+/// calls to definitions are resolved as the site scan resolves them.
+pub fn discover(elf: &Elf, entries: &[EntryPoint]) -> (Vec<Wrapper>, Vec<u64>) {
+    let mut by_name: HashMap<&str, Callee> = HashMap::new();
+    for e in entries {
+        if let (EntryTarget::Symbol(name), Some(role)) = (&e.target, role_of(e)) {
+            by_name.insert(name.as_str(), role);
+        }
+    }
+    let named = |name: &str| by_name.get(name).copied().or_else(|| never_returns(name).then_some(Callee::NoReturn));
+    let mut slots: HashMap<u64, Callee> = HashMap::new();
+    for r in elf.dynamic_relocations() {
+        if let (6 | 7, Some(name)) = (r.r_type, r.symbol)
+            && let Some(c) = named(name)
+        {
+            slots.insert(r.offset.0, c);
+        }
+    }
+    let mut code: HashMap<u64, Callee> = HashMap::new();
+    for e in entries {
+        if let (EntryTarget::Address(a), Some(role)) = (&e.target, role_of(e)) {
+            code.insert(*a, role);
+        }
+    }
+    for sym in elf.symbols(false).iter().chain(elf.symbols(true)) {
+        if sym.defined
+            && sym.is_func
+            && let Some(c) = named(sym.name)
+        {
+            code.entry(sym.value).or_insert(c);
+        }
+    }
+    let mut texts = Vec::new();
+    for sec in elf.sections.iter().filter(|s| s.is_exec()) {
+        texts.push((sec.addr.0, sec.data));
+        if crate::scan::is_plt(sec) && !slots.is_empty() {
+            let step = if sec.name == ".plt.got" { 8 } else { 16 };
+            for addr in (sec.addr.0..sec.addr.0 + sec.size).step_by(step) {
+                if let Some(c) = crate::scan::plt_stub_slot(sec, addr).and_then(|slot| slots.get(&slot)) {
+                    code.insert(addr, *c);
+                }
+            }
+        }
+    }
+    let known = |t: Target| match t {
+        Target::Code(a) => code.get(&a).copied(),
+        Target::Slot(a) => slots.get(&a).copied(),
+    };
+    find(&Code { ranges: texts }, &functions(elf), &known)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iced_x86::code_asm::*;
+    use iced_x86::{Code as Op, MemoryOperand};
+
+    fn rip(addr: u64) -> MemoryOperand {
+        MemoryOperand::with_base_displ(Register::RIP, addr as i64)
+    }
+
+    const MALLOC: u64 = 0x10_0000;
+    const FREE: u64 = 0x10_0010;
+    const REALLOC: u64 = 0x10_0020;
+    const ABORT: u64 = 0x10_0030;
+    const OTHER: u64 = 0x10_0040;
+
+    fn libc(t: Target) -> Option<Callee> {
+        match t {
+            Target::Code(MALLOC) => Some(Callee::Alloc),
+            Target::Code(FREE) => Some(Callee::Free { ptr: 0 }),
+            Target::Code(REALLOC) => Some(Callee::Realloc { ptr: 0 }),
+            Target::Code(ABORT) => Some(Callee::NoReturn),
+            Target::Slot(0x20_0000) => Some(Callee::Alloc),
+            _ => None,
+        }
+    }
+
+    /// Assembles functions one after another from 0x1000; returns their
+    /// code and ranges.
+    /// A function written with the assembler.
+    type Asm<'a> = &'a dyn Fn(&mut CodeAssembler) -> Result<(), IcedError>;
+    /// Wrappers found (function index, role, depth), the functions that
+    /// never return (indices), and the wrappers.
+    type Found = (Vec<(usize, Callee, u32)>, Vec<usize>, Vec<Wrapper>);
+
+    fn build(funcs: &[Asm]) -> (Vec<u8>, Vec<Function>) {
+        let mut bytes = Vec::new();
+        let mut functions = Vec::new();
+        for f in funcs {
+            let start = 0x1000 + bytes.len() as u64;
+            let mut a = CodeAssembler::new(64).unwrap();
+            f(&mut a).unwrap();
+            let code = a.assemble(start).unwrap();
+            functions.push(Function { start, end: start + code.len() as u64 });
+            bytes.extend(code);
+            while bytes.len() % 16 != 0 {
+                bytes.push(0xcc);
+            }
+        }
+        (bytes, functions)
+    }
+
+    fn run(funcs: &[Asm]) -> Found {
+        let (bytes, functions) = build(funcs);
+        let (w, noreturn) = find(&Code { ranges: vec![(0x1000, &bytes)] }, &functions, &libc);
+        let index = |a: u64| functions.iter().position(|f| f.start == a).unwrap();
+        (w.iter().map(|w| (index(w.start), w.role, w.depth)).collect(), noreturn.into_iter().map(index).collect(), w)
+    }
+
+    #[test]
+    fn a_die_on_null_wrapper_and_a_wrapper_of_it() {
+        // xmalloc(n) { p = malloc(n); if (!p) abort(); return p; }
+        let xmalloc = |a: &mut CodeAssembler| {
+            let mut die = a.create_label();
+            a.push(rbx)?;
+            a.call(MALLOC)?;
+            a.mov(rbx, rax)?;
+            a.test(rax, rax)?;
+            a.je(die)?;
+            a.mov(rax, rbx)?;
+            a.pop(rbx)?;
+            a.ret()?;
+            a.set_label(&mut die)?;
+            a.call(ABORT)?;
+            Ok(())
+        };
+        // xcalloc-like: a second level that saves the result in a stack
+        // slot across an unrelated call.
+        let outer = |a: &mut CodeAssembler| {
+            a.sub(rsp, 24)?;
+            a.call(0x1000u64)?;
+            a.mov(qword_ptr(rsp + 8), rax)?;
+            a.call(OTHER)?;
+            a.mov(rax, qword_ptr(rsp + 8))?;
+            a.add(rsp, 24)?;
+            a.ret()?;
+            Ok(())
+        };
+        let (found, _, w) = run(&[&xmalloc, &outer]);
+        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Alloc, 2)]);
+        assert_eq!(w[0].why, Why::Returns { at: 0x1001, offset: 0 });
+    }
+
+    #[test]
+    fn a_size_header_in_front_and_returning_null() {
+        // zmalloc(n) { p = malloc(n + 16); if (!p) return NULL; *p = n; return p + 16; }
+        let z = |a: &mut CodeAssembler| {
+            let mut null = a.create_label();
+            a.push(rbx)?;
+            a.mov(rbx, rdi)?;
+            a.add(rdi, 16)?;
+            a.call(MALLOC)?;
+            a.test(rax, rax)?;
+            a.je(null)?;
+            a.mov(qword_ptr(rax), rbx)?;
+            a.add(rax, 16)?;
+            a.pop(rbx)?;
+            a.ret()?;
+            a.set_label(&mut null)?;
+            a.xor(eax, eax)?;
+            a.pop(rbx)?;
+            a.ret()?;
+            Ok(())
+        };
+        // zfree(p) { if (p) free(p - 16); }
+        let zfree = |a: &mut CodeAssembler| {
+            let mut out = a.create_label();
+            a.test(rdi, rdi)?;
+            a.je(out)?;
+            a.sub(rdi, 16)?;
+            a.jmp(FREE)?;
+            a.set_label(&mut out)?;
+            a.ret()?;
+            Ok(())
+        };
+        let (found, _, w) = run(&[&z, &zfree]);
+        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Free { ptr: 0 }, 1)]);
+        assert!(matches!(w[0].why, Why::Returns { offset: 16, .. }));
+        assert!(matches!(w[1].why, Why::Frees { offset: -16, .. }));
+    }
+
+    #[test]
+    fn tail_calls_and_realloc_wrappers() {
+        // size0to1(n) { if (!n) n = 1; return malloc(n); } as a tail call
+        // through a GOT slot.
+        let t = |a: &mut CodeAssembler| {
+            let mut go = a.create_label();
+            a.test(rdi, rdi)?;
+            a.jne(go)?;
+            a.mov(edi, 1)?;
+            a.set_label(&mut go)?;
+            a.add_instruction(Instruction::with1(Op::Jmp_rm64, rip(0x20_0000))?)?;
+            Ok(())
+        };
+        // xrealloc(p, n) { q = realloc(p, n); if (!q) abort(); return q; }
+        let r = |a: &mut CodeAssembler| {
+            let mut die = a.create_label();
+            a.sub(rsp, 8)?;
+            a.call(REALLOC)?;
+            a.test(rax, rax)?;
+            a.je(die)?;
+            a.add(rsp, 8)?;
+            a.ret()?;
+            a.set_label(&mut die)?;
+            a.call(ABORT)?;
+            Ok(())
+        };
+        let (found, _, w) = run(&[&t, &r]);
+        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Realloc { ptr: 0 }, 1)]);
+        assert!(matches!(w[0].why, Why::TailCall { .. }));
+    }
+
+    #[test]
+    fn what_is_not_a_wrapper() {
+        // grow(buf) { buf->p = realloc(buf->p, n); }: returns nothing.
+        let grow = |a: &mut CodeAssembler| {
+            a.push(rbx)?;
+            a.mov(rbx, rdi)?;
+            a.mov(rdi, qword_ptr(rdi))?;
+            a.call(REALLOC)?;
+            a.mov(qword_ptr(rbx), rax)?;
+            a.pop(rbx)?;
+            a.ret()?;
+            Ok(())
+        };
+        // cached(n) { if (cache) return cache; return malloc(n); }
+        let cached = |a: &mut CodeAssembler| {
+            let mut miss = a.create_label();
+            a.add_instruction(Instruction::with2(Op::Mov_r64_rm64, Register::RAX, rip(0x30_0000))?)?;
+            a.test(rax, rax)?;
+            a.je(miss)?;
+            a.ret()?;
+            a.set_label(&mut miss)?;
+            a.jmp(MALLOC)?;
+            Ok(())
+        };
+        // destroy(n) { free(n->name); free(n); }
+        let destroy = |a: &mut CodeAssembler| {
+            a.push(rbx)?;
+            a.mov(rbx, rdi)?;
+            a.mov(rdi, qword_ptr(rdi + 8))?;
+            a.call(FREE)?;
+            a.mov(rdi, rbx)?;
+            a.pop(rbx)?;
+            a.jmp(FREE)?;
+            Ok(())
+        };
+        // an unrelated call clobbers rax before the return.
+        let clobbered = |a: &mut CodeAssembler| {
+            a.sub(rsp, 8)?;
+            a.call(MALLOC)?;
+            a.mov(rdi, rax)?;
+            a.call(OTHER)?;
+            a.add(rsp, 8)?;
+            a.ret()?;
+            Ok(())
+        };
+        let (found, _, _) = run(&[&grow, &cached, &destroy, &clobbered]);
+        assert_eq!(found, []);
+    }
+
+    #[test]
+    fn functions_that_never_return() {
+        // die() { report(); abort(); } and fatal() { jmp die }
+        let die = |a: &mut CodeAssembler| {
+            a.sub(rsp, 8)?;
+            a.call(OTHER)?;
+            a.call(ABORT)?;
+            Ok(())
+        };
+        let fatal = |a: &mut CodeAssembler| {
+            a.jmp(0x1000u64)?;
+            Ok(())
+        };
+        // xmalloc that dies through die().
+        let x = |a: &mut CodeAssembler| {
+            let mut bad = a.create_label();
+            a.sub(rsp, 8)?;
+            a.call(MALLOC)?;
+            a.test(rax, rax)?;
+            a.je(bad)?;
+            a.add(rsp, 8)?;
+            a.ret()?;
+            a.set_label(&mut bad)?;
+            a.call(0x1010u64)?;
+            Ok(())
+        };
+        let (found, noreturn, _) = run(&[&die, &fatal, &x]);
+        assert_eq!(noreturn, [0, 1]);
+        assert_eq!(found, [(2, Callee::Alloc, 1)]);
+    }
+}
