@@ -4,7 +4,8 @@
 
 use crate::control::{self, SwitchArgs};
 use crate::patch::{self, RuntimeLink};
-use crate::report::{self, SortKey, Source, View, select};
+use crate::report::{self, Source, View};
+use alloctramp_report::model::SortKey;
 use alloctramp_trampolines::process::Request;
 use anyhow::{Context, Result, bail};
 use std::io::{BufRead, BufReader, Write};
@@ -160,10 +161,10 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
 
     // 6. Report.
     let src = Source::open(&pid.to_string(), &counters)?;
-    let (pf, mut figs) = src.figures()?;
+    let mut figs = src.figures()?;
     let view = View { sort: Some(SortKey::LiveBytes), ..View::default() };
-    let rows = select(std::mem::take(&mut figs.sites), &figs.modules, &view, false)?;
-    if figs.live {
+    let rows = report::rows(&mut figs, &view)?;
+    if figs.live() {
         say(&format!(
             "6. The report, read from shared memory while the program runs: bytes and objects still allocated per \
              call site, largest first (alloctramp report {pid} --sort live-bytes):\n"
@@ -176,14 +177,14 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
         ));
     }
     let mut buf = Vec::new();
-    report::write_report(&mut buf, &src, &pf, &figs, &rows, &view)?;
+    report::write_report(&mut buf, &src, &figs, &rows, &view)?;
     std::io::stdout().write_all(&buf)?;
     if let Some(top) = rows.first() {
         let f = &top.fig;
         let func = top.site.function.unwrap_or("?");
         let loc = top.site.location();
         let loc = loc.rsplit('/').next().unwrap_or(&loc);
-        if figs.live {
+        if figs.live() {
             say(&format!(
                 "\nThe top row is the leak: {} bytes in {} objects allocated in {func} ({loc}) and never freed; the \
                  request buffers, far more bytes in total, were all freed (see --all-columns).",

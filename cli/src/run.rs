@@ -3,8 +3,9 @@
 
 use crate::control::counters_dir;
 use crate::patch::{self, RuntimeLink};
-use crate::report::{self, GroupBy, SortKey, Source, View, select};
+use crate::report::{self, Source, View};
 use crate::util::Input;
+use alloctramp_report::model::{GroupBy, SortKey};
 use anyhow::{Context, Result, anyhow, bail};
 use std::ffi::OsString;
 use std::hash::{Hash, Hasher};
@@ -182,14 +183,14 @@ pub fn run(mut args: Args) -> Result<()> {
         std::process::exit(code);
     }
     let src = Source::open(&file.to_string_lossy(), &dir)?;
-    let (pf, mut figs) = src.figures()?;
-    let notes = report::notes(&src, &pf, &figs);
+    let mut figs = src.figures()?;
+    let notes = report::notes(&src, &figs);
     let mut view = args.view.clone();
     if view.sort.is_none() && view.top.is_none() && view.group_by == GroupBy::Site {
         view.sort = Some(SortKey::LiveBytes);
         view.top = Some(20);
     }
-    let rows = select(std::mem::take(&mut figs.sites), &figs.modules, &view, false)?;
+    let rows = report::rows(&mut figs, &view)?;
     let how = match status.code() {
         Some(c) => format!("exited with status {c}"),
         None => format!("was killed by signal {}", status.signal().unwrap_or(0)),
@@ -203,7 +204,7 @@ pub fn run(mut args: Args) -> Result<()> {
         report::print_notes(&notes, false);
     }
     let mut buf = Vec::new();
-    report::write_report(&mut buf, &src, &pf, &figs, &rows, &view)?;
+    report::write_report(&mut buf, &src, &figs, &rows, &view)?;
     match &args.output {
         Some(p) => crate::util::write_atomic(p, &buf, 0o644)?,
         None => {

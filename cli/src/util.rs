@@ -166,15 +166,6 @@ pub fn emit(f: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
     }
 }
 
-/// A JSON writer's error as the I/O error it was, if it was one (so that a
-/// closed pipe is recognised as such).
-pub fn json_io(e: serde_json::Error) -> io::Error {
-    match e.io_error_kind() {
-        Some(kind) => io::Error::from(kind),
-        None => io::Error::other(e),
-    }
-}
-
 /// Prints an error as one line and maps it to exit status 2.
 pub fn finish(result: Result<()>) -> ExitCode {
     match result {

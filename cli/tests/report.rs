@@ -218,6 +218,7 @@ fn report_of_each_program_matches_its_markers_in_text_json_and_csv() {
         let doc = report_json(&file, &[]);
         assert_eq!(doc["format"], "alloctramp-report");
         assert_eq!(doc["exited"], true);
+        assert!(doc.get("usable").is_none(), "no usable-size figures: nothing writes them");
         let live = doc["live"].as_bool().unwrap();
         let mut got = BTreeMap::new();
         let mut live_got = BTreeMap::new();
@@ -230,6 +231,7 @@ fn report_of_each_program_matches_its_markers_in_text_json_and_csv() {
             };
             assert_eq!(s["kind"] == "free", is_free(&e.entry) || e.entry.starts_with("operator delete"), "{s}");
             assert_eq!(s["live_bytes"].is_null(), !live, "{name}: {s}");
+            assert!(s.get("usable_bytes").is_none(), "{name}: {s}");
             assert_eq!(s["live_calls"].is_null(), !live, "{name}: {s}");
             if live {
                 let lc = s["live_calls"].as_u64().unwrap();
@@ -274,18 +276,34 @@ fn report_of_each_program_matches_its_markers_in_text_json_and_csv() {
 
         // Text with every column: free sites too, exact totals.
         let text = ok(&report_out(&file, &["--all-columns", "--quiet"]), "report --all-columns");
-        let rows = parse_text(&text, 7);
+        assert_eq!(
+            text.lines().nth(1),
+            Some(
+                "#     <size>  <calls> <total-calls>  <total-bytes> <failed>  <freed> <untracked>  <kind> <tag info> \
+                 entry:<entry>"
+            )
+        );
+        let rows = parse_text(&text, 6);
         assert_eq!(rows.len(), exp.len(), "{name}: every site with --all-columns");
         for r in &rows {
             let k = tag_key(&r.tag);
             let e = &exp[&k];
             let col = |i: usize| r.extra[i].parse::<u64>().unwrap();
             assert_eq!((col(0), col(1), col(2)), (e.calls, e.bytes, e.failed), "{name}: {}", r.tag);
+            let kind = if is_free(&e.entry) || e.entry.starts_with("operator delete") { "free" } else { "alloc" };
+            assert!(r.extra[5] == kind || r.extra[5] == "realloc", "{name}: kind column: {}", r.tag);
             assert!(r.tag.ends_with(&format!(" entry:{}", e.entry)), "{}", r.tag);
         }
 
         // CSV: the same figures.
         let csv = ok(&report_out(&file, &["--format", "csv"]), "report --format csv");
+        assert_eq!(
+            csv.lines().next(),
+            Some(
+                "module,build_id,address,function,file,line,entry,kind,form,calls,bytes,failed,live_calls,live_bytes,\
+                 freed_objects,freed_bytes,untracked_frees"
+            )
+        );
         let recs = parse_csv(&csv);
         let mut got = BTreeMap::new();
         for r in &recs {

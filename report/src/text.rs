@@ -1,0 +1,153 @@
+//! Rows as text in the `/proc/allocinfo` layout: a version line, a header
+//! line, then `<size> <calls> <tag>` per row, right-aligned, so that
+//! `sort -g -r` orders the rows (`sort -h` with human sizes).
+
+use crate::model::Row;
+use std::io::{self, Write};
+
+/// How rows are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Every figure, the kind and the entry point, not only size and calls.
+    pub all_columns: bool,
+    /// Sizes in B/KiB/MiB/GiB ([`human`]).
+    pub human: bool,
+    /// The figures are differences: increases get a `+`.
+    pub diff: bool,
+}
+
+/// A size as `sort -h` reads it: 1023, 1.0KiB, 12.5MiB.
+pub fn human(v: i128) -> String {
+    let a = v.unsigned_abs();
+    if a < 1024 {
+        return v.to_string();
+    }
+    let units = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut x = a as f64 / 1024.0;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < units.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    let sign = if v < 0 { "-" } else { "" };
+    format!("{sign}{x:.1}{}", units[u])
+}
+
+/// The header line naming the columns.
+pub fn header(all_columns: bool) -> &'static str {
+    if all_columns {
+        "#     <size>  <calls> <total-calls>  <total-bytes> <failed>  <freed> <untracked>  <kind> <tag info> entry:<entry>"
+    } else {
+        "#     <size>  <calls> <tag info>"
+    }
+}
+
+/// Writes the version line, the header line and one line per row.
+pub fn write(w: &mut dyn Write, rows: &[Row], opts: &Options) -> io::Result<()> {
+    let num = |v: i128, bytes: bool| -> String {
+        let s = if bytes && opts.human { human(v) } else { v.to_string() };
+        if opts.diff && v > 0 { format!("+{s}") } else { s }
+    };
+    writeln!(w, "allocinfo - version: 1.0")?;
+    writeln!(w, "{}", header(opts.all_columns))?;
+    for r in rows {
+        let f = &r.fig;
+        if opts.all_columns {
+            let kind = if r.sites == 1 { r.site.kind.as_str().to_string() } else { format!("{}sites", r.sites) };
+            let entry = if r.sites == 1 { format!(" entry:{}", r.site.entry) } else { String::new() };
+            writeln!(
+                w,
+                "{:>12} {:>8} {:>13} {:>14} {:>8} {:>8} {:>11} {kind:>7} {}{entry}",
+                num(f.size(), true),
+                num(f.count(), false),
+                num(f.calls + f.free_calls, false),
+                num(f.bytes, true),
+                num(f.failed, false),
+                num(f.freed_objects, false),
+                num(f.untracked_frees, false),
+                r.tag()
+            )?;
+        } else if !opts.diff && !opts.human {
+            write!(w, "{:>12} {:>8} ", f.size(), f.count())?;
+            r.write_tag(w)?;
+            writeln!(w)?;
+        } else {
+            writeln!(w, "{:>12} {:>8} {}", num(f.size(), true), num(f.count(), false), r.tag())?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::figures;
+    use crate::model::{GroupBy, diff, group};
+
+    fn text(rows: &[Row], opts: Options) -> String {
+        let mut out = Vec::new();
+        write(&mut out, rows, &opts).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn sites_in_the_allocinfo_layout() {
+        let rows = group(figures().sites, GroupBy::Site);
+        assert_eq!(
+            text(&rows[..2], Options::default()),
+            "allocinfo - version: 1.0\n\
+             #     <size>  <calls> <tag info>\n\
+             \x20          0        0 main.c:16 module:prog func:main\n\
+             \x20       2000        2 main.c:32 module:prog func:main\n"
+        );
+        let opts = Options { all_columns: true, human: true, diff: false };
+        assert_eq!(
+            text(&rows[1..3], opts),
+            "allocinfo - version: 1.0\n\
+             #     <size>  <calls> <total-calls>  <total-bytes> <failed>  <freed> <untracked>  <kind> <tag info> entry:<entry>\n\
+             \x20     2.0KiB        2             3         2.9KiB        0        1           0   alloc main.c:32 module:prog func:main entry:malloc\n\
+             \x20          0        0            11              0        0        0           0    free main.c:48 module:prog func:main entry:free\n"
+        );
+    }
+
+    #[test]
+    fn groups_and_differences() {
+        let rows = group(figures().sites, GroupBy::Module);
+        let opts = Options { all_columns: true, human: false, diff: false };
+        assert_eq!(
+            text(&rows, opts),
+            "allocinfo - version: 1.0\n\
+             #     <size>  <calls> <total-calls>  <total-bytes> <failed>  <freed> <untracked>  <kind> <tag info> entry:<entry>\n\
+             \x20       2000        2            29           3660        0       16           0  4sites module:prog\n\
+             \x20        448        7             9            448        0        0           2  2sites module:lib.so\n"
+        );
+        let old = figures();
+        let mut new = figures();
+        new.sites[1].1.calls += 1;
+        new.sites[1].1.bytes += 1000;
+        new.sites[1].1.live_calls = Some(3);
+        new.sites[1].1.live_bytes = Some(3000);
+        new.sites[4].1.live_calls = Some(0);
+        new.sites[4].1.live_bytes = Some(0);
+        let rows = diff(&old, &new, false).select(&Default::default()).unwrap();
+        assert_eq!(
+            text(&rows, Options { all_columns: false, human: false, diff: true }),
+            "allocinfo - version: 1.0\n\
+             #     <size>  <calls> <tag info>\n\
+             \x20      +1000       +1 main.c:32 module:prog func:main\n\
+             \x20       -448       -7 lib.c:80 module:lib.so func:lib_new\n"
+        );
+        // Below 1 KiB a human size is the number.
+        let human = text(&rows, Options { all_columns: false, human: true, diff: true });
+        assert_eq!(human, text(&rows, Options { all_columns: false, human: false, diff: true }));
+    }
+
+    #[test]
+    fn human_sizes_read_as_sort_h_reads_them() {
+        assert_eq!(human(1023), "1023");
+        assert_eq!(human(1024), "1.0KiB");
+        assert_eq!(human(-1536), "-1.5KiB");
+        assert_eq!(human(12 << 20 | 1 << 19), "12.5MiB");
+        assert_eq!(human(i128::from(u64::MAX)), "16.0EiB");
+    }
+}
