@@ -203,8 +203,8 @@ pub(crate) mod tests {
         let name = strings.add("prog");
         let file = strings.add("src/prog.c");
         let entries = [
-            Entry { name: strings.add("malloc"), kind: Kind::Alloc.code(), sig: [0; 6] },
-            Entry { name: strings.add("free"), kind: Kind::Free.code(), sig: [0; 6] },
+            Entry { name: strings.add("malloc"), kind: Kind::Alloc.code(), ..Entry::default() },
+            Entry { name: strings.add("free"), kind: Kind::Free.code(), ..Entry::default() },
         ];
         let table_sites: Vec<Site> = sites
             .iter()
