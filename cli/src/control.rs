@@ -282,9 +282,9 @@ fn post_request(path: &Path, request: Request, watcher: bool) -> Result<()> {
     }
     // SAFETY: a shared mapping of the header, written only through atomics
     // (the process reads and writes the same words atomically).
-    let map = unsafe { memmap2::MmapOptions::new().len(process::PROC_HEADER_SIZE as usize).map_mut(&file) }
+    let mut map = unsafe { memmap2::MmapOptions::new().len(process::PROC_HEADER_SIZE as usize).map_mut(&file) }
         .with_context(|| format!("{}: cannot map", path.display()))?;
-    let h: &ProcHeader = alloctramp_trampolines::pod::view(&map).context("the header mapping")?;
+    let h: &ProcHeader = alloctramp_trampolines::pod::view_shared(&mut map).context("the header mapping")?;
     h.request.store(request as u32, Ordering::Release);
     if watcher {
         h.wake.fetch_add(1, Ordering::AcqRel);

@@ -352,8 +352,8 @@ fn post(file: &Path, code: u32) {
     let f = std::fs::OpenOptions::new().read(true).write(true).open(file).unwrap();
     // SAFETY: a shared mapping of the header of a file the test owns, written
     // only through atomics.
-    let map = unsafe { memmap2::MmapOptions::new().len(PROC_HEADER_SIZE as usize).map_mut(&f) }.unwrap();
-    let h: &ProcHeader = alloctramp_trampolines::pod::view(&map).unwrap();
+    let mut map = unsafe { memmap2::MmapOptions::new().len(PROC_HEADER_SIZE as usize).map_mut(&f) }.unwrap();
+    let h: &ProcHeader = alloctramp_trampolines::pod::view_shared(&mut map).unwrap();
     h.request.store(code, Ordering::Release);
     h.wake.fetch_add(1, Ordering::AcqRel);
     // SAFETY: FUTEX_WAKE on the shared word.

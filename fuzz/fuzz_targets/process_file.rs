@@ -1,17 +1,26 @@
-//! Any bytes as a process counters file (what `alloctramp report` reads): an
-//! error, or a file whose every module and cell can be read.
+//! Any bytes as a process counters file, through everything `alloctramp
+//! report` does with one: an error, or figures that group, sort, total,
+//! diff and write in every format without a panic.
 #![no_main]
 
-use alloctramp_trampolines::process::ProcessFile;
+use alloctramp_report::model::{GroupBy, Selection, SortKey, diff, select};
+use alloctramp_report::{csv, json, read, text};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(pf) = ProcessFile::parse(data) else { return };
-    let Ok(modules) = pf.modules() else { return };
-    for m in &modules {
-        for i in 0..m.table.header.site_count as usize {
-            let c = m.cell(i);
-            let _ = (c.live_objects(), c.live_bytes());
-        }
+    let Ok(copy) = read::consistent_copy(data) else { return };
+    let Ok(pf) = read::parse(&copy) else { return };
+    let Ok(figs) = read::figures(&pf) else { return };
+    let live = figs.live();
+    for (group_by, sort) in [(GroupBy::Site, Some(SortKey::LiveBytes)), (GroupBy::Function, Some(SortKey::Calls)), (GroupBy::Module, None)] {
+        let sel = Selection { group_by, sort, top: Some(50), ..Selection::default() };
+        let Ok(rows) = select(figs.sites.clone(), &figs.modules, &sel, false) else { return };
+        let mut out = Vec::new();
+        text::write(&mut out, &rows, &text::Options { all_columns: true, human: true, diff: false }).unwrap();
+        csv::write(&mut out, &rows, group_by, false).unwrap();
+        let doc = json::ProcessDoc::new("fuzz", false, &figs.process, &figs.modules);
+        json::write_report(&mut out, &doc, &rows, group_by, sort).unwrap();
+        let _ = alloctramp_report::model::totals(&rows, live);
     }
+    let _ = diff(&figs, &figs, true);
 });

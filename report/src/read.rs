@@ -220,7 +220,7 @@ pub(crate) mod tests {
                 ..Site::default()
             })
             .collect();
-        let stride = (sites.len() * CELL_SIZE) as u64;
+        let stride = ((sites.len() * CELL_SIZE) as u64).next_multiple_of(layout::PAGE);
         let mut build_id = [0u8; 20];
         build_id[..4].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
         let header = Header {

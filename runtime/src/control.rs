@@ -3,7 +3,12 @@
 //! that waits for them on a futex, the optional control signal (with the
 //! optional control file a person may write), and the SIGTRAP handler of
 //! the patching protocol. Everything reachable from a signal handler here
-//! is async-signal-safe: system calls, atomics, fixed buffers.
+//! is async-signal-safe: system calls, atomics, fixed buffers (the one
+//! wait, for the SIGTRAP handler's installation, is not a wait: a switch
+//! that finds it under way fails). Live tracking's shard locks are taken
+//! by trampoline call-outs; a program that allocates in a signal handler
+//! which interrupted its own allocator call is outside what the C library
+//! allows, and may deadlock there as it may in malloc itself.
 
 use crate::live;
 use crate::procfile::header;
@@ -208,8 +213,9 @@ fn reset_counters() {
             continue;
         }
         // SAFETY: the runtime's own shared mapping of the module's counters
-        // (never unmapped while registered), `size` bytes; its pages read
-        // as zeros afterwards, through every mapping of the file.
+        // (never memory the module owns, and never unmapped but by a forked
+        // child replacing it before any request runs), `size` bytes; its
+        // pages read as zeros afterwards, through every mapping of the file.
         unsafe {
             if libc::madvise(base as *mut libc::c_void, size as usize, libc::MADV_REMOVE) != 0 {
                 let words = std::slice::from_raw_parts(base as *const AtomicU64, size as usize / 8);
@@ -327,7 +333,8 @@ extern "C" fn watch(first: *mut libc::c_void) -> *mut libc::c_void {
 /// Returns false if the thread could not be created.
 pub fn start_watcher(first: fn()) -> bool {
     // SAFETY: plain pthread and signal-mask calls on local, initialized
-    // structures; the thread function takes no argument.
+    // structures; the thread's argument is `first`, a `fn()` that `watch`
+    // turns back into one.
     unsafe {
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut old: libc::sigset_t = std::mem::zeroed();

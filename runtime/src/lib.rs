@@ -214,13 +214,21 @@ extern "C" fn after_fork_in_child() {
     }
 }
 
-fn install(sig: i32, handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut c_void)) -> Option<libc::sigaction> {
+/// Installs a handler. `alternate`: it may run on the thread's alternate
+/// signal stack (SIGTRAP's handler needs little stack; the control signal's
+/// switches modules, with a few KiB of buffers, so it runs on the thread's
+/// own stack, never on a small alternate one a program set up).
+fn install(
+    sig: i32,
+    handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut c_void),
+    alternate: bool,
+) -> Option<libc::sigaction> {
     // SAFETY: a zeroed sigaction with our handler, SA_SIGINFO and
     // SA_RESTART (interrupted system calls resume), no signals masked.
     unsafe {
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = handler as usize;
-        sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART | libc::SA_ONSTACK;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART | if alternate { libc::SA_ONSTACK } else { 0 };
         libc::sigemptyset(&mut sa.sa_mask);
         let mut old: libc::sigaction = std::mem::zeroed();
         (libc::sigaction(sig, &sa, &mut old) == 0).then_some(old)
@@ -230,7 +238,7 @@ fn install(sig: i32, handler: extern "C" fn(i32, *mut libc::siginfo_t, *mut c_vo
 /// The SIGTRAP handler of the patching protocol, installed before the first
 /// switch (chaining to the handler the program had).
 fn install_trap_handler() {
-    if let Some(old) = install(libc::SIGTRAP, control::on_trap) {
+    if let Some(old) = install(libc::SIGTRAP, control::on_trap, true) {
         control::OLD_TRAP.set(&old);
     }
 }
@@ -280,7 +288,7 @@ fn init() {
     let _ = DIR.set(dir);
 
     if let (Switch::Signal(n), true) = (mode, have_file) {
-        install(n, control::on_signal);
+        install(n, control::on_signal, false);
     }
     // SAFETY: registering a fork handler that runs in the child.
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
@@ -305,17 +313,19 @@ fn scan_loaded_modules(inert: bool) {
         // SAFETY: dlpi_phnum program headers at dlpi_phdr.
         let phdrs = unsafe { std::slice::from_raw_parts(phdrs, info.dlpi_phnum as usize) };
         let lowest = phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD).map(|p| p.p_vaddr).min();
-        for p in phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD && p.p_offset == 0) {
+        for p in phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD && p.p_offset == 0 && read_only(p)) {
             if Some(p.p_vaddr) == lowest || p.p_filesz < 64 {
                 continue;
             }
             let start = info.dlpi_addr.wrapping_add(p.p_vaddr) as *const u8;
             // SAFETY: the segment is mapped, p_filesz bytes from its start.
             let seg = unsafe { std::slice::from_raw_parts(start, p.p_filesz as usize) };
-            if let Some(at) = layout::table_after_phdrs(seg) {
+            if let Some(at) = layout::table_after_phdrs(seg)
+                && let Some(module) = segments(info.dlpi_addr, phdrs, start as u64 + at as u64)
+            {
                 // SAFETY: a site table inside a loaded module's read-only
-                // segment, which holds `seg.len() - at` more bytes.
-                unsafe { registry::register(start.add(at), seg.len() - at, inert) };
+                // segment, which holds `module.room` bytes from it.
+                unsafe { registry::register(start.add(at), &module, inert) };
             }
         }
         0
@@ -381,21 +391,42 @@ fn prune() {
 unsafe extern "C" fn register(table: *const u8) {
     init();
     let inert = CONFIG.get().is_none_or(|c| c.inert);
-    let Some(room) = room_in_segment(table as u64) else {
-        sys::log(b"a module registered a site table outside its segments; it is not profiled");
+    let Some(module) = module_of(table as u64) else {
+        sys::log(b"a module registered a site table outside its read-only segments; it is not profiled");
         return;
     };
     // SAFETY: the table's module is loaded (its init stub is running), and
-    // `room` bytes of the read-only segment that holds it follow it.
-    unsafe { registry::register(table, room, inert) };
+    // `module.room` bytes of the read-only segment that holds it follow it.
+    unsafe { registry::register(table, &module, inert) };
 }
 
-/// How many bytes of its loaded segment follow `addr` (the loader's view of
-/// every object's PT_LOAD segments).
-fn room_in_segment(addr: u64) -> Option<usize> {
+fn read_only(p: &libc::Elf64_Phdr) -> bool {
+    p.p_flags & libc::PF_R != 0 && p.p_flags & libc::PF_W == 0
+}
+
+/// The segments of the object loaded at `bias` with program headers
+/// `phdrs`, if `table` lies in one of its read-only segments.
+fn segments(bias: u64, phdrs: &[libc::Elf64_Phdr], table: u64) -> Option<registry::Segments> {
+    let loads = phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD);
+    let room = loads.clone().filter(|p| read_only(p)).find_map(|p| {
+        let start = bias.wrapping_add(p.p_vaddr);
+        let end = start.checked_add(p.p_filesz)?;
+        (start..end).contains(&table).then(|| usize::try_from(end - table).ok()).flatten()
+    })?;
+    let mut writable = [(0, 0); 8];
+    for (w, p) in writable.iter_mut().zip(loads.filter(|p| p.p_flags & libc::PF_W != 0)) {
+        let start = bias.wrapping_add(p.p_vaddr);
+        *w = (start, start.saturating_add(p.p_memsz));
+    }
+    Some(registry::Segments { room, writable })
+}
+
+/// The segments of the loaded object whose read-only segment holds `table`
+/// (the loader's view of every object's program headers).
+fn module_of(table: u64) -> Option<registry::Segments> {
     struct Find {
-        addr: u64,
-        room: Option<usize>,
+        table: u64,
+        found: Option<registry::Segments>,
     }
     unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> i32 {
         // SAFETY: dl_iterate_phdr passes a valid info and our `Find`.
@@ -405,20 +436,14 @@ fn room_in_segment(addr: u64) -> Option<usize> {
         }
         // SAFETY: dlpi_phnum program headers at dlpi_phdr.
         let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
-        for p in phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD) {
-            let start = info.dlpi_addr.wrapping_add(p.p_vaddr);
-            if (start..start.saturating_add(p.p_filesz)).contains(&find.addr) {
-                find.room = usize::try_from(start + p.p_filesz - find.addr).ok();
-                return 1;
-            }
-        }
-        0
+        find.found = segments(info.dlpi_addr, phdrs, find.table);
+        i32::from(find.found.is_some())
     }
-    let mut find = Find { addr, room: None };
+    let mut find = Find { table, found: None };
     // SAFETY: the callback only reads what dl_iterate_phdr hands it and
     // writes `find`, which outlives the call.
     unsafe { libc::dl_iterate_phdr(Some(each), (&mut find as *mut Find).cast()) };
-    find.room
+    find.found
 }
 
 /// Called by a module's fini stub.
@@ -426,8 +451,7 @@ fn room_in_segment(addr: u64) -> Option<usize> {
 /// # Safety
 /// `table` must be the run-time address of a module's site table.
 unsafe extern "C" fn unregister(table: *const u8) {
-    // SAFETY: forwarded from the caller.
-    unsafe { registry::unregister(table) };
+    registry::unregister(table);
 }
 
 /// The runtime's layers, lowest first: a module may use only modules of

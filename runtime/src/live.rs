@@ -33,7 +33,8 @@
 //! table: an object is found exactly once, wherever it is.
 //!
 //! Entries record the allocating site's counter cell (in the runtime's own
-//! mapping of the counters, never unmapped, so a free may count into a
+//! mapping of the counters, never unmapped (but in a forked child, after
+//! every record was made stale), so a free may count into a
 //! module that was unloaded meanwhile, in the shard of the CPU that
 //! allocated) and the requested size. A table entry is 16 bytes: the
 //! pointer (48 bits) with 16 bits of the cell's address, and the other 25
@@ -155,7 +156,10 @@ pub static EPOCH: AtomicU32 = AtomicU32::new(0);
 
 /// Where the allocating module's counters are, per registry slot: the
 /// runtime's own mapping of them (never unmapped, so a free may count into
-/// a module that was unloaded meanwhile).
+/// a module that was unloaded meanwhile; in a forked child, the parent's
+/// view is replaced once no record names it, see `replace_module_view`).
+/// Never memory the module owns: a module whose counters cannot be given
+/// such a view is not profiled.
 pub struct ModuleCounters {
     pub base: AtomicU64,
     pub size: AtomicU64,
@@ -182,13 +186,19 @@ pub fn set_module(slot: usize, base: u64, size: u64, stride: u64, mask: u32) {
 }
 
 /// After fork, in the child: the module's counters moved to the child's
-/// file; the parent's view is dropped.
-pub fn replace_module_view(slot: usize, base: u64, size: u64, module_counters: u64) {
+/// file (or a private mapping); the parent's view is dropped.
+///
+/// # Safety
+/// Only in a forked child's only thread, after [`after_fork_in_child`]
+/// made every nursery and table record (which name cells of the old view)
+/// stale.
+pub unsafe fn replace_module_view(slot: usize, base: u64, size: u64, module_counters: u64) {
     let Some(m) = MODULES.get(slot) else { return };
     let old = m.base.swap(base, Ordering::AcqRel);
     if old != 0 && old != base && old != module_counters {
-        // SAFETY: the runtime's own view of the parent's counters, which
-        // nothing in the child uses any more.
+        // SAFETY: the runtime's own view of the parent's counters; no
+        // record names a cell in it any more (caller), and the control
+        // block now names the new view.
         unsafe { libc::munmap(old as *mut libc::c_void, size as usize) };
     }
 }
@@ -307,7 +317,7 @@ fn lock_contended(shard: &Shard) {
     let mut spins = 0u32;
     loop {
         while shard.lock.load(Ordering::Relaxed) {
-            spins += 1;
+            spins = spins.saturating_add(1);
             if spins < 1000 {
                 std::hint::spin_loop();
             } else {
@@ -856,17 +866,24 @@ fn cell_at(slot: u64, index: u64) -> u64 {
             options(nostack, readonly, preserves_flags));
     }
     let shard = u64::from(cpu & m.mask.load(Ordering::Relaxed));
-    let base = m.base.load(Ordering::Relaxed);
-    base + shard * m.stride.load(Ordering::Relaxed) + index * CELL_SIZE as u64
+    let (base, stride) = (m.base.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed));
+    let at = index.wrapping_mul(CELL_SIZE as u64);
+    if base == 0 || at >= stride {
+        // Not a site of the module (the table holds a cell per site in
+        // every shard): the spare cell, never memory past the counters.
+        return SPARE_CELL.0.as_ptr() as u64;
+    }
+    base.wrapping_add(shard.wrapping_mul(stride)).wrapping_add(at)
 }
 
 /// Adds to a field of a cell.
 #[inline(always)]
 fn add(cell: u64, field: u32, v: u64) {
-    // SAFETY: `cell` is a 64-byte cell of a counters mapping the runtime
-    // never unmaps (a module's slot is recorded by `set_module` before its
-    // hooks are set, and trampolines count through the same mapping);
-    // `field` is an 8-aligned offset in it.
+    // SAFETY: `cell` is the spare cell or a 64-byte cell inside a module's
+    // view in MODULES (`cell_at` checks the index against the stride;
+    // records hold only cells it made), which the runtime never unmaps
+    // while a record can name it (see ModuleCounters); `field` is an
+    // 8-aligned offset below 64.
     unsafe { &*((cell + u64::from(field)) as *const AtomicU64) }.fetch_add(v, Ordering::Relaxed);
 }
 
@@ -981,7 +998,8 @@ pub unsafe extern "C" fn track_free(ptr: u64, index: u64, control: *const u8) ->
 /// realloc that fails puts it back.
 ///
 /// # Safety
-/// Called by trampolines; `token` points at 16 writable bytes.
+/// Called by trampolines with their module's control block; `token` points
+/// at 16 writable, 8-aligned bytes (a slot of the trampoline's frame).
 pub unsafe extern "C" fn track_realloc_begin(old: u64, token: *mut u64, index: u64, control: *const u8) -> u64 {
     let mut e = Entry { key: 0, value: 0 };
     if old != 0 {

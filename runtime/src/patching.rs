@@ -31,18 +31,18 @@ pub static TRAP_INSTALLER: sys::Hook = sys::Hook::new();
 /// 0: not installed, 1: being installed, 2: installed.
 static TRAP: AtomicU8 = AtomicU8::new(0);
 
-/// Installs the SIGTRAP handler once; concurrent callers wait for it.
-fn ensure_trap_handler() {
+/// Installs the SIGTRAP handler once. A caller that finds another one
+/// installing it does not wait (it may be a signal handler that interrupted
+/// the installer): its switch fails and is retried by the next request.
+fn ensure_trap_handler() -> Result<(), &'static str> {
     if TRAP.load(Ordering::Acquire) == 2 {
-        return;
+        return Ok(());
     }
     if TRAP.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
         TRAP_INSTALLER.call();
         TRAP.store(2, Ordering::Release);
     }
-    while TRAP.load(Ordering::Acquire) != 2 {
-        std::hint::spin_loop();
-    }
+    if TRAP.load(Ordering::Acquire) == 2 { Ok(()) } else { Err("the SIGTRAP handler is being installed") }
 }
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
@@ -80,7 +80,7 @@ impl Unprotected {
     /// Makes every page of `[lo, hi)` writable, keeping each mapping's other
     /// permissions. On failure, nothing stays changed.
     fn new(lo: u64, hi: u64) -> Result<Unprotected, &'static str> {
-        let (lo, hi) = (lo & !(PAGE - 1), hi.div_ceil(PAGE) * PAGE);
+        let (lo, hi) = (lo & !(PAGE - 1), hi.checked_next_multiple_of(PAGE).unwrap_or(!(PAGE - 1)));
         let mut u = Unprotected { n: 0, saved: [(0, 0, 0); MAX_MAPPINGS] };
         let mut too_many = false;
         // The mappings are read in full before any changes them.
@@ -157,7 +157,7 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     if barrier == sys::Barrier::None {
         return Err("membarrier is not available: cannot switch safely");
     }
-    ensure_trap_handler();
+    ensure_trap_handler()?;
     let (lo, hi) = m.span;
     let unprotected = Unprotected::new(lo, hi)?;
     // The three passes of the protocol. SAFETY (every block below): the
@@ -213,7 +213,7 @@ pub fn trampoline_in(m: &Module, addr: u64) -> Option<u64> {
     let (mut lo, mut hi) = (0usize, table.header.site_count as usize);
     while lo < hi {
         let mid = (lo + hi) / 2;
-        let s = table.site(mid);
+        let s = table.get_site(mid)?;
         if s.addr == want {
             return (s.trampoline != 0).then(|| bias.wrapping_add(s.trampoline));
         }

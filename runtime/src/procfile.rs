@@ -128,9 +128,10 @@ impl ProcFile {
             }
             // The magic, while no other process can see the file yet.
             std::ptr::copy_nonoverlapping(process::PROC_MAGIC.as_ptr(), p as *mut u8, 8);
-            // SAFETY: a fresh page-aligned mapping of PROC_HEADER_SIZE bytes,
-            // never unmapped while the runtime uses it (after fork, the
-            // child's thread drops the parent's only once it has its own).
+            // SAFETY: a fresh page-aligned mapping of PROC_HEADER_SIZE bytes;
+            // on failure below it is unmapped before anyone saw it, and
+            // otherwise only by `ProcFile::unmap` (after fork, in the child,
+            // once `header()` no longer returns it).
             pod::at::<ProcHeader>(p as usize)
         };
         let r = Ordering::Relaxed;
@@ -180,8 +181,13 @@ impl ProcFile {
     }
 
     /// Unmaps the header (after fork, in the child, the parent's file).
-    pub fn unmap(&self) {
-        // SAFETY: the header mapping is ours; nothing reads it after this.
+    /// Drops the header mapping.
+    ///
+    /// # Safety
+    /// Nothing may use the header afterwards: [`header`] must no longer
+    /// return it, and no other thread may hold it (a forked child).
+    pub unsafe fn unmap(self) {
+        // SAFETY: the caller's contract.
         unsafe { libc::munmap(self.header as *const ProcHeader as *mut libc::c_void, PROC_HEADER_SIZE as usize) };
     }
 
@@ -205,12 +211,14 @@ impl ProcFile {
         let index = self.header.module_count.load(Ordering::Acquire);
         let Some(s) = self.slot(index) else { return Err("too many patched modules") };
         let (table_off, counters_off, end) = process::module_region(table.len() as u64, counters_size, self.size);
-        let mut own;
+        let own;
         let file = self.reopen()?;
         let fd = file.0;
         // SAFETY: fd is ours; pwrite reads `table`; the mapping replaces the
-        // module's counters pages (page-aligned, its own, zero so far) with
-        // the file's region of the same size.
+        // module's counters pages (page-aligned and inside one of its
+        // writable segments: checked at registration; nothing but the
+        // trampolines of this module use them) with the file's region of the
+        // same size, which holds what they will count from now on.
         unsafe {
             if libc::ftruncate(fd, end as i64) != 0 {
                 return Err("cannot grow the counters file");
@@ -248,7 +256,9 @@ impl ProcFile {
                 counters_off as i64,
             );
             if own == libc::MAP_FAILED {
-                own = p;
+                // The runtime never counts through memory the module owns
+                // (an unload would take it away from under tracked objects).
+                return Err("cannot map the counters a second time");
             }
         }
         self.size = end;
@@ -367,11 +377,19 @@ pub fn prune(dir: &str, keep: usize) {
 /// The process file's header, once created: readable from signal handlers.
 static HEADER: AtomicUsize = AtomicUsize::new(0);
 
-/// The current process file's header (after fork, the child's).
+/// The current process file's header (after fork, the child's, or none).
 pub fn header() -> Option<&'static ProcHeader> {
     let h = HEADER.load(Ordering::Acquire);
-    // SAFETY: set only to a live header mapping, never unmapped while set.
+    // SAFETY: set only to a live header mapping, which is unmapped only
+    // after `clear_header` or `set_header` replaced it (a forked child's
+    // only thread).
     (h != 0).then(|| unsafe { pod::at::<ProcHeader>(h) })
+}
+
+/// [`header`] returns nothing from now on (a forked child without a file
+/// of its own).
+pub fn clear_header() {
+    HEADER.store(0, Ordering::Release);
 }
 
 /// Publishes the header that [`header`] returns.

@@ -6,7 +6,7 @@ use crate::patching;
 use crate::procfile::ProcFile;
 use crate::state::{self, LIVE, Sites, WANT, want};
 use crate::{live, sys};
-use alloctramp_trampolines::layout::{self, ControlBlock, Table};
+use alloctramp_trampolines::layout::{self, CONTROL_SIZE, ControlBlock, Table};
 use alloctramp_trampolines::pod;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -22,6 +22,9 @@ pub struct Slot {
     /// Run-time address of the site table.
     pub table: AtomicUsize,
     pub table_size: AtomicUsize,
+    /// Sites in the table (read without reading the table, which an
+    /// unload may unmap).
+    site_count: AtomicU32,
     pub bias: AtomicU64,
     /// Run-time addresses of the first and past the last site.
     lo: AtomicU64,
@@ -40,6 +43,7 @@ impl Slot {
         Slot {
             table: AtomicUsize::new(0),
             table_size: AtomicUsize::new(0),
+            site_count: AtomicU32::new(0),
             bias: AtomicU64::new(0),
             lo: AtomicU64::new(0),
             hi: AtomicU64::new(0),
@@ -109,12 +113,7 @@ pub fn slots() -> impl Iterator<Item = &'static Slot> {
 
 /// Sites of the active modules.
 pub fn site_count() -> u64 {
-    slots()
-        .filter(|s| s.is_active())
-        // SAFETY: active slots' tables are mapped.
-        .filter_map(|s| unsafe { s.table() })
-        .map(|t| u64::from(t.header.site_count))
-        .sum()
+    slots().filter(|s| s.is_active()).map(|s| u64::from(s.site_count.load(Ordering::Relaxed))).sum()
 }
 
 /// A spin lock for the registration path (never taken in signal context).
@@ -166,10 +165,10 @@ unsafe fn control_block<'a>(bias: u64, h: &layout::Header) -> &'a ControlBlock {
 /// `table` must be the run-time address of a loaded module's site table,
 /// followed by `room` readable bytes of the module's read-only segment
 /// (the table's bytes are checked against `room`, not trusted).
-pub unsafe fn register(table: *const u8, room: usize, inert: bool) {
+pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
     // SAFETY: `room` bytes are mapped and read-only (caller).
-    let bytes = unsafe { std::slice::from_raw_parts(table, room) };
-    let t = match Table::parse(bytes) {
+    let bytes = unsafe { std::slice::from_raw_parts(table, module.room) };
+    let t = match Table::parse(bytes).and_then(|t| t.check_order().map(|()| t)) {
         Ok(t) => t,
         Err(e) => {
             let mut m = sys::Buf::<128>::new();
@@ -181,14 +180,19 @@ pub unsafe fn register(table: *const u8, room: usize, inert: bool) {
     let size = t.bytes().len();
     let bias = (table as u64).wrapping_sub(t.header.table_addr);
     let h = &t.header;
+    let control_at = bias.wrapping_add(h.control_addr);
+    let counters = bias.wrapping_add(h.counters_addr);
+    if !module.writable(control_at, CONTROL_SIZE as u64) || !module.writable(counters, h.counters_size) {
+        sys::log(b"a patched module's control block or counters lie outside its writable segments; not profiled");
+        return;
+    }
 
     // The control block: where the counters are, how to find the CPU.
-    // SAFETY: the control block is the module's writable .alloctramp.data
-    // (the patcher placed CONTROL_SIZE bytes, 64-aligned, at control_addr),
-    // mapped while the module is loaded, which it is until its fini stub
+    // SAFETY: CONTROL_SIZE bytes at a 64-aligned address (Table::parse)
+    // inside a writable segment of the module (checked above), mapped
+    // while the module is loaded, which it is until its fini stub
     // unregisters it.
     let control = unsafe { control_block(bias, h) };
-    let counters = bias.wrapping_add(h.counters_addr);
     control.rseq_offset.store(crate::sys::rseq_offset(), Ordering::Relaxed);
     // A module registers twice (the runtime finds it loaded, then its init
     // stub runs): the second time must keep the runtime's mapping.
@@ -206,15 +210,17 @@ pub unsafe fn register(table: *const u8, room: usize, inert: bool) {
             sys::log(b"too many patched modules; one is not profiled");
             return None;
         };
-        let (file_index, own) = match proc.as_mut() {
-            Some(f) => match f.add_module(t.bytes(), bias, counters, h.counters_size) {
-                Ok(r) => r,
-                Err(e) => {
-                    sys::log(e.as_bytes());
-                    (u32::MAX, private_counters(counters, h.counters_size))
-                }
-            },
-            None => (u32::MAX, private_counters(counters, h.counters_size)),
+        let placed = match proc.as_mut().map(|f| f.add_module(t.bytes(), bias, counters, h.counters_size)) {
+            Some(Ok(r)) => Some(r),
+            Some(Err(e)) => {
+                sys::log(e.as_bytes());
+                private_counters(h.counters_size).map(|own| (u32::MAX, own))
+            }
+            None => private_counters(h.counters_size).map(|own| (u32::MAX, own)),
+        };
+        let Some((file_index, own)) = placed else {
+            sys::log(b"cannot map a patched module's counters; it is not profiled");
+            return None;
         };
         live::set_module(i, own, h.counters_size, h.shard_stride, h.shard_count.saturating_sub(1));
         // The trampolines count through the runtime's own mapping, which
@@ -227,9 +233,10 @@ pub unsafe fn register(table: *const u8, room: usize, inert: bool) {
         }
         slot.table.store(table as usize, Ordering::Relaxed);
         slot.table_size.store(size, Ordering::Relaxed);
+        slot.site_count.store(h.site_count, Ordering::Relaxed);
         slot.bias.store(bias, Ordering::Relaxed);
         let (lo, hi) = match (t.sites().next(), h.site_count.checked_sub(1).map(|l| t.site(l as usize))) {
-            (Some(a), Some(b)) => (bias.wrapping_add(a.addr), bias.wrapping_add(b.addr + u64::from(b.len))),
+            (Some(a), Some(b)) => (bias.wrapping_add(a.addr), bias.wrapping_add(b.addr.wrapping_add(u64::from(b.len)))),
             _ => (0, 0),
         };
         slot.lo.store(lo, Ordering::Relaxed);
@@ -246,9 +253,11 @@ pub unsafe fn register(table: *const u8, room: usize, inert: bool) {
 }
 
 /// Counters for a module the process file does not hold (nothing reads
-/// them): a private mapping that, like the file's, outlives the module;
-/// the module's own region if even that fails.
-fn private_counters(module_counters: u64, size: u64) -> u64 {
+/// them): a private mapping that, like the file's, outlives the module.
+/// `None` if the system refuses it (the module is then not profiled: the
+/// runtime never counts into memory the module owns, which an unload
+/// would take away from under a tracked object's cell).
+fn private_counters(size: u64) -> Option<u64> {
     // SAFETY: a fresh private anonymous mapping.
     let p = unsafe {
         libc::mmap(
@@ -260,7 +269,24 @@ fn private_counters(module_counters: u64, size: u64) -> u64 {
             0,
         )
     };
-    if p == libc::MAP_FAILED { module_counters } else { p as u64 }
+    (p != libc::MAP_FAILED).then_some(p as u64)
+}
+
+/// Where a module's segments are, for checking its site table's layout
+/// against them.
+pub struct Segments {
+    /// Bytes of the read-only segment from the site table onwards.
+    pub room: usize,
+    /// Run-time ranges of the writable segments (start, end of memory).
+    pub writable: [(u64, u64); 8],
+}
+
+impl Segments {
+    /// Whether `size` bytes at `addr` lie inside one writable segment.
+    pub fn writable(&self, addr: u64, size: u64) -> bool {
+        let Some(end) = addr.checked_add(size) else { return false };
+        self.writable.iter().any(|&(lo, hi)| lo <= addr && end <= hi && lo < hi)
+    }
 }
 
 /// With the slot held: brings it to the wanted state, releases it, and
@@ -319,12 +345,10 @@ fn header_set_module_on(idx: u32, on: bool) {
     }
 }
 
-/// Unregisters a module about to be unloaded: waits until no switch holds
-/// it, then forgets it (its figures stay in the process file).
-///
-/// # Safety
-/// `table` must be the run-time address of a registered module's table.
-pub unsafe fn unregister(table: *const u8) {
+/// Unregisters a module about to be unloaded, by its site table's run-time
+/// address (compared, never read): waits until no switch holds it, then
+/// forgets it (its figures stay in the process file).
+pub fn unregister(table: *const u8) {
     for slot in slots() {
         if slot.is_active() && slot.table.load(Ordering::Relaxed) == table as usize {
             while slot.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
@@ -386,10 +410,16 @@ pub fn switch_all(to: Sites) -> Result<(), &'static str> {
 
 /// After fork, in the child: fresh process file, every module's counters
 /// remapped onto it (starting from zero).
+/// A child that cannot have a file of its own counts privately, and a
+/// module that cannot be given new counters is switched off: nothing the
+/// child does reaches its parent's file.
 pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
     PROC.force_unlock();
     live::after_fork_in_child();
-    let Some(mut f) = make() else { return };
+    let mut f = make();
+    if f.is_none() {
+        crate::procfile::clear_header();
+    }
     for (i, slot) in slots().enumerate() {
         if !slot.is_active() {
             continue;
@@ -398,24 +428,51 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         let Some(t) = (unsafe { slot.table() }) else { continue };
         let bias = slot.bias.load(Ordering::Relaxed);
         let counters = bias.wrapping_add(t.header.counters_addr);
-        match f.add_module(t.bytes(), bias, counters, t.header.counters_size) {
-            Ok((idx, own)) => {
-                // SAFETY: an active slot's module is loaded (it leaves the
-                // slots before its fini stub returns).
-                let control = unsafe { control_block(bias, &t.header) };
-                control.counters.store(own, Ordering::Relaxed);
-                live::replace_module_view(i, own, t.header.counters_size, counters);
-                slot.file_index.store(idx, Ordering::Relaxed);
-                f.set_module_on(idx, slot.state() == Sites::On);
+        let size = t.header.counters_size;
+        let placed = match f.as_mut().map(|f| f.add_module(t.bytes(), bias, counters, size)) {
+            Some(Ok(r)) => Some(r),
+            other => {
+                if let Some(Err(e)) = other {
+                    sys::log(e.as_bytes());
+                }
+                private_counters(size).map(|own| (u32::MAX, own))
             }
-            Err(e) => sys::log(e.as_bytes()),
+        };
+        // SAFETY: an active slot's module is loaded (it leaves the slots
+        // before its fini stub returns); only this thread runs.
+        let control = unsafe { control_block(bias, &t.header) };
+        let Some((idx, own)) = placed else {
+            sys::log(b"cannot map a patched module's counters in a child process; it is not profiled there");
+            if slot.try_hold() {
+                // SAFETY: the slot is held.
+                if unsafe { switch(slot, Sites::Off) }.is_ok() {
+                    set_on(slot, Sites::Off);
+                }
+                slot.state.store(DEAD, Ordering::Release);
+                slot.release();
+            }
+            continue;
+        };
+        control.counters.store(own, Ordering::Relaxed);
+        // SAFETY: the child's only thread, after every record naming a cell
+        // of the parent's view was made stale (after_fork_in_child above).
+        unsafe { live::replace_module_view(i, own, size, counters) };
+        slot.file_index.store(idx, Ordering::Relaxed);
+        if let Some(f) = &f
+            && idx != u32::MAX
+        {
+            f.set_module_on(idx, slot.state() == Sites::On);
         }
     }
-    crate::procfile::set_header(f.header);
+    if let Some(f) = &f {
+        crate::procfile::set_header(f.header);
+    }
     PROC.with(|p| {
         if let Some(old) = p.take() {
-            old.unmap();
+            // SAFETY: the parent's header view; the header pointer now
+            // names the child's file or nothing, and only this thread runs.
+            unsafe { old.unmap() };
         }
-        *p = Some(f);
+        *p = f;
     });
 }

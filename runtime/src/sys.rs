@@ -1,5 +1,7 @@
 //! System calls and logging usable from signal handlers: no allocation, no
-//! locks, errno preserved by the callers that need it.
+//! locks, errno preserved by the callers that need it. The exception is
+//! `rseq_offset`, which looks glibc's symbol up once (start-up and
+//! registration only, never from a handler).
 
 use std::ffi::{CStr, c_char, c_void};
 

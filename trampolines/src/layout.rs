@@ -603,6 +603,12 @@ pub enum TableError {
     HeaderSize,
     InconsistentSizes,
     ShardCount,
+    /// The counters or the control block are not where the layout puts
+    /// them (page-aligned counters of shard_count x shard_stride bytes, a
+    /// stride that holds a cell per site, a 64-byte-aligned control block).
+    Placement,
+    /// The sites are not sorted by address.
+    Unsorted,
 }
 
 impl TableError {
@@ -615,6 +621,8 @@ impl TableError {
             TableError::HeaderSize => "site table header size mismatch",
             TableError::InconsistentSizes => "site table sizes are inconsistent",
             TableError::ShardCount => "site table shard count is not a power of two",
+            TableError::Placement => "site table places its counters or control block wrongly",
+            TableError::Unsorted => "site table sites are not sorted by address",
         }
     }
 }
@@ -673,7 +681,30 @@ impl<'a> Table<'a> {
         if h.shard_count == 0 || !h.shard_count.is_power_of_two() {
             return Err(TableError::ShardCount);
         }
+        let cells = (sites as u64).checked_mul(CELL_SIZE as u64);
+        if u64::from(h.shard_count).checked_mul(h.shard_stride) != Some(h.counters_size)
+            || cells.is_none_or(|c| c > h.shard_stride)
+            || !h.shard_stride.is_multiple_of(PAGE)
+            || !h.counters_addr.is_multiple_of(PAGE)
+            || !h.control_addr.is_multiple_of(64)
+        {
+            return Err(TableError::Placement);
+        }
         Ok(Table { header: h, bytes })
+    }
+
+    /// Checks that the sites are sorted by address and each lies past the
+    /// previous one's end (linear in the sites: for registration, not for
+    /// every lookup).
+    pub fn check_order(&self) -> Result<(), TableError> {
+        let mut end = 0u64;
+        for s in self.sites() {
+            if s.addr < end {
+                return Err(TableError::Unsorted);
+            }
+            end = s.addr.checked_add(u64::from(s.len)).ok_or(TableError::Unsorted)?;
+        }
+        Ok(())
     }
 
     /// The total size of the table whose header starts `head` (at least
@@ -767,9 +798,18 @@ pub(crate) mod tests {
             sig: encode_sig(&sig),
             ..Entry::default()
         }];
-        let header = Header { shard_count: 16, shard_stride: 4096, module_name: module, ..Header::default() };
+        let header = Header {
+            shard_count: 16,
+            shard_stride: 4096,
+            counters_size: 16 * 4096,
+            counters_addr: 0x20000,
+            control_addr: 0x1f040,
+            module_name: module,
+            ..Header::default()
+        };
         let bytes = encode(header, &sites, &entries, &strings);
         let t = Table::parse(&bytes).unwrap();
+        assert_eq!(t.check_order(), Ok(()));
         assert_eq!(t.header.site_count, 1);
         assert_eq!(t.site(0), sites[0]);
         assert_eq!(t.string(t.site(0).function), Some("main"));
@@ -789,6 +829,19 @@ pub(crate) mod tests {
         bad = bytes.clone();
         bad[offset_of!(Header, build_id_len)] = 21;
         assert_eq!(Table::parse(&bad).unwrap_err(), TableError::InconsistentSizes);
+        for (field, value) in [
+            (offset_of!(Header, counters_size), 15 * 4096u64),
+            (offset_of!(Header, shard_stride), 0),
+            (offset_of!(Header, counters_addr), 0x20008),
+            (offset_of!(Header, control_addr), 0x1f020),
+        ] {
+            bad = bytes.clone();
+            bad[field..field + 8].copy_from_slice(&value.to_le_bytes());
+            assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Placement, "field at {field}");
+        }
+        let two = [sites[0], Site { addr: 0x1100, ..sites[0] }];
+        let unsorted = encode(Header { shard_stride: 4096, ..header }, &two, &entries, &strings);
+        assert_eq!(Table::parse(&unsorted).unwrap().check_order(), Err(TableError::Unsorted));
         for cut in 0..bytes.len() {
             assert!(Table::parse(&bytes[..cut]).is_err(), "a table cut at {cut} bytes");
         }

@@ -15,7 +15,9 @@ use std::mem::{align_of, size_of};
 ///
 /// # Safety
 /// The implementing type must be `#[repr(C)]`, contain only integers,
-/// integer atomics and arrays of them, and be valid for every bit pattern.
+/// integer atomics and arrays of them, be valid for every bit pattern, and
+/// have no padding: every byte belongs to a field (reserved bytes are
+/// declared as fields).
 pub unsafe trait Pod: Sized {}
 
 // SAFETY: integers are valid for every bit pattern.
@@ -30,12 +32,27 @@ unsafe impl Pod for u64 {}
 unsafe impl Pod for i64 {}
 
 /// A view of `bytes` as a `T`, if they are long enough and aligned for it.
+/// For reading: memory one writes through a `T`'s atomics is viewed with
+/// [`view_shared`], which borrows it mutably.
 pub fn view<T: Pod>(bytes: &[u8]) -> Option<&T> {
     if bytes.len() < size_of::<T>() || !(bytes.as_ptr() as usize).is_multiple_of(align_of::<T>()) {
         return None;
     }
     // SAFETY: long enough, aligned, and T is valid for any bits (Pod).
     Some(unsafe { &*(bytes.as_ptr() as *const T) })
+}
+
+/// A view of memory that is written through `T`'s atomics (by this and
+/// other processes: a shared file mapping), if it is long enough and
+/// aligned for it. The mutable borrow makes the writes the view's own.
+pub fn view_shared<T: Pod>(bytes: &mut [u8]) -> Option<&T> {
+    if bytes.len() < size_of::<T>() || !(bytes.as_ptr() as usize).is_multiple_of(align_of::<T>()) {
+        return None;
+    }
+    // SAFETY: long enough, aligned, T is valid for any bits (Pod), and the
+    // pointer comes from an exclusive borrow, so writes through T's atomics
+    // (interior mutability) do not write through a shared reference.
+    Some(unsafe { &*(bytes.as_mut_ptr() as *const T) })
 }
 
 /// An owned, aligned copy of the first `size_of::<T>()` bytes, if there are
@@ -62,10 +79,11 @@ pub fn read<T: Pod + Copy>(bytes: &[u8], at: usize) -> Option<T> {
     Some(unsafe { std::ptr::read_unaligned(b.as_ptr() as *const T) })
 }
 
-/// The bytes of a value.
+/// The bytes of a value (of a value no other thread writes meanwhile: a
+/// value with atomics is read byte by byte).
 pub fn bytes_of<T: Pod>(v: &T) -> &[u8] {
-    // SAFETY: a Pod value has no uninitialized bytes that matter to a
-    // reader of the format (padding is declared as reserved byte arrays).
+    // SAFETY: a Pod value has no padding (every byte belongs to a field, so
+    // every byte is initialized), and the reference keeps it alive.
     unsafe { std::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()) }
 }
 
