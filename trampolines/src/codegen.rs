@@ -738,7 +738,7 @@ pub fn disassemble(code: &[u8], at: u64) -> String {
 mod golden {
     //! The disassembly of every trampoline form, compared with the files in
     //! `trampolines/golden/`. After an intended change, regenerate them with
-    //! `ALLOCTRAMP_UPDATE_GOLDEN=1 cargo test -p alloctramp-trampolines --features codegen golden`.
+    //! `ALLOCTRAMP_BLESS=1 cargo test -p alloctramp-trampolines --features codegen golden`.
 
     use super::*;
     use crate::entry::{self, Target};
@@ -808,26 +808,24 @@ mod golden {
         v
     }
 
+    const BLESS: &str = "ALLOCTRAMP_BLESS=1 cargo test -p alloctramp-trampolines --features codegen golden";
+
+    fn goldens() -> alloctramp_testkit::Goldens {
+        let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        alloctramp_testkit::Goldens::new(here.join("golden"), here.parent().unwrap_or(here), BLESS)
+    }
+
     #[test]
     fn golden_disassembly() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("golden");
-        let update = std::env::var_os("ALLOCTRAMP_UPDATE_GOLDEN").is_some();
-        let mut stale = Vec::new();
-        for (name, text) in cases() {
-            let path = dir.join(format!("{name}.txt"));
-            if update {
-                std::fs::create_dir_all(&dir).unwrap();
-                std::fs::write(&path, &text).unwrap();
-            } else if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
-                stale.push(format!("--- {}\n{text}", path.display()));
-            }
-        }
-        assert!(
-            stale.is_empty(),
-            "generated code differs from the golden files; if intended, run\n  \
-             ALLOCTRAMP_UPDATE_GOLDEN=1 cargo test -p alloctramp-trampolines --features codegen golden\n{}",
-            stale.join("\n")
-        );
+        let cases: Vec<(String, String)> =
+            cases().into_iter().map(|(name, text)| (format!("{name}.txt"), text)).collect();
+        goldens().check_all(cases.iter().map(|(n, t)| (n.as_str(), t.clone())));
+    }
+
+    #[test]
+    fn no_orphan_golden_files() {
+        let names: Vec<String> = cases().into_iter().map(|(name, _)| format!("{name}.txt")).collect();
+        goldens().no_orphans(names.iter().map(String::as_str));
     }
 
     #[test]
