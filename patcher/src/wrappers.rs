@@ -23,7 +23,8 @@
 use crate::elf::Elf;
 use alloctramp_trampolines::entry::{EntryPoint, Kind, Returns, Target as EntryTarget};
 use iced_x86::{
-    Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind, Register,
+    ConditionCode, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
+    OpKind, Register, RflagsBits,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -285,6 +286,8 @@ impl Val {
             // A realloc wrapper's paths: one reallocates, another (a NULL
             // pointer) allocates.
             (Val::Result(a, x), Val::Result(b, y)) if x == y => Val::Result(a.join(b), x),
+            // A path that found the result NULL and returns NULL.
+            (r @ Val::Result(..), Val::Zero) | (Val::Zero, r @ Val::Result(..)) => r,
             _ => Val::Unknown,
         }
     }
@@ -333,6 +336,16 @@ struct State {
     regs: [Val; 16],
     /// Stack slots (8 bytes) by offset from the stack pointer at entry.
     stack: BTreeMap<i64, Val>,
+    /// What the flags say: the zero flag is set exactly when this location
+    /// is NULL (after `test r, r`, `cmp r, 0` or `cmp [slot], 0`).
+    zero_test: Option<Loc>,
+}
+
+/// A register (by index) or a stack slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loc {
+    Reg(usize),
+    Slot(i64),
 }
 
 impl State {
@@ -342,7 +355,7 @@ impl State {
             regs[gpr(r).unwrap_or(0)] = Val::Arg(n as u8, 0);
         }
         regs[4] = Val::Stack(0);
-        State { regs, stack: BTreeMap::new() }
+        State { regs, stack: BTreeMap::new(), zero_test: None }
     }
     fn get(&self, r: Register) -> Val {
         gpr(r).map_or(Val::Unknown, |i| self.regs[i])
@@ -361,6 +374,9 @@ impl State {
             *a = a.join(*b);
         }
         self.stack.retain(|k, v| o.stack.get(k) == Some(v));
+        if self.zero_test != o.zero_test {
+            self.zero_test = None;
+        }
         *self != before
     }
     /// The stack slot a memory operand names, if its base is known to point
@@ -486,6 +502,8 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
         let (Some(ins), Some(Some(state))) = (d.instructions.get(i), states.get(i)) else { continue };
         let mut s = state.clone();
         let mut next: Vec<u64> = Vec::new();
+        // The state on a conditional branch's taken edge, where it differs.
+        let mut taken: Option<State> = None;
         let after = ins.next_ip();
         match ins.flow_control() {
             FlowControl::Return => ends.returned.push((s.get(Register::RAX), ins.ip())),
@@ -502,6 +520,18 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
             FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch | FlowControl::IndirectBranch => {
                 if ins.flow_control() == FlowControl::ConditionalBranch {
                     next.push(after);
+                    // After a NULL test, the edge where the pointer is NULL
+                    // knows it is.
+                    if let Some(at) = s.zero_test {
+                        match ins.condition_code() {
+                            ConditionCode::e => taken = Some(s.with_zero(at)),
+                            ConditionCode::ne => {
+                                taken = Some(s.clone());
+                                s = s.with_zero(at);
+                            }
+                            _ => {}
+                        }
+                    }
                 }
                 match target_of(ins) {
                     Some(Target::Code(a)) if inside(a) => next.push(a),
@@ -517,7 +547,12 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
                 next.push(after);
             }
         }
+        let branch = ins.flow_control() == FlowControl::ConditionalBranch;
         for a in next {
+            let s = match (&taken, branch && a != after) {
+                (Some(t), true) => t,
+                _ => &s,
+            };
             if !inside(a) {
                 // Falling off the end: code after a call that never returns.
                 continue;
@@ -529,7 +564,7 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
             let Some(slot) = states.get_mut(j) else { continue };
             match slot {
                 Some(old) => {
-                    if old.join(&s) {
+                    if old.join(s) {
                         work.push(j);
                     }
                 }
@@ -585,6 +620,53 @@ fn tail_call(s: &State, ins: &Instruction, callee: Option<Callee>, ends: &mut En
 
 /// One instruction that neither branches nor calls.
 fn step(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory) {
+    if ins.rflags_modified() != RflagsBits::NONE {
+        s.zero_test = zero_test(s, ins);
+    }
+    transfer(s, ins, info);
+}
+
+/// The location a `test r, r`, `cmp r, 0` or `cmp qword [slot], 0` tests
+/// for NULL.
+fn zero_test(s: &State, ins: &Instruction) -> Option<Loc> {
+    let wide_reg = |r: Register| (r.full_register() == r).then(|| gpr(r)).flatten().map(Loc::Reg);
+    match (ins.mnemonic(), ins.op0_kind(), ins.op1_kind()) {
+        (Mnemonic::Test, OpKind::Register, OpKind::Register) if ins.op0_register() == ins.op1_register() => {
+            wide_reg(ins.op0_register())
+        }
+        (Mnemonic::Cmp, OpKind::Register, OpKind::Immediate8to64 | OpKind::Immediate32to64)
+            if ins.immediate64() == 0 =>
+        {
+            wide_reg(ins.op0_register())
+        }
+        (Mnemonic::Cmp, OpKind::Memory, OpKind::Immediate8to64 | OpKind::Immediate32to64)
+            if ins.immediate64() == 0 && ins.memory_size().size() == 8 =>
+        {
+            s.slot(ins).map(Loc::Slot)
+        }
+        _ => None,
+    }
+}
+
+impl State {
+    /// This state where `at` holds NULL.
+    fn with_zero(&self, at: Loc) -> State {
+        let mut s = self.clone();
+        match at {
+            Loc::Reg(i) => {
+                if let Some(r) = s.regs.get_mut(i) {
+                    *r = Val::Zero;
+                }
+            }
+            Loc::Slot(o) => {
+                s.stack.insert(o, Val::Zero);
+            }
+        }
+        s
+    }
+}
+
+fn transfer(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory) {
     let reg0 = || (ins.op_count() > 0 && ins.op0_kind() == OpKind::Register).then(|| ins.op0_register());
     let reg1 = || (ins.op_count() > 1 && ins.op1_kind() == OpKind::Register).then(|| ins.op1_register());
     let imm = || match ins.op1_kind() {
@@ -620,7 +702,12 @@ fn step(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory) {
             (OpKind::Memory, _) => s.clobber_memory(ins),
             (OpKind::Register, _) => {
                 let d = ins.op0_register();
-                s.set(d, if imm() == Some(0) { Val::Zero } else { Val::Unknown });
+                // `mov r32, 0` zero-extends: the whole register is NULL.
+                if imm() == Some(0) && d.size() >= 4 {
+                    s.set(d.full_register(), Val::Zero);
+                } else {
+                    s.set(d, Val::Unknown);
+                }
             }
             _ => generic(s, ins, info),
         },
@@ -997,6 +1084,68 @@ mod tests {
         assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Free { ptr: 0 }, 1)]);
         assert!(matches!(w[0].why, Why::Returns { offset: 16, .. }));
         assert!(matches!(w[1].why, Why::Frees { offset: -16, .. }));
+    }
+
+    #[test]
+    fn a_null_result_shares_the_return_path() {
+        // zmalloc_usable as gcc -O2 writes it: the NULL path returns the
+        // (NULL) result unchanged through the same `ret`.
+        let z = |a: &mut CodeAssembler| {
+            let mut out = a.create_label();
+            a.push(rbx)?;
+            a.mov(rbx, rdi)?;
+            a.add(rdi, 16)?;
+            a.call(MALLOC)?;
+            a.test(rax, rax)?;
+            a.je(out)?;
+            a.mov(qword_ptr(rax), rbx)?;
+            a.add(rax, 16)?;
+            a.set_label(&mut out)?;
+            a.pop(rbx)?;
+            a.ret()?;
+            Ok(())
+        };
+        // The same at -O0: the result in a stack slot compared with 0, and
+        // `mov eax, 0` on the NULL path.
+        let z0 = |a: &mut CodeAssembler| {
+            let (mut ok, mut out) = (a.create_label(), a.create_label());
+            a.push(rbp)?;
+            a.mov(rbp, rsp)?;
+            a.sub(rsp, 32)?;
+            a.mov(qword_ptr(rbp - 0x18), rdi)?;
+            a.mov(rax, qword_ptr(rbp - 0x18))?;
+            a.add(rax, 16)?;
+            a.mov(rdi, rax)?;
+            a.call(MALLOC)?;
+            a.mov(qword_ptr(rbp - 8), rax)?;
+            a.cmp(qword_ptr(rbp - 8), 0)?;
+            a.jne(ok)?;
+            a.mov(eax, 0)?;
+            a.jmp(out)?;
+            a.set_label(&mut ok)?;
+            a.mov(rax, qword_ptr(rbp - 8))?;
+            a.add(rax, 16)?;
+            a.set_label(&mut out)?;
+            a.leave()?;
+            a.ret()?;
+            Ok(())
+        };
+        // Without the test, a result and result + 16 do not agree.
+        let mixed = |a: &mut CodeAssembler| {
+            let mut out = a.create_label();
+            a.push(rbx)?;
+            a.call(MALLOC)?;
+            a.cmp(rbx, 3)?;
+            a.je(out)?;
+            a.add(rax, 16)?;
+            a.set_label(&mut out)?;
+            a.pop(rbx)?;
+            a.ret()?;
+            Ok(())
+        };
+        let (found, _, w) = run(&[&z, &z0, &mixed]);
+        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Alloc, 1)]);
+        assert!(w.iter().all(|w| matches!(w.why, Why::Returns { offset: 16, .. })));
     }
 
     #[test]
