@@ -122,6 +122,11 @@ pub struct Program {
     pub is_library: bool,
     /// Counts depend on timing (`// counts: variable`): not compared.
     pub variable_counts: bool,
+    /// Functions that are allocation wrappers (`@wrapper NAME KIND`):
+    /// (name, kind).
+    pub wrappers: Vec<(String, String)>,
+    /// Functions that allocate but are not wrappers (`@notwrapper NAME`).
+    pub not_wrappers: Vec<String>,
 }
 
 fn parse_marker(tag: &str, file: &str, line: u32, text: &str) -> Option<Marker> {
@@ -182,6 +187,8 @@ pub fn programs() -> &'static [Program] {
                 user_markers: vec![],
                 is_library: false,
                 variable_counts: false,
+                wrappers: vec![],
+                not_wrappers: vec![],
             };
             for (i, line) in text.lines().enumerate() {
                 if let Some(b) = line.strip_prefix("// build: ") {
@@ -200,6 +207,18 @@ pub fn programs() -> &'static [Program] {
                 }
                 if let Some(m) = parse_marker("@usersite", &file, i as u32 + 1, line) {
                     p.user_markers.push(m);
+                }
+                let words = |tag: &str| {
+                    let body = line.split_once(&format!("/* {tag} "))?.1.split_once("*/")?.0;
+                    Some(body.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+                };
+                match words("@wrapper").as_deref() {
+                    Some([name, kind]) => p.wrappers.push((name.clone(), kind.clone())),
+                    Some(_) => panic!("{file}:{}: a wrapper marker is `@wrapper NAME KIND`", i + 1),
+                    None => {}
+                }
+                if let Some([name]) = words("@notwrapper").as_deref() {
+                    p.not_wrappers.push(name.clone());
                 }
             }
             assert!(!p.build.is_empty(), "{}: no '// build:' line", src.display());
