@@ -7,6 +7,7 @@
 //! Finding files on disk is left to [`debugfile`] and the command line.
 
 pub mod debugfile;
+pub mod deps;
 pub mod elf;
 pub mod error;
 pub mod lines;

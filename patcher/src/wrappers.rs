@@ -904,10 +904,12 @@ fn role_of(e: &EntryPoint) -> Option<Callee> {
 }
 
 /// The wrappers in a file whose entry points `entries` are (the defaults
-/// and any the user named): calls through PLT stubs, GOT slots and direct
-/// calls to definitions are resolved as the site scan resolves them.
-pub fn discover(elf: &Elf, entries: &[EntryPoint]) -> (Vec<Wrapper>, Vec<u64>) {
-    let mut by_name: HashMap<&str, Callee> = HashMap::new();
+/// and any the user named), given the wrappers its libraries export by
+/// name (`imported`, see [`exported`]): calls through PLT stubs, GOT slots
+/// and direct calls to definitions are resolved as the site scan resolves
+/// them.
+pub fn discover(elf: &Elf, entries: &[EntryPoint], imported: &HashMap<String, Callee>) -> (Vec<Wrapper>, Vec<u64>) {
+    let mut by_name: HashMap<&str, Callee> = imported.iter().map(|(n, &c)| (n.as_str(), c)).collect();
     for e in entries {
         if let (EntryTarget::Symbol(name), Some(role)) = (&e.target, role_of(e)) {
             by_name.insert(name.as_str(), role);
@@ -953,6 +955,19 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint]) -> (Vec<Wrapper>, Vec<u64>) {
         Target::Slot(a) => slots.get(&a).copied(),
     };
     find(&Code { ranges: texts }, &functions(elf), &known)
+}
+
+/// The wrappers a shared library exports: (symbol name, role) of each
+/// wrapper that a defined global dynamic symbol names.
+pub fn exported(elf: &Elf, entries: &[EntryPoint], imported: &HashMap<String, Callee>) -> Vec<(String, Callee)> {
+    let (wrappers, _) = discover(elf, entries, imported);
+    let mut out = Vec::new();
+    for sym in elf.symbols(true).iter().filter(|s| s.defined && s.is_func && s.global) {
+        if let Ok(i) = wrappers.binary_search_by_key(&sym.value, |w| w.start) {
+            out.push((sym.name.to_string(), wrappers[i].role));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
