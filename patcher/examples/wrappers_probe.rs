@@ -3,7 +3,22 @@ fn main() {
     let data = std::fs::read(&path).unwrap();
     let elf = alloctramp_patcher::Elf::parse(&data).unwrap();
     let t = std::time::Instant::now();
-    let (w, nr) = alloctramp_patcher::wrappers::discover(&elf, &alloctramp_trampolines::entry::defaults());
+    let libs = alloctramp_patcher::deps::libraries(std::path::Path::new(&path), &elf);
+    let e = alloctramp_trampolines::entry::defaults();
+    let mut imported = std::collections::HashMap::new();
+    for l in &libs {
+        let d = std::fs::read(l).unwrap();
+        let le = alloctramp_patcher::Elf::parse(&d).unwrap();
+        let x = alloctramp_patcher::wrappers::exported(&le, &e, &imported);
+        eprintln!(
+            "{} {} exported wrappers: {:?}",
+            l.display(),
+            x.len(),
+            x.iter().map(|(n, c)| format!("{n}:{c:?}")).collect::<Vec<_>>()
+        );
+        imported.extend(x);
+    }
+    let (w, nr) = alloctramp_patcher::wrappers::discover(&elf, &e, &imported);
     let names: std::collections::HashMap<u64, &str> =
         elf.symbols(false).iter().chain(elf.symbols(true)).filter(|s| s.defined).map(|s| (s.value, s.name)).collect();
     for x in &w {

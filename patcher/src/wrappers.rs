@@ -543,6 +543,13 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
                 // int3, ud2, hlt: the path ends here.
             }
             _ => {
+                // Arguments passed on the stack (a seventh and further, or
+                // a structure by value): not a wrapper a trampoline can
+                // call with a frame of its own.
+                if (0..ins.op_count()).any(|k| ins.op_kind(k) == OpKind::Memory) && s.slot(ins).is_some_and(|o| o >= 8)
+                {
+                    ends.lost = true;
+                }
                 step(&mut s, ins, &mut info);
                 next.push(after);
             }
@@ -1239,7 +1246,13 @@ mod tests {
             a.ret()?;
             Ok(())
         };
-        let (found, _, _) = run(&[&grow, &cached, &destroy, &clobbered]);
+        // eight(a, ..., h): its eighth argument is on the stack.
+        let eight = |a: &mut CodeAssembler| {
+            a.mov(rdi, qword_ptr(rsp + 16))?;
+            a.jmp(MALLOC)?;
+            Ok(())
+        };
+        let (found, _, _) = run(&[&grow, &cached, &destroy, &clobbered, &eight]);
         assert_eq!(found, []);
     }
 
