@@ -12,7 +12,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok(pf) = read::parse(&copy) else { return };
     let Ok(figs) = read::figures(&pf) else { return };
     let live = figs.live();
-    for (group_by, sort) in [(GroupBy::Site, Some(SortKey::LiveBytes)), (GroupBy::Function, Some(SortKey::Calls)), (GroupBy::Module, None)] {
+    for (group_by, sort) in
+        [(GroupBy::Site, Some(SortKey::LiveBytes)), (GroupBy::Function, Some(SortKey::Calls)), (GroupBy::Module, None)]
+    {
         let sel = Selection { group_by, sort, top: Some(50), ..Selection::default() };
         let Ok(rows) = select(figs.sites.clone(), &figs.modules, &sel, false) else { return };
         let mut out = Vec::new();
