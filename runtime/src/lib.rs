@@ -391,6 +391,10 @@ fn prune() {
 unsafe extern "C" fn register(table: *const u8) {
     init();
     let inert = CONFIG.get().is_none_or(|c| c.inert);
+    if registry::is_registered(table) {
+        // Found at start-up, before its initializers ran.
+        return;
+    }
     let Some(module) = module_of(table as u64) else {
         sys::log(b"a module registered a site table outside its read-only segments; it is not profiled");
         return;

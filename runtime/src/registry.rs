@@ -345,6 +345,11 @@ fn header_set_module_on(idx: u32, on: bool) {
     }
 }
 
+/// Whether the module of this site table is registered (and loaded).
+pub fn is_registered(table: *const u8) -> bool {
+    slots().any(|s| s.is_active() && s.table.load(Ordering::Relaxed) == table as usize)
+}
+
 /// Unregisters a module about to be unloaded, by its site table's run-time
 /// address (compared, never read): waits until no switch holds it, then
 /// forgets it (its figures stay in the process file).
