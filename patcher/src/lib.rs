@@ -16,10 +16,11 @@ pub mod symbols;
 pub mod write;
 
 use alloctramp_trampolines::entry::{self, EntryPoint};
+pub use alloctramp_trampolines::layout::SiteForm;
 pub use elf::{Elf, FileType};
 pub use error::{Error, ErrorKind, Result};
 pub use lines::Location;
-pub use scan::{Form, Reason, Scan, Site, Via};
+pub use scan::{Reason, Scan, Site, Via};
 
 /// What is known about one site beyond its instruction.
 #[derive(Clone, Debug, Default)]

@@ -25,7 +25,7 @@ use crate::error::{Error, ErrorKind, Location, Result};
 use crate::{Analysis, SiteInfo};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
 use alloctramp_trampolines::codegen::{self, TrampolineSpec};
-use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
+use alloctramp_trampolines::layout::{self, PAGE};
 use object::LittleEndian as LE;
 use object::elf;
 use object::pod::{bytes_of, slice_from_all_bytes};
@@ -963,12 +963,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     for (i, site) in a.scan.sites.iter().enumerate() {
         let at = text_addr + text.len() as u64;
         let entry = &a.scan.entries[site.entry];
-        let form = match site.form {
-            crate::Form::CallRel32 => SiteForm::CallRel32,
-            crate::Form::JmpRel32 => SiteForm::JmpRel32,
-            crate::Form::CallRipMem => SiteForm::CallRipMem,
-            crate::Form::JmpRipMem => SiteForm::JmpRipMem,
-        };
+        let form = site.form;
         let spec = TrampolineSpec {
             site: site.vaddr.0,
             len: site.len,
