@@ -234,6 +234,12 @@ pub(crate) struct SiteStrings {
     pub entries: Vec<u32>,
 }
 
+impl fmt::Debug for SiteStrings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SiteStrings").field("bytes", &self.strings.len()).finish_non_exhaustive()
+    }
+}
+
 impl SiteStrings {
     fn new(a: &Analysis) -> SiteStrings {
         let mut strings = layout::Strings::default();
@@ -264,6 +270,7 @@ pub struct Shstrtab {
 }
 
 /// Everything about the patched file but its bytes.
+#[derive(Debug)]
 pub struct Plan<'a> {
     /// The module's name (for the dump).
     pub module: String,

@@ -58,17 +58,17 @@ impl Plan<'_> {
         let code = |name: &str, c: &super::Code| {
             Part::loaded(name, Region { offset: c.offset, addr: c.addr, size: c.bytes.len() as u64 }, "")
         };
-        parts.push(code("init stub", &self.init));
-        parts.push(code("fini stub", &self.fini));
         let patched = self.sites.iter().filter(|s| s.trampoline().is_some()).count();
         parts.push(Part::loaded(".alloctramp.text", self.text, format!("stubs and {patched} trampolines")));
+        parts.push(code("  init stub", &self.init));
+        parts.push(code("  fini stub", &self.fini));
         parts.push(Part::loaded(".dynamic", self.dynamic, format!("{} entries", self.dynamic_count())));
         parts.push(Part::loaded(".alloctramp.data", self.control, "control block"));
         let k = &self.counters;
         let note = format!("no file bytes; {} shards of {:#x}", k.shards, k.stride);
         parts.push(Part::loaded(".alloctramp.counters", k.region, note));
         let input = FileRange { offset: alloctramp_trampolines::addr::FileOffset(self.shift), size: self.input_size };
-        parts.push(Part::unloaded("input", input, "unchanged but for .symtab fixups"));
+        parts.push(Part::unloaded("input", input, "the input file"));
         parts.push(Part::unloaded(".shstrtab", self.shstrtab.range, "the input's names, then 4"));
         parts.push(Part::unloaded("section headers", self.shdrs, format!("{} entries", self.shnum)));
         parts
@@ -107,8 +107,8 @@ impl Display for Plan<'_> {
         for r in &self.repoints {
             writeln!(
                 f,
-                "  [{}] {:<12} {:#x} -> {:#x} (offset {:#x}, size {:#x})",
-                r.section,
+                "  {:<5} {:<12} {:#x} -> {:#x} (offset {:#x}, size {:#x})",
+                format!("[{}]", r.section),
                 r.table.name(),
                 r.old_addr.0,
                 r.to.addr.0,
@@ -116,20 +116,24 @@ impl Display for Plan<'_> {
                 r.to.size
             )?;
         }
+        // One line per site: index, address, form, decision, entry point.
         writeln!(f, "\nsites:")?;
-        for (i, s) in self.sites.iter().enumerate() {
-            let entry = self.entries.get(s.entry).map_or("?", String::as_str);
-            let head = format!("  {i:<4} {:#x} {:<15} {:<12}", s.addr.0, s.form.as_str(), entry);
-            match &s.decision {
+        let decisions: Vec<String> = self
+            .sites
+            .iter()
+            .map(|s| match &s.decision {
                 Decision::Patched(t) => {
-                    let mut line = format!("{head} trampoline {:#x} size {:#x}", t.code.addr.0, t.code.bytes.len());
-                    if t.drain != 0 {
-                        write!(line, " drain +{:#x}", t.drain)?;
-                    }
-                    writeln!(f, "{line} count +{:#x}", t.count)?;
+                    let drain = if t.drain != 0 { format!("+{:#x}", t.drain) } else { "-".into() };
+                    let (at, size) = (t.code.addr.0, t.code.bytes.len());
+                    format!("trampoline {at:#x} size {size:#x} drain {drain} count +{:#x}", t.count)
                 }
-                Decision::Skipped(reason) => writeln!(f, "{head} skipped: {reason}")?,
-            }
+                Decision::Skipped(reason) => format!("skipped: {reason}"),
+            })
+            .collect();
+        let width = decisions.iter().map(String::len).max().unwrap_or(0);
+        for (i, (s, decision)) in self.sites.iter().zip(&decisions).enumerate() {
+            let entry = self.entries.get(s.entry).map_or("?", String::as_str);
+            writeln!(f, "  {i:<4} {:<#10x} {:<15} {decision:<width$}  {entry}", s.addr.0, s.form.as_str())?;
         }
         Ok(())
     }
