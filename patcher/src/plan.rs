@@ -361,109 +361,44 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     let strings = SiteStrings::new(a);
     check_loads(elf)?;
     let (ro_addr, max_align) = new_base(elf, &tables)?;
-
-    // The read-only segment, from offset 0: the ELF header, the program
-    // headers (where strip and every loader expect them, now with room for
-    // the new entries), the site table and the grown dynamic tables.
     let phnum = elf.file.elf_program_headers().len() + 3;
-    let mut ro = Cursor { offset: 0, delta: ro_addr };
-    let ehdr = ro.place(64, 1);
-    let phdrs = ro.place(phnum as u64 * 56, 8);
     let table_len = layout::table_size(a.scan.sites.len(), a.scan.entries.len(), strings.strings.len());
-    let site_table = ro.place(table_len as u64, 8);
-    let copies = place_copies(&mut ro, &tables, opts);
-    let ro_size = ro.offset;
-
-    // Addresses of the read-write segment (.dynamic, the control block,
-    // then the counters on pages of their own), then of the executable one
-    // above the counters.
-    let dyn_count = new_dynamic_count(&tables);
-    let rw_addr = align(ro_addr + ro_size, PAGE);
-    let control_addr = align(rw_addr + dyn_count as u64 * 16, 64);
-    let counters_addr = align(control_addr + layout::CONTROL_SIZE as u64, PAGE);
-    let n_sites = a.scan.sites.len();
-    let stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
-    if stride > i32::MAX as u64 {
-        return Err(refuse(format!("{n_sites} sites: too many for one module")));
-    }
-    let counters_size = stride * u64::from(opts.shards);
-    let text_addr = counters_addr + counters_size;
-
+    let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables, opts);
+    let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), opts.shards)?;
     // File order: read-only, executable, read-write, each from a page.
-    let text_start = align(ro_size, PAGE);
-    let ctx = TextContext { control: control_addr, table: site_table.addr.0, shards: opts.shards, stride };
-    let mut text = Cursor { offset: text_start, delta: text_addr.wrapping_sub(text_start) };
-    let (init, fini) = plan_stubs(&mut text, &ctx, &tables)?;
-    let sites = plan_sites(&mut text, &ctx, a);
-    let text = Region { offset: FileOffset(text_start), addr: Vaddr(text_addr), size: text.offset - text_start };
-
-    let rw_start = align(text.end_offset().0, PAGE);
-    let mut rw = Cursor { offset: rw_start, delta: rw_addr.wrapping_sub(rw_start) };
-    let dynamic = rw.place(dyn_count as u64 * 16, 8);
-    let control = rw.place(layout::CONTROL_SIZE as u64, 64);
-    debug_assert_eq!((dynamic.addr.0, control.addr.0), (rw_addr, control_addr));
-    // The counters' nominal file offset (they have no bytes) stays before
-    // the original file too, so no original segment seems to hold them.
-    let counters_off = rw_start + (counters_addr - rw_addr);
-    let counters = Counters {
-        region: Region { offset: FileOffset(counters_off), addr: Vaddr(counters_addr), size: counters_size },
-        shards: opts.shards,
-        stride,
-    };
+    let text_start = align(ro.size, PAGE);
+    let ctx =
+        TextContext { control: mem.control, table: ro.site_table.addr.0, shards: opts.shards, stride: mem.stride };
+    let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
+    let (init, fini) = plan_stubs(&mut cursor, &ctx, &tables)?;
+    let sites = plan_sites(&mut cursor, &ctx, a);
+    let text = Region { offset: FileOffset(text_start), addr: Vaddr(mem.text), size: cursor.offset - text_start };
+    let rw = ReadWrite::place(align(text.end_offset().0, PAGE), &mem);
     // The original file follows at a multiple of the largest alignment, so
     // that every original segment keeps its address and the new segments'
     // file ranges, counters included, never overlap an original one.
-    let shift = align(rw.offset.max(counters_off + 1), max_align);
-
-    let (pf_r, pf_w, pf_x) = (elf::PF_R.0, elf::PF_W.0, elf::PF_X.0);
-    let segments = [
-        Segment {
-            flags: pf_r,
-            offset: FileOffset(0),
-            addr: Vaddr(ro_addr),
-            file_size: ro_size,
-            mem_size: ro_size,
-            align: max_align,
-        },
-        Segment {
-            flags: pf_r | pf_w,
-            offset: FileOffset(rw_start),
-            addr: Vaddr(rw_addr),
-            file_size: rw.offset - rw_start,
-            mem_size: counters_addr + counters_size - rw_addr,
-            align: PAGE,
-        },
-        Segment {
-            flags: pf_r | pf_x,
-            offset: text.offset,
-            addr: text.addr,
-            file_size: text.size,
-            mem_size: text.size,
-            align: PAGE,
-        },
-    ];
-
-    let repoints = plan_repoints(elf, &tables, &copies, dynamic);
+    let shift = align(rw.file_end.max(rw.counters.region.offset.0 + 1), max_align);
+    let segments = [ro.segment(max_align), rw.segment(), exec_segment(text)];
+    let repoints = plan_repoints(elf, &tables, &ro.copies, rw.dynamic);
     let input_size = elf.data.len() as u64;
     let (shstrtab, shdrs, shnum) = plan_section_headers(elf, shift + input_size)?;
-
     Ok(Plan {
         module: a.module.clone(),
         tables,
         input_size,
         shift,
         segments,
-        ehdr,
-        phdrs,
+        ehdr: ro.ehdr,
+        phdrs: ro.phdrs,
         phnum,
-        site_table,
-        copies,
+        site_table: ro.site_table,
+        copies: ro.copies,
         init,
         fini,
         text,
-        dynamic,
-        control,
-        counters,
+        dynamic: rw.dynamic,
+        control: rw.control,
+        counters: rw.counters,
         runtime_needed: opts.runtime_needed.clone(),
         shstrtab,
         shdrs,
@@ -473,6 +408,97 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         sites,
         strings,
     })
+}
+
+/// The read-only segment, from offset 0: the ELF header, the program
+/// headers (where strip and every loader expect them, now with room for the
+/// new entries), the site table and the grown dynamic tables.
+struct ReadOnly {
+    ehdr: Region,
+    phdrs: Region,
+    site_table: Region,
+    copies: Copies,
+    size: u64,
+}
+
+impl ReadOnly {
+    fn place(addr: u64, phnum: usize, table_len: u64, tables: &Tables, opts: &PatchOptions) -> ReadOnly {
+        let mut ro = Cursor { offset: 0, delta: addr };
+        let ehdr = ro.place(64, 1);
+        let phdrs = ro.place(phnum as u64 * 56, 8);
+        let site_table = ro.place(table_len, 8);
+        let copies = place_copies(&mut ro, tables, opts);
+        ReadOnly { ehdr, phdrs, site_table, copies, size: ro.offset }
+    }
+    fn end_addr(&self) -> u64 {
+        self.ehdr.addr.0 + self.size
+    }
+    fn segment(&self, max_align: u64) -> Segment {
+        let (offset, addr, size) = (self.ehdr.offset, self.ehdr.addr, self.size);
+        Segment { flags: elf::PF_R.0, offset, addr, file_size: size, mem_size: size, align: max_align }
+    }
+}
+
+/// Addresses above the read-only segment: the read-write segment
+/// (.dynamic, the control block, then the counters on pages of their own),
+/// then the executable one above the counters.
+struct Memory {
+    rw: u64,
+    dyn_count: usize,
+    control: u64,
+    counters: u64,
+    stride: u64,
+    shards: u32,
+    text: u64,
+}
+
+impl Memory {
+    fn new(ro_end: u64, dyn_count: usize, n_sites: usize, shards: u32) -> Result<Memory> {
+        let rw = align(ro_end, PAGE);
+        let control = align(rw + dyn_count as u64 * 16, 64);
+        let counters = align(control + layout::CONTROL_SIZE as u64, PAGE);
+        let stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
+        if stride > i32::MAX as u64 {
+            return Err(refuse(format!("{n_sites} sites: too many for one module")));
+        }
+        let text = counters + stride * u64::from(shards);
+        Ok(Memory { rw, dyn_count, control, counters, stride, shards, text })
+    }
+}
+
+/// The read-write segment's parts, from file offset `start`.
+struct ReadWrite {
+    dynamic: Region,
+    control: Region,
+    counters: Counters,
+    file_end: u64,
+}
+
+impl ReadWrite {
+    fn place(start: u64, mem: &Memory) -> ReadWrite {
+        let mut rw = Cursor { offset: start, delta: mem.rw.wrapping_sub(start) };
+        let dynamic = rw.place(mem.dyn_count as u64 * 16, 8);
+        let control = rw.place(layout::CONTROL_SIZE as u64, 64);
+        debug_assert_eq!((dynamic.addr.0, control.addr.0), (mem.rw, mem.control));
+        // The counters' nominal file offset (they have no bytes) stays
+        // before the original file too, so no original segment seems to
+        // hold them.
+        let size = mem.stride * u64::from(mem.shards);
+        let region = Region { offset: FileOffset(start + (mem.counters - mem.rw)), addr: Vaddr(mem.counters), size };
+        let counters = Counters { region, shards: mem.shards, stride: mem.stride };
+        ReadWrite { dynamic, control, counters, file_end: rw.offset }
+    }
+    fn segment(&self) -> Segment {
+        let (offset, addr) = (self.dynamic.offset, self.dynamic.addr);
+        let file_size = self.file_end - offset.0;
+        let mem_size = self.counters.region.end_addr().0 - addr.0;
+        Segment { flags: elf::PF_R.0 | elf::PF_W.0, offset, addr, file_size, mem_size, align: PAGE }
+    }
+}
+
+fn exec_segment(text: Region) -> Segment {
+    let (offset, addr, size) = (text.offset, text.addr, text.size);
+    Segment { flags: elf::PF_R.0 | elf::PF_X.0, offset, addr, file_size: size, mem_size: size, align: PAGE }
 }
 
 /// Lays out parts one after another: `offset` is the next free file
