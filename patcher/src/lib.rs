@@ -1,27 +1,32 @@
 //! alloctramp's patcher: reads an x86-64 ELF file, finds every call site that
-//! reaches an allocator entry point, and (later stages) plans and writes the
-//! patched file.
+//! reaches an allocator entry point, plans the patched file and writes it.
 //!
 //! The core takes bytes and returns data: [`analyze`] gets the file's bytes
 //! (and optionally a separate debug file's) and returns an [`Analysis`].
-//! Finding files on disk is left to [`debugfile`] and the command line.
+//! Finding files on disk is left to [`debugfile`], [`deps`] and the command
+//! line.
 
+mod bytes;
 pub mod debugfile;
 pub mod deps;
 pub mod elf;
+mod emit;
 pub mod error;
 pub mod lines;
 pub mod output;
+pub mod plan;
 pub mod scan;
 pub mod symbols;
+pub mod tables;
 pub mod wrappers;
 pub mod write;
 
 use alloctramp_trampolines::entry::{self, EntryPoint};
+pub use alloctramp_trampolines::layout::SiteForm;
 pub use elf::{Elf, FileType};
 pub use error::{Error, ErrorKind, Result};
 pub use lines::Location;
-pub use scan::{Form, Reason, Scan, Site, Via};
+pub use scan::{Reason, Scan, Site, Via};
 
 /// What is known about one site beyond its instruction.
 #[derive(Clone, Debug, Default)]

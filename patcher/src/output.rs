@@ -1,7 +1,7 @@
 //! `alloctramp sites` output: a tab-separated table with a summary, or one
 //! JSON document (schema in docs/formats.md).
 
-use crate::scan::{Form, Reason};
+use crate::scan::Reason;
 use crate::symbols::demangle;
 use crate::{Analysis, Location};
 use serde::Serialize;
@@ -31,7 +31,8 @@ pub struct SiteDoc<'a> {
     pub address: u64,
     pub offset: u64,
     pub length: u8,
-    pub form: Form,
+    /// The form as `SiteForm::as_str` names it (`call rel32`...).
+    pub form: &'static str,
     pub via: crate::Via,
     pub target: u64,
     pub entry: String,
@@ -86,7 +87,7 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                 address: s.vaddr.0,
                 offset: s.offset.0,
                 length: s.len,
-                form: s.form,
+                form: s.form.as_str(),
                 via: s.via,
                 target: s.target.0,
                 entry: e.target.to_string(),
@@ -147,7 +148,7 @@ pub fn write_text(w: &mut (impl Write + ?Sized), doc: &SitesDoc) -> io::Result<(
             s.address,
             s.offset,
             s.length,
-            s.form.as_str(),
+            s.form,
             s.kind,
             s.entry_display,
             s.function.as_deref().unwrap_or("?"),

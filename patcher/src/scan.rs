@@ -6,43 +6,9 @@ use crate::elf::{Elf, FileType, Section};
 use crate::error::{Error, ErrorKind, Location, Result};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
 use alloctramp_trampolines::entry::{EntryPoint, Target};
+use alloctramp_trampolines::layout::SiteForm;
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
 use std::collections::HashMap;
-
-/// How a site reaches its entry point, as written in the code.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
-pub enum Form {
-    /// `call rel32` (E8), possibly with a prefix.
-    #[serde(rename = "call rel32")]
-    CallRel32,
-    /// `jmp rel32` (E9): a tail call.
-    #[serde(rename = "jmp rel32")]
-    JmpRel32,
-    /// `call [rip+disp]` (FF 15): through a GOT slot.
-    #[serde(rename = "call [rip+disp]")]
-    CallRipMem,
-    /// `jmp [rip+disp]` (FF 25): a tail call through a GOT slot.
-    #[serde(rename = "jmp [rip+disp]")]
-    JmpRipMem,
-}
-
-impl Form {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Form::CallRel32 => "call rel32",
-            Form::JmpRel32 => "jmp rel32",
-            Form::CallRipMem => "call [rip+disp]",
-            Form::JmpRipMem => "jmp [rip+disp]",
-        }
-    }
-    pub fn is_tail(self) -> bool {
-        matches!(self, Form::JmpRel32 | Form::JmpRipMem)
-    }
-    pub fn through_got(self) -> bool {
-        matches!(self, Form::CallRipMem | Form::JmpRipMem)
-    }
-    pub const ALL: [Form; 4] = [Form::CallRel32, Form::JmpRel32, Form::CallRipMem, Form::JmpRipMem];
-}
 
 /// What a site's instruction points at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -62,7 +28,8 @@ pub struct Site {
     pub vaddr: Vaddr,
     pub offset: FileOffset,
     pub len: u8,
-    pub form: Form,
+    /// How its instruction reaches the entry point.
+    pub form: SiteForm,
     /// Index into [`Scan::entries`].
     pub entry: usize,
     pub via: Via,
@@ -390,7 +357,7 @@ fn site_offset(elf: &Elf, vaddr: u64) -> Result<FileOffset> {
 #[inline]
 fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool, out: &mut Found) {
     let ip = ins.ip();
-    let site = |form: Form, entry: usize, via: Via, target: u64, out: &mut Found| {
+    let site = |form: SiteForm, entry: usize, via: Via, target: u64, out: &mut Found| {
         // A section outside every segment cannot be patched at run time.
         let Ok(offset) = site_offset(elf, ip) else { return };
         out.sites.push(Site {
@@ -411,8 +378,8 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
             let target = ins.near_branch64();
             if let Some((entry, via)) = t.code_target(target) {
                 match ins.code() {
-                    Code::Call_rel32_64 => site(Form::CallRel32, entry, via, target, out),
-                    Code::Jmp_rel32_64 => site(Form::JmpRel32, entry, via, target, out),
+                    Code::Call_rel32_64 => site(SiteForm::CallRel32, entry, via, target, out),
+                    Code::Jmp_rel32_64 => site(SiteForm::JmpRel32, entry, via, target, out),
                     _ => unpatchable(entry, Reason::ShortJump, out),
                 }
             }
@@ -421,7 +388,7 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
         Code::Call_rm64 | Code::Jmp_rm64 if ins.op0_kind() == OpKind::Memory && ins.memory_base() == Register::RIP => {
             let slot = ins.ip_rel_memory_address();
             if let Some(&entry) = t.got.get(&slot) {
-                let form = if ins.code() == Code::Call_rm64 { Form::CallRipMem } else { Form::JmpRipMem };
+                let form = if ins.code() == Code::Call_rm64 { SiteForm::CallRipMem } else { SiteForm::JmpRipMem };
                 site(form, entry, Via::Got, slot, out);
             }
             return;

@@ -42,21 +42,39 @@ pub struct TrampolineSpec {
     pub shard_stride: u32,
 }
 
-/// Error from the assembler (a target out of rel32 range, typically).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CodegenError(pub String);
+/// Why a trampoline or stub could not be generated.
+#[derive(Clone, Debug)]
+pub enum CodegenError {
+    /// The assembler refused the code: an address it refers to (the site,
+    /// the call's target or GOT slot, the control block) out of rel32 range
+    /// of where the code goes, typically.
+    Assembler(iced_x86::IcedError),
+    /// An entry of the trampoline is more than 64 KiB from its start (the
+    /// site table holds entry offsets in 16 bits).
+    TooLong,
+}
 
 impl std::fmt::Display for CodegenError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            CodegenError::Assembler(e) => e.fmt(f),
+            CodegenError::TooLong => f.write_str("trampoline too long"),
+        }
     }
 }
 
-impl std::error::Error for CodegenError {}
+impl std::error::Error for CodegenError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CodegenError::Assembler(e) => Some(e),
+            CodegenError::TooLong => None,
+        }
+    }
+}
 
 impl From<iced_x86::IcedError> for CodegenError {
     fn from(e: iced_x86::IcedError) -> Self {
-        CodegenError(e.to_string())
+        CodegenError::Assembler(e)
     }
 }
 
@@ -667,9 +685,7 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
         }
     };
     let r = g.a.assemble_options(at, iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
-    let offset = |l: &CodeLabel| -> R<u16> {
-        u16::try_from(r.label_ip(l)? - at).map_err(|_| CodegenError("trampoline too long".into()))
-    };
+    let offset = |l: &CodeLabel| -> R<u16> { u16::try_from(r.label_ip(l)? - at).map_err(|_| CodegenError::TooLong) };
     let drain = match drain {
         Some(l) => offset(&l)?,
         None => 0,
@@ -826,6 +842,16 @@ mod golden {
     fn no_orphan_golden_files() {
         let names: Vec<String> = cases().into_iter().map(|(name, _)| format!("{name}.txt")).collect();
         goldens().no_orphans(names.iter().map(String::as_str));
+    }
+
+    #[test]
+    fn a_got_slot_out_of_reach_is_an_assembler_error() {
+        // Neither rip- nor (with an address-size prefix) eip-relative
+        // addressing reaches a slot 112 TiB above the code.
+        let far = TrampolineSpec { target: 0x7000_0000_0000, ..spec("malloc", SiteForm::CallRipMem, false) };
+        let err = trampoline(&far, AT).unwrap_err();
+        assert!(matches!(err, CodegenError::Assembler(_)), "{err:?}");
+        assert!(std::error::Error::source(&err).is_some(), "the assembler's error is the source");
     }
 
     #[test]

@@ -1,0 +1,58 @@
+//! The bytes of a patched file, from its [`Plan`]: each emitter writes one
+//! part where the plan put it. Nothing here decides a place or can fail:
+//! the plan has checked the input and placed every part.
+//!
+//! * [`dynamic`]: the copies of the dynamic tables and the new .dynamic;
+//! * [`sites`]: the site table;
+//! * [`text`]: the stubs and trampolines;
+//! * [`headers`]: the ELF header, the program headers, and (after the
+//!   original file) the section name table and section headers;
+//! * [`symbols`]: symbols that name a moved table follow it.
+
+mod dynamic;
+mod headers;
+mod sites;
+mod symbols;
+mod text;
+
+use crate::Analysis;
+use crate::elf::Elf;
+use crate::plan::{Plan, Region};
+
+/// The patched file: `head`, the original with `fixups` applied (offset in
+/// the original, new bytes), `tail`.
+pub(crate) struct Emitted {
+    pub head: Vec<u8>,
+    pub fixups: Vec<(u64, [u8; 8])>,
+    pub tail: Vec<u8>,
+}
+
+/// The bytes before the original file: the new segments.
+struct Head(Vec<u8>);
+
+impl Head {
+    /// Writes a part: exactly the size the plan gave it.
+    fn put(&mut self, r: Region, bytes: &[u8]) {
+        assert_eq!(
+            bytes.len() as u64,
+            r.size,
+            "a part of {} bytes where the plan has {:#x} at {}",
+            bytes.len(),
+            r.size,
+            r.offset
+        );
+        let at = r.offset.0 as usize;
+        self.0[at..at + bytes.len()].copy_from_slice(bytes);
+    }
+}
+
+pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
+    let mut head = Head(vec![0u8; plan.shift as usize]);
+    let follow = symbols::Follow::new(plan);
+    head.put(plan.ehdr, &headers::elf_header(elf, plan));
+    head.put(plan.phdrs, &headers::program_headers(elf, plan));
+    head.put(plan.site_table, &sites::table(elf, a, plan));
+    dynamic::emit(&mut head, plan, &follow);
+    head.put(plan.text, &text::text(plan));
+    Emitted { head: head.0, fixups: follow.symtab_fixups(elf), tail: headers::tail(elf, plan) }
+}

@@ -1,0 +1,71 @@
+//! .alloctramp.sites: the site table (format in `trampolines::layout`).
+
+use crate::Analysis;
+use crate::elf::Elf;
+use crate::plan::Plan;
+use alloctramp_trampolines::layout;
+
+pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
+    let s = &plan.strings;
+    let build_id = elf.build_id().unwrap_or(&[]);
+    let id_len = build_id.len().min(20);
+    let mut id = [0u8; 20];
+    id[..id_len].copy_from_slice(&build_id[..id_len]);
+    let header = layout::Header {
+        flags: layout::flags::PRESERVE_DIRECT,
+        shard_count: plan.counters.shards,
+        shard_stride: plan.counters.stride,
+        table_addr: plan.site_table.addr.0,
+        control_addr: plan.control.addr.0,
+        counters_addr: plan.counters.region.addr.0,
+        counters_size: plan.counters.region.size,
+        text_addr: plan.text.addr.0,
+        text_size: plan.text.size,
+        module_name: s.module,
+        build_id: id,
+        build_id_len: id_len as u32,
+        ehdr_addr: plan.ehdr.addr.0,
+        ..layout::Header::default()
+    };
+    let sites: Vec<layout::Site> = plan
+        .sites
+        .iter()
+        .zip(&s.sites)
+        .map(|(site, &(function, file, line))| {
+            let mut original = [0u8; 8];
+            let orig = elf.bytes_at(site.addr.0, site.len as usize).unwrap_or(&[]);
+            let n = orig.len().min(8);
+            original[..n].copy_from_slice(&orig[..n]);
+            // A site that is not patched stays in the table for the report,
+            // without a trampoline: the runtime never rewrites it.
+            let (trampoline, drain, count) = site.trampoline().map_or((0, 0, 0), |t| (t.code.addr.0, t.drain, t.count));
+            layout::Site {
+                addr: site.addr.0,
+                trampoline,
+                original,
+                len: site.len,
+                form: site.form as u8,
+                entry: site.entry as u16,
+                function,
+                file,
+                line,
+                drain,
+                count,
+                ..layout::Site::default()
+            }
+        })
+        .collect();
+    let entries: Vec<layout::Entry> = a
+        .scan
+        .entries
+        .iter()
+        .zip(&s.entries)
+        .map(|(en, &name)| layout::Entry {
+            name,
+            kind: en.sig.kind.code(),
+            sig: layout::encode_sig(&en.sig),
+            ..layout::Entry::default()
+        })
+        .collect();
+    layout::encode(header, &sites, &entries, &s.strings)
+}

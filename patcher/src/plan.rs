@@ -1,0 +1,787 @@
+//! The plan of a patched file: where every new part goes, in the file and
+//! in memory, which section headers are repointed, and what becomes of
+//! every site, computed from the input before a byte is written. The
+//! emitters ([`crate::emit`]) turn a plan into bytes.
+//!
+//! The output file is the new read-only segment (the ELF header, the
+//! program headers, the site table, the grown dynamic tables), the
+//! executable one (init and fini stubs, one trampoline per site), the
+//! read-write one (the new .dynamic and the control block; the counters
+//! follow in memory only), then the original file, whole, at `shift`, then
+//! the grown .shstrtab and the section headers. In memory the new segments
+//! lie above every original one: read-only, read-write (counters
+//! included), executable.
+//!
+//! Trampolines are generated while planning: the length of one decides
+//! where the next one goes, and generating them again to emit them would
+//! double the patcher's main cost. The plan keeps their code.
+
+use crate::bytes::align;
+use crate::elf::Elf;
+use crate::error::{Error, ErrorKind, Location, Result};
+use crate::tables::{Jmprel, Phdr, Tables};
+use crate::{Analysis, SiteInfo, Via};
+use alloctramp_trampolines::addr::{FileOffset, Vaddr};
+use alloctramp_trampolines::codegen::{self, CodegenError, TrampolineSpec};
+use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
+use object::LittleEndian as LE;
+use object::elf;
+use object::read::elf::ProgramHeader as _;
+use std::fmt;
+
+mod dump;
+
+/// Options for patching.
+#[derive(Clone, Debug)]
+pub struct PatchOptions {
+    /// The DT_NEEDED string naming the runtime (a path, possibly with
+    /// `$ORIGIN`, or a SONAME).
+    pub runtime_needed: String,
+    /// Counter shards (a power of two).
+    pub shards: u32,
+}
+
+impl Default for PatchOptions {
+    fn default() -> Self {
+        PatchOptions { runtime_needed: format!("$ORIGIN/{}", layout::RUNTIME_SONAME), shards: 16 }
+    }
+}
+
+/// A part of the new segments: where it is in the file and in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub offset: FileOffset,
+    pub addr: Vaddr,
+    pub size: u64,
+}
+
+impl Region {
+    pub fn end_offset(&self) -> FileOffset {
+        self.offset.offset_by(self.size)
+    }
+    pub fn end_addr(&self) -> Vaddr {
+        self.addr.offset_by(self.size)
+    }
+}
+
+/// A part of the file that no segment loads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileRange {
+    pub offset: FileOffset,
+    pub size: u64,
+}
+
+/// A new PT_LOAD segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// PF_R, PF_W, PF_X.
+    pub flags: u32,
+    pub offset: FileOffset,
+    pub addr: Vaddr,
+    pub file_size: u64,
+    pub mem_size: u64,
+    pub align: u64,
+}
+
+/// The copies of the input's dynamic tables, in the read-only segment
+/// (`None`: the input has no such table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Copies {
+    /// One symbol more than the input's, the runtime's symbol inserted at
+    /// [`Tables::insert_at`].
+    pub dynsym: Region,
+    /// The input's strings, then the runtime's DT_NEEDED string and its
+    /// symbol's name.
+    pub dynstr: Region,
+    pub versym: Option<Region>,
+    pub gnu_hash: Option<Region>,
+    /// Rebuilt for the new symbols.
+    pub hash: Option<Region>,
+    /// The input's RELA relocations (PLT relocations inside their range
+    /// included), then the one that fills the runtime slot.
+    pub rela: Region,
+    /// The PLT relocations, when they are a table of their own.
+    pub jmprel: Option<Region>,
+}
+
+/// A table whose section header is repointed at its copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Table {
+    Dynsym,
+    Dynstr,
+    Versym,
+    GnuHash,
+    Hash,
+    Rela,
+    Jmprel,
+    Dynamic,
+}
+
+impl Table {
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Dynsym => ".dynsym",
+            Table::Dynstr => ".dynstr",
+            Table::Versym => ".gnu.version",
+            Table::GnuHash => ".gnu.hash",
+            Table::Hash => ".hash",
+            Table::Rela => ".rela.dyn",
+            Table::Jmprel => ".rela.plt",
+            Table::Dynamic => ".dynamic",
+        }
+    }
+}
+
+/// A section header that is repointed at a copied table: its address,
+/// offset and size become the copy's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Repoint {
+    /// Index in the section header table.
+    pub section: usize,
+    pub table: Table,
+    /// The copy.
+    pub to: Region,
+    /// The section's address in the input.
+    pub old_addr: Vaddr,
+}
+
+/// Why a site is not patched (it stays in the site table, for the report,
+/// without a trampoline).
+#[derive(Clone, Debug)]
+pub enum SkipReason {
+    /// The instruction is shorter than the 5-byte `jmp rel32` that would
+    /// send it to its trampoline.
+    TooShort { len: u8 },
+    /// An entry of the trampoline is out of rel32 range of the site.
+    OutOfRange,
+    /// The trampoline could not be generated.
+    Codegen(CodegenError),
+}
+
+impl fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SkipReason::TooShort { len } => write!(f, "site instruction of {len} bytes is too short for a jump"),
+            SkipReason::OutOfRange => f.write_str("trampoline out of rel32 range"),
+            SkipReason::Codegen(e) => write!(f, "trampoline: {e}"),
+        }
+    }
+}
+
+/// Generated code and where it goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Code {
+    pub addr: Vaddr,
+    pub offset: FileOffset,
+    pub bytes: Vec<u8>,
+}
+
+/// A site's trampoline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Trampoline {
+    pub code: Code,
+    /// Offsets of its entries (see `layout::Site`): the drain entry of a
+    /// free site (0 otherwise) and the entry that only counts.
+    pub drain: u16,
+    pub count: u16,
+}
+
+/// What becomes of a site.
+#[derive(Clone, Debug)]
+pub enum Decision {
+    Patched(Trampoline),
+    Skipped(SkipReason),
+}
+
+/// One site of the analysis and its decision.
+#[derive(Clone, Debug)]
+pub struct SitePlan {
+    pub addr: Vaddr,
+    pub len: u8,
+    pub form: SiteForm,
+    /// Index in [`Plan::entries`].
+    pub entry: usize,
+    pub decision: Decision,
+}
+
+impl SitePlan {
+    pub fn trampoline(&self) -> Option<&Trampoline> {
+        match &self.decision {
+            Decision::Patched(t) => Some(t),
+            Decision::Skipped(_) => None,
+        }
+    }
+}
+
+/// The counters: `shards` shards of `stride` bytes, one cell per site in
+/// each, on pages of their own with no file bytes (the runtime maps shared
+/// memory over them). Their nominal file offset is in the read-write
+/// segment's range, before the original file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counters {
+    pub region: Region,
+    pub shards: u32,
+    pub stride: u64,
+}
+
+/// The site table's strings, numbered: their size decides the table's.
+pub(crate) struct SiteStrings {
+    pub strings: layout::Strings,
+    pub module: u32,
+    /// Per site: function, file, line.
+    pub sites: Vec<(u32, u32, u32)>,
+    /// Per entry point: its display name.
+    pub entries: Vec<u32>,
+}
+
+impl fmt::Debug for SiteStrings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SiteStrings").field("bytes", &self.strings.len()).finish_non_exhaustive()
+    }
+}
+
+impl SiteStrings {
+    fn new(a: &Analysis) -> SiteStrings {
+        let mut strings = layout::Strings::default();
+        let module = strings.add(&a.module);
+        let sites = a
+            .info
+            .iter()
+            .map(|SiteInfo { function, location }| {
+                let f = function.as_deref().map_or(layout::NO_STRING, |f| strings.add(&crate::symbols::demangle(f)));
+                let (file, line) = location.as_ref().map_or((layout::NO_STRING, 0), |l| (strings.add(&l.file), l.line));
+                (f, file, line)
+            })
+            .collect();
+        let entries = a.scan.entries.iter().map(|en| strings.add(&en.display)).collect();
+        SiteStrings { strings, module, sites, entries }
+    }
+}
+
+/// Where the section name table goes, grown by the new sections' names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shstrtab {
+    /// Its section (e_shstrndx), when that is a section index.
+    pub section: Option<usize>,
+    pub range: FileRange,
+    /// Offsets of the new sections' names: `layout::SEC_SITES`,
+    /// `SEC_DATA`, `SEC_COUNTERS`, `SEC_TEXT`.
+    pub names: [u32; 4],
+}
+
+/// Everything about the patched file but its bytes.
+#[derive(Debug)]
+pub struct Plan<'a> {
+    /// The module's name (for the dump).
+    pub module: String,
+    /// The input's dynamic tables.
+    pub tables: Tables<'a>,
+    /// The input's size.
+    pub input_size: u64,
+    /// Where the input starts in the output: every original offset grows
+    /// by this (a multiple of the largest segment alignment); no original
+    /// address changes.
+    pub shift: u64,
+    /// The new segments, in address order: read-only, read-write,
+    /// executable.
+    pub segments: [Segment; 3],
+    /// The ELF header, at offset 0 and the read-only segment's start.
+    pub ehdr: Region,
+    /// The program header table: the input's entries, then the new
+    /// PT_LOADs after the last PT_LOAD.
+    pub phdrs: Region,
+    pub phnum: usize,
+    /// The site table, right after the program headers (the runtime finds
+    /// it there: `layout::table_after_phdrs`).
+    pub site_table: Region,
+    pub copies: Copies,
+    /// The stubs DT_INIT and DT_FINI point at, first in the executable
+    /// segment.
+    pub init: Code,
+    pub fini: Code,
+    /// All of the executable segment's code (.alloctramp.text).
+    pub text: Region,
+    /// The new .dynamic: the input's entries, the runtime's DT_NEEDED after
+    /// the last DT_NEEDED, DT_INIT and DT_FINI if the input had none, and
+    /// DT_NULL.
+    pub dynamic: Region,
+    /// The module control block (.alloctramp.data), whose first word is the
+    /// runtime's GOT slot.
+    pub control: Region,
+    pub counters: Counters,
+    pub runtime_needed: String,
+    pub shstrtab: Shstrtab,
+    /// The section header table: the input's, then the 4 new sections.
+    pub shdrs: FileRange,
+    pub shnum: usize,
+    pub repoints: Vec<Repoint>,
+    /// Entry points' display names (every site names one).
+    pub entries: Vec<String>,
+    /// In the analysis's order.
+    pub sites: Vec<SitePlan>,
+    pub(crate) strings: SiteStrings,
+}
+
+impl Plan<'_> {
+    pub fn ro(&self) -> &Segment {
+        &self.segments[0]
+    }
+    pub fn rw(&self) -> &Segment {
+        &self.segments[1]
+    }
+    pub fn exec(&self) -> &Segment {
+        &self.segments[2]
+    }
+    /// The sites not patched, and why.
+    pub fn skipped(&self) -> impl Iterator<Item = (usize, &SkipReason)> {
+        self.sites.iter().enumerate().filter_map(|(i, s)| match &s.decision {
+            Decision::Skipped(r) => Some((i, r)),
+            Decision::Patched(_) => None,
+        })
+    }
+    /// Entries in the new .dynamic, DT_NULL included.
+    pub fn dynamic_count(&self) -> usize {
+        (self.dynamic.size / 16) as usize
+    }
+}
+
+fn refuse(what: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Unsupported, Location::None, what)
+}
+
+/// Whether a file already carries alloctramp's site table.
+pub fn is_patched(elf: &Elf) -> bool {
+    elf.section_by_name(layout::SEC_SITES).is_some() || layout::table_after_phdrs(elf.data).is_some()
+}
+
+/// Plans the patching of `elf`, whose analysis is `a`.
+pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan<'a>> {
+    let dyn_ph = check_input(elf, opts)?;
+    let tables = Tables::read(elf, dyn_ph)?;
+    let strings = SiteStrings::new(a);
+    check_loads(elf)?;
+    let (ro_addr, max_align) = new_base(elf, &tables)?;
+    let phnum = elf.file.elf_program_headers().len() + 3;
+    let table_len = layout::table_size(a.scan.sites.len(), a.scan.entries.len(), strings.strings.len());
+    let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables, opts);
+    let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), opts.shards)?;
+    // File order: read-only, executable, read-write, each from a page.
+    let text_start = align(ro.size, PAGE);
+    let ctx =
+        TextContext { control: mem.control, table: ro.site_table.addr.0, shards: opts.shards, stride: mem.stride };
+    let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
+    let (init, fini) = plan_stubs(&mut cursor, &ctx, &tables)?;
+    let sites = plan_sites(&mut cursor, &ctx, a);
+    let text = Region { offset: FileOffset(text_start), addr: Vaddr(mem.text), size: cursor.offset - text_start };
+    let rw = ReadWrite::place(align(text.end_offset().0, PAGE), &mem);
+    // The original file follows at a multiple of the largest alignment, so
+    // that every original segment keeps its address and the new segments'
+    // file ranges, counters included, never overlap an original one.
+    let shift = align(rw.file_end.max(rw.counters.region.offset.0 + 1), max_align);
+    let segments = [ro.segment(max_align), rw.segment(), exec_segment(text)];
+    let repoints = plan_repoints(elf, &tables, &ro.copies, rw.dynamic);
+    let input_size = elf.data.len() as u64;
+    let (shstrtab, shdrs, shnum) = plan_section_headers(elf, shift + input_size)?;
+    Ok(Plan {
+        module: a.module.clone(),
+        tables,
+        input_size,
+        shift,
+        segments,
+        ehdr: ro.ehdr,
+        phdrs: ro.phdrs,
+        phnum,
+        site_table: ro.site_table,
+        copies: ro.copies,
+        init,
+        fini,
+        text,
+        dynamic: rw.dynamic,
+        control: rw.control,
+        counters: rw.counters,
+        runtime_needed: opts.runtime_needed.clone(),
+        shstrtab,
+        shdrs,
+        shnum,
+        repoints,
+        entries: a.scan.entries.iter().map(|e| e.display.clone()).collect(),
+        sites,
+        strings,
+    })
+}
+
+/// The read-only segment, from offset 0: the ELF header, the program
+/// headers (where strip and every loader expect them, now with room for the
+/// new entries), the site table and the grown dynamic tables.
+struct ReadOnly {
+    ehdr: Region,
+    phdrs: Region,
+    site_table: Region,
+    copies: Copies,
+    size: u64,
+}
+
+impl ReadOnly {
+    fn place(addr: u64, phnum: usize, table_len: u64, tables: &Tables, opts: &PatchOptions) -> ReadOnly {
+        let mut ro = Cursor { offset: 0, delta: addr };
+        let ehdr = ro.place(64, 1);
+        let phdrs = ro.place(phnum as u64 * 56, 8);
+        let site_table = ro.place(table_len, 8);
+        let copies = place_copies(&mut ro, tables, opts);
+        ReadOnly { ehdr, phdrs, site_table, copies, size: ro.offset }
+    }
+    fn end_addr(&self) -> u64 {
+        self.ehdr.addr.0 + self.size
+    }
+    fn segment(&self, max_align: u64) -> Segment {
+        let (offset, addr, size) = (self.ehdr.offset, self.ehdr.addr, self.size);
+        Segment { flags: elf::PF_R.0, offset, addr, file_size: size, mem_size: size, align: max_align }
+    }
+}
+
+/// Addresses above the read-only segment: the read-write segment
+/// (.dynamic, the control block, then the counters on pages of their own),
+/// then the executable one above the counters.
+struct Memory {
+    rw: u64,
+    dyn_count: usize,
+    control: u64,
+    counters: u64,
+    stride: u64,
+    shards: u32,
+    text: u64,
+}
+
+impl Memory {
+    fn new(ro_end: u64, dyn_count: usize, n_sites: usize, shards: u32) -> Result<Memory> {
+        let rw = align(ro_end, PAGE);
+        let control = align(rw + dyn_count as u64 * 16, 64);
+        let counters = align(control + layout::CONTROL_SIZE as u64, PAGE);
+        let stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
+        if stride > i32::MAX as u64 {
+            return Err(refuse(format!("{n_sites} sites: too many for one module")));
+        }
+        let text = counters + stride * u64::from(shards);
+        Ok(Memory { rw, dyn_count, control, counters, stride, shards, text })
+    }
+}
+
+/// The read-write segment's parts, from file offset `start`.
+struct ReadWrite {
+    dynamic: Region,
+    control: Region,
+    counters: Counters,
+    file_end: u64,
+}
+
+impl ReadWrite {
+    fn place(start: u64, mem: &Memory) -> ReadWrite {
+        let mut rw = Cursor { offset: start, delta: mem.rw.wrapping_sub(start) };
+        let dynamic = rw.place(mem.dyn_count as u64 * 16, 8);
+        let control = rw.place(layout::CONTROL_SIZE as u64, 64);
+        debug_assert_eq!((dynamic.addr.0, control.addr.0), (mem.rw, mem.control));
+        // The counters' nominal file offset (they have no bytes) stays
+        // before the original file too, so no original segment seems to
+        // hold them.
+        let size = mem.stride * u64::from(mem.shards);
+        let region = Region { offset: FileOffset(start + (mem.counters - mem.rw)), addr: Vaddr(mem.counters), size };
+        let counters = Counters { region, shards: mem.shards, stride: mem.stride };
+        ReadWrite { dynamic, control, counters, file_end: rw.offset }
+    }
+    fn segment(&self) -> Segment {
+        let (offset, addr) = (self.dynamic.offset, self.dynamic.addr);
+        let file_size = self.file_end - offset.0;
+        let mem_size = self.counters.region.end_addr().0 - addr.0;
+        Segment { flags: elf::PF_R.0 | elf::PF_W.0, offset, addr, file_size, mem_size, align: PAGE }
+    }
+}
+
+fn exec_segment(text: Region) -> Segment {
+    let (offset, addr, size) = (text.offset, text.addr, text.size);
+    Segment { flags: elf::PF_R.0 | elf::PF_X.0, offset, addr, file_size: size, mem_size: size, align: PAGE }
+}
+
+/// Lays out parts one after another: `offset` is the next free file
+/// offset, and a part's address is its offset plus `delta`.
+struct Cursor {
+    offset: u64,
+    delta: u64,
+}
+
+impl Cursor {
+    fn place(&mut self, size: u64, alignment: u64) -> Region {
+        let at = align(self.offset, alignment);
+        self.offset = at + size;
+        Region { offset: FileOffset(at), addr: Vaddr(at.wrapping_add(self.delta)), size }
+    }
+}
+
+/// What is refused before any table is read; returns PT_DYNAMIC.
+fn check_input<'e>(elf: &'e Elf, opts: &PatchOptions) -> Result<&'e Phdr> {
+    let e = LE;
+    if is_patched(elf) {
+        return Err(Error::new(ErrorKind::AlreadyPatched, Location::None, "already patched by alloctramp"));
+    }
+    if !opts.shards.is_power_of_two() || opts.shards > 1024 {
+        return Err(Error::new(ErrorKind::Request, Location::None, "shard count must be a power of two up to 1024"));
+    }
+    let phdrs = elf.file.elf_program_headers();
+    let dyn_ph = phdrs
+        .iter()
+        .find(|p| p.p_type(e) == elf::PT_DYNAMIC)
+        .ok_or_else(|| refuse("statically linked (no PT_DYNAMIC): the runtime library cannot be loaded"))?;
+    if elf.sections.is_empty() {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            Location::Offset(FileOffset(40)),
+            "no section headers (e_shoff is 0): they are needed to find and repoint the dynamic tables",
+        ));
+    }
+    if !phdrs.iter().any(|p| p.p_type(e) == elf::PT_LOAD) {
+        return Err(refuse("no PT_LOAD segment"));
+    }
+    Ok(dyn_ph)
+}
+
+/// Every PT_LOAD's alignment is a power of two of at most 1 GiB, and it
+/// ends low enough to leave room for the new segments above it.
+fn check_loads(elf: &Elf) -> Result<()> {
+    let e = LE;
+    let phoff = elf.file.elf_header().e_phoff.get(e);
+    let phdrs = elf.file.elf_program_headers();
+    for (i, p) in phdrs.iter().enumerate().filter(|(_, p)| p.p_type(e) == elf::PT_LOAD) {
+        let a = p.p_align(e);
+        let at = Location::Offset(FileOffset(phoff + i as u64 * 56 + 48));
+        if a > 1 && !a.is_power_of_two() {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                at,
+                format!("program header {i}: PT_LOAD alignment {a:#x} is not a power of two (0x1000 is usual)"),
+            ));
+        }
+        if a > 1 << 30 {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                at,
+                format!("program header {i}: PT_LOAD alignment {a:#x} is larger than the 1 GiB (0x40000000) supported"),
+            ));
+        }
+        let end = p.p_vaddr(e).checked_add(p.p_memsz(e)).filter(|&end| end <= 1 << 46);
+        if end.is_none() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                Location::Offset(FileOffset(phoff + i as u64 * 56)),
+                format!(
+                    "program header {i}: PT_LOAD at address {:#x} of size {:#x} ends above 0x400000000000: no room for the new segments above it",
+                    p.p_vaddr(e),
+                    p.p_memsz(e)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The read-only segment's address and the largest segment alignment. The
+/// new segments go above every original segment, above what relocations
+/// reach (unless a symbol size is absurd: then no gap would do) and above
+/// every allocated section, loaded or not (a patched file must read as the
+/// input did: its sections are checked against the segments that hold
+/// their addresses).
+fn new_base(elf: &Elf, tables: &Tables) -> Result<(u64, u64)> {
+    let e = LE;
+    let loads = || elf.file.elf_program_headers().iter().filter(|p| p.p_type(e) == elf::PT_LOAD);
+    let max_align = loads().map(|p| p.p_align(e)).max().unwrap_or(PAGE).max(PAGE);
+    let max_end = loads().map(|p| p.p_vaddr(e).saturating_add(p.p_memsz(e))).max().unwrap_or(0);
+    let reach = tables.reach;
+    let mut max_end = if reach >= max_end && reach - max_end < 1 << 30 { reach + 1 } else { max_end };
+    for s in elf.sections.iter().filter(|s| s.is_alloc() && !s.data.is_empty()) {
+        let end = s.addr.0.saturating_add(s.size);
+        if end > max_end {
+            if end - max_end >= 1 << 30 {
+                return Err(Error::malformed_at(
+                    elf.file.elf_header().e_shoff.get(e) + s.index as u64 * 64 + 16,
+                    format!(
+                        "section [{}] {}: its addresses end at {end:#x}, far above every loadable segment (they end at {max_end:#x}); an allocated section lies within a PT_LOAD",
+                        s.index, s.name
+                    ),
+                ));
+            }
+            max_end = end;
+        }
+    }
+    Ok((align(max_end, max_align), max_align))
+}
+
+/// Places the copies of the dynamic tables.
+fn place_copies(ro: &mut Cursor, t: &Tables, opts: &PatchOptions) -> Copies {
+    let n = t.symbol_count() + 1;
+    let dynstr_size = t.dynstr.size() + opts.runtime_needed.len() as u64 + 1 + layout::RUNTIME_SYMBOL.len() as u64 + 1;
+    Copies {
+        dynsym: ro.place(n * 24, 8),
+        dynstr: ro.place(dynstr_size, 1),
+        versym: t.versym.map(|_| ro.place(n * 2, 2)),
+        gnu_hash: t.gnu_hash.map(|h| ro.place(h.size(), 8)),
+        hash: t.hash.map(|(_, nbucket)| ro.place(8 + 4 * (u64::from(nbucket) + n), 8)),
+        rela: ro.place(t.rela.map_or(0, |r| r.size()) + 24, 8),
+        jmprel: match t.jmprel {
+            Some(Jmprel::Separate(j)) => Some(ro.place(j.size(), 8)),
+            _ => None,
+        },
+    }
+}
+
+/// The new .dynamic's entries: the input's, DT_NEEDED, DT_INIT and DT_FINI
+/// if the input had none, DT_NULL.
+fn new_dynamic_count(t: &Tables) -> usize {
+    let (init, fini) = (t.value(elf::DT_INIT).is_none(), t.value(elf::DT_FINI).is_none());
+    t.dynamic.len() + 1 + usize::from(init) + usize::from(fini) + 1
+}
+
+/// What the code generator needs to know of the module.
+struct TextContext {
+    control: u64,
+    table: u64,
+    shards: u32,
+    stride: u64,
+}
+
+/// Places generated code at the cursor; the next code starts 16-byte
+/// aligned.
+fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
+    let r = text.place(bytes.len() as u64, 1);
+    text.offset = align(text.offset, 16);
+    Code { addr: r.addr, offset: r.offset, bytes }
+}
+
+/// The init and fini stubs, which register the module with the runtime and
+/// continue to the input's DT_INIT and DT_FINI functions, if any.
+fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code, Code)> {
+    let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
+    let mut stub = |api: i32, original: Option<u64>| -> Result<Code> {
+        let at = text.offset.wrapping_add(text.delta);
+        let bytes = codegen::init_stub(at, ctx.control, ctx.table, api, original).map_err(stub_err)?;
+        Ok(place_code(text, bytes))
+    };
+    let init = stub(layout::api::REGISTER, t.value(elf::DT_INIT))?;
+    let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI))?;
+    Ok((init, fini))
+}
+
+/// Every site's decision; patched sites get their trampolines one after
+/// another.
+fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePlan> {
+    let mut sites = Vec::with_capacity(a.scan.sites.len());
+    for (i, site) in a.scan.sites.iter().enumerate() {
+        let at = text.offset.wrapping_add(text.delta);
+        let entry = &a.scan.entries[site.entry];
+        let spec = TrampolineSpec {
+            site: site.vaddr.0,
+            len: site.len,
+            form: site.form,
+            target: site.target.0,
+            sig: entry.sig,
+            index: i as u32,
+            preserve: site.via == Via::Direct,
+            args: entry.args,
+            control: ctx.control,
+            shard_mask: ctx.shards - 1,
+            shard_stride: ctx.stride as u32,
+        };
+        let decision = match trampoline(&spec, at) {
+            Ok(t) => {
+                let (drain, count) = (t.drain, t.count);
+                Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count })
+            }
+            Err(reason) => Decision::Skipped(reason),
+        };
+        sites.push(SitePlan { addr: site.vaddr, len: site.len, form: site.form, entry: site.entry, decision });
+    }
+    sites
+}
+
+/// A site's trampoline at `at`, if every entry of it is in reach of the
+/// site's jump.
+fn trampoline(spec: &TrampolineSpec, at: u64) -> std::result::Result<codegen::Trampoline, SkipReason> {
+    if spec.len < 5 {
+        return Err(SkipReason::TooShort { len: spec.len });
+    }
+    let t = codegen::trampoline(spec, at).map_err(SkipReason::Codegen)?;
+    let reaches = |e: u16| codegen::site_jump(spec.site, at + u64::from(e)).is_some();
+    if [0, t.drain, t.count].into_iter().all(reaches) { Ok(t) } else { Err(SkipReason::OutOfRange) }
+}
+
+/// The section headers of the copied tables, found by type and address
+/// (any SHT_DYNAMIC section: the loader has one dynamic table).
+fn plan_repoints(elf: &Elf, t: &Tables, c: &Copies, dynamic: Region) -> Vec<Repoint> {
+    let is = |ty: u32, want: elf::SectionType| ty == want.0;
+    let addr_of = |l: Option<Vaddr>, a: u64| l.is_some_and(|v| v.0 == a);
+    let jmprel = match t.jmprel {
+        Some(Jmprel::Separate(j)) => Some(j.addr),
+        _ => None,
+    };
+    let mut out = Vec::new();
+    for s in elf.sections.iter().skip(1).filter(|s| s.addr.0 != 0) {
+        let (ty, a) = (s.sh_type, s.addr.0);
+        let found = if is(ty, elf::SHT_DYNSYM) && a == t.dynsym.addr.0 {
+            Some((Table::Dynsym, c.dynsym))
+        } else if is(ty, elf::SHT_STRTAB) && a == t.dynstr.addr.0 {
+            Some((Table::Dynstr, c.dynstr))
+        } else if is(ty, elf::SHT_GNU_VERSYM) && addr_of(t.versym.map(|v| v.addr), a) {
+            c.versym.map(|r| (Table::Versym, r))
+        } else if is(ty, elf::SHT_GNU_HASH) && addr_of(t.gnu_hash.map(|h| h.addr), a) {
+            c.gnu_hash.map(|r| (Table::GnuHash, r))
+        } else if is(ty, elf::SHT_HASH) && addr_of(t.hash.map(|h| h.0), a) {
+            c.hash.map(|r| (Table::Hash, r))
+        } else if is(ty, elf::SHT_RELA) && addr_of(t.rela.map(|r| r.addr), a) {
+            Some((Table::Rela, c.rela))
+        } else if is(ty, elf::SHT_RELA) && addr_of(jmprel, a) {
+            c.jmprel.map(|r| (Table::Jmprel, r))
+        } else if is(ty, elf::SHT_DYNAMIC) {
+            Some((Table::Dynamic, dynamic))
+        } else {
+            None
+        };
+        if let Some((table, to)) = found {
+            out.push(Repoint { section: s.index, table, to, old_addr: s.addr });
+        }
+    }
+    out
+}
+
+/// The grown section name table at `end` (the end of the output's copy of
+/// the input) and the section header table after it.
+fn plan_section_headers(elf: &Elf, end: u64) -> Result<(Shstrtab, FileRange, usize)> {
+    let e = LE;
+    let header = elf.file.elf_header();
+    let shstrndx = usize::from(header.e_shstrndx.get(e).0);
+    let section = elf.sections.get(shstrndx);
+    // The writer moves the name table to the end of the file: a section the
+    // loader maps, or one of another type (read as names, then written
+    // with them), would not survive the move.
+    if let Some(s) = section.filter(|s| s.index != 0 && (s.is_alloc() || s.sh_type != elf::SHT_STRTAB.0)) {
+        return Err(Error::malformed_at(
+            62,
+            format!(
+                "e_shstrndx {shstrndx} names section [{shstrndx}] {:?} of type {:#x}{}; the section name table must be a non-allocated SHT_STRTAB (type 3) section",
+                s.name,
+                s.sh_type,
+                if s.is_alloc() { ", allocated (SHF_ALLOC)" } else { "" }
+            ),
+        ));
+    }
+    let mut size = section.map_or(0, |s| s.data.len() as u64);
+    let names = [layout::SEC_SITES, layout::SEC_DATA, layout::SEC_COUNTERS, layout::SEC_TEXT].map(|n| {
+        let at = size as u32;
+        size += n.len() as u64 + 1;
+        at
+    });
+    let shnum = elf.sections.len() + names.len();
+    if shnum >= 0xff00 {
+        return Err(refuse("too many sections"));
+    }
+    let shstrtab =
+        Shstrtab { section: section.map(|s| s.index), range: FileRange { offset: FileOffset(end), size }, names };
+    let shdrs = FileRange { offset: FileOffset(align(end + size, 8)), size: shnum as u64 * 64 };
+    Ok((shstrtab, shdrs, shnum))
+}

@@ -1,0 +1,435 @@
+//! Plans of the ELF files checked in under testbins/golden/ (no compiler
+//! needed): where the new parts go, what each site becomes, and the plan's
+//! dump compared with patcher/tests/golden/. Regression tests are named
+//! after what broke.
+
+use alloctramp_patcher::elf::Elf;
+use alloctramp_patcher::error::Location;
+use alloctramp_patcher::plan::{self, Decision, PatchOptions, Plan, Region, SkipReason};
+use alloctramp_patcher::write::patch;
+use alloctramp_patcher::{Analysis, ErrorKind, analyze};
+use alloctramp_trampolines::addr::FileOffset;
+use alloctramp_trampolines::codegen::{CodegenError, site_jump};
+use alloctramp_trampolines::layout::{self, PAGE};
+use std::path::{Path, PathBuf};
+
+/// The checked-in ELF files (see testbins/golden/build).
+const FIXTURES: [&str; 3] = ["every_c", "libatshared.so", "cxx_new_delete"];
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbins/golden").join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn analysis(data: &[u8], name: &str) -> Analysis {
+    analyze(data, name, None, &[]).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn plan_of<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> alloctramp_patcher::Result<Plan<'a>> {
+    plan::plan(&Elf::parse(data).unwrap(), a, opts)
+}
+
+fn opts() -> PatchOptions {
+    PatchOptions { runtime_needed: "liballoctramp_rt.so".into(), shards: 16 }
+}
+
+/// Every fixture's plan, with its input's bytes.
+fn each_plan(mut check: impl FnMut(&str, &[u8], &Analysis, &Plan)) {
+    for name in FIXTURES {
+        let data = fixture(name);
+        let a = analysis(&data, name);
+        let p = plan_of(&data, &a, &opts()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        check(name, &data, &a, &p);
+    }
+}
+
+/// (address, memory size, alignment) of the input's PT_LOADs.
+fn input_loads(data: &[u8]) -> Vec<(u64, u64, u64)> {
+    let u64_at = |at: usize| u64::from_le_bytes(data[at..at + 8].try_into().unwrap());
+    let (phoff, phnum) = (u64_at(32) as usize, u16::from_le_bytes([data[56], data[57]]) as usize);
+    (0..phnum)
+        .map(|i| phoff + i * 56)
+        .filter(|&at| data[at..at + 4] == [1, 0, 0, 0])
+        .map(|at| (u64_at(at + 16), u64_at(at + 40), u64_at(at + 48)))
+        .collect()
+}
+
+fn within(inner: Region, outer_off: u64, outer_addr: u64, outer_size: u64) -> bool {
+    inner.offset.0 >= outer_off
+        && inner.offset.0 + inner.size <= outer_off + outer_size
+        && inner.addr.0 - inner.offset.0 == outer_addr - outer_off
+}
+
+#[test]
+fn new_segments_are_page_aligned_and_above_every_input_segment() {
+    each_plan(|name, data, _, p| {
+        let loads = input_loads(data);
+        let top = loads.iter().map(|&(a, m, _)| a + m).max().unwrap();
+        let mut spans: Vec<(u64, u64)> = Vec::new();
+        for s in &p.segments {
+            assert_eq!(s.offset.0 % PAGE, 0, "{name}: {s:?}");
+            assert_eq!(s.addr.0 % PAGE, 0, "{name}: {s:?}");
+            assert_eq!((s.addr.0 - s.offset.0) % s.align, 0, "{name}: offset and address agree modulo p_align: {s:?}");
+            assert!(s.addr.0 >= top, "{name}: {s:?} is above every input segment (they end at {top:#x})");
+            assert!(s.file_size <= s.mem_size);
+            assert!(s.offset.0 + s.file_size <= p.shift, "{name}: {s:?} is before the input in the file");
+            spans.push((s.addr.0, s.addr.0 + s.mem_size));
+        }
+        spans.sort();
+        for w in spans.windows(2) {
+            assert!(w[0].1 <= w[1].0, "{name}: new segments overlap in memory: {w:?}");
+        }
+        // The input keeps every segment's offset modulo its alignment.
+        let max_align = loads.iter().map(|&(_, _, a)| a).max().unwrap().max(PAGE);
+        assert_eq!(p.shift % max_align, 0, "{name}: the input moves by a multiple of the largest p_align");
+        assert_eq!(p.ro().align, max_align, "{name}");
+        // In the file: read-only, executable, read-write.
+        let (ro, rw, x) = (p.ro(), p.rw(), p.exec());
+        assert!(ro.offset.0 + ro.file_size <= x.offset.0 && x.offset.0 + x.file_size <= rw.offset.0, "{name}");
+        // The counters' nominal offset is before the input too.
+        assert!(p.counters.region.offset.0 < p.shift, "{name}");
+    });
+}
+
+#[test]
+fn every_part_lies_in_its_segment() {
+    each_plan(|name, _, _, p| {
+        let seg = |s: &plan::Segment, r: Region| within(r, s.offset.0, s.addr.0, s.file_size);
+        let c = &p.copies;
+        let ro_parts = [Some(p.ehdr), Some(p.phdrs), Some(p.site_table), Some(c.dynsym), Some(c.dynstr)]
+            .into_iter()
+            .chain([c.versym, c.gnu_hash, c.hash, Some(c.rela), c.jmprel]);
+        for r in ro_parts.flatten() {
+            assert!(seg(p.ro(), r), "{name}: {r:?} in {:?}", p.ro());
+        }
+        assert!(seg(p.exec(), p.text), "{name}");
+        for r in [p.dynamic, p.control] {
+            assert!(seg(p.rw(), r), "{name}: {r:?} in {:?}", p.rw());
+        }
+        // The counters: the read-write segment's memory past its file bytes.
+        let k = p.counters.region;
+        let rw = p.rw();
+        assert!(k.addr.0 >= rw.addr.0 + rw.file_size && k.end_addr().0 == rw.addr.0 + rw.mem_size, "{name}");
+        assert_eq!(k.addr.0 % PAGE, 0, "{name}: the runtime maps shared memory over the counters");
+        assert_eq!(k.size, p.counters.stride * u64::from(p.counters.shards));
+        // After the input: the section names, then the section headers.
+        assert_eq!(p.shstrtab.range.offset.0, p.shift + p.input_size, "{name}");
+        assert!(p.shdrs.offset.0 >= p.shstrtab.range.offset.0 + p.shstrtab.range.size, "{name}");
+        assert_eq!(p.shdrs.offset.0 % 8, 0);
+    });
+}
+
+#[test]
+fn site_table_follows_the_program_headers() {
+    each_plan(|name, data, a, p| {
+        assert_eq!(p.site_table.offset.0, (p.phdrs.end_offset().0).next_multiple_of(8), "{name}");
+        // Where the runtime looks for it: after the program headers in the
+        // patched file's first segment.
+        let out = patch(data, a, &opts()).unwrap().to_vec();
+        assert_eq!(layout::table_after_phdrs(&out), Some(p.site_table.offset.0 as usize), "{name}");
+        let table = &out[p.site_table.offset.0 as usize..p.site_table.end_offset().0 as usize];
+        let t = layout::Table::parse(table).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(t.header.table_addr, p.site_table.addr.0);
+        assert_eq!(t.header.ehdr_addr, p.ehdr.addr.0);
+        assert_eq!(t.header.text_addr, p.text.addr.0);
+        assert_eq!(t.header.counters_addr, p.counters.region.addr.0);
+    });
+}
+
+#[test]
+fn every_patched_site_reaches_each_entry_of_its_trampoline() {
+    each_plan(|name, _, a, p| {
+        assert_eq!(p.sites.len(), a.scan.sites.len());
+        assert!(p.skipped().next().is_none(), "{name}: every site of a fixture is patched");
+        let mut next = p.fini.addr.0 + p.fini.bytes.len() as u64;
+        for (s, site) in p.sites.iter().zip(&a.scan.sites) {
+            assert_eq!((s.addr, s.len, s.form), (site.vaddr, site.len, site.form));
+            let t = s.trampoline().unwrap();
+            let at = t.code.addr.0;
+            assert_eq!(at % 16, 0, "{name}: trampolines are 16-byte aligned");
+            assert!(at >= next, "{name}: trampolines follow one another");
+            next = at + t.code.bytes.len() as u64;
+            assert!(within(
+                Region { offset: t.code.offset, addr: t.code.addr, size: t.code.bytes.len() as u64 },
+                p.text.offset.0,
+                p.text.addr.0,
+                p.text.size
+            ));
+            for entry in [0, t.drain, t.count] {
+                assert!(
+                    site_jump(s.addr.0, at + u64::from(entry)).is_some(),
+                    "{name}: site {} to {at:#x}+{entry:#x}",
+                    s.addr
+                );
+            }
+        }
+        assert!(next <= p.text.end_addr().0);
+    });
+}
+
+#[test]
+fn repointed_sections_are_the_dynamic_tables() {
+    each_plan(|name, data, _, p| {
+        let elf = Elf::parse(data).unwrap();
+        let mut names: Vec<&str> = p.repoints.iter().map(|r| elf.sections[r.section].name).collect();
+        names.sort();
+        for r in &p.repoints {
+            assert_eq!(elf.sections[r.section].name, r.table.name(), "{name}: section [{}]", r.section);
+            assert_eq!(elf.sections[r.section].addr, r.old_addr);
+        }
+        assert!(
+            names.contains(&".dynsym") && names.contains(&".dynstr") && names.contains(&".dynamic"),
+            "{name}: {names:?}"
+        );
+    });
+}
+
+#[test]
+fn plans_are_deterministic_and_follow_the_options() {
+    let data = fixture("every_c");
+    let a = analysis(&data, "every_c");
+    let one = plan_of(&data, &a, &opts()).unwrap().to_string();
+    assert_eq!(one, plan_of(&data, &a, &opts()).unwrap().to_string());
+    let few = plan_of(&data, &a, &PatchOptions { shards: 2, ..opts() }).unwrap();
+    assert_eq!(few.counters.shards, 2);
+    assert_eq!(few.counters.region.size, 2 * few.counters.stride);
+    let long = PatchOptions { runtime_needed: "/opt/alloctramp/lib/liballoctramp_rt.so".into(), ..opts() };
+    let p = plan_of(&data, &a, &long).unwrap();
+    assert_eq!(p.copies.dynstr.size, p.tables.dynstr.size() + 40 + layout::RUNTIME_SYMBOL.len() as u64 + 1);
+    for shards in [0, 3, 2048] {
+        let e = plan_of(&data, &a, &PatchOptions { shards, ..opts() }).expect_err("refused");
+        assert_eq!(e.kind, ErrorKind::Request, "{shards} shards: {e}");
+    }
+}
+
+#[test]
+fn a_patched_file_analyzes_and_is_refused_again() {
+    each_plan(|name, data, a, _| {
+        let out = patch(data, a, &opts()).unwrap().to_vec();
+        let again = analyze(&out, name, None, &[]).unwrap_or_else(|e| panic!("{name} patched: {e}"));
+        let e = patch(&out, &again, &opts()).expect_err("refused");
+        assert_eq!(e.kind, ErrorKind::AlreadyPatched);
+    });
+}
+
+// ---- Skip reasons ----
+
+fn skip_reasons(data: &[u8], a: &Analysis) -> Vec<SkipReason> {
+    let p = plan_of(data, a, &opts()).unwrap();
+    let patched = patch(data, a, &opts()).unwrap();
+    assert_eq!(patched.skipped.len(), p.skipped().count());
+    let out = patched.to_vec();
+    let table = layout::Table::parse(&out[p.site_table.offset.0 as usize..]).unwrap();
+    for (i, r) in p.skipped() {
+        assert_eq!(table.site(i).trampoline, 0, "site {i} ({r}) has no trampoline in the table");
+    }
+    p.skipped().map(|(_, r)| r.clone()).collect()
+}
+
+#[test]
+fn a_site_shorter_than_a_jump_is_skipped() {
+    let data = fixture("every_c");
+    let mut a = analysis(&data, "every_c");
+    a.scan.sites[0].len = 2;
+    let reasons = skip_reasons(&data, &a);
+    assert!(matches!(reasons[..], [SkipReason::TooShort { len: 2 }]), "{reasons:?}");
+    assert_eq!(reasons[0].to_string(), "site instruction of 2 bytes is too short for a jump");
+}
+
+#[test]
+fn sites_out_of_rel32_range_of_the_new_segments_are_skipped() {
+    // The read-only PT_LOAD moved to 0x30000002000 (as in a fuzzed input):
+    // the new segments go above it, out of reach of every site.
+    let mut data = fixture("every_c");
+    let (phoff, at) = (u64::from_le_bytes(data[32..40].try_into().unwrap()) as usize, 4);
+    let ph = phoff + at * 56;
+    assert_eq!(u64::from_le_bytes(data[ph + 16..ph + 24].try_into().unwrap()), 0x2000, "the fixture's .rodata segment");
+    data[ph + 16..ph + 24].copy_from_slice(&0x300_0000_2000u64.to_le_bytes());
+    let a = analysis(&data, "every_c");
+    let reasons = skip_reasons(&data, &a);
+    assert_eq!(reasons.len(), a.scan.sites.len());
+    assert!(reasons.iter().all(|r| matches!(r, SkipReason::OutOfRange)), "{reasons:?}");
+    assert_eq!(reasons[0].to_string(), "trampoline out of rel32 range");
+    let p = plan_of(&data, &a, &opts()).unwrap();
+    assert_eq!(
+        p.text.size,
+        (p.fini.addr.0 - p.text.addr.0) + (p.fini.bytes.len() as u64).next_multiple_of(16),
+        "only the stubs"
+    );
+}
+
+#[test]
+fn a_site_whose_trampoline_cannot_be_assembled_is_skipped() {
+    let data = fixture("every_c");
+    let mut a = analysis(&data, "every_c");
+    let i = a.scan.sites.iter().position(|s| s.form.through_got()).unwrap_or(0);
+    a.scan.sites[i].form = layout::SiteForm::CallRipMem;
+    a.scan.sites[i].target = alloctramp_trampolines::addr::Vaddr(0x7000_0000_0000);
+    let reasons = skip_reasons(&data, &a);
+    assert!(matches!(reasons[..], [SkipReason::Codegen(CodegenError::Assembler(_))]), "{reasons:?}");
+    assert!(reasons[0].to_string().starts_with("trampoline: "), "{}", reasons[0]);
+}
+
+#[test]
+fn a_decision_per_site_in_the_dump() {
+    let data = fixture("every_c");
+    let mut a = analysis(&data, "every_c");
+    a.scan.sites[1].len = 3;
+    let p = plan_of(&data, &a, &opts()).unwrap();
+    let dump = p.to_string();
+    let lines: Vec<&str> = dump.lines().skip_while(|l| *l != "sites:").skip(1).collect();
+    assert_eq!(lines.len(), a.scan.sites.len());
+    assert!(lines[1].contains("skipped: site instruction of 3 bytes"), "{}", lines[1]);
+    assert!(matches!(p.sites[1].decision, Decision::Skipped(_)));
+    assert!(lines[0].contains(&format!("trampoline {:#x}", p.sites[0].trampoline().unwrap().code.addr.0)));
+}
+
+// ---- Regressions ----
+
+/// A fuzzed input named an allocated section (.fini_array) as its section
+/// name table (e_shstrndx): the writer moved that section's file offset to
+/// the grown name table at the end of the file, and the output no longer
+/// read as the input did ("section [21]: file offset 0x8e60 but its address
+/// is loaded from offset 0x6dd8; they must agree"). Now refused, at
+/// e_shstrndx.
+#[test]
+fn a_section_name_table_that_is_loaded_is_refused() {
+    let data = fixture("every_c");
+    let elf = Elf::parse(&data).unwrap();
+    let shstrndx = |name: &str| elf.sections.iter().position(|s| s.name == name).unwrap() as u16;
+    for (section, what) in
+        [(".fini_array", "allocated (SHF_ALLOC)"), (".symtab", "of type 0x2;"), (".dynstr", "allocated")]
+    {
+        let mut d = data.clone();
+        d[62..64].copy_from_slice(&shstrndx(section).to_le_bytes());
+        let a = analysis(&d, "every_c");
+        let e = patch(&d, &a, &opts()).err().unwrap_or_else(|| panic!("e_shstrndx at {section}: patched"));
+        assert_eq!((e.kind, e.at), (ErrorKind::Malformed, Location::Offset(FileOffset(62))), "{e}");
+        let msg = e.to_string();
+        assert!(msg.starts_with("offset 0x3e: e_shstrndx "), "{msg}");
+        assert!(msg.contains(what) && msg.contains("must be a non-allocated SHT_STRTAB"), "{msg}");
+        assert!(!msg.contains('\n'));
+    }
+    // The fuzzed input also had its read-only PT_LOAD at 0x30000002000.
+    let mut d = data.clone();
+    d[62..64].copy_from_slice(&shstrndx(".fini_array").to_le_bytes());
+    let ph = u64::from_le_bytes(d[32..40].try_into().unwrap()) as usize + 4 * 56;
+    d[ph + 16..ph + 24].copy_from_slice(&0x300_0000_2000u64.to_le_bytes());
+    let a = analysis(&d, "every_c");
+    assert_eq!(patch(&d, &a, &opts()).err().map(|e| e.at), Some(Location::Offset(FileOffset(62))));
+}
+
+/// A section name table elsewhere than usual but neither loaded nor of
+/// another type (here .strtab, the symbol names) still patches: its copy
+/// keeps every name.
+#[test]
+fn a_section_name_table_shared_with_symbol_names_patches() {
+    let mut data = fixture("every_c");
+    let elf = Elf::parse(&data).unwrap();
+    let strtab = elf.sections.iter().position(|s| s.name == ".strtab").unwrap() as u16;
+    data[62..64].copy_from_slice(&strtab.to_le_bytes());
+    let a = analysis(&data, "every_c");
+    let out = patch(&data, &a, &opts()).unwrap().to_vec();
+    analyze(&out, "every_c", None, &[]).unwrap();
+}
+
+/// Where the golden files are and what produces them.
+fn golden_dumps() -> Vec<(PathBuf, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    FIXTURES
+        .iter()
+        .map(|name| {
+            let data = fixture(name);
+            let a = analysis(&data, name);
+            (dir.join(format!("{name}.plan")), plan_of(&data, &a, &opts()).unwrap().to_string())
+        })
+        .collect()
+}
+
+// ---- Golden files ----
+
+const BLESS: &str = "ALLOCTRAMP_BLESS=1 cargo test -p alloctramp-patcher --test plan";
+
+/// Each fixture's plan dump is its golden file, patcher/tests/golden/NAME.plan.
+#[test]
+fn plan_dumps_match_the_golden_files() {
+    check_golden(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden"), &golden_dumps());
+}
+
+/// Compares each output with its golden file, or, with ALLOCTRAMP_BLESS=1,
+/// rewrites the files that differ. A file in `dir` that no output names is
+/// an orphan: it fails the test (and is deleted when blessing).
+fn check_golden(dir: &Path, outputs: &[(PathBuf, String)]) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let shown = |p: &Path| p.strip_prefix(root).unwrap_or(p).display().to_string();
+    let bless = std::env::var_os("ALLOCTRAMP_BLESS").is_some_and(|v| v == "1");
+    let mut failures = Vec::new();
+    for (path, actual) in outputs {
+        let expected = std::fs::read_to_string(path).ok();
+        if expected.as_deref() == Some(actual.as_str()) {
+            continue;
+        }
+        if bless {
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::write(path, actual).unwrap();
+            eprintln!("blessed {}", shown(path));
+            continue;
+        }
+        failures.push(match expected {
+            None => format!("golden file {} does not exist", shown(path)),
+            Some(expected) => format!("golden file {} differs:\n{}", shown(path), diff(&expected, actual)),
+        });
+    }
+    for entry in std::fs::read_dir(dir).into_iter().flatten() {
+        let path = entry.unwrap().path();
+        if outputs.iter().any(|(p, _)| *p == path) {
+            continue;
+        }
+        if bless {
+            std::fs::remove_file(&path).unwrap();
+            eprintln!("removed orphan golden file {}", shown(&path));
+        } else {
+            failures.push(format!("golden file {} is an orphan: no test produces it", shown(&path)));
+        }
+    }
+    assert!(failures.is_empty(), "{}\nIf the change is intended, run: {BLESS}", failures.join("\n"));
+}
+
+/// The lines that differ, `-` golden and `+` output, with two lines of
+/// context (a longest common subsequence: the files are small).
+fn diff(a: &str, b: &str) -> String {
+    let (a, b): (Vec<&str>, Vec<&str>) = (a.lines().collect(), b.lines().collect());
+    let mut lcs = vec![vec![0u32; b.len() + 1]; a.len() + 1];
+    for i in (0..a.len()).rev() {
+        for j in (0..b.len()).rev() {
+            lcs[i][j] = if a[i] == b[j] { lcs[i + 1][j + 1] + 1 } else { lcs[i + 1][j].max(lcs[i][j + 1]) };
+        }
+    }
+    let mut ops = Vec::new();
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() || j < b.len() {
+        if i < a.len() && j < b.len() && a[i] == b[j] {
+            ops.push((' ', a[i]));
+            (i, j) = (i + 1, j + 1);
+        } else if j == b.len() || (i < a.len() && lcs[i + 1][j] >= lcs[i][j + 1]) {
+            ops.push(('-', a[i]));
+            i += 1;
+        } else {
+            ops.push(('+', b[j]));
+            j += 1;
+        }
+    }
+    let near = |k: usize| ops[k.saturating_sub(2)..(k + 3).min(ops.len())].iter().any(|o| o.0 != ' ');
+    let mut out = String::new();
+    let mut skipped = false;
+    for (k, (op, line)) in ops.iter().enumerate() {
+        if near(k) {
+            out.push_str(&format!("{op}{line}\n"));
+            skipped = false;
+        } else if !skipped {
+            out.push_str("...\n");
+            skipped = true;
+        }
+    }
+    out
+}
