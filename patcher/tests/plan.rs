@@ -11,7 +11,7 @@ use alloctramp_patcher::{Analysis, ErrorKind, analyze};
 use alloctramp_trampolines::addr::FileOffset;
 use alloctramp_trampolines::codegen::{CodegenError, site_jump};
 use alloctramp_trampolines::layout::{self, PAGE};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The checked-in ELF files (see testbins/golden/build).
 const FIXTURES: [&str; 3] = ["every_c", "libatshared.so", "cxx_new_delete"];
@@ -333,103 +333,34 @@ fn a_section_name_table_shared_with_symbol_names_patches() {
     analyze(&out, "every_c", None, &[]).unwrap();
 }
 
-/// Where the golden files are and what produces them.
-fn golden_dumps() -> Vec<(PathBuf, String)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+/// Each fixture's plan dump (patcher/tests/golden/NAME.plan).
+fn golden_dumps() -> Vec<(String, String)> {
     FIXTURES
         .iter()
         .map(|name| {
             let data = fixture(name);
             let a = analysis(&data, name);
-            (dir.join(format!("{name}.plan")), plan_of(&data, &a, &opts()).unwrap().to_string())
+            (format!("{name}.plan"), plan_of(&data, &a, &opts()).unwrap().to_string())
         })
         .collect()
 }
 
 // ---- Golden files ----
 
-const BLESS: &str = "ALLOCTRAMP_BLESS=1 cargo test -p alloctramp-patcher --test plan";
+fn goldens() -> alloctramp_testkit::Goldens {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    alloctramp_testkit::Goldens::new(
+        here.join("tests/golden"),
+        here.parent().unwrap_or(here),
+        "ALLOCTRAMP_BLESS=1 cargo test -p alloctramp-patcher --test plan",
+    )
+}
 
-/// Each fixture's plan dump is its golden file, patcher/tests/golden/NAME.plan.
+/// Each fixture's plan dump is its golden file; a file there that no
+/// fixture produces is an orphan.
 #[test]
 fn plan_dumps_match_the_golden_files() {
-    check_golden(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden"), &golden_dumps());
-}
-
-/// Compares each output with its golden file, or, with ALLOCTRAMP_BLESS=1,
-/// rewrites the files that differ. A file in `dir` that no output names is
-/// an orphan: it fails the test (and is deleted when blessing).
-fn check_golden(dir: &Path, outputs: &[(PathBuf, String)]) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let shown = |p: &Path| p.strip_prefix(root).unwrap_or(p).display().to_string();
-    let bless = std::env::var_os("ALLOCTRAMP_BLESS").is_some_and(|v| v == "1");
-    let mut failures = Vec::new();
-    for (path, actual) in outputs {
-        let expected = std::fs::read_to_string(path).ok();
-        if expected.as_deref() == Some(actual.as_str()) {
-            continue;
-        }
-        if bless {
-            std::fs::create_dir_all(dir).unwrap();
-            std::fs::write(path, actual).unwrap();
-            eprintln!("blessed {}", shown(path));
-            continue;
-        }
-        failures.push(match expected {
-            None => format!("golden file {} does not exist", shown(path)),
-            Some(expected) => format!("golden file {} differs:\n{}", shown(path), diff(&expected, actual)),
-        });
-    }
-    for entry in std::fs::read_dir(dir).into_iter().flatten() {
-        let path = entry.unwrap().path();
-        if outputs.iter().any(|(p, _)| *p == path) {
-            continue;
-        }
-        if bless {
-            std::fs::remove_file(&path).unwrap();
-            eprintln!("removed orphan golden file {}", shown(&path));
-        } else {
-            failures.push(format!("golden file {} is an orphan: no test produces it", shown(&path)));
-        }
-    }
-    assert!(failures.is_empty(), "{}\nIf the change is intended, run: {BLESS}", failures.join("\n"));
-}
-
-/// The lines that differ, `-` golden and `+` output, with two lines of
-/// context (a longest common subsequence: the files are small).
-fn diff(a: &str, b: &str) -> String {
-    let (a, b): (Vec<&str>, Vec<&str>) = (a.lines().collect(), b.lines().collect());
-    let mut lcs = vec![vec![0u32; b.len() + 1]; a.len() + 1];
-    for i in (0..a.len()).rev() {
-        for j in (0..b.len()).rev() {
-            lcs[i][j] = if a[i] == b[j] { lcs[i + 1][j + 1] + 1 } else { lcs[i + 1][j].max(lcs[i][j + 1]) };
-        }
-    }
-    let mut ops = Vec::new();
-    let (mut i, mut j) = (0, 0);
-    while i < a.len() || j < b.len() {
-        if i < a.len() && j < b.len() && a[i] == b[j] {
-            ops.push((' ', a[i]));
-            (i, j) = (i + 1, j + 1);
-        } else if j == b.len() || (i < a.len() && lcs[i + 1][j] >= lcs[i][j + 1]) {
-            ops.push(('-', a[i]));
-            i += 1;
-        } else {
-            ops.push(('+', b[j]));
-            j += 1;
-        }
-    }
-    let near = |k: usize| ops[k.saturating_sub(2)..(k + 3).min(ops.len())].iter().any(|o| o.0 != ' ');
-    let mut out = String::new();
-    let mut skipped = false;
-    for (k, (op, line)) in ops.iter().enumerate() {
-        if near(k) {
-            out.push_str(&format!("{op}{line}\n"));
-            skipped = false;
-        } else if !skipped {
-            out.push_str("...\n");
-            skipped = true;
-        }
-    }
-    out
+    let dumps = golden_dumps();
+    goldens().check_all(dumps.iter().map(|(n, t)| (n.as_str(), t.clone())));
+    goldens().no_orphans(dumps.iter().map(|(n, _)| n.as_str()));
 }
