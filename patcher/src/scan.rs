@@ -289,7 +289,10 @@ struct Found {
 fn plan_chunks(elf: &Elf, starts: &[u64]) -> Vec<(usize, u64, u64)> {
     const CHUNK: u64 = 1 << 20;
     let mut chunks = Vec::new();
-    for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !is_plt(s)) {
+    // A patched file's trampolines call the entry points too: they are not
+    // the program's sites.
+    let ours = |s: &Section| s.name == alloctramp_trampolines::layout::SEC_TEXT;
+    for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !is_plt(s) && !ours(s)) {
         if sec.data.len() as u64 != sec.size || sec.size == 0 {
             continue;
         }
