@@ -33,17 +33,17 @@ __attribute__((noinline, noclone, noipa)) static void use(void *p, std::size_t n
         checksum = checksum * 131u + c[i];
 }
 
-__attribute__((noinline, noclone, noipa)) static void *make_raw(std::size_t n)
+__attribute__((noinline, noclone, noipa)) static void *make_raw(std::size_t n) /* @wrapper make_raw alloc */
 {
     return ::operator new(n); /* @site _Znwm tail calls=1 bytes=72 live=0 live_bytes=0 */
 }
 
-__attribute__((noinline, noclone, noipa)) static void drop_raw(void *p)
+__attribute__((noinline, noclone, noipa)) static void drop_raw(void *p) /* @wrapper drop_raw free */
 {
     ::operator delete(p); /* @site _ZdlPv tail calls=1 bytes=0 untracked=0 */
 }
 
-__attribute__((noinline, noclone, noipa)) static void drop_int(int *p)
+__attribute__((noinline, noclone, noipa)) static void drop_int(int *p) /* @wrapper drop_int free */
 {
     delete p; /* @site _ZdlPvm tail calls=1 bytes=0 untracked=0 */
 }

@@ -89,7 +89,7 @@ __attribute__((noinline, noclone, noipa, noreturn)) static void die(const char *
     _exit(1);
 }
 
-__attribute__((noinline, noclone, noipa)) static char *read_request(unsigned long r)
+__attribute__((noinline, noclone, noipa)) static char *read_request(unsigned long r) /* @wrapper read_request alloc */
 {
     char *buf = malloc(request_size); /* @site malloc calls=100 bytes=409600 */
     if (buf == NULL)
@@ -98,7 +98,7 @@ __attribute__((noinline, noclone, noipa)) static char *read_request(unsigned lon
     return buf;
 }
 
-__attribute__((noinline, noclone, noipa)) static char *parse_key(unsigned long r)
+__attribute__((noinline, noclone, noipa)) static char *parse_key(unsigned long r) /* @wrapper parse_key alloc */
 {
     char key[32];
     snprintf(key, sizeof key, "user-%04lu", r % 10000);
@@ -122,7 +122,7 @@ __attribute__((noinline, noclone, noipa)) static void cache_store(unsigned long 
     sum(v, size);
 }
 
-__attribute__((noinline, noclone, noipa)) static void open_session(unsigned long r)
+__attribute__((noinline, noclone, noipa)) static void open_session(unsigned long r) /* @notwrapper open_session */
 {
     struct session *s = malloc(sizeof *s); /* @site malloc calls=10 bytes=10240 */ /* @demo-live objects=10 bytes=10240 */
     if (s == NULL)
@@ -133,7 +133,7 @@ __attribute__((noinline, noclone, noipa)) static void open_session(unsigned long
     sessions = s;
 }
 
-__attribute__((noinline, noclone, noipa)) static char *render(const char *key)
+__attribute__((noinline, noclone, noipa)) static char *render(const char *key) /* @notwrapper render */
 {
     char *out = malloc(32); /* @site malloc calls=100 bytes=3200 */
     if (out == NULL)

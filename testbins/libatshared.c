@@ -18,7 +18,7 @@ __attribute__((noinline, noclone, noipa)) static void fill(void *p, size_t n)
         c[i] = (unsigned char)(i * 13u + 5u);
 }
 
-void *atshared_alloc(size_t n)
+void *atshared_alloc(size_t n) /* @wrapper atshared_alloc alloc */
 {
     void *p = malloc(n); /* @site malloc calls=5 bytes=210 */
     if (p != NULL)
@@ -26,12 +26,12 @@ void *atshared_alloc(size_t n)
     return p;
 }
 
-void atshared_free(void *p)
+void atshared_free(void *p) /* @wrapper atshared_free free */
 {
     free(p); /* @site free tail calls=5 bytes=0 */
 }
 
-char *atshared_dup(const char *s)
+char *atshared_dup(const char *s) /* @wrapper atshared_dup alloc */
 {
     return strdup(s); /* @site strdup tail calls=5 bytes=45 */
 }

@@ -22,7 +22,7 @@ __attribute__((noinline, noclone, noipa)) static void fill(void *p, size_t n)
         c[i] = (unsigned char)(i * 13u + 5u);
 }
 
-void *live_make(size_t n)
+void *live_make(size_t n) /* @wrapper live_make alloc */
 {
     void *p = malloc(n); /* @site malloc calls=10 bytes=1045 live=4 live_bytes=430 */
     if (p != NULL)
@@ -30,12 +30,12 @@ void *live_make(size_t n)
     return p;
 }
 
-void live_drop(void *p)
+void live_drop(void *p) /* @wrapper live_drop free */
 {
     free(p); /* @site free tail calls=9 bytes=0 untracked=0 */
 }
 
-char *live_label(int i)
+char *live_label(int i) /* @wrapper live_label alloc */
 {
     char buf[16];
     snprintf(buf, sizeof buf, "label-%d", i);

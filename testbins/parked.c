@@ -17,7 +17,7 @@
 static int fds[2];
 static atomic_int inside;
 
-__attribute__((noinline, noclone, noipa)) void *slow_alloc(size_t n)
+__attribute__((noinline, noclone, noipa)) void *slow_alloc(size_t n) /* @wrapper slow_alloc alloc */
 {
     char c;
     atomic_fetch_add(&inside, 1);
@@ -26,12 +26,12 @@ __attribute__((noinline, noclone, noipa)) void *slow_alloc(size_t n)
     return malloc(n); /* @site malloc tail calls=2 bytes=96 */
 }
 
-__attribute__((noinline, noclone, noipa)) void *via_tail(size_t n)
+__attribute__((noinline, noclone, noipa)) void *via_tail(size_t n) /* @wrapper via_tail alloc */
 {
     return slow_alloc(n); /* @usersite slow_alloc tail calls=1 bytes=32 */
 }
 
-static void *direct(void *arg)
+static void *direct(void *arg) /* @wrapper direct alloc */
 {
     (void)arg;
     char *p = slow_alloc(64); /* @usersite slow_alloc calls=1 bytes=64 */
@@ -39,7 +39,7 @@ static void *direct(void *arg)
     return p;
 }
 
-static void *tail(void *arg)
+static void *tail(void *arg) /* @wrapper tail alloc */
 {
     (void)arg;
     char *p = via_tail(32);

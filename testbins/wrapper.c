@@ -33,32 +33,32 @@ __attribute__((noinline, noclone, noipa)) static const char *opaque(const char *
     return s;
 }
 
-__attribute__((noinline, noclone, noipa)) void *xmalloc(size_t n)
+__attribute__((noinline, noclone, noipa)) void *xmalloc(size_t n) /* @wrapper xmalloc alloc */
 {
     return malloc(n); /* @site malloc tail calls=14 bytes=280 */
 }
 
-__attribute__((noinline, noclone, noipa)) void xfree(void *p)
+__attribute__((noinline, noclone, noipa)) void xfree(void *p) /* @wrapper xfree free */
 {
     free(p); /* @site free tail calls=35 bytes=0 */
 }
 
-__attribute__((noinline, noclone, noipa)) void *xcalloc(size_t n, size_t size)
+__attribute__((noinline, noclone, noipa)) void *xcalloc(size_t n, size_t size) /* @wrapper xcalloc alloc */
 {
     return calloc(n, size); /* @site calloc tail calls=7 bytes=224 */
 }
 
-__attribute__((noinline, noclone, noipa)) void *xrealloc(void *p, size_t n)
+__attribute__((noinline, noclone, noipa)) void *xrealloc(void *p, size_t n) /* @wrapper xrealloc realloc */
 {
     return realloc(p, n); /* @site realloc tail calls=7 bytes=490 */
 }
 
-__attribute__((noinline, noclone, noipa)) char *xstrdup(const char *s)
+__attribute__((noinline, noclone, noipa)) char *xstrdup(const char *s) /* @wrapper xstrdup alloc */
 {
     return strdup(s); /* @site strdup tail calls=7 bytes=56 */
 }
 
-__attribute__((noinline, noclone, noipa)) void *xmalloc_checked(size_t n)
+__attribute__((noinline, noclone, noipa)) void *xmalloc_checked(size_t n) /* @wrapper xmalloc_checked alloc */
 {
     void *p = malloc(n); /* @site malloc calls=7 bytes=70 */
     if (p == NULL) {

@@ -1,9 +1,10 @@
 //! `alloctramp sites`: list every allocator call site in an ELF file.
 
 use crate::util::{Input, emit};
-use alloctramp_patcher::{DebugFile, debugfile, output};
+use alloctramp_patcher::wrappers::{self, Callee};
+use alloctramp_patcher::{DebugFile, debugfile, deps, output};
 use alloctramp_trampolines::entry::{self, EntryPoint};
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
 
 /// List every call site that reaches an allocator entry point.
@@ -25,6 +26,28 @@ pub struct Args {
     /// Where separate debug files live (gdb's debug-file-directory).
     #[arg(long, value_name = "DIR", default_value = debugfile::DEFAULT_DEBUG_DIR)]
     pub debug_dir: PathBuf,
+    /// This function (a symbol of the file) is an allocation wrapper, of
+    /// KIND alloc (the default), free or realloc, whatever its code looks
+    /// like.
+    #[arg(long = "wrapper", value_name = "NAME[:KIND]")]
+    pub wrappers: Vec<String>,
+    /// This function is not an allocation wrapper (nor are wrappers that
+    /// only wrap it).
+    #[arg(long = "not-wrapper", value_name = "NAME")]
+    pub not_wrappers: Vec<String>,
+}
+
+/// `NAME[:KIND]` of `--wrapper`.
+fn parse_wrapper(spec: &str) -> Result<(String, Callee)> {
+    let (name, kind) =
+        spec.rsplit_once(':').filter(|(n, _)| !n.is_empty() && !n.ends_with(':')).unwrap_or((spec, "alloc"));
+    let role = match kind {
+        "alloc" => Callee::Alloc,
+        "free" => Callee::Free { ptr: 0 },
+        "realloc" => Callee::Realloc { ptr: 0 },
+        _ => bail!("--wrapper {spec}: the kind must be alloc, free or realloc"),
+    };
+    Ok((name.to_string(), role))
 }
 
 pub fn parse_entries(specs: &[String]) -> Result<Vec<EntryPoint>> {
@@ -53,8 +76,14 @@ pub fn run(args: Args) -> Result<()> {
 
     let debug_map = find_debug_in(path, data, &args.debug_dir);
     let debug = debug_map.as_ref().map(|(p, inp)| DebugFile { data: &inp.map, label: p.display().to_string() });
-    let analysis =
-        alloctramp_patcher::analyze(data, &name, debug, &user).with_context(|| format!("{}", path.display()))?;
+    let named = args.wrappers.iter().map(|s| parse_wrapper(s)).collect::<Result<Vec<_>>>()?;
+    let (imported, libraries) = match alloctramp_patcher::Elf::parse(data) {
+        Ok(elf) => deps::imported_wrappers(path, &elf, &alloctramp_patcher::entry_set(&user).0),
+        Err(_) => Default::default(),
+    };
+    let opts = wrappers::Options { search: true, imported, libraries, named, refused: args.not_wrappers.clone() };
+    let analysis = alloctramp_patcher::analyze_with(data, &name, debug, &user, &opts)
+        .with_context(|| format!("{}", path.display()))?;
     for &i in &analysis.scan.unresolved {
         eprintln!(
             "alloctramp: warning: {}: entry {} is neither defined nor imported",

@@ -22,6 +22,49 @@ fn expected_form(config: Config, tail: bool) -> String {
     .to_string()
 }
 
+/// The allocation wrappers `sites` lists are the file's `@wrapper` markers
+/// (name and kind) and, for a program, those of the libraries it needs
+/// that it imports; no `@notwrapper` function is one.
+fn check_wrappers(p: &Program, doc: &Value, path: &Path, config: Config) {
+    use object::{Object, ObjectSymbol};
+    let kinds = |v: &Value| -> Vec<(String, String, bool)> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                // C++ names without their parameters, as markers give them.
+                let name = w["function"].as_str().unwrap();
+                let name = name.split_once('(').map_or(name, |(n, _)| n).to_string();
+                (name, w["kind"].as_str().unwrap().to_string(), w["address"].is_null())
+            })
+            .collect()
+    };
+    let mut actual = kinds(&doc["wrappers"]);
+    let data = std::fs::read(path).unwrap();
+    let file = object::File::parse(&*data).unwrap();
+    let imports: BTreeSet<String> =
+        file.dynamic_symbols().filter(|s| s.is_undefined()).filter_map(|s| s.name().ok().map(str::to_string)).collect();
+    let mut expected: Vec<(String, String, bool)> =
+        p.wrappers.iter().map(|(n, k)| (n.clone(), k.clone(), false)).collect();
+    for lib in p.needs.iter().filter_map(|n| programs().iter().find(|q| &q.name == n)) {
+        expected.extend(
+            lib.wrappers.iter().filter(|(n, _)| imports.contains(n)).map(|(n, k)| (n.clone(), k.clone(), true)),
+        );
+    }
+    actual.sort();
+    expected.sort();
+    assert_eq!(
+        actual,
+        expected,
+        "{} built {}: wrappers (name, kind, imported) differ from markers",
+        p.name,
+        config.name()
+    );
+    for n in &p.not_wrappers {
+        assert!(!actual.iter().any(|w| &w.0 == n), "{} built {}: {n} is not a wrapper", p.name, config.name());
+    }
+}
+
 /// Every site of every test program in `config` matches a marker (file,
 /// line, entry, form), and every marker has exactly one site.
 fn check_markers(config: Config) {
@@ -46,6 +89,7 @@ fn check_markers(config: Config) {
         actual.sort();
         expected.sort();
         assert_eq!(actual, expected, "{} built {}: sites differ from markers", p.name, config.name());
+        check_wrappers(p, &doc, &built.path(&p.name), config);
         let unpatchable = doc["unpatchable"].as_array().unwrap().len();
         assert_eq!(
             unpatchable,

@@ -98,6 +98,41 @@ pub fn libraries(path: &Path, elf: &Elf) -> Vec<PathBuf> {
     found
 }
 
+/// Libraries whose exported functions are not searched for wrappers: the
+/// C library and the dynamic linker (their allocating functions are the
+/// entry points themselves, or return objects such as `FILE` that their
+/// own unpatched code allocates), by SONAME prefix.
+const NOT_SEARCHED: &[&str] = &["libc.so", "ld-linux", "libm.so", "libpthread.so", "libdl.so", "librt.so"];
+
+/// The wrappers the libraries `path` needs export, for
+/// [`crate::wrappers::Options`]: (symbol -> role, symbol -> library file
+/// name). Libraries are searched in the dynamic linker's order, so a
+/// library's wrappers may wrap those of the libraries it needs.
+pub fn imported_wrappers(
+    path: &Path,
+    elf: &Elf,
+    entries: &[alloctramp_trampolines::entry::EntryPoint],
+) -> (std::collections::HashMap<String, crate::wrappers::Callee>, std::collections::HashMap<String, String>) {
+    let mut roles = std::collections::HashMap::new();
+    let mut from = std::collections::HashMap::new();
+    let mut libs = libraries(path, elf);
+    // Wrappers of wrappers across libraries: the ones needed last first.
+    libs.reverse();
+    for lib in libs {
+        let name = lib.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if NOT_SEARCHED.iter().any(|p| name.starts_with(p)) {
+            continue;
+        }
+        let Ok(data) = std::fs::read(&lib) else { continue };
+        let Ok(lib_elf) = Elf::parse(&data) else { continue };
+        for (symbol, role) in crate::wrappers::exported(&lib_elf, entries, &roles) {
+            from.entry(symbol.clone()).or_insert_with(|| name.clone());
+            roles.entry(symbol).or_insert(role);
+        }
+    }
+    (roles, from)
+}
+
 /// Whether `p` is an x86-64 ELF shared object (the dynamic linker skips
 /// files of other machines in a search path).
 fn is_x86_64_library(p: &Path) -> bool {

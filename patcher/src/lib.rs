@@ -21,6 +21,7 @@ pub mod tables;
 pub mod wrappers;
 pub mod write;
 
+use alloctramp_trampolines::addr::Vaddr;
 use alloctramp_trampolines::entry::{self, EntryPoint};
 pub use alloctramp_trampolines::layout::SiteForm;
 pub use elf::{Elf, FileType};
@@ -47,6 +48,23 @@ pub struct Analysis {
     pub info: Vec<SiteInfo>,
     /// Where line information came from: "" (none), "embedded" or a path.
     pub debug_source: String,
+    /// The allocation wrappers the file defines or imports, by address
+    /// (imported ones last, by name).
+    pub wrappers: Vec<WrapperInfo>,
+}
+
+/// One allocation wrapper of a file.
+#[derive(Clone, Debug)]
+pub struct WrapperInfo {
+    /// Where it is defined in the file (None: imported from a library).
+    pub addr: Option<Vaddr>,
+    /// Its name (demangled), `fn@0x...` for a function without a symbol.
+    pub function: String,
+    pub role: wrappers::Callee,
+    /// Why it is one.
+    pub reason: String,
+    /// 0 named by the user, 1 a wrapper of entry points, 2 of wrappers...
+    pub depth: u32,
 }
 
 /// The default entry points followed by the user's.
@@ -65,8 +83,22 @@ pub struct DebugFile<'a> {
 
 /// Scans `data` (an ELF file named `file_name`) and symbolizes every site.
 pub fn analyze(data: &[u8], file_name: &str, debug: Option<DebugFile<'_>>, user: &[EntryPoint]) -> Result<Analysis> {
+    analyze_with(data, file_name, debug, user, &wrappers::Options::default())
+}
+
+/// [`analyze`], telling the wrapper search what the file's libraries export
+/// and what the user says.
+pub fn analyze_with(
+    data: &[u8],
+    file_name: &str,
+    debug: Option<DebugFile<'_>>,
+    user: &[EntryPoint],
+    wrapper_opts: &wrappers::Options,
+) -> Result<Analysis> {
     let elf = Elf::parse(data)?;
     let (entries, first_user) = entry_set(user);
+    let (found, _) =
+        if wrapper_opts.search { wrappers::discover(&elf, &entries, wrapper_opts) } else { Default::default() };
     let scan = scan::scan(&elf, entries, first_user)?;
     let module = elf.soname().map(str::to_string).unwrap_or_else(|| base_name(file_name).to_string());
 
@@ -91,7 +123,34 @@ pub fn analyze(data: &[u8], file_name: &str, debug: Option<DebugFile<'_>>, user:
             location: lines.as_ref().and_then(|l| l.find(s.vaddr.0)),
         })
         .collect();
-    Ok(Analysis { module, file_type: elf.file_type, scan, info, debug_source })
+    let mut wrappers: Vec<WrapperInfo> = found
+        .iter()
+        .map(|w| WrapperInfo {
+            addr: Some(Vaddr(w.start)),
+            function: functions.lookup(w.start).map_or_else(|| format!("fn@{:#x}", w.start), |f| symbols::demangle(&f)),
+            role: w.role,
+            reason: w.why.text(),
+            depth: w.depth,
+        })
+        .collect();
+    let imports: std::collections::BTreeSet<&str> =
+        elf.symbols(true).iter().filter(|s| !s.defined && s.is_func).map(|s| s.name).collect();
+    for (name, role) in wrapper_opts.imported.iter().filter(|_| wrapper_opts.search) {
+        if imports.contains(name.as_str()) && !wrapper_opts.refused.contains(name) {
+            wrappers.push(WrapperInfo {
+                addr: None,
+                function: symbols::demangle(name),
+                role: *role,
+                reason: match wrapper_opts.libraries.get(name) {
+                    Some(lib) => format!("exported by {lib}"),
+                    None => "exported by a library the file needs".to_string(),
+                },
+                depth: 1,
+            });
+        }
+    }
+    wrappers[found.len()..].sort_by(|a, b| a.function.cmp(&b.function));
+    Ok(Analysis { module, file_type: elf.file_type, scan, info, debug_source, wrappers })
 }
 
 pub fn base_name(path: &str) -> &str {

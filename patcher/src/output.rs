@@ -23,7 +23,19 @@ pub struct SitesDoc<'a> {
     pub sites: Vec<SiteDoc<'a>>,
     pub unpatchable: Vec<RefDoc<'a>>,
     pub unresolved_entries: Vec<String>,
+    pub wrappers: Vec<WrapperDoc<'a>>,
     pub summary: Summary,
+}
+
+/// An allocation wrapper the file defines (with its address) or imports.
+#[derive(Serialize)]
+pub struct WrapperDoc<'a> {
+    pub address: Option<u64>,
+    pub function: &'a str,
+    /// `alloc`, `free` or `realloc`.
+    pub kind: &'static str,
+    pub reason: &'a str,
+    pub depth: u32,
 }
 
 #[derive(Serialize)]
@@ -129,6 +141,17 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
         sites,
         unpatchable,
         unresolved_entries: a.scan.unresolved.iter().map(|&i| entries[i].target.to_string()).collect(),
+        wrappers: a
+            .wrappers
+            .iter()
+            .map(|w| WrapperDoc {
+                address: w.addr.map(|a| a.0),
+                function: &w.function,
+                kind: w.role.as_str(),
+                reason: &w.reason,
+                depth: w.depth,
+            })
+            .collect(),
         summary,
     }
 }
@@ -182,6 +205,11 @@ pub fn write_text(w: &mut (impl Write + ?Sized), doc: &SitesDoc) -> io::Result<(
     }
     for e in &doc.unresolved_entries {
         writeln!(w, "# entry {e}: not defined or imported by this file")?;
+    }
+    writeln!(w, "# {} allocation wrappers", doc.wrappers.len())?;
+    for x in &doc.wrappers {
+        let at = x.address.map_or_else(|| "imported".to_string(), |a| format!("{a:#x}"));
+        writeln!(w, "#   {at}\t{}\t{}\t{}", x.kind, x.function, x.reason)?;
     }
     Ok(())
 }

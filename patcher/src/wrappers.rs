@@ -80,6 +80,37 @@ pub enum Why {
     /// Every free it makes (the first at `at`) frees its argument, offset by
     /// `offset`.
     Frees { at: u64, offset: i64 },
+    /// The user named it (`--wrapper`).
+    Named,
+}
+
+impl Why {
+    /// What the reason says, for listings.
+    pub fn text(&self) -> String {
+        let off = |o: i64| match o {
+            0 => String::new(),
+            o if o > 0 => format!(" + {o}"),
+            o => format!(" - {}", o.unsigned_abs()),
+        };
+        match *self {
+            Why::Returns { at, offset } => format!("returns the result of the call at {at:#x}{}", off(offset)),
+            Why::TailCall { at } => format!("tail-calls an allocator at {at:#x}"),
+            Why::Frees { at, offset } => format!("frees its argument{} at {at:#x}", off(offset)),
+            Why::Named => "named with --wrapper".to_string(),
+        }
+    }
+}
+
+impl Callee {
+    /// The role's name: `alloc`, `free`, `realloc` or `noreturn`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Callee::Alloc => "alloc",
+            Callee::Free { .. } => "free",
+            Callee::Realloc { .. } => "realloc",
+            Callee::NoReturn => "noreturn",
+        }
+    }
 }
 
 /// A wrapper found.
@@ -111,7 +142,12 @@ const MAX_FUNCTION: u64 = 8192;
 
 /// Finds the wrappers among `functions` and the functions that never
 /// return, given what `known` resolves. Wrappers come sorted by address.
-pub fn find(code: &Code, functions: &[Function], known: &dyn Callees) -> (Vec<Wrapper>, Vec<u64>) {
+pub fn find(
+    code: &Code,
+    functions: &[Function],
+    known: &dyn Callees,
+    refused: &dyn Fn(u64) -> bool,
+) -> (Vec<Wrapper>, Vec<u64>) {
     let decoded: Vec<Decoded> = functions.iter().map(|&f| Decoded::new(code, f)).collect();
     let by_start: HashMap<u64, usize> = functions.iter().enumerate().map(|(i, f)| (f.start, i)).collect();
     let mut found: HashMap<u64, (Callee, u32)> = HashMap::new();
@@ -161,7 +197,7 @@ pub fn find(code: &Code, functions: &[Function], known: &dyn Callees) -> (Vec<Wr
         let mut new = Vec::new();
         for &i in &todo {
             let f = functions[i];
-            if found.contains_key(&f.start) {
+            if found.contains_key(&f.start) || refused(f.start) {
                 continue;
             }
             if let Some((role, why)) = analyze(&decoded[i], f, &|t| resolve(&found, t)) {
@@ -415,12 +451,20 @@ struct Ends {
     first_call: Option<u64>,
     /// A path the analysis cannot follow.
     lost: bool,
+    /// A result is stored somewhere other than the frame (a global, a list):
+    /// the function keeps the object, it does not hand it over.
+    escapes: bool,
 }
 
 /// Decides whether one function is a wrapper.
 fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<(Callee, Why)> {
     let ends = flow(d, f, resolve)?;
     if ends.lost {
+        return None;
+    }
+    if ends.escapes {
+        // It returns the object it also keeps: not a wrapper (nor a free
+        // wrapper, which hands nothing over but may keep lists too).
         return None;
     }
     let mut alloc = false;
@@ -550,6 +594,9 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
                 {
                     ends.lost = true;
                 }
+                if stores_result_away(&s, ins) {
+                    ends.escapes = true;
+                }
                 step(&mut s, ins, &mut info);
                 next.push(after);
             }
@@ -583,6 +630,22 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
         }
     }
     Some(ends)
+}
+
+/// Whether an instruction stores a call's result (the object) to memory
+/// outside the frame.
+fn stores_result_away(s: &State, ins: &Instruction) -> bool {
+    let stored = match (ins.op0_kind(), ins.op1_kind()) {
+        (OpKind::Memory, OpKind::Register) if ins.op_count() == 2 => s.get(ins.op1_register().full_register()),
+        _ => return false,
+    };
+    matches!(stored, Val::Result(..)) && s.slot(ins).is_none() && !is_inside_object(s, ins)
+}
+
+/// Whether a memory operand points into the object itself (a size header
+/// written in front of it, a field): a store there keeps nothing.
+fn is_inside_object(s: &State, ins: &Instruction) -> bool {
+    ins.memory_index() == Register::None && matches!(s.get(ins.memory_base()), Val::Result(..))
 }
 
 /// A call that returns: records frees and what comes back.
@@ -910,13 +973,31 @@ fn role_of(e: &EntryPoint) -> Option<Callee> {
     }
 }
 
+/// What the wrapper search is told besides the file.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Search at all (`alloctramp sites` does; patching does not use
+    /// wrappers yet, and the search costs a pass over the code).
+    pub search: bool,
+    /// Wrappers the file's libraries export, by symbol name (see
+    /// [`exported`]).
+    pub imported: HashMap<String, Callee>,
+    /// The library that exports each of `imported` (for listings).
+    pub libraries: HashMap<String, String>,
+    /// Functions of the file named wrappers by the user, with their role.
+    pub named: Vec<(String, Callee)>,
+    /// Functions of the file that are not wrappers, whatever they look like.
+    pub refused: Vec<String>,
+}
+
 /// The wrappers in a file whose entry points `entries` are (the defaults
-/// and any the user named), given the wrappers its libraries export by
-/// name (`imported`, see [`exported`]): calls through PLT stubs, GOT slots
-/// and direct calls to definitions are resolved as the site scan resolves
-/// them.
-pub fn discover(elf: &Elf, entries: &[EntryPoint], imported: &HashMap<String, Callee>) -> (Vec<Wrapper>, Vec<u64>) {
-    let mut by_name: HashMap<&str, Callee> = imported.iter().map(|(n, &c)| (n.as_str(), c)).collect();
+/// and any the user named): calls through PLT stubs, GOT slots and direct
+/// calls to definitions are resolved as the site scan resolves them.
+/// Functions `opts` names are wrappers (depth 0, [`Why::Named`]) or never
+/// are.
+pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapper>, Vec<u64>) {
+    let mut by_name: HashMap<&str, Callee> =
+        opts.imported.iter().filter(|(n, _)| !opts.refused.contains(n)).map(|(n, &c)| (n.as_str(), c)).collect();
     for e in entries {
         if let (EntryTarget::Symbol(name), Some(role)) = (&e.target, role_of(e)) {
             by_name.insert(name.as_str(), role);
@@ -957,19 +1038,44 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], imported: &HashMap<String, Ca
             }
         }
     }
+    // The user's word: named wrappers are known callees, refused functions
+    // are neither wrappers nor what makes one.
+    let defined = |name: &str| {
+        elf.symbols(false)
+            .iter()
+            .chain(elf.symbols(true))
+            .filter(|s| s.defined && s.is_func && (s.name == name || crate::symbols::demangle(s.name) == name))
+            .map(|s| s.value)
+            .collect::<Vec<u64>>()
+    };
+    let mut named = Vec::new();
+    for (name, role) in &opts.named {
+        for a in defined(name) {
+            code.insert(a, *role);
+            named.push(Wrapper { start: a, role: *role, why: Why::Named, depth: 0 });
+        }
+    }
+    let refused: HashSet<u64> = opts.refused.iter().flat_map(|n| defined(n)).collect();
     let known = |t: Target| match t {
+        Target::Code(a) if refused.contains(&a) => None,
         Target::Code(a) => code.get(&a).copied(),
         Target::Slot(a) => slots.get(&a).copied(),
     };
-    find(&Code { ranges: texts }, &functions(elf), &known)
+    let (mut wrappers, noreturn) = find(&Code { ranges: texts }, &functions(elf), &known, &|a| refused.contains(&a));
+    named.retain(|n| !wrappers.iter().any(|w| w.start == n.start));
+    wrappers.extend(named);
+    wrappers.sort_by_key(|w| w.start);
+    (wrappers, noreturn)
 }
 
 /// The wrappers a shared library exports: (symbol name, role) of each
 /// wrapper that a defined global dynamic symbol names.
 pub fn exported(elf: &Elf, entries: &[EntryPoint], imported: &HashMap<String, Callee>) -> Vec<(String, Callee)> {
-    let (wrappers, _) = discover(elf, entries, imported);
+    let opts = Options { imported: imported.clone(), ..Options::default() };
+    let (wrappers, _) = discover(elf, entries, &opts);
+    let is_entry = |name: &str| entries.iter().any(|e| e.target == EntryTarget::Symbol(name.to_string()));
     let mut out = Vec::new();
-    for sym in elf.symbols(true).iter().filter(|s| s.defined && s.is_func && s.global) {
+    for sym in elf.symbols(true).iter().filter(|s| s.defined && s.is_func && s.global && !is_entry(s.name)) {
         if let Ok(i) = wrappers.binary_search_by_key(&sym.value, |w| w.start) {
             out.push((sym.name.to_string(), wrappers[i].role));
         }
@@ -1031,7 +1137,7 @@ mod tests {
 
     fn run(funcs: &[Asm]) -> Found {
         let (bytes, functions) = build(funcs);
-        let (w, noreturn) = find(&Code { ranges: vec![(0x1000, &bytes)] }, &functions, &libc);
+        let (w, noreturn) = find(&Code { ranges: vec![(0x1000, &bytes)] }, &functions, &libc, &|_| false);
         let index = |a: u64| functions.iter().position(|f| f.start == a).unwrap();
         (w.iter().map(|w| (index(w.start), w.role, w.depth)).collect(), noreturn.into_iter().map(index).collect(), w)
     }
@@ -1252,7 +1358,17 @@ mod tests {
             a.jmp(MALLOC)?;
             Ok(())
         };
-        let (found, _, _) = run(&[&grow, &cached, &destroy, &clobbered, &eight]);
+        // open_session at -O0: a void function whose last store leaves the
+        // object in rax; the object went to a global list.
+        let kept = |a: &mut CodeAssembler| {
+            a.sub(rsp, 8)?;
+            a.call(MALLOC)?;
+            a.add_instruction(Instruction::with2(Op::Mov_rm64_r64, rip(0x30_0000), Register::RAX)?)?;
+            a.add(rsp, 8)?;
+            a.ret()?;
+            Ok(())
+        };
+        let (found, _, _) = run(&[&grow, &cached, &destroy, &clobbered, &eight, &kept]);
         assert_eq!(found, []);
     }
 
