@@ -35,6 +35,10 @@ pub struct Args {
     /// only wrap it).
     #[arg(long = "not-wrapper", value_name = "NAME")]
     pub not_wrappers: Vec<String>,
+    /// Do not look for allocation wrappers (the search reads every
+    /// function's code, and the libraries the file needs).
+    #[arg(long, conflicts_with_all = ["wrappers", "not_wrappers"])]
+    pub no_wrappers: bool,
 }
 
 /// `NAME[:KIND]` of `--wrapper`.
@@ -78,10 +82,11 @@ pub fn run(args: Args) -> Result<()> {
     let debug = debug_map.as_ref().map(|(p, inp)| DebugFile { data: &inp.map, label: p.display().to_string() });
     let named = args.wrappers.iter().map(|s| parse_wrapper(s)).collect::<Result<Vec<_>>>()?;
     let (imported, libraries) = match alloctramp_patcher::Elf::parse(data) {
-        Ok(elf) => deps::imported_wrappers(path, &elf, &alloctramp_patcher::entry_set(&user).0),
-        Err(_) => Default::default(),
+        Ok(elf) if !args.no_wrappers => deps::imported_wrappers(path, &elf, &alloctramp_patcher::entry_set(&user).0),
+        _ => Default::default(),
     };
-    let opts = wrappers::Options { search: true, imported, libraries, named, refused: args.not_wrappers.clone() };
+    let opts =
+        wrappers::Options { search: !args.no_wrappers, imported, libraries, named, refused: args.not_wrappers.clone() };
     let analysis = alloctramp_patcher::analyze_with(data, &name, debug, &user, &opts)
         .with_context(|| format!("{}", path.display()))?;
     for &i in &analysis.scan.unresolved {

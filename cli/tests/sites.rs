@@ -424,7 +424,8 @@ fn default_entry_names() -> BTreeSet<String> {
 fn compare_with_objdump(file: &Path) -> Option<usize> {
     let entries = default_entry_names();
     let theirs = objdump_sites(file, &entries)?;
-    let doc = sites_json(file, &[]);
+    // The sites alone (the wrapper search reads every function again).
+    let doc = sites_json(file, &["--no-wrappers"]);
     let mine = ours(&doc);
     // Direct calls to an in-file definition may be shown by objdump under an
     // alias (e.g. __libc_malloc); they are compared where objdump names them.
