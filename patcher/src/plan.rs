@@ -756,19 +756,22 @@ fn plan_section_headers(elf: &Elf, end: u64) -> Result<(Shstrtab, FileRange, usi
     let header = elf.file.elf_header();
     let shstrndx = usize::from(header.e_shstrndx.get(e).0);
     let section = elf.sections.get(shstrndx);
-    // The writer moves the name table to the end of the file: a section the
-    // loader maps, or one of another type (read as names, then written
-    // with them), would not survive the move.
-    if let Some(s) = section.filter(|s| s.index != 0 && (s.is_alloc() || s.sh_type != elf::SHT_STRTAB.0)) {
-        return Err(Error::malformed_at(
-            62,
-            format!(
-                "e_shstrndx {shstrndx} names section [{shstrndx}] {:?} of type {:#x}{}; the section name table must be a non-allocated SHT_STRTAB (type 3) section",
-                s.name,
-                s.sh_type,
-                if s.is_alloc() { ", allocated (SHF_ALLOC)" } else { "" }
-            ),
-        ));
+    // The writer moves the name table to the end of the file, with the new
+    // names appended: a section a PT_LOAD maps would no longer be where its
+    // segment maps it from, and a symbol table would no longer hold whole
+    // symbols.
+    let bad = |what: String| {
+        let why =
+            "the section name table is moved to the end of the file and grows: it must be a non-allocated SHT_STRTAB";
+        Error::malformed_at(62, format!("e_shstrndx {shstrndx} names section [{shstrndx}] {what}; {why}"))
+    };
+    if let Some(s) = section.filter(|s| s.index != 0) {
+        if s.is_alloc() && !s.data.is_empty() && elf.offset_of(s.addr).is_some() {
+            return Err(bad(format!("{:?}, which a PT_LOAD maps (SHF_ALLOC, address {})", s.name, s.addr)));
+        }
+        if [elf::SHT_SYMTAB.0, elf::SHT_DYNSYM.0].contains(&s.sh_type) {
+            return Err(bad(format!("{:?}, a symbol table (type {:#x})", s.name, s.sh_type)));
+        }
     }
     let mut size = section.map_or(0, |s| s.data.len() as u64);
     let names = [layout::SEC_SITES, layout::SEC_DATA, layout::SEC_COUNTERS, layout::SEC_TEXT].map(|n| {

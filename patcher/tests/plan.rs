@@ -297,9 +297,11 @@ fn a_section_name_table_that_is_loaded_is_refused() {
     let data = fixture("every_c");
     let elf = Elf::parse(&data).unwrap();
     let shstrndx = |name: &str| elf.sections.iter().position(|s| s.name == name).unwrap() as u16;
-    for (section, what) in
-        [(".fini_array", "allocated (SHF_ALLOC)"), (".symtab", "of type 0x2;"), (".dynstr", "allocated")]
-    {
+    for (section, what) in [
+        (".fini_array", "which a PT_LOAD maps (SHF_ALLOC, address 0x3dd8)"),
+        (".symtab", "a symbol table (type 0x2)"),
+        (".dynstr", "which a PT_LOAD maps"),
+    ] {
         let mut d = data.clone();
         d[62..64].copy_from_slice(&shstrndx(section).to_le_bytes());
         let a = analysis(&d, "every_c");
@@ -307,7 +309,7 @@ fn a_section_name_table_that_is_loaded_is_refused() {
         assert_eq!((e.kind, e.at), (ErrorKind::Malformed, Location::Offset(FileOffset(62))), "{e}");
         let msg = e.to_string();
         assert!(msg.starts_with("offset 0x3e: e_shstrndx "), "{msg}");
-        assert!(msg.contains(what) && msg.contains("must be a non-allocated SHT_STRTAB"), "{msg}");
+        assert!(msg.contains(what) && msg.ends_with("must be a non-allocated SHT_STRTAB"), "{msg}");
         assert!(!msg.contains('\n'));
     }
     // The fuzzed input also had its read-only PT_LOAD at 0x30000002000.
@@ -319,17 +321,31 @@ fn a_section_name_table_that_is_loaded_is_refused() {
     assert_eq!(patch(&d, &a, &opts()).err().map(|e| e.at), Some(Location::Offset(FileOffset(62))));
 }
 
-/// A section name table elsewhere than usual but neither loaded nor of
-/// another type (here .strtab, the symbol names) still patches: its copy
-/// keeps every name.
+/// A section name table elsewhere than usual, neither loaded nor a symbol
+/// table, still patches (as it did): .strtab (the symbol names, whose copy
+/// keeps every name), a debug section, .comment, an allocated section no
+/// segment maps.
 #[test]
-fn a_section_name_table_shared_with_symbol_names_patches() {
-    let mut data = fixture("every_c");
+fn a_section_name_table_in_an_unloaded_section_patches() {
+    let data = fixture("every_c");
     let elf = Elf::parse(&data).unwrap();
-    let strtab = elf.sections.iter().position(|s| s.name == ".strtab").unwrap() as u16;
-    data[62..64].copy_from_slice(&strtab.to_le_bytes());
-    let a = analysis(&data, "every_c");
-    let out = patch(&data, &a, &opts()).unwrap().to_vec();
+    for section in [".strtab", ".debug_str", ".comment"] {
+        let mut d = data.clone();
+        let index = elf.sections.iter().position(|s| s.name == section).unwrap() as u16;
+        d[62..64].copy_from_slice(&index.to_le_bytes());
+        let a = analysis(&d, "every_c");
+        let out = patch(&d, &a, &opts()).unwrap_or_else(|e| panic!("e_shstrndx at [{index}] {section}: {e}")).to_vec();
+        analyze(&out, "every_c", None, &[]).unwrap_or_else(|e| panic!("e_shstrndx at [{index}] {section}: {e}"));
+    }
+    // An allocated section that no PT_LOAD maps (.rodata, its segment
+    // moved away) is not loaded either.
+    let mut d = data.clone();
+    let rodata = elf.sections.iter().position(|s| s.name == ".rodata").unwrap() as u16;
+    d[62..64].copy_from_slice(&rodata.to_le_bytes());
+    let ph = u64::from_le_bytes(d[32..40].try_into().unwrap()) as usize + 4 * 56;
+    d[ph + 16..ph + 24].copy_from_slice(&0x300_0000_2000u64.to_le_bytes());
+    let a = analysis(&d, "every_c");
+    let out = patch(&d, &a, &opts()).unwrap().to_vec();
     analyze(&out, "every_c", None, &[]).unwrap();
 }
 
