@@ -765,28 +765,39 @@ def the_largest(shared=False):
 def part_scan():
     f = the_largest()
     size = os.path.getsize(f)
-    summary = json.loads(output([AT, "sites", "--json", f]))["summary"]
+    doc = json.loads(output([AT, "sites", "--json", f]))
+    summary = doc["summary"]
     code, sites = summary["code_bytes"], summary["sites"]
+    wrappers = len(doc["wrappers"])
     sec = Section("Site discovery", "scan",
                   f"{which_elf()}: `{f}` ({size / 2**20:.0f} MiB, "
-                  f"{code / 2**20:.0f} MiB of code, {sites:,} sites). `alloctramp sites` includes symbolization and "
-                  "printing every line; the page cache is warm.")
+                  f"{code / 2**20:.0f} MiB of code, {sites:,} sites). `alloctramp sites --no-wrappers` is the site "
+                  "scan, with symbolization and printing every line; the page cache is warm. The wrapper search "
+                  "(`alloctramp sites` by default) reads every function again, and the libraries the file needs; "
+                  "its time is reported without a target (patching does not use it yet).")
     SECTIONS.append(sec)
-    timed([AT, "sites", f], base_env())  # warm the page cache
+    scan = [AT, "sites", "--no-wrappers", f]
+    timed(scan, base_env())  # warm the page cache
     runs, rss = [], 0
     for r in range(RUNS):
         log(f"scan: run {r + 1}/{RUNS}")
-        secs, rss = timed([AT, "sites", f], base_env())
+        secs, rss = timed(scan, base_env())
         runs.append(secs)
     s = med(runs)
+    log("scan: with the wrapper search")
+    ws, wrss = timed([AT, "sites", f], base_env())
     log("scan: objdump -d")
     od, _ = timed(["objdump", "-d", f], base_env())
     sec.table(["figure", "command", "value"], [
-        [f"wall time (median of {RUNS})", f"`alloctramp sites {f}`", f"{s:.3f} s"],
+        [f"wall time (median of {RUNS})", f"`alloctramp sites --no-wrappers {f}`", f"{s:.3f} s"],
         ["code scanned per second", "", f"{code / 1e6 / s:.0f} MB/s"],
         ["peak RSS", "", f"{rss / 1024:.1f} MiB"],
+        ["with the wrapper search (1 run)", f"`alloctramp sites {f}`",
+         f"{ws:.2f} s, {wrss / 1024:.0f} MiB, {wrappers:,} wrappers"],
         ["objdump -d on the same file (1 run)", f"`objdump -d {f}`", f"{od:.2f} s"],
     ])
+    TARGETS.append(("wrapper search (`alloctramp sites` without `--no-wrappers`)",
+                    f"{ws:.2f} s, {wrss / 1024:.0f} MiB, {wrappers:,} wrappers", "(reported)", "", sec.title))
     target(sec, "scan speed", f"{code / 1e6 / s:.0f} MB/s of code", ">= 100 MB/s", code / 1e6 / s >= 100)
     target(sec, "scan speed-up over `objdump -d`", f"{od / s:.0f}x ({s:.2f} s against {od:.2f} s)", ">= 15x", od / s >= 15)
     limit = size / 2**20 + 64

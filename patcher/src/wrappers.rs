@@ -148,7 +148,9 @@ pub fn find(
     known: &dyn Callees,
     refused: &dyn Fn(u64) -> bool,
 ) -> (Vec<Wrapper>, Vec<u64>) {
-    let decoded: Vec<Decoded> = functions.iter().map(|&f| Decoded::new(code, f)).collect();
+    // A first pass keeps only what each function calls and how it ends; the
+    // instructions of the few candidates are decoded again when analyzed.
+    let decoded: Vec<Decoded> = functions.iter().map(|&f| Decoded::new(code, f, false)).collect();
     let by_start: HashMap<u64, usize> = functions.iter().enumerate().map(|(i, f)| (f.start, i)).collect();
     let mut found: HashMap<u64, (Callee, u32)> = HashMap::new();
     let resolve = |found: &HashMap<u64, (Callee, u32)>, t: Target| match t {
@@ -161,7 +163,7 @@ pub fn find(
     loop {
         let mut changed = false;
         for (f, d) in functions.iter().zip(&decoded) {
-            if found.contains_key(&f.start) || d.returns || d.indirect_jump || d.instructions.is_empty() {
+            if found.contains_key(&f.start) || d.returns || d.indirect_jump || d.empty {
                 continue;
             }
             if d.jumps_out.iter().all(|&t| resolve(&found, t) == Some(Callee::NoReturn)) {
@@ -200,7 +202,7 @@ pub fn find(
             if found.contains_key(&f.start) || refused(f.start) {
                 continue;
             }
-            if let Some((role, why)) = analyze(&decoded[i], f, &|t| resolve(&found, t)) {
+            if let Some((role, why)) = analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t)) {
                 new.push(Wrapper { start: f.start, role, why, depth });
             }
         }
@@ -223,6 +225,8 @@ pub fn find(
 #[derive(Default)]
 struct Decoded {
     instructions: Vec<Instruction>,
+    /// No instruction decoded.
+    empty: bool,
     returns: bool,
     indirect_jump: bool,
     calls: Vec<Target>,
@@ -238,8 +242,10 @@ fn target_of(ins: &Instruction) -> Option<Target> {
 }
 
 impl Decoded {
-    fn new(code: &Code, f: Function) -> Decoded {
-        let mut d = Decoded::default();
+    /// `keep`: keep the instructions (for the data-flow), not only the
+    /// summary.
+    fn new(code: &Code, f: Function, keep: bool) -> Decoded {
+        let mut d = Decoded { empty: true, ..Decoded::default() };
         if f.end <= f.start || f.end - f.start > MAX_FUNCTION {
             return d;
         }
@@ -267,7 +273,10 @@ impl Decoded {
                 },
                 _ => {}
             }
-            d.instructions.push(ins);
+            d.empty = false;
+            if keep {
+                d.instructions.push(ins);
+            }
         }
         d
     }
