@@ -948,7 +948,50 @@ def part_memory():
     target(sec, "runtime memory per tracked live object", value, "<= 24 bytes", ok)
 
 
+def part_wrappers():
+    """A malloc+free pair through one level of allocation wrappers, charged to the wrappers' caller."""
+    loop = build("wrapper_loop.c")
+    d = os.path.join(WORK, "charged")
+    os.makedirs(d, exist_ok=True)
+    ploop = os.path.join(d, "wrapper_loop")
+    subprocess.run([AT, "patch", "--charge-callers", loop, "-o", ploop], check=True, env=base_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
+    sec = Section(
+        "Instructions through allocation wrappers", "wrappers",
+        "`bench/wrapper_loop.c`: `xmalloc` (malloc, dies on NULL) and `xfree` (free), static functions of the "
+        f"program, called in a loop; patched with `alloctramp patch --charge-callers`, so the loop's two calls are "
+        "the sites that count and the calls inside the wrappers are not patched. Instructions of the loop "
+        f"(`valgrind --tool=callgrind --toggle-collect=work`) at {n1:,} and {n2:,} pairs; the per-pair difference "
+        "against the unpatched program.",
+    )
+    SECTIONS.append(sec)
+    lp = {}
+    for v in ("unpatched", "off", "count", "live"):
+        for n in (n1, n2):
+            log(f"callgrind: wrapper_loop {v}, {n} pairs")
+            lp[v, n] = callgrind([ploop if v in PATCHED else loop, str(n)], env_of(v), toggle="work")
+    base = (lp["unpatched", n2] - lp["unpatched", n1]) / (n2 - n1)
+    per = {v: (lp[v, n2] - lp[v, n1]) / (n2 - n1) - base for v in PATCHED}
+    rows = []
+    for v, label, _ in VARIANTS:
+        if v not in ("unpatched",) + PATCHED:
+            continue
+        e = env_shown(v)
+        cmd = f"`{e + ' ' if e else ''}valgrind --tool=callgrind --toggle-collect=work {'$W/charged/' if v in PATCHED else '$W/'}wrapper_loop N`"
+        rows.append([label, cmd, f"{lp[v, n1]:,}", f"{lp[v, n2]:,}", f"{(lp[v, n2] - lp[v, n1]) / (n2 - n1):.2f}",
+                     "" if v == "unpatched" else f"{per[v]:+.2f}"])
+    sec.table(["variant", "command", f"loop, N={n1:,}", f"loop, N={n2:,}", "per pair", "extra per pair"], rows)
+    target(sec, "through one wrapper level, off: extra instructions per pair", f"{per['off']:.2f}", "exactly 0",
+           per["off"] == 0)
+    target(sec, "through one wrapper level, counting: extra instructions per pair", f"{per['count']:.2f}", "<= 25",
+           per["count"] <= 25)
+    sec.para(f"Live bytes through the wrapper: {per['live']:+.2f} instructions per pair (no target of its own; the "
+             "live target for a direct pair is 60).")
+
+
 PARTS = {
+    "wrappers": part_wrappers,
     "scan": part_scan,
     "patch": part_patch,
     "instructions": part_instructions,
@@ -959,7 +1002,7 @@ PARTS = {
     "switch": part_switch,
     "memory": part_memory,
 }
-ALL = ["instructions", "loop", "cxx", "cc1plus", "git", "scan", "patch", "switch", "memory"]
+ALL = ["instructions", "wrappers", "loop", "cxx", "cc1plus", "git", "scan", "patch", "switch", "memory"]
 ALIASES = {"all": ALL, "runtime": ["instructions", "loop", "switch"]}
 
 

@@ -5,10 +5,16 @@
  * wrapper, as GLib exports g_malloc and g_free. Marker counts are for one
  * run of wrappers (the program that needs this library):
  *   lw_alloc(12) x5   -> malloc, 5 calls, 60 bytes
- *   lw_free(p) x5     -> free, 5 calls
+ *   lw_dup(g, 12) x5  -> lw_alloc (through the PLT), malloc, 5 calls, 60 bytes
+ *   lw_free(p) x10    -> free, 10 calls
+ * With --charge-callers the program's calls count these; `alone=` gives
+ * what the library's sites count when only the library is patched (the
+ * program's calls are then plain calls): lw_dup's call of lw_alloc counts
+ * the copies, and raises the depth that lw_alloc's own site checks.
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 __attribute__((noreturn, noinline)) static void lw_die(const char *what)
 {
@@ -19,7 +25,7 @@ __attribute__((noreturn, noinline)) static void lw_die(const char *what)
 /* @wrapper lw_alloc alloc */
 void *lw_alloc(size_t n)
 {
-    void *p = malloc(n); /* @site malloc calls=5 bytes=60 */
+    void *p = malloc(n); /* @site malloc calls=10 bytes=120 inside alone=5,60 */
     if (p == NULL)
         lw_die("lw_alloc");
     return p;
@@ -28,5 +34,13 @@ void *lw_alloc(size_t n)
 /* @wrapper lw_free free */
 void lw_free(void *p)
 {
-    free(p); /* @site free tail calls=5 bytes=0 */
+    free(p); /* @site free tail calls=10 bytes=0 inside alone=10,0 */
+}
+
+/* @wrapper lw_dup alloc */
+void *lw_dup(const void *p, size_t n)
+{
+    void *q = lw_alloc(n); /* @charged lw_alloc inside alone=5,60 */
+    memcpy(q, p, n);
+    return q;
 }

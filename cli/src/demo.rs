@@ -107,6 +107,7 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
     // 2. Patch.
     let patched = tmp.join("demo.patched");
     let s = patch::patch_file(&patch::Args {
+        wrappers: Default::default(),
         input: bin.clone(),
         output: Some(patched.clone()),
         entries: vec![],

@@ -44,6 +44,8 @@ pub struct Args {
     /// CPUs count into different shards).
     #[arg(long, default_value_t = 16)]
     pub shards: u32,
+    #[command(flatten)]
+    pub wrappers: crate::sites::WrapperArgs,
 }
 
 /// Finds the runtime library.
@@ -139,7 +141,12 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
     let debug = debug_map
         .as_ref()
         .map(|(p, inp)| alloctramp_patcher::DebugFile { data: &inp.map, label: p.display().to_string() });
-    let analysis = alloctramp_patcher::analyze(&input.map, &name, debug, &user)
+    // Without charging, wrappers change nothing in the patched file.
+    let wrapper_opts = match args.wrappers.charge_callers {
+        true => args.wrappers.options(&args.input, &input.map, &user)?,
+        false => Default::default(),
+    };
+    let analysis = alloctramp_patcher::analyze_with(&input.map, &name, debug, &user, &wrapper_opts)
         .with_context(|| format!("{}", args.input.display()))?;
     let needed = match args.runtime_link {
         RuntimeLink::Origin => format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
@@ -165,14 +172,14 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
     // Runs of zero pages in the input (a sparse file) stay holes.
     staged.add_sparse(&output, in_meta.permissions().mode() & 0o7777, |w| patched.write_sparse(w))?;
     staged.commit()?;
-    for s in &patched.skipped {
+    for s in patched.skipped.iter().filter(|s| s.reason.is_loss()) {
         let site = &analysis.scan.sites[s.site];
         eprintln!("alloctramp: {}: site {} not patched: {}", args.input.display(), site.vaddr, s.reason);
     }
     Ok(Summary {
         output,
         sites: patched.sites,
-        skipped: patched.skipped.len(),
+        skipped: patched.skipped.iter().filter(|s| s.reason.is_loss()).count(),
         unpatchable: analysis.scan.unpatchable.len(),
         text_size: patched.text_size as u64,
     })

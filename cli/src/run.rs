@@ -128,6 +128,7 @@ pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<
         .create(&dir)
         .with_context(|| format!("{}: cannot create the cache directory", dir.display()))?;
     let args = patch::Args {
+        wrappers: Default::default(),
         input: program.to_path_buf(),
         output: Some(out.clone()),
         entries: entries.to_vec(),

@@ -3,7 +3,7 @@
 use crate::util::{Input, emit};
 use alloctramp_patcher::wrappers::{self, Callee};
 use alloctramp_patcher::{DebugFile, debugfile, deps, output};
-use alloctramp_trampolines::entry::{self, EntryPoint};
+use alloctramp_trampolines::entry::{self, EntryPoint, Size};
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
 
@@ -26,6 +26,13 @@ pub struct Args {
     /// Where separate debug files live (gdb's debug-file-directory).
     #[arg(long, value_name = "DIR", default_value = debugfile::DEFAULT_DEBUG_DIR)]
     pub debug_dir: PathBuf,
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
+}
+
+/// How allocation wrappers are found and charged (`sites` and `patch`).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct WrapperArgs {
     /// This function (a symbol of the file) is an allocation wrapper, of
     /// KIND alloc (the default), free or realloc, whatever its code looks
     /// like.
@@ -37,8 +44,33 @@ pub struct Args {
     pub not_wrappers: Vec<String>,
     /// Do not look for allocation wrappers (the search reads every
     /// function's code, and the libraries the file needs).
-    #[arg(long, conflicts_with_all = ["wrappers", "not_wrappers"])]
+    #[arg(long, conflicts_with_all = ["wrappers", "not_wrappers", "charge_callers"])]
     pub no_wrappers: bool,
+    /// Make each call to an allocation wrapper a site that counts what the
+    /// wrapper allocates, and the calls inside the wrapper count only when
+    /// it is reached without one (as the kernel's alloc_hooks nest).
+    #[arg(long)]
+    pub charge_callers: bool,
+}
+
+impl WrapperArgs {
+    /// The wrapper search's options for the file at `path`, whose bytes
+    /// are `data`: what its libraries export, what the user says.
+    pub fn options(&self, path: &Path, data: &[u8], user: &[EntryPoint]) -> Result<wrappers::Options> {
+        let named = self.wrappers.iter().map(|s| parse_wrapper(s)).collect::<Result<Vec<_>>>()?;
+        let (imported, libraries) = match alloctramp_patcher::Elf::parse(data) {
+            Ok(elf) if !self.no_wrappers => deps::imported_wrappers(path, &elf, &alloctramp_patcher::entry_set(user).0),
+            _ => Default::default(),
+        };
+        Ok(wrappers::Options {
+            search: !self.no_wrappers,
+            imported,
+            libraries,
+            named,
+            refused: self.not_wrappers.clone(),
+            charge: self.charge_callers,
+        })
+    }
 }
 
 /// `NAME[:KIND]` of `--wrapper`.
@@ -46,9 +78,9 @@ fn parse_wrapper(spec: &str) -> Result<(String, Callee)> {
     let (name, kind) =
         spec.rsplit_once(':').filter(|(n, _)| !n.is_empty() && !n.ends_with(':')).unwrap_or((spec, "alloc"));
     let role = match kind {
-        "alloc" => Callee::Alloc,
+        "alloc" => Callee::Alloc { size: Size::Arg(0) },
         "free" => Callee::Free { ptr: 0 },
-        "realloc" => Callee::Realloc { ptr: 0 },
+        "realloc" => Callee::Realloc { ptr: 0, size: Size::Arg(1) },
         _ => bail!("--wrapper {spec}: the kind must be alloc, free or realloc"),
     };
     Ok((name.to_string(), role))
@@ -80,13 +112,7 @@ pub fn run(args: Args) -> Result<()> {
 
     let debug_map = find_debug_in(path, data, &args.debug_dir);
     let debug = debug_map.as_ref().map(|(p, inp)| DebugFile { data: &inp.map, label: p.display().to_string() });
-    let named = args.wrappers.iter().map(|s| parse_wrapper(s)).collect::<Result<Vec<_>>>()?;
-    let (imported, libraries) = match alloctramp_patcher::Elf::parse(data) {
-        Ok(elf) if !args.no_wrappers => deps::imported_wrappers(path, &elf, &alloctramp_patcher::entry_set(&user).0),
-        _ => Default::default(),
-    };
-    let opts =
-        wrappers::Options { search: !args.no_wrappers, imported, libraries, named, refused: args.not_wrappers.clone() };
+    let opts = args.wrappers.options(path, data, &user)?;
     let analysis = alloctramp_patcher::analyze_with(data, &name, debug, &user, &opts)
         .with_context(|| format!("{}", path.display()))?;
     for &i in &analysis.scan.unresolved {

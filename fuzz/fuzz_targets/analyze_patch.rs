@@ -1,4 +1,4 @@
-//! Any bytes through site and wrapper discovery and the patched-file writer: an error
+//! Any bytes through site and wrapper discovery, charging to wrappers' callers and the patched-file writer: an error
 //! or a patched file, never a panic; a patched file is itself an ELF file
 //! that analyzes and is refused as already patched.
 #![no_main]
@@ -8,7 +8,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     // The wrapper search too: it reads every function's code.
-    let search = alloctramp_patcher::wrappers::Options { search: true, ..Default::default() };
+    let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
     let Ok(analysis) = alloctramp_patcher::analyze_with(data, "fuzz", None, &[], &search) else { return };
     let opts = PatchOptions { runtime_needed: "liballoctramp_rt.so".into(), shards: 4 };
     let Ok(patched) = patch(data, &analysis, &opts) else { return };

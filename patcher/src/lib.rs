@@ -7,6 +7,7 @@
 //! line.
 
 mod bytes;
+pub mod charge;
 pub mod debugfile;
 pub mod deps;
 pub mod elf;
@@ -58,6 +59,10 @@ pub struct Analysis {
 pub struct WrapperInfo {
     /// Where it is defined in the file (None: imported from a library).
     pub addr: Option<Vaddr>,
+    /// The end of its code (`addr` for an imported one).
+    pub end: Vaddr,
+    /// The symbol it is imported by.
+    pub symbol: Option<String>,
     /// Its name (demangled), `fn@0x...` for a function without a symbol.
     pub function: String,
     pub role: wrappers::Callee,
@@ -96,13 +101,47 @@ pub fn analyze_with(
     wrapper_opts: &wrappers::Options,
 ) -> Result<Analysis> {
     let elf = Elf::parse(data)?;
-    let (entries, first_user) = entry_set(user);
+    let (mut entries, first_user) = entry_set(user);
+    let user_entries = first_user..entries.len();
     let (found, _) =
         if wrapper_opts.search { wrappers::discover(&elf, &entries, wrapper_opts) } else { Default::default() };
-    let scan = scan::scan(&elf, entries, first_user)?;
     let module = elf.soname().map(str::to_string).unwrap_or_else(|| base_name(file_name).to_string());
-
     let functions = symbols::FunctionIndex::new(&elf);
+    let mut wrappers: Vec<WrapperInfo> = found
+        .iter()
+        .map(|w| WrapperInfo {
+            addr: Some(Vaddr(w.start)),
+            end: Vaddr(w.end),
+            symbol: None,
+            function: functions.lookup(w.start).map_or_else(|| format!("fn@{:#x}", w.start), |f| symbols::demangle(&f)),
+            role: w.role,
+            reason: w.why.text(),
+            depth: w.depth,
+        })
+        .collect();
+    let imports: std::collections::BTreeSet<&str> =
+        elf.symbols(true).iter().filter(|s| !s.defined && s.is_func).map(|s| s.name).collect();
+    for (name, role) in wrapper_opts.imported.iter().filter(|_| wrapper_opts.search) {
+        if imports.contains(name.as_str()) && !wrapper_opts.refused.contains(name) {
+            wrappers.push(WrapperInfo {
+                addr: None,
+                end: Vaddr(0),
+                symbol: Some(name.clone()),
+                function: symbols::demangle(name),
+                role: *role,
+                reason: match wrapper_opts.libraries.get(name) {
+                    Some(lib) => format!("exported by {lib}"),
+                    None => "exported by a library the file needs".to_string(),
+                },
+                depth: 1,
+            });
+        }
+    }
+    wrappers[found.len()..].sort_by(|a, b| a.function.cmp(&b.function));
+    let charged = if wrapper_opts.charge { charge::entries(&elf, &mut entries, &wrappers) } else { Vec::new() };
+    let mut scan = scan::scan(&elf, entries, user_entries)?;
+    charge::assign(&elf, &mut scan, &charged);
+
     let embedded = elf.has_dwarf_lines().then(|| lines::DebugSections::load(&elf.file));
     let debug_parsed = match (&embedded, &debug) {
         (Some(Some(_)), _) | (_, None) => None,
@@ -123,33 +162,6 @@ pub fn analyze_with(
             location: lines.as_ref().and_then(|l| l.find(s.vaddr.0)),
         })
         .collect();
-    let mut wrappers: Vec<WrapperInfo> = found
-        .iter()
-        .map(|w| WrapperInfo {
-            addr: Some(Vaddr(w.start)),
-            function: functions.lookup(w.start).map_or_else(|| format!("fn@{:#x}", w.start), |f| symbols::demangle(&f)),
-            role: w.role,
-            reason: w.why.text(),
-            depth: w.depth,
-        })
-        .collect();
-    let imports: std::collections::BTreeSet<&str> =
-        elf.symbols(true).iter().filter(|s| !s.defined && s.is_func).map(|s| s.name).collect();
-    for (name, role) in wrapper_opts.imported.iter().filter(|_| wrapper_opts.search) {
-        if imports.contains(name.as_str()) && !wrapper_opts.refused.contains(name) {
-            wrappers.push(WrapperInfo {
-                addr: None,
-                function: symbols::demangle(name),
-                role: *role,
-                reason: match wrapper_opts.libraries.get(name) {
-                    Some(lib) => format!("exported by {lib}"),
-                    None => "exported by a library the file needs".to_string(),
-                },
-                depth: 1,
-            });
-        }
-    }
-    wrappers[found.len()..].sort_by(|a, b| a.function.cmp(&b.function));
     Ok(Analysis { module, file_type: elf.file_type, scan, info, debug_source, wrappers })
 }
 

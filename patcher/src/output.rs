@@ -1,9 +1,10 @@
 //! `alloctramp sites` output: a tab-separated table with a summary, or one
 //! JSON document (schema in docs/formats.md).
 
-use crate::scan::Reason;
+use crate::scan::{Charge, Reason};
 use crate::symbols::demangle;
 use crate::{Analysis, Location};
+use alloctramp_trampolines::entry::Size;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::{self, Write};
@@ -36,6 +37,11 @@ pub struct WrapperDoc<'a> {
     pub kind: &'static str,
     pub reason: &'a str,
     pub depth: u32,
+    /// What a call asks for: `argN`, `argN*argM`, `strlen` (of the
+    /// result), or null (a free wrapper, or none of its arguments).
+    pub size: Option<String>,
+    /// Calls to it can be charged (it frees, or its size is known).
+    pub countable: bool,
 }
 
 #[derive(Serialize)]
@@ -55,6 +61,16 @@ pub struct SiteDoc<'a> {
     pub file: Option<&'a str>,
     pub line: Option<u32>,
     pub module: &'a str,
+    /// How its count nests with allocation wrappers (`patch
+    /// --charge-callers`): `own`, `caller` (a call to a wrapper, counted
+    /// for what it allocates), `inside` (in a wrapper: never counted) or
+    /// `inside-checked` (counted when the wrapper is reached otherwise).
+    pub charge: &'static str,
+    /// A caller's call raises the thread's wrapper depth; a site inside
+    /// counts with it raised.
+    pub raises_depth: bool,
+    /// The wrapper a site inside belongs to.
+    pub wrapper: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -110,6 +126,17 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                 file: info.location.as_ref().map(|l: &Location| l.file.as_str()),
                 line: info.location.as_ref().map(|l| l.line),
                 module: &a.module,
+                charge: match s.charge {
+                    Charge::Own => "own",
+                    Charge::Caller { .. } => "caller",
+                    Charge::Inside { checked: false, .. } => "inside",
+                    Charge::Inside { checked: true, .. } => "inside-checked",
+                },
+                raises_depth: matches!(s.charge, Charge::Caller { bump: true, .. } | Charge::Inside { bump: true, .. }),
+                wrapper: match s.charge {
+                    Charge::Inside { wrapper, .. } => a.wrappers.get(wrapper).map(|w| w.function.as_str()),
+                    _ => None,
+                },
             }
         })
         .collect();
@@ -150,6 +177,13 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                 kind: w.role.as_str(),
                 reason: &w.reason,
                 depth: w.depth,
+                size: w.role.signature().and_then(|sig| match sig.size {
+                    Size::Arg(a) => Some(format!("arg{a}")),
+                    Size::Product(a, b) => Some(format!("arg{a}*arg{b}")),
+                    Size::ResultStrlen => Some("strlen".to_string()),
+                    Size::None => None,
+                }),
+                countable: w.role.signature().is_some(),
             })
             .collect(),
         summary,
@@ -197,6 +231,14 @@ pub fn write_text(w: &mut (impl Write + ?Sized), doc: &SitesDoc) -> io::Result<(
     }
     for (form, n) in &sum.by_form {
         writeln!(w, "#   form {form}: {n}")?;
+    }
+    let callers = doc.sites.iter().filter(|s| s.charge == "caller").count();
+    if callers > 0 {
+        let inside = doc.sites.len() - callers - doc.sites.iter().filter(|s| s.charge == "own").count();
+        writeln!(
+            w,
+            "# {callers} calls to allocation wrappers count what they allocate; {inside} sites are inside them"
+        )?;
     }
     writeln!(w, "# {} references that cannot be patched", sum.unpatchable)?;
     for r in &doc.unpatchable {

@@ -19,6 +19,7 @@
 use crate::bytes::align;
 use crate::elf::Elf;
 use crate::error::{Error, ErrorKind, Location, Result};
+use crate::scan::Charge;
 use crate::tables::{Jmprel, Phdr, Tables};
 use crate::{Analysis, SiteInfo, Via};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
@@ -156,6 +157,16 @@ pub enum SkipReason {
     OutOfRange,
     /// The trampoline could not be generated.
     Codegen(CodegenError),
+    /// A call inside an allocation wrapper that only sites reach: the
+    /// wrapper's callers count what it allocates.
+    InsideWrapper,
+}
+
+impl SkipReason {
+    /// Whether the site was meant to be patched (a skip worth a warning).
+    pub fn is_loss(&self) -> bool {
+        !matches!(self, SkipReason::InsideWrapper)
+    }
 }
 
 impl fmt::Display for SkipReason {
@@ -164,6 +175,7 @@ impl fmt::Display for SkipReason {
             SkipReason::TooShort { len } => write!(f, "site instruction of {len} bytes is too short for a jump"),
             SkipReason::OutOfRange => f.write_str("trampoline out of rel32 range"),
             SkipReason::Codegen(e) => write!(f, "trampoline: {e}"),
+            SkipReason::InsideWrapper => f.write_str("inside an allocation wrapper whose callers are counted"),
         }
     }
 }
@@ -675,6 +687,11 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
     for (i, site) in a.scan.sites.iter().enumerate() {
         let at = text.offset.wrapping_add(text.delta);
         let entry = &a.scan.entries[site.entry];
+        let (depth_check, depth_bump, external) = match site.charge {
+            Charge::Own => (false, false, false),
+            Charge::Caller { bump, external } => (false, bump, external),
+            Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
+        };
         let spec = TrampolineSpec {
             site: site.vaddr.0,
             len: site.len,
@@ -682,18 +699,24 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
             target: site.target.0,
             sig: entry.sig,
             index: i as u32,
-            preserve: site.via == Via::Direct,
+            preserve: site.via == Via::Direct && !external,
             args: entry.args,
             control: ctx.control,
             shard_mask: ctx.shards - 1,
             shard_stride: ctx.stride as u32,
+            depth_check,
+            depth_bump,
         };
-        let decision = match trampoline(&spec, at) {
-            Ok(t) => {
-                let (drain, count) = (t.drain, t.count);
-                Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count })
+        let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
+            Decision::Skipped(SkipReason::InsideWrapper)
+        } else {
+            match trampoline(&spec, at) {
+                Ok(t) => {
+                    let (drain, count) = (t.drain, t.count);
+                    Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count })
+                }
+                Err(reason) => Decision::Skipped(reason),
             }
-            Err(reason) => Decision::Skipped(reason),
         };
         sites.push(SitePlan { addr: site.vaddr, len: site.len, form: site.form, entry: site.entry, decision });
     }

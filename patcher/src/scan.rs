@@ -35,6 +35,33 @@ pub struct Site {
     pub via: Via,
     /// The branch target (a PLT stub or a definition) or the GOT slot read.
     pub target: Vaddr,
+    /// How its count nests with allocation wrappers.
+    pub charge: Charge,
+}
+
+/// How a site's count nests with the allocation wrappers whose callers
+/// are charged (see [`crate::charge`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Charge {
+    /// Counted here: a call to an allocator outside any charged wrapper.
+    #[default]
+    Own,
+    /// A call to a charged wrapper, counted here for what the wrapper
+    /// allocates. `bump`: the wrapper (or one it calls) can also be
+    /// reached without such a call, so the call raises the thread's
+    /// wrapper depth, which the checked sites inside read. `external`:
+    /// every allocation the wrapper makes is a call out of the file
+    /// (through the PLT or the GOT, maybe through other such wrappers), so
+    /// a call to it clobbers what any external call clobbers, and its
+    /// trampoline keeps no more registers than one for `malloc@plt`.
+    Caller { bump: bool, external: bool },
+    /// A call inside the charged wrapper `wrapper` (an index into
+    /// [`crate::Analysis::wrappers`]), counted at the wrapper's callers.
+    /// `checked`: the wrapper can be reached other than through a site, so
+    /// the call counts here when the thread's wrapper depth is 0 (and
+    /// raises it around the call if `bump`); otherwise it is never patched.
+    /// `external` as for a caller, when it calls a wrapper.
+    Inside { wrapper: usize, checked: bool, bump: bool, external: bool },
 }
 
 /// Why a reference to an entry point cannot be patched.
@@ -205,12 +232,11 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
 
 /// Scans a file for calls to the given entry points.
 ///
-/// `entries[first_user..]` are the entry points a user named; those the file
+/// `entries[user]` are the entry points a user named; those the file
 /// neither defines nor imports are listed in [`Scan::unresolved`].
-pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, first_user: usize) -> Result<Scan> {
+pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -> Result<Scan> {
     let (targets, found) = resolve_targets(elf, &entries);
-    let mut out =
-        Scan { unresolved: (first_user..entries.len()).filter(|&i| !found[i]).collect(), entries, ..Scan::default() };
+    let mut out = Scan { unresolved: user.filter(|&i| !found[i]).collect(), entries, ..Scan::default() };
     if targets.got.is_empty() && targets.code.is_empty() {
         return Ok(out);
     }
@@ -371,6 +397,7 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
             entry,
             via,
             target: Vaddr(target),
+            charge: Charge::Own,
         });
     };
     let unpatchable = |entry: usize, reason: Reason, out: &mut Found| {

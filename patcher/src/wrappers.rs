@@ -21,7 +21,7 @@
 //! targets, and returns data.
 
 use crate::elf::Elf;
-use alloctramp_trampolines::entry::{EntryPoint, Kind, Returns, Target as EntryTarget};
+use alloctramp_trampolines::entry::{EntryPoint, Kind, Returns, Signature, Size, Target as EntryTarget};
 use iced_x86::{
     ConditionCode, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
     OpKind, Register, RflagsBits,
@@ -31,14 +31,19 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 /// What a call reaches, as far as wrappers are concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Callee {
-    /// Returns a new object (an allocator or an allocation wrapper).
-    Alloc,
+    /// Returns a new object (an allocator or an allocation wrapper) of the
+    /// bytes `size` says ([`Size::None`]: not known from its arguments).
+    Alloc { size: Size },
     /// Frees the object passed in argument `ptr`.
     Free { ptr: u8 },
-    /// Returns a new object for the one passed in argument `ptr`.
-    Realloc { ptr: u8 },
+    /// Returns a new object of `size` bytes for the one passed in argument
+    /// `ptr`.
+    Realloc { ptr: u8, size: Size },
     /// Never returns (`abort`, `exit`, a `die()` of the program).
     NoReturn,
+    /// Returns its first argument (`memcpy`, `memset`, `strcpy`): a
+    /// wrapper may fill the object it returns with one.
+    ReturnsFirst,
 }
 
 /// Where a call or a jump goes.
@@ -105,10 +110,23 @@ impl Callee {
     /// The role's name: `alloc`, `free`, `realloc` or `noreturn`.
     pub fn as_str(&self) -> &'static str {
         match self {
-            Callee::Alloc => "alloc",
+            Callee::Alloc { .. } => "alloc",
             Callee::Free { .. } => "free",
             Callee::Realloc { .. } => "realloc",
             Callee::NoReturn => "noreturn",
+            Callee::ReturnsFirst => "returns-first",
+        }
+    }
+
+    /// What a call of a wrapper of this role counts: `None` for a role
+    /// that is not an allocation wrapper's, or an allocation wrapper whose
+    /// size is none of its arguments.
+    pub fn signature(&self) -> Option<Signature> {
+        match *self {
+            Callee::Alloc { size: Size::None } | Callee::NoReturn | Callee::ReturnsFirst => None,
+            Callee::Alloc { size } => Some(Signature::alloc(size)),
+            Callee::Free { ptr } => Some(Signature::free(ptr)),
+            Callee::Realloc { ptr, size } => Some(Signature::realloc(ptr, size)),
         }
     }
 }
@@ -117,6 +135,8 @@ impl Callee {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Wrapper {
     pub start: u64,
+    /// The end of its code (the first byte past it).
+    pub end: u64,
     /// [`Callee::Alloc`], [`Callee::Free`] or [`Callee::Realloc`].
     pub role: Callee,
     pub why: Why,
@@ -127,6 +147,9 @@ pub struct Wrapper {
 /// Code bytes by address (the executable sections).
 pub struct Code<'a> {
     pub ranges: Vec<(u64, &'a [u8])>,
+    /// PLT stubs and GOT slots through which the file calls its own
+    /// functions, and those functions' addresses.
+    pub local: HashMap<Target, u64>,
 }
 
 impl<'a> Code<'a> {
@@ -153,7 +176,8 @@ pub fn find(
     let decoded: Vec<Decoded> = functions.iter().map(|&f| Decoded::new(code, f, false)).collect();
     let by_start: HashMap<u64, usize> = functions.iter().enumerate().map(|(i, f)| (f.start, i)).collect();
     let mut found: HashMap<u64, (Callee, u32)> = HashMap::new();
-    let resolve = |found: &HashMap<u64, (Callee, u32)>, t: Target| match t {
+    let own = |t: Target| code.local.get(&t).map_or(t, |&a| Target::Code(a));
+    let resolve = |found: &HashMap<u64, (Callee, u32)>, t: Target| match own(t) {
         Target::Code(a) => found.get(&a).map(|&(c, _)| c).or_else(|| known.callee(t)),
         Target::Slot(_) => known.callee(t),
     };
@@ -181,14 +205,15 @@ pub fn find(
     let mut callers: HashMap<u64, Vec<usize>> = HashMap::new();
     for (i, d) in decoded.iter().enumerate() {
         for &t in d.calls.iter().chain(&d.jumps_out) {
-            if let Target::Code(a) = t
+            if let Target::Code(a) = own(t)
                 && by_start.contains_key(&a)
             {
                 callers.entry(a).or_default().push(i);
             }
         }
     }
-    let role = |c: Option<Callee>| matches!(c, Some(Callee::Alloc | Callee::Free { .. } | Callee::Realloc { .. }));
+    let role =
+        |c: Option<Callee>| matches!(c, Some(Callee::Alloc { .. } | Callee::Free { .. } | Callee::Realloc { .. }));
     let mut todo: Vec<usize> = (0..functions.len())
         .filter(|&i| decoded[i].calls.iter().chain(&decoded[i].jumps_out).any(|&t| role(resolve(&found, t))))
         .collect();
@@ -203,7 +228,7 @@ pub fn find(
                 continue;
             }
             if let Some((role, why)) = analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t)) {
-                new.push(Wrapper { start: f.start, role, why, depth });
+                new.push(Wrapper { start: f.start, end: f.end, role, why, depth });
             }
         }
         for w in &new {
@@ -290,6 +315,11 @@ enum Val {
     Zero,
     /// Argument `n` at entry, plus an offset.
     Arg(u8, i64),
+    /// On some paths argument `n` plus an offset, on the others a
+    /// constant (`if (n == 0) n = 1`): what a size may be.
+    ArgOr(u8, i64),
+    /// A constant other than NULL.
+    Const(i64),
     /// The stack pointer at entry, plus an offset.
     Stack(i64),
     /// What a call returned, plus an offset.
@@ -299,20 +329,51 @@ enum Val {
 /// Which call a result came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Origin {
-    Alloc,
-    /// A realloc of the function's argument `n` plus an offset.
-    ReallocOfArg(u8, i64),
+    /// An allocation of the bytes given (in the function's arguments).
+    Alloc(Size),
+    /// A realloc of the function's argument `n` plus an offset, to the
+    /// bytes given.
+    ReallocOfArg(u8, i64, Size),
     /// A realloc of something else.
     Realloc,
+}
+
+/// The size two paths ask for: the same, or not known.
+fn join_size(a: Size, b: Size) -> Size {
+    if a == b { a } else { Size::None }
 }
 
 impl Origin {
     fn join(self, o: Origin) -> Origin {
         match (self, o) {
             _ if self == o => self,
-            (Origin::Alloc, r @ Origin::ReallocOfArg(..)) | (r @ Origin::ReallocOfArg(..), Origin::Alloc) => r,
+            (Origin::Alloc(a), Origin::Alloc(b)) => Origin::Alloc(join_size(a, b)),
+            (Origin::ReallocOfArg(n, x, a), Origin::ReallocOfArg(m, y, b)) if (n, x) == (m, y) => {
+                Origin::ReallocOfArg(n, x, join_size(a, b))
+            }
+            (Origin::Alloc(a), Origin::ReallocOfArg(n, x, b)) | (Origin::ReallocOfArg(n, x, b), Origin::Alloc(a)) => {
+                Origin::ReallocOfArg(n, x, join_size(a, b))
+            }
             _ => Origin::Realloc,
         }
+    }
+}
+
+/// A callee's size in terms of the calling function's arguments, from
+/// the argument registers at the call.
+fn asked(s: &State, size: Size) -> Size {
+    let arg = |a: u8| match ARGS.get(usize::from(a)).map(|&r| s.get(r)) {
+        Some(Val::Arg(n, _) | Val::ArgOr(n, _)) => Some(n),
+        _ => None,
+    };
+    match size {
+        Size::Arg(a) => arg(a).map_or(Size::None, Size::Arg),
+        Size::Product(a, b) => match (arg(a), arg(b)) {
+            (Some(x), Some(y)) => Size::Product(x, y),
+            _ => Size::None,
+        },
+        Size::ResultStrlen => Size::ResultStrlen,
+        Size::None => Size::None,
     }
 }
 
@@ -320,6 +381,8 @@ impl Val {
     fn plus(self, d: i64) -> Val {
         match self {
             Val::Arg(n, o) => Val::Arg(n, o.wrapping_add(d)),
+            Val::ArgOr(n, o) => Val::ArgOr(n, o.wrapping_add(d)),
+            Val::Const(k) => Val::Const(k.wrapping_add(d)),
             Val::Stack(o) => Val::Stack(o.wrapping_add(d)),
             Val::Result(r, o) => Val::Result(r, o.wrapping_add(d)),
             Val::Zero | Val::Unknown => Val::Unknown,
@@ -333,6 +396,12 @@ impl Val {
             (Val::Result(a, x), Val::Result(b, y)) if x == y => Val::Result(a.join(b), x),
             // A path that found the result NULL and returns NULL.
             (r @ Val::Result(..), Val::Zero) | (Val::Zero, r @ Val::Result(..)) => r,
+            // A size replaced by a constant on some path.
+            (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Arg(m, y) | Val::ArgOr(m, y)) if (n, x) == (m, y) => {
+                Val::ArgOr(n, x)
+            }
+            (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Const(_) | Val::Zero)
+            | (Val::Const(_) | Val::Zero, Val::Arg(n, x) | Val::ArgOr(n, x)) => Val::ArgOr(n, x),
             _ => Val::Unknown,
         }
     }
@@ -418,7 +487,13 @@ impl State {
         for (a, b) in self.regs.iter_mut().zip(&o.regs) {
             *a = a.join(*b);
         }
-        self.stack.retain(|k, v| o.stack.get(k) == Some(v));
+        self.stack.retain(|k, v| match o.stack.get(k) {
+            Some(w) => {
+                *v = v.join(*w);
+                *v != Val::Unknown
+            }
+            None => false,
+        });
         if self.zero_test != o.zero_test {
             self.zero_test = None;
         }
@@ -452,8 +527,9 @@ struct Ends {
     /// Values returned (in rax) by paths that return, with the instruction
     /// that ends each.
     returned: Vec<(Val, u64)>,
-    /// Results of tail calls: (callee, value of the pointer argument), at.
-    tail: Vec<(Callee, Val, u64)>,
+    /// Results of tail calls: (callee, value of the pointer argument, size
+    /// asked for), at.
+    tail: Vec<(Callee, Val, Size, u64)>,
     /// Frees made: value of the pointer argument, at.
     frees: Vec<(Val, u64)>,
     /// Where results come from: call address per origin.
@@ -488,15 +564,20 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     // A path returns something other than an object or NULL.
     let mut other = false;
     let mut result: Option<(u64, i64)> = None;
+    // The size every path asks for.
+    let mut size: Option<Size> = None;
+    let mut ask = |s: Size| size = Some(size.map_or(s, |t| join_size(s, t)));
     for &(v, _) in &ends.returned {
         match v {
             Val::Zero => {}
-            Val::Result(Origin::Alloc, off) => {
+            Val::Result(Origin::Alloc(s), off) => {
                 alloc = true;
+                ask(s);
                 result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
             }
-            Val::Result(Origin::ReallocOfArg(n, _), off) => {
+            Val::Result(Origin::ReallocOfArg(n, _, s), off) => {
                 realloc(Some(n));
+                ask(s);
                 result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
             }
             Val::Result(Origin::Realloc, _) => realloc(None),
@@ -504,15 +585,17 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
         }
     }
     let mut tail_at = None;
-    for &(callee, arg, at) in &ends.tail {
+    for &(callee, arg, s, at) in &ends.tail {
         match (callee, arg) {
-            (Callee::Alloc, _) => alloc = true,
+            (Callee::Alloc { .. }, _) => alloc = true,
             (Callee::Realloc { .. }, Val::Arg(n, _)) => realloc(Some(n)),
             (Callee::Realloc { .. }, _) => realloc(None),
-            (Callee::Free { .. } | Callee::NoReturn, _) => continue,
+            (Callee::Free { .. } | Callee::NoReturn | Callee::ReturnsFirst, _) => continue,
         }
+        ask(s);
         tail_at.get_or_insert(at);
     }
+    let size = size.unwrap_or(Size::None);
     if alloc || realloc_of.is_some() {
         // Every path that returns must return the object (or NULL), and
         // every realloc must reallocate the same argument.
@@ -520,7 +603,7 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
             return None;
         }
         let realloc_of = realloc_of.and_then(Result::ok);
-        let role = realloc_of.map_or(Callee::Alloc, |ptr| Callee::Realloc { ptr });
+        let role = realloc_of.map_or(Callee::Alloc { size }, |ptr| Callee::Realloc { ptr, size });
         let why = match (result, tail_at) {
             (Some((at, offset)), _) => Why::Returns { at, offset },
             (None, Some(at)) => Why::TailCall { at },
@@ -661,15 +744,16 @@ fn is_inside_object(s: &State, ins: &Instruction) -> bool {
 fn call(s: &mut State, ins: &Instruction, callee: Option<Callee>, ends: &mut Ends) {
     let arg = |s: &State, n: u8| ARGS.get(usize::from(n)).map_or(Val::Unknown, |&r| s.get(r));
     let result = match callee {
-        Some(Callee::Alloc) => Val::Result(Origin::Alloc, 0),
-        Some(Callee::Realloc { ptr }) => match arg(s, ptr) {
-            Val::Arg(n, o) => Val::Result(Origin::ReallocOfArg(n, o), 0),
+        Some(Callee::Alloc { size }) => Val::Result(Origin::Alloc(asked(s, size)), 0),
+        Some(Callee::Realloc { ptr, size }) => match arg(s, ptr) {
+            Val::Arg(n, o) => Val::Result(Origin::ReallocOfArg(n, o, asked(s, size)), 0),
             _ => Val::Result(Origin::Realloc, 0),
         },
         Some(Callee::Free { ptr }) => {
             ends.frees.push((arg(s, ptr), ins.ip()));
             Val::Unknown
         }
+        Some(Callee::ReturnsFirst) => arg(s, 0),
         _ => Val::Unknown,
     };
     if matches!(result, Val::Result(..)) {
@@ -687,12 +771,13 @@ fn tail_call(s: &State, ins: &Instruction, callee: Option<Callee>, ends: &mut En
     let arg = |n: u8| ARGS.get(usize::from(n)).map_or(Val::Unknown, |&r| s.get(r));
     match callee {
         Some(Callee::NoReturn) => {}
-        Some(c @ Callee::Alloc) => ends.tail.push((c, Val::Unknown, ins.ip())),
-        Some(c @ Callee::Realloc { ptr }) => ends.tail.push((c, arg(ptr), ins.ip())),
+        Some(c @ Callee::Alloc { size }) => ends.tail.push((c, Val::Unknown, asked(s, size), ins.ip())),
+        Some(c @ Callee::Realloc { ptr, size }) => ends.tail.push((c, arg(ptr), asked(s, size), ins.ip())),
         Some(Callee::Free { ptr }) => {
             ends.frees.push((arg(ptr), ins.ip()));
             ends.returned.push((Val::Unknown, ins.ip()));
         }
+        Some(Callee::ReturnsFirst) => ends.returned.push((arg(0), ins.ip())),
         None => ends.returned.push((Val::Unknown, ins.ip())),
     }
 }
@@ -778,14 +863,22 @@ fn transfer(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory)
                     s.stack.insert(at, s.get(r));
                 }
             }
-            (OpKind::Memory, _) => s.clobber_memory(ins),
+            (OpKind::Memory, _) => {
+                s.clobber_memory(ins);
+                // A constant stored in a stack slot (a size set to 1).
+                if let (Some(at), Some(k)) = (s.slot(ins), imm())
+                    && ins.memory_size().size() == 8
+                {
+                    s.stack.insert(at, if k == 0 { Val::Zero } else { Val::Const(k) });
+                }
+            }
             (OpKind::Register, _) => {
                 let d = ins.op0_register();
-                // `mov r32, 0` zero-extends: the whole register is NULL.
-                if imm() == Some(0) && d.size() >= 4 {
-                    s.set(d.full_register(), Val::Zero);
-                } else {
-                    s.set(d, Val::Unknown);
+                // `mov r32, imm` zero-extends: the whole register holds it.
+                match imm() {
+                    Some(0) if d.size() >= 4 => s.set(d.full_register(), Val::Zero),
+                    Some(k) if d.size() >= 4 => s.set(d.full_register(), Val::Const(k)),
+                    _ => s.set(d, Val::Unknown),
                 }
             }
             _ => generic(s, ins, info),
@@ -914,6 +1007,24 @@ const NO_RETURN: &[&str] = &[
     "_ZSt20__throw_length_errorPKc",
 ];
 
+/// Functions of the C library that return their first argument.
+const RETURNS_FIRST: &[&str] = &[
+    "memcpy",
+    "memmove",
+    "memset",
+    "strcpy",
+    "strncpy",
+    "strcat",
+    "strncat",
+    "__memcpy_chk",
+    "__memmove_chk",
+    "__memset_chk",
+    "__strcpy_chk",
+    "__strncpy_chk",
+    "__strcat_chk",
+    "__strncat_chk",
+];
+
 /// Whether a (mangled) name is a function that never returns.
 fn never_returns(name: &str) -> bool {
     if NO_RETURN.contains(&name) || (name.starts_with("_ZSt") && name.contains("__throw_")) {
@@ -975,9 +1086,9 @@ fn fde_ranges(elf: &Elf) -> Vec<Function> {
 fn role_of(e: &EntryPoint) -> Option<Callee> {
     let sig = &e.sig;
     match (sig.kind, sig.result, sig.freed) {
-        (Kind::Alloc, Returns::Ret, _) => Some(Callee::Alloc),
+        (Kind::Alloc, Returns::Ret, _) => Some(Callee::Alloc { size: sig.size }),
         (Kind::Free, _, Some(ptr)) => Some(Callee::Free { ptr }),
-        (Kind::Realloc, Returns::Ret, Some(ptr)) => Some(Callee::Realloc { ptr }),
+        (Kind::Realloc, Returns::Ret, Some(ptr)) => Some(Callee::Realloc { ptr, size: sig.size }),
         _ => None,
     }
 }
@@ -997,6 +1108,9 @@ pub struct Options {
     pub named: Vec<(String, Callee)>,
     /// Functions of the file that are not wrappers, whatever they look like.
     pub refused: Vec<String>,
+    /// Make calls to wrappers sites, charged with what the wrappers
+    /// allocate (see [`crate::charge`]).
+    pub charge: bool,
 }
 
 /// The wrappers in a file whose entry points `entries` are (the defaults
@@ -1012,15 +1126,31 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
             by_name.insert(name.as_str(), role);
         }
     }
-    let named = |name: &str| by_name.get(name).copied().or_else(|| never_returns(name).then_some(Callee::NoReturn));
+    let named = |name: &str| {
+        by_name.get(name).copied().or_else(|| {
+            if never_returns(name) {
+                Some(Callee::NoReturn)
+            } else {
+                RETURNS_FIRST.contains(&name).then_some(Callee::ReturnsFirst)
+            }
+        })
+    };
     let mut slots: HashMap<u64, Callee> = HashMap::new();
+    // The file's own functions that it calls through a GOT slot (an
+    // exported function of a library, which may be interposed).
+    let defined: HashMap<&str, u64> =
+        elf.symbols(true).iter().filter(|s| s.defined && s.is_func).map(|s| (s.name, s.value)).collect();
+    let mut own_slots: HashMap<u64, u64> = HashMap::new();
     for r in elf.dynamic_relocations() {
-        if let (6 | 7, Some(name)) = (r.r_type, r.symbol)
-            && let Some(c) = named(name)
-        {
-            slots.insert(r.offset.0, c);
+        if let (6 | 7, Some(name)) = (r.r_type, r.symbol) {
+            if let Some(c) = named(name) {
+                slots.insert(r.offset.0, c);
+            } else if let Some(&def) = defined.get(name) {
+                own_slots.insert(r.offset.0, def);
+            }
         }
     }
+    let mut local: HashMap<Target, u64> = own_slots.iter().map(|(&slot, &def)| (Target::Slot(slot), def)).collect();
     let mut code: HashMap<u64, Callee> = HashMap::new();
     for e in entries {
         if let (EntryTarget::Address(a), Some(role)) = (&e.target, role_of(e)) {
@@ -1038,11 +1168,14 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
     let mut texts = Vec::new();
     for sec in elf.sections.iter().filter(|s| s.is_exec()) {
         texts.push((sec.addr.0, sec.data));
-        if crate::scan::is_plt(sec) && !slots.is_empty() {
+        if crate::scan::is_plt(sec) && !(slots.is_empty() && own_slots.is_empty()) {
             let step = if sec.name == ".plt.got" { 8 } else { 16 };
             for addr in (sec.addr.0..sec.addr.0 + sec.size).step_by(step) {
-                if let Some(c) = crate::scan::plt_stub_slot(sec, addr).and_then(|slot| slots.get(&slot)) {
+                let Some(slot) = crate::scan::plt_stub_slot(sec, addr) else { continue };
+                if let Some(c) = slots.get(&slot) {
                     code.insert(addr, *c);
+                } else if let Some(&def) = own_slots.get(&slot) {
+                    local.insert(Target::Code(addr), def);
                 }
             }
         }
@@ -1057,11 +1190,13 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
             .map(|s| s.value)
             .collect::<Vec<u64>>()
     };
+    let functions = functions(elf);
+    let end_of = |a: u64| functions.iter().find(|f| f.start == a).map_or(a, |f| f.end);
     let mut named = Vec::new();
     for (name, role) in &opts.named {
         for a in defined(name) {
             code.insert(a, *role);
-            named.push(Wrapper { start: a, role: *role, why: Why::Named, depth: 0 });
+            named.push(Wrapper { start: a, end: end_of(a), role: *role, why: Why::Named, depth: 0 });
         }
     }
     let refused: HashSet<u64> = opts.refused.iter().flat_map(|n| defined(n)).collect();
@@ -1070,7 +1205,7 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
         Target::Code(a) => code.get(&a).copied(),
         Target::Slot(a) => slots.get(&a).copied(),
     };
-    let (mut wrappers, noreturn) = find(&Code { ranges: texts }, &functions(elf), &known, &|a| refused.contains(&a));
+    let (mut wrappers, noreturn) = find(&Code { ranges: texts, local }, &functions, &known, &|a| refused.contains(&a));
     named.retain(|n| !wrappers.iter().any(|w| w.start == n.start));
     wrappers.extend(named);
     wrappers.sort_by_key(|w| w.start);
@@ -1102,19 +1237,23 @@ mod tests {
         MemoryOperand::with_base_displ(Register::RIP, addr as i64)
     }
 
+    const ALLOC: Callee = Callee::Alloc { size: Size::Arg(0) };
+    const REALLOC_0: Callee = Callee::Realloc { ptr: 0, size: Size::Arg(1) };
     const MALLOC: u64 = 0x10_0000;
     const FREE: u64 = 0x10_0010;
     const REALLOC: u64 = 0x10_0020;
     const ABORT: u64 = 0x10_0030;
     const OTHER: u64 = 0x10_0040;
+    const CALLOC: u64 = 0x10_0050;
 
     fn libc(t: Target) -> Option<Callee> {
         match t {
-            Target::Code(MALLOC) => Some(Callee::Alloc),
+            Target::Code(MALLOC) => Some(ALLOC),
             Target::Code(FREE) => Some(Callee::Free { ptr: 0 }),
-            Target::Code(REALLOC) => Some(Callee::Realloc { ptr: 0 }),
+            Target::Code(REALLOC) => Some(REALLOC_0),
             Target::Code(ABORT) => Some(Callee::NoReturn),
-            Target::Slot(0x20_0000) => Some(Callee::Alloc),
+            Target::Code(CALLOC) => Some(Callee::Alloc { size: Size::Product(0, 1) }),
+            Target::Slot(0x20_0000) => Some(ALLOC),
             _ => None,
         }
     }
@@ -1146,7 +1285,8 @@ mod tests {
 
     fn run(funcs: &[Asm]) -> Found {
         let (bytes, functions) = build(funcs);
-        let (w, noreturn) = find(&Code { ranges: vec![(0x1000, &bytes)] }, &functions, &libc, &|_| false);
+        let code = Code { ranges: vec![(0x1000, &bytes)], local: HashMap::new() };
+        let (w, noreturn) = find(&code, &functions, &libc, &|_| false);
         let index = |a: u64| functions.iter().position(|f| f.start == a).unwrap();
         (w.iter().map(|w| (index(w.start), w.role, w.depth)).collect(), noreturn.into_iter().map(index).collect(), w)
     }
@@ -1181,7 +1321,7 @@ mod tests {
             Ok(())
         };
         let (found, _, w) = run(&[&xmalloc, &outer]);
-        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Alloc, 2)]);
+        assert_eq!(found, [(0, ALLOC, 1), (1, ALLOC, 2)]);
         assert_eq!(w[0].why, Why::Returns { at: 0x1001, offset: 0 });
     }
 
@@ -1218,7 +1358,7 @@ mod tests {
             Ok(())
         };
         let (found, _, w) = run(&[&z, &zfree]);
-        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Free { ptr: 0 }, 1)]);
+        assert_eq!(found, [(0, ALLOC, 1), (1, Callee::Free { ptr: 0 }, 1)]);
         assert!(matches!(w[0].why, Why::Returns { offset: 16, .. }));
         assert!(matches!(w[1].why, Why::Frees { offset: -16, .. }));
     }
@@ -1281,7 +1421,7 @@ mod tests {
             Ok(())
         };
         let (found, _, w) = run(&[&z, &z0, &mixed]);
-        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Alloc, 1)]);
+        assert_eq!(found, [(0, ALLOC, 1), (1, ALLOC, 1)]);
         assert!(w.iter().all(|w| matches!(w.why, Why::Returns { offset: 16, .. })));
     }
 
@@ -1312,8 +1452,60 @@ mod tests {
             Ok(())
         };
         let (found, _, w) = run(&[&t, &r]);
-        assert_eq!(found, [(0, Callee::Alloc, 1), (1, Callee::Realloc { ptr: 0 }, 1)]);
+        assert_eq!(found, [(0, ALLOC, 1), (1, REALLOC_0, 1)]);
         assert!(matches!(w[0].why, Why::TailCall { .. }));
+    }
+
+    #[test]
+    fn the_size_a_call_asks_for() {
+        // xcalloc(n, size) { p = calloc(n, size); if (!p) abort(); return p; }
+        let c = |a: &mut CodeAssembler| {
+            let mut die = a.create_label();
+            a.sub(rsp, 8)?;
+            a.call(CALLOC)?;
+            a.test(rax, rax)?;
+            a.je(die)?;
+            a.add(rsp, 8)?;
+            a.ret()?;
+            a.set_label(&mut die)?;
+            a.call(ABORT)?;
+            Ok(())
+        };
+        // -O0: n kept in a stack slot, set to 1 there when 0.
+        // xmalloc0(n) { if (n == 0) n = 1; return malloc(n); }
+        let z = |a: &mut CodeAssembler| {
+            let mut go = a.create_label();
+            a.push(rbp)?;
+            a.mov(rbp, rsp)?;
+            a.sub(rsp, 16)?;
+            a.mov(qword_ptr(rbp - 8), rdi)?;
+            a.cmp(qword_ptr(rbp - 8), 0)?;
+            a.jne(go)?;
+            a.mov(qword_ptr(rbp - 8), 1)?;
+            a.set_label(&mut go)?;
+            a.mov(rax, qword_ptr(rbp - 8))?;
+            a.mov(rdi, rax)?;
+            a.call(MALLOC)?;
+            a.leave()?;
+            a.ret()?;
+            Ok(())
+        };
+        // twice(n) { return malloc(n * 2); }: a size that is no argument.
+        let t = |a: &mut CodeAssembler| {
+            a.add(rdi, rdi)?;
+            a.jmp(MALLOC)?;
+            Ok(())
+        };
+        let (found, _, _) = run(&[&c, &z, &t]);
+        assert_eq!(
+            found,
+            [
+                (0, Callee::Alloc { size: Size::Product(0, 1) }, 1),
+                (1, ALLOC, 1),
+                (2, Callee::Alloc { size: Size::None }, 1)
+            ]
+        );
+        assert_eq!(found[2].1.signature(), None, "calls to it cannot be counted");
     }
 
     #[test]
@@ -1409,6 +1601,6 @@ mod tests {
         };
         let (found, noreturn, _) = run(&[&die, &fatal, &x]);
         assert_eq!(noreturn, [0, 1]);
-        assert_eq!(found, [(2, Callee::Alloc, 1)]);
+        assert_eq!(found, [(2, ALLOC, 1)]);
     }
 }

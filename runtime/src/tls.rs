@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence two words of
+//! `__tls_get_addr`, which a trampoline cannot call; hence three words of
 //! `.tbss` declared here and read with `fs:`-relative moves. A library with
-//! static TLS loaded by `dlopen` takes its 16 bytes from the surplus glibc
+//! static TLS loaded by `dlopen` takes its 24 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,16",
+    ".size alloctramp_rt_tls,24",
     "alloctramp_rt_tls:",
-    ".zero 16",
+    ".zero 24",
     ".popsection",
 );
 
@@ -29,6 +29,10 @@ global_asm!(
 pub const NURSERY: usize = 0;
 /// Word 1: the thread's nursery state (see `live`).
 pub const STATE: usize = 1;
+/// Word 2: the thread's wrapper depth, which the trampolines raise around
+/// a counted call to an allocation wrapper and read at the sites inside
+/// one (see the patcher's `charge`).
+pub const DEPTH: usize = 2;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]

@@ -40,6 +40,13 @@ pub struct TrampolineSpec {
     /// Counter shards: `shard_count - 1` and the bytes per shard.
     pub shard_mask: u32,
     pub shard_stride: u32,
+    /// The site is inside an allocation wrapper that its callers' sites
+    /// count for: every entry first reads the thread's wrapper depth and,
+    /// if it is not 0, makes the original call without counting.
+    pub depth_check: bool,
+    /// The site calls an allocation wrapper whose inner sites check the
+    /// depth: the counted call raises it for its duration.
+    pub depth_bump: bool,
 }
 
 /// Why a trampoline or stub could not be generated.
@@ -171,8 +178,67 @@ impl Gen<'_> {
         self.pop_all(save)
     }
 
-    /// The original call, made from the trampoline.
+    /// Adds `delta` to the thread's wrapper depth (a depth-bumping site's
+    /// counted call); keeps every register but r11 (and r11 too in
+    /// preserve mode) and rax.
+    fn add_depth(&mut self, delta: i32) -> R<()> {
+        if !self.s.depth_bump {
+            return Ok(());
+        }
+        let save = self.saved(&[r11]);
+        self.push_all(save)?;
+        self.depth_word(r11)?;
+        self.a.add(qword_ptr(r11).fs(), delta)?;
+        self.pop_all(save)
+    }
+
+    /// `reg` = the thread-pointer offset of the thread's wrapper depth.
+    fn depth_word(&mut self, reg: AsmRegister64) -> R<()> {
+        let control = self.s.control;
+        self.add(Instruction::with2(
+            Code::Mov_r64_rm64,
+            Register::from(reg),
+            rip(control + u64::from(control::DEPTH_TLS)),
+        ))
+    }
+
+    /// An entry's first check at a depth-checking site: to `plain` if the
+    /// thread is inside a wrapper call that a site counts.
+    fn depth_gate(&mut self, plain: CodeLabel) -> R<()> {
+        if !self.s.depth_check {
+            return Ok(());
+        }
+        let save = self.saved(&[r11]);
+        self.push_all(save)?;
+        self.depth_word(r11)?;
+        self.a.cmp(qword_ptr(r11).fs(), 0)?;
+        self.pop_all(save)?;
+        Ok(self.a.jne(plain)?)
+    }
+
+    /// The original call or jump, counting nothing (the depth gate's way).
+    fn plain(&mut self, mut label: CodeLabel) -> R<()> {
+        if !self.s.depth_check {
+            return Ok(());
+        }
+        self.a.set_label(&mut label)?;
+        if self.s.form.is_tail() {
+            self.jump_target()
+        } else {
+            self.call_target_plain()?;
+            self.leave()
+        }
+    }
+
+    /// The original call, made from the trampoline (raising the wrapper
+    /// depth around it at a bumping site).
     fn call_target(&mut self) -> R<()> {
+        self.add_depth(1)?;
+        self.call_target_plain()?;
+        self.add_depth(-1)
+    }
+
+    fn call_target_plain(&mut self) -> R<()> {
         let s = self.s;
         if s.form.is_tail() {
             // At a tail jump the stack holds the caller's return address:
@@ -215,6 +281,8 @@ impl Gen<'_> {
     /// counts and tracks the object (live tracking); then the entry that
     /// only counts. Returns the label of the latter.
     fn alloc_like(&mut self) -> R<CodeLabel> {
+        let plain = self.a.create_label();
+        self.depth_gate(plain)?;
         self.count_before()?;
         if self.s.sig.kind == Kind::Realloc {
             self.realloc_live()?
@@ -223,6 +291,7 @@ impl Gen<'_> {
         }
         let mut count = self.a.create_label();
         self.a.set_label(&mut count)?;
+        self.depth_gate(plain)?;
         self.count_before()?;
         self.call_target()?;
         let mut fail = self.a.create_label();
@@ -237,6 +306,7 @@ impl Gen<'_> {
         self.a.set_label(&mut fail)?;
         self.count_failed()?;
         self.leave()?;
+        self.plain(plain)?;
         Ok(count)
     }
 
@@ -346,12 +416,13 @@ impl Gen<'_> {
     /// The original call with its arguments in the frame.
     fn call_in_frame(&mut self) -> R<()> {
         let s = self.s;
+        self.add_depth(1)?;
         if s.form.through_got() {
             self.add(Instruction::with1(Code::Call_rm64, rip(s.target)))?;
         } else {
             self.a.call(s.target)?;
         }
-        Ok(())
+        self.add_depth(-1)
     }
 
     /// `dst` = the requested size, from frame slots `at` (the size
@@ -556,6 +627,8 @@ impl Gen<'_> {
     /// then the entry that only counts. Returns the labels of the drain and
     /// count entries.
     fn free_like(&mut self) -> R<(CodeLabel, CodeLabel)> {
+        let plain = self.a.create_label();
+        self.depth_gate(plain)?;
         self.count_before()?;
         let mut drain = self.a.create_label();
         self.free_inline(drain)?;
@@ -564,8 +637,19 @@ impl Gen<'_> {
         self.free_target()?;
         let mut count = self.a.create_label();
         self.a.set_label(&mut count)?;
+        self.depth_gate(plain)?;
         self.count_before()?;
         self.free_target()?;
+        if self.s.depth_check {
+            // The drain entry checks the depth too, then joins the body
+            // that the live entry's nursery misses also reach.
+            let mut gated = self.a.create_label();
+            self.a.set_label(&mut gated)?;
+            self.depth_gate(plain)?;
+            self.a.jmp(drain)?;
+            drain = gated;
+        }
+        self.plain(plain)?;
         Ok((drain, count))
     }
 
@@ -625,7 +709,7 @@ impl Gen<'_> {
 
     /// The original free, then back to the code after the site.
     fn free_target(&mut self) -> R<()> {
-        if self.s.form.is_tail() {
+        if self.s.form.is_tail() && !self.s.depth_bump {
             self.jump_target()
         } else {
             self.call_target()?;
@@ -783,7 +867,20 @@ mod golden {
             control: CONTROL,
             shard_mask: 15,
             shard_stride: 0x2000,
+            depth_check: false,
+            depth_bump: false,
         }
+    }
+
+    /// A trampoline's disassembly with its entries.
+    fn listing(spec: &TrampolineSpec) -> String {
+        let t = trampoline(spec, AT).unwrap();
+        let mut text = disassemble(&t.code, AT);
+        if t.drain != 0 {
+            text.push_str(&format!("drain entry: {:08x}\n", AT + u64::from(t.drain)));
+        }
+        text.push_str(&format!("count entry: {:08x}\n", AT + u64::from(t.count)));
+        text
     }
 
     fn cases() -> Vec<(&'static str, String)> {
@@ -809,13 +906,23 @@ mod golden {
             ("strdup-call-rel32", "strdup", SiteForm::CallRel32, false),
             ("strdup-call-rel32-direct", "strdup", SiteForm::CallRel32, true),
         ] {
-            let t = trampoline(&spec(name, form, preserve), AT).unwrap();
-            let mut text = disassemble(&t.code, AT);
-            if t.drain != 0 {
-                text.push_str(&format!("drain entry: {:08x}\n", AT + u64::from(t.drain)));
-            }
-            text.push_str(&format!("count entry: {:08x}\n", AT + u64::from(t.count)));
-            v.push((file, text));
+            v.push((file, listing(&spec(name, form, preserve))));
+        }
+        // Sites of allocation wrappers (see the patcher's `charge`): a call
+        // to an open wrapper raises the depth; a site inside one checks it.
+        let charged = |name: &str, form: SiteForm, preserve: bool, check: bool, bump: bool| TrampolineSpec {
+            depth_check: check,
+            depth_bump: bump,
+            ..spec(name, form, preserve)
+        };
+        for (file, s) in [
+            ("wrapper-caller-alloc-bump", charged("malloc", SiteForm::CallRel32, true, false, true)),
+            ("wrapper-caller-free-tail-bump", charged("free", SiteForm::JmpRel32, false, false, true)),
+            ("wrapper-inside-alloc-checked", charged("malloc", SiteForm::CallRel32, false, true, false)),
+            ("wrapper-inside-free-tail-checked", charged("free", SiteForm::JmpRipMem, false, true, false)),
+            ("wrapper-inside-realloc-checked-bump", charged("realloc", SiteForm::CallRel32, true, true, true)),
+        ] {
+            v.push((file, listing(&s)));
         }
         let init = init_stub(AT, CONTROL, 0x415040, crate::layout::api::REGISTER, Some(0x401000)).unwrap();
         v.push(("init-stub", disassemble(&init, AT)));

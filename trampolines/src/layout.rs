@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -95,6 +95,7 @@ pub mod control {
     pub const TRACK_REALLOC_END: u32 = offset_of!(ControlBlock, track_realloc_end) as u32;
     pub const NURSERY_TLS: u32 = offset_of!(ControlBlock, nursery_tls) as u32;
     pub const NURSERIES: u32 = offset_of!(ControlBlock, nurseries) as u32;
+    pub const DEPTH_TLS: u32 = offset_of!(ControlBlock, depth_tls) as u32;
 }
 
 /// A thread's nursery: a direct-mapped table of the objects the thread
@@ -304,7 +305,12 @@ pub struct ControlBlock {
     pub nursery_tls: AtomicI64,
     /// Run-time address of the runtime's nursery array.
     pub nurseries: AtomicU64,
-    pub reserved: [u64; 5],
+    /// Offset from the thread pointer (fs) of the runtime's per-thread
+    /// wrapper depth: how many calls to allocation wrappers, counted at
+    /// their callers' sites, the thread is inside. Written at
+    /// registration, before any site is switched.
+    pub depth_tls: AtomicI64,
+    pub reserved: [u64; 4],
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -474,7 +480,8 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("track_realloc_end", offset_of!(ControlBlock, track_realloc_end), "fn"),
     ("nursery_tls", offset_of!(ControlBlock, nursery_tls), "i64"),
     ("nurseries", offset_of!(ControlBlock, nurseries), "u64"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 5]"),
+    ("depth_tls", offset_of!(ControlBlock, depth_tls), "i64"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 4]"),
 ];
 pub const CELL_FIELDS: &[(&str, usize, &str)] = &[
     ("calls", offset_of!(Cell, calls), "u64"),

@@ -104,6 +104,13 @@ pub struct Marker {
     pub live: Option<(u64, u64)>,
     /// Frees of untracked memory at this site, where given.
     pub untracked: Option<u64>,
+    /// Inside an allocation wrapper: with `--charge-callers` it counts
+    /// only `charged` (calls, bytes; none where not given).
+    pub inside: bool,
+    pub charged: Option<(u64, u64)>,
+    /// In a library: what it counts with `--charge-callers` when only the
+    /// library is patched (`alone=CALLS,BYTES`).
+    pub alone: Option<(u64, u64)>,
 }
 
 /// A program in testbins/ with its build line and markers.
@@ -119,6 +126,9 @@ pub struct Program {
     /// Calls of program-defined allocation functions, counted only when
     /// those are named as entry points.
     pub user_markers: Vec<Marker>,
+    /// Sites that only `--charge-callers` makes: calls to wrappers
+    /// (`@charged`).
+    pub charged_markers: Vec<Marker>,
     pub is_library: bool,
     /// Counts depend on timing (`// counts: variable`): not compared.
     pub variable_counts: bool,
@@ -146,10 +156,23 @@ fn parse_marker(tag: &str, file: &str, line: u32, text: &str) -> Option<Marker> 
         failed: 0,
         live: None,
         untracked: None,
+        inside: false,
+        charged: None,
+        alone: None,
     };
     for w in words {
         match w.split_once('=') {
             None if w == "tail" => m.tail = true,
+            None if w == "inside" => m.inside = true,
+            Some((k @ ("charged" | "alone"), v)) => {
+                let (c, b) = v.split_once(',').unwrap_or_else(|| panic!("{file}:{line}: {k}=CALLS,BYTES"));
+                let pair = Some((c.parse().unwrap(), b.parse().unwrap()));
+                if k == "charged" {
+                    m.charged = pair;
+                } else {
+                    m.alone = pair;
+                }
+            }
             Some(("calls", v)) => m.calls = v.parse().unwrap(),
             Some(("bytes", v)) => m.bytes = v.parse().unwrap(),
             Some(("failed", v)) => m.failed = v.parse().unwrap(),
@@ -185,6 +208,7 @@ pub fn programs() -> &'static [Program] {
                 run: vec![],
                 markers: vec![],
                 user_markers: vec![],
+                charged_markers: vec![],
                 is_library: false,
                 variable_counts: false,
                 wrappers: vec![],
@@ -207,6 +231,9 @@ pub fn programs() -> &'static [Program] {
                 }
                 if let Some(m) = parse_marker("@usersite", &file, i as u32 + 1, line) {
                     p.user_markers.push(m);
+                }
+                if let Some(m) = parse_marker("@charged", &file, i as u32 + 1, line) {
+                    p.charged_markers.push(m);
                 }
                 let words = |tag: &str| {
                     let body = line.split_once(&format!("/* {tag} "))?.1.split_once("*/")?.0;

@@ -1,0 +1,154 @@
+//! `--charge-callers`: calls to allocation wrappers are sites that count
+//! what the wrappers allocate, and the sites inside a wrapper count only
+//! when it is reached without one. Exact figures for `wrappers` (and the
+//! library `libwraps.so` it needs) in every build configuration.
+
+use crate::patch::patch_to;
+use crate::runtime::{counters_dir, display, figures, live_figures, only_counters_file, report};
+use crate::util::*;
+use std::collections::BTreeMap;
+
+type SiteKey = (String, u32, String, String, String);
+
+/// Whether a marker's entry is called directly: a function of the
+/// program, not an allocator or a library's wrapper (which a library calls
+/// through its PLT or GOT too, since another module may interpose it).
+fn is_local(p: &Program, entry: &str) -> bool {
+    !p.is_library && p.wrappers.iter().any(|(n, _)| n == entry)
+}
+
+fn form(config: Config, tail: bool, direct: bool) -> String {
+    let jmp = tail && config.optimized();
+    match (jmp, config.no_plt() && !direct) {
+        (false, false) => "call rel32",
+        (true, false) => "jmp rel32",
+        (false, true) => "call [rip+disp]",
+        (true, true) => "jmp [rip+disp]",
+    }
+    .to_string()
+}
+
+/// The sites `sites --charge-callers` lists, as the markers give them:
+/// (file, line, entry, form, charge). A site inside a wrapper that can be
+/// reached without a call site (exported, or its address taken: a marker
+/// with `charged=`) checks the depth.
+fn expected_sites(p: &Program, config: Config, exported: bool) -> Vec<SiteKey> {
+    let checked_lines: Vec<u32> = p.markers.iter().filter(|m| m.charged.is_some()).map(|m| m.line).collect();
+    let charge = |m: &Marker, caller: bool| match (m.inside, exported || checked_lines.contains(&m.line)) {
+        (false, _) if caller => "caller",
+        (false, _) => "own",
+        (true, true) => "inside-checked",
+        (true, false) => "inside",
+    };
+    let key = |m: &Marker, direct: bool, caller: bool| {
+        (m.file.clone(), m.line, m.entry.clone(), form(config, m.tail, direct), charge(m, caller).to_string())
+    };
+    let mut v: Vec<SiteKey> = p
+        .markers
+        .iter()
+        .map(|m| key(m, false, false))
+        .chain(p.charged_markers.iter().map(|m| key(m, is_local(p, &m.entry), true)))
+        .collect();
+    v.sort();
+    v
+}
+
+fn actual_sites(path: &std::path::Path) -> Vec<SiteKey> {
+    let doc = sites_json(path, &["--charge-callers"]);
+    let mut v: Vec<SiteKey> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                base(s["file"].as_str().unwrap()).to_string(),
+                s["line"].as_u64().unwrap() as u32,
+                s["entry_display"].as_str().unwrap().to_string(),
+                s["form"].as_str().unwrap().to_string(),
+                s["charge"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+type Figures = BTreeMap<(String, u32, String), (u64, u64, u64)>;
+
+/// What each site counts with `--charge-callers`, the program and its
+/// libraries patched: calls to wrappers their markers' figures, sites
+/// inside wrappers only what reaches them otherwise.
+fn charged_figures(progs: &[&Program]) -> (Figures, Figures) {
+    let (mut counts, mut live) = (Figures::new(), Figures::new());
+    for p in progs {
+        for m in p.markers.iter().chain(&p.charged_markers) {
+            let key = (m.file.clone(), m.line, display(&m.entry));
+            let (c, l) = match (m.inside, m.charged) {
+                (false, _) => ((m.calls, m.bytes, m.failed), m.live.unwrap_or((0, 0))),
+                (true, Some((calls, bytes))) => ((calls, bytes, 0), (0, 0)),
+                (true, None) => ((0, 0, 0), (0, 0)),
+            };
+            counts.insert(key.clone(), c);
+            live.insert(key, (l.0, l.1, 0));
+        }
+    }
+    (counts, live)
+}
+
+fn check_charge(config: Config) {
+    let b = built(config);
+    let (prog, lib) = (program("wrappers"), program("libwraps"));
+    assert_eq!(actual_sites(&b.path(&prog.name)), expected_sites(prog, config, false), "{}", config.name());
+    assert_eq!(actual_sites(&b.path(&lib.name)), expected_sites(lib, config, true), "{}", config.name());
+
+    let pdir = b.dir.join("patched-charged");
+    let _ = std::fs::remove_dir_all(&pdir);
+    std::fs::create_dir_all(&pdir).unwrap();
+    for p in [prog, lib] {
+        patch_to(&b.path(&p.name), &pdir.join(&p.output), &["--charge-callers"]);
+    }
+    let original = run_program(&b.path(&prog.name), &prog.run, &[]);
+    let (counts, live) = charged_figures(&[prog, lib]);
+    for (mode, live_on) in [("live", "1"), ("count", "0")] {
+        let dir = counters_dir(&format!("{}-charge-{mode}", config.name()));
+        let env = [
+            ("ALLOCTRAMP", "on"),
+            ("ALLOCTRAMP_LIVE", live_on),
+            ("ALLOCTRAMP_DIR", dir.to_str().unwrap()),
+            ("LD_LIBRARY_PATH", pdir.to_str().unwrap()),
+        ];
+        let out = run_program(&pdir.join(&prog.output), &prog.run, &env);
+        assert_eq!(out, original, "{} {mode}: the program behaves as the original", config.name());
+        let file = only_counters_file(&dir);
+        let doc = report(file.to_str().unwrap(), &dir);
+        assert_eq!(figures(&doc), counts, "{} {mode}: charged counts differ from the markers", config.name());
+        if live_on == "1" {
+            assert_eq!(live_figures(&file), live, "{} {mode}: live figures differ from the markers", config.name());
+        }
+    }
+
+    // The original program with the patched library: nothing raises the
+    // depth, so the checked sites inside the library's wrappers count.
+    let dir = counters_dir(&format!("{}-charge-lib-only", config.name()));
+    let copy = pdir.join("wrappers-unpatched");
+    std::fs::copy(b.path(&prog.name), &copy).unwrap();
+    let env =
+        [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap()), ("LD_LIBRARY_PATH", pdir.to_str().unwrap())];
+    let out = run_program(&copy, &prog.run, &env);
+    assert_eq!(out, original);
+    let doc = report(only_counters_file(&dir).to_str().unwrap(), &dir);
+    let expected: Figures = lib
+        .markers
+        .iter()
+        .chain(&lib.charged_markers)
+        .map(|m| {
+            let (calls, bytes) = m.alone.unwrap_or(if m.inside { (0, 0) } else { (m.calls, m.bytes) });
+            ((m.file.clone(), m.line, display(&m.entry)), (calls, bytes, 0))
+        })
+        .collect();
+    assert_eq!(figures(&doc), expected, "{}: the library alone counts its wrappers' calls", config.name());
+}
+
+mod exact_charged_counts {
+    crate::matrix!(super::check_charge);
+}

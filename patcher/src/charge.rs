@@ -1,0 +1,223 @@
+//! Charging allocations to the callers of allocation wrappers, as the
+//! kernel's `alloc_hooks()` does by hand: a call to a wrapper is a site,
+//! and the calls inside the wrapper are not counted when it was reached
+//! through such a site.
+//!
+//! A wrapper is *charged* when every allocation call inside it is to an
+//! allocator or to another charged wrapper, of the wrapper's own kind
+//! (allocations in an allocation wrapper, frees in a free wrapper), and
+//! calls to it carry its size (an argument) and pointer. Its callers'
+//! sites then count what it allocates.
+//!
+//! A charged wrapper is *closed* when nothing but those sites reaches it:
+//! the file does not export it and no reference to it is anything but a
+//! patchable call. The sites inside a closed wrapper are never patched.
+//! Otherwise it is *open* (exported, its address taken, a conditional or
+//! short jump to it, or imported from a library): the sites inside count
+//! only when the thread's wrapper depth is 0, and calls that reach it
+//! through a site raise that depth for their duration. The depth is a
+//! per-thread word of the runtime; the trampolines read and write it
+//! directly.
+
+use crate::WrapperInfo;
+use crate::elf::{Elf, FileType};
+use crate::scan::{Charge, Scan, Via};
+use alloctramp_trampolines::entry::{EntryPoint, Kind, Signature, Size, Target};
+use std::collections::{HashMap, HashSet};
+
+/// A wrapper whose calls are entry points of the scan.
+#[derive(Clone, Debug)]
+pub struct Charged {
+    /// Its entry point's index.
+    pub entry: usize,
+    /// Its index in the analysis's wrappers.
+    pub wrapper: usize,
+    /// Its code (None: imported).
+    pub code: Option<(u64, u64)>,
+    /// Reachable other than through the file's call sites.
+    pub open: bool,
+    pub kind: Kind,
+    /// Calls to it carry what it allocates.
+    pub countable: bool,
+}
+
+/// Adds an entry point for each wrapper that is not one already; returns
+/// them. A wrapper whose calls cannot be counted (its size is none of its
+/// arguments) gets one too, so that a wrapper calling it is seen to, and
+/// is not charged either.
+pub fn entries(elf: &Elf, entries: &mut Vec<EntryPoint>, wrappers: &[WrapperInfo]) -> Vec<Charged> {
+    // What the entry points already reach, by address and name.
+    let mut taken: HashSet<u64> = HashSet::new();
+    let mut names: HashSet<String> = HashSet::new();
+    for e in entries.iter() {
+        match &e.target {
+            Target::Address(a) => {
+                taken.insert(*a);
+            }
+            Target::Symbol(s) => {
+                names.insert(s.clone());
+            }
+        }
+    }
+    let symbols: Vec<_> =
+        elf.symbols(false).iter().chain(elf.symbols(true)).filter(|s| s.defined && s.is_func).collect();
+    for s in &symbols {
+        if names.contains(s.name) {
+            taken.insert(s.value);
+        }
+    }
+    // An exported wrapper is reached by its name: the file's own calls may
+    // go through its PLT (a library whose symbols can be interposed).
+    let exported: HashMap<u64, &str> =
+        elf.symbols(true).iter().filter(|s| s.defined && s.is_func && s.global).map(|s| (s.value, s.name)).collect();
+    let mut out = Vec::new();
+    for (i, w) in wrappers.iter().enumerate() {
+        let (target, code, open) = match (w.addr, &w.symbol) {
+            (Some(a), _) if !taken.contains(&a.0) => {
+                let target = match exported.get(&a.0) {
+                    Some(name) if !names.contains(*name) => Target::Symbol(name.to_string()),
+                    Some(_) => continue,
+                    None => Target::Address(a.0),
+                };
+                (target, Some((a.0, w.end.0)), exported.contains_key(&a.0))
+            }
+            (None, Some(name)) if !names.contains(name) => (Target::Symbol(name.clone()), None, true),
+            _ => continue,
+        };
+        let countable = w.role.signature();
+        let sig = countable.unwrap_or(Signature::alloc(Size::None));
+        out.push(Charged {
+            entry: entries.len(),
+            wrapper: i,
+            code,
+            open,
+            kind: sig.kind,
+            countable: countable.is_some(),
+        });
+        entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6 });
+    }
+    out
+}
+
+/// The addresses among `starts` that an executable (not position
+/// independent) stores in its data: function pointers that need no
+/// relocation there. Any aligned word equal to one counts (a number that
+/// happens to be equal only costs a depth check).
+fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
+    let mut out = HashSet::new();
+    if elf.file_type != FileType::Exec || starts.is_empty() {
+        return out;
+    }
+    for sec in elf.sections.iter().filter(|s| s.is_alloc() && !s.is_exec()) {
+        let skip = (sec.addr.0.wrapping_neg() & 7) as usize;
+        for w in sec.data.get(skip..).unwrap_or_default().chunks_exact(8) {
+            let v = u64::from_le_bytes(w.try_into().unwrap_or_default());
+            if starts.contains(&v) {
+                out.insert(v);
+            }
+        }
+    }
+    out
+}
+
+/// Decides which wrappers are charged and how each site of `scan` nests
+/// (see the module's description). Calls to wrappers that are not charged
+/// stop being sites.
+pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
+    let by_entry: HashMap<usize, usize> = charged.iter().enumerate().map(|(k, c)| (c.entry, k)).collect();
+    let inside = |addr: u64| charged.iter().position(|c| c.code.is_some_and(|(s, e)| (s..e).contains(&addr)));
+    let mut open: Vec<bool> = charged.iter().map(|c| c.open).collect();
+    for r in &scan.unpatchable {
+        if let Some(&k) = by_entry.get(&r.entry) {
+            open[k] = true;
+        }
+    }
+    let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
+    for (k, c) in charged.iter().enumerate() {
+        if c.code.is_some_and(|(s, _)| stored.contains(&s)) {
+            open[k] = true;
+        }
+    }
+    // The sites inside each wrapper: (wrapper, site).
+    let within: Vec<(usize, usize)> =
+        scan.sites.iter().enumerate().filter_map(|(i, s)| inside(s.vaddr.0).map(|k| (k, i))).collect();
+    let fits = |outer: Kind, inner: Kind| match outer {
+        Kind::Alloc => inner == Kind::Alloc,
+        Kind::Realloc => matches!(inner, Kind::Alloc | Kind::Realloc),
+        Kind::Free => inner == Kind::Free,
+    };
+    let mut ok: Vec<bool> = charged.iter().map(|c| c.countable).collect();
+    loop {
+        let mut changed = false;
+        for &(k, i) in &within {
+            let s = &scan.sites[i];
+            let inner = scan.entries[s.entry].sig.kind;
+            let callee_ok = by_entry.get(&s.entry).is_none_or(|&j| ok[j]);
+            if ok[k] && !(callee_ok && fits(charged[k].kind, inner)) {
+                ok[k] = false;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    // A call raises the depth when the wrapper it reaches, or one that
+    // wrapper calls, is open.
+    let mut bump = open.clone();
+    loop {
+        let mut changed = false;
+        for &(k, i) in &within {
+            if let Some(&j) = by_entry.get(&scan.sites[i].entry)
+                && ok[k]
+                && bump[j]
+                && !bump[k]
+            {
+                bump[k] = true;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    // Wrappers whose allocations all leave the file: a call to one
+    // clobbers every caller-saved register (the compiler's interprocedural
+    // register allocation sees calls through the PLT in its body).
+    let mut external = ok.clone();
+    loop {
+        let mut changed = false;
+        for &(k, i) in &within {
+            let s = &scan.sites[i];
+            let out = match by_entry.get(&s.entry) {
+                Some(&j) => charged[j].code.is_none() || external[j],
+                None => s.via != Via::Direct,
+            };
+            if external[k] && !out {
+                external[k] = false;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    let dropped = |entry: usize| by_entry.get(&entry).is_some_and(|&j| !ok[j]);
+    for s in scan.sites.iter_mut() {
+        let callee = by_entry.get(&s.entry).copied();
+        s.charge = match inside(s.vaddr.0).filter(|&k| ok[k]) {
+            Some(k) => Charge::Inside {
+                wrapper: charged[k].wrapper,
+                checked: open[k],
+                bump: callee.is_some_and(|j| bump[j]),
+                external: callee.is_some_and(|j| external[j]),
+            },
+            None => match callee {
+                Some(j) => Charge::Caller { bump: bump[j], external: external[j] },
+                None => Charge::Own,
+            },
+        };
+    }
+    scan.sites.retain(|s| !dropped(s.entry));
+    scan.unpatchable.retain(|r| !dropped(r.entry));
+}
