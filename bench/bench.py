@@ -990,7 +990,110 @@ def part_wrappers():
              "live target for a direct pair is 60).")
 
 
+PERL_SCRIPT = """my %h;
+for my $i (1 .. 200000) { $h{"key$i"} = [$i, "v" x ($i % 50)]; }
+my $n = 0;
+for my $k (sort keys %h) { $n += length($h{$k}[1]); }
+my @words = map { join("", reverse split //, $_) } keys %h;
+print "$n ", scalar(@words), "\\n";
+"""
+
+
+def attribution_shares(exe, counters):
+    """Bytes requested at the rows of the counters files in COUNTERS: (total, share outside EXE's allocation
+    wrappers, share outside the wrappers whose size is their caller's, top rows)."""
+    doc = json.loads(output([AT, "sites", "--charge-callers", "--json", exe], env=base_env()))
+    listed = {w["function"] for w in doc["wrappers"]}
+    passing = {w["function"] for w in doc["wrappers"] if w["countable"]}
+    total, outside, outside_passing, rows = 0, 0, 0, {}
+    for f in sorted(os.listdir(counters)):
+        rep = json.loads(output([AT, "report", "--format", "json", os.path.join(counters, f)], env=base_env()))
+        for r in rep["sites"]:
+            if r["kind"] == "free":
+                continue
+            fn = (r.get("function") or "?").split("(")[0]
+            total += r["bytes"]
+            outside += 0 if fn in listed else r["bytes"]
+            outside_passing += 0 if fn in passing else r["bytes"]
+            rows[fn] = rows.get(fn, 0) + r["bytes"]
+    top = sorted(rows.items(), key=lambda x: -x[1])[:3]
+    return total, outside / max(total, 1), outside_passing / max(total, 1), top
+
+
+def part_attribution():
+    """Rows name the code that allocates: perl, git and redis-server patched without and with --charge-callers."""
+    sec = Section(
+        "Attribution: rows that name the code that allocates", "attribution",
+        "Each program is patched twice, with `alloctramp patch` and with `alloctramp patch --charge-callers`, and "
+        "run with profiling on from the start (`ALLOCTRAMP=on`). The figure is the share of the bytes requested "
+        "(allocations and reallocs, every row of every counters file) that the report charges to rows whose function "
+        "is not one of the program's allocation wrappers (as `alloctramp sites` lists them); beside it, the share "
+        "outside the wrappers whose size is their caller's (the ones that can pass the charge on: a function that "
+        "computes the size it allocates is where the allocation is decided). perl: `perl SCRIPT` on a hash-heavy "
+        "script (200,000 keys, bench/bench.py PERL_SCRIPT, PERL_HASH_SEED=0). git: the git workload's 15 commands "
+        "(section git) with GIT_EXEC_PATH at the patched copy. redis-server: on a loopback port, "
+        "`redis-benchmark -n 20000 -t set,get,lpush,lpop,hset,sadd`, then `redis-cli shutdown nosave`.",
+    )
+    SECTIONS.append(sec)
+    rows = []
+    programs = [("perl", shutil.which("perl")), ("git", shutil.which("git")), ("redis-server", shutil.which("redis-server"))]
+    for name, exe in programs:
+        if not exe:
+            target(sec, f"{name}: bytes charged outside allocation wrappers (--charge-callers)", "not installed",
+                   ">= 90%", False)
+            continue
+        res = {}
+        for variant, flags in (("before", []), ("after", ["--charge-callers"])):
+            d = os.path.join(WORK, f"attr-{variant}")
+            os.makedirs(d, exist_ok=True)
+            copy = os.path.join(d, os.path.basename(exe))
+            subprocess.run([AT, "patch", *flags, exe, "-o", copy], check=True, env=base_env(), capture_output=True)
+            counters = os.path.join(WORK, f"attr-counters-{name}-{variant}")
+            os.makedirs(counters, mode=0o700, exist_ok=True)
+            env = base_env({"ALLOCTRAMP": "on", "ALLOCTRAMP_DIR": counters})
+            log(f"attribution: {name}, {variant}")
+            if name == "perl":
+                script = os.path.join(WORK, "hash.pl")
+                with open(script, "w") as f:
+                    f.write(PERL_SCRIPT)
+                subprocess.run([copy, script], check=True, env={**env, "PERL_HASH_SEED": "0"}, capture_output=True)
+            elif name == "git":
+                w = GitWorkload()
+                w.prepare_run()
+                genv = {**env, **w.env, "GIT_EXEC_PATH": d}
+                for c in [["init", "-q", "-b", "main"]] + [x for k in range(w.PARTS) for x in (["add", f"p{k}"], ["commit", "-q", "-m", f"part {k}"])] + [["log", "--stat"], ["gc", "-q"], ["fsck", "--no-progress"], ["log", "--oneline"]]:
+                    subprocess.run([copy, *c], check=True, env=genv, cwd=w.tree, capture_output=True)
+            else:
+                port = "7391"
+                server = subprocess.Popen([copy, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                try:
+                    for _ in range(100):
+                        if subprocess.run(["redis-cli", "-p", port, "ping"], capture_output=True).stdout.strip() == b"PONG":
+                            break
+                        time.sleep(0.1)
+                    subprocess.run(["redis-benchmark", "-p", port, "-n", "20000", "-q", "-t", "set,get,lpush,lpop,hset,sadd"],
+                                   check=True, capture_output=True)
+                    subprocess.run(["redis-cli", "-p", port, "shutdown", "nosave"], capture_output=True)
+                    server.wait(timeout=30)
+                finally:
+                    if server.poll() is None:
+                        server.kill()
+            res[variant] = attribution_shares(exe, counters)
+        (tb, sb, _, topb), (ta, sa, pa, topa) = res["before"], res["after"]
+        shown = lambda top: "; ".join(f"`{fn}` {b:,}" for fn, b in top)
+        rows.append([name, f"{tb:,}", f"{sb:.1%}", shown(topb), f"{ta:,}", f"{sa:.1%}", f"{pa:.1%}", shown(topa)])
+        target(sec, f"{name}: bytes charged outside allocation wrappers (--charge-callers)", f"{sa:.1%}", ">= 90%",
+               sa >= 0.9)
+    sec.table(["program", "bytes (patch)", "outside wrappers", "top rows", "bytes (--charge-callers)",
+               "outside wrappers", "outside wrappers that pass the charge on", "top rows"], rows)
+    sec.para("Bytes differ between the two runs where a wrapper asks the allocator for other than what its caller "
+             "asked (perl's safesysmalloc turns 0 into 1; git's xmalloc retries malloc(0) as malloc(1)): with "
+             "--charge-callers the bytes are the caller's request.")
+
+
 PARTS = {
+    "attribution": part_attribution,
     "wrappers": part_wrappers,
     "scan": part_scan,
     "patch": part_patch,
@@ -1002,7 +1105,7 @@ PARTS = {
     "switch": part_switch,
     "memory": part_memory,
 }
-ALL = ["instructions", "wrappers", "loop", "cxx", "cc1plus", "git", "scan", "patch", "switch", "memory"]
+ALL = ["instructions", "wrappers", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch", "memory"]
 ALIASES = {"all": ALL, "runtime": ["instructions", "loop", "switch"]}
 
 

@@ -22,6 +22,7 @@
 use crate::WrapperInfo;
 use crate::elf::{Elf, FileType};
 use crate::scan::{Charge, Scan, Via};
+use crate::wrappers::Frees;
 use alloctramp_trampolines::entry::{EntryPoint, Kind, Signature, Size, Target};
 use std::collections::{HashMap, HashSet};
 
@@ -39,6 +40,8 @@ pub struct Charged {
     pub kind: Kind,
     /// Calls to it carry what it allocates.
     pub countable: bool,
+    /// What it frees besides what it reallocates.
+    pub frees: Frees,
 }
 
 /// Adds an entry point for each wrapper that is not one already; returns
@@ -93,6 +96,7 @@ pub fn entries(elf: &Elf, entries: &mut Vec<EntryPoint>, wrappers: &[WrapperInfo
             open,
             kind: sig.kind,
             countable: countable.is_some(),
+            frees: w.frees,
         });
         entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6 });
     }
@@ -141,10 +145,22 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
     // The sites inside each wrapper: (wrapper, site).
     let within: Vec<(usize, usize)> =
         scan.sites.iter().enumerate().filter_map(|(i, s)| inside(s.vaddr.0).map(|k| (k, i))).collect();
-    let fits = |outer: Kind, inner: Kind| match outer {
-        Kind::Alloc => inner == Kind::Alloc,
-        Kind::Realloc => matches!(inner, Kind::Alloc | Kind::Realloc),
-        Kind::Free => inner == Kind::Free,
+    // The frees inside an allocation wrapper may only free what it returns
+    // (on a path that fails), a realloc wrapper's also what it reallocates
+    // (size 0): anything else is an object of the wrapper's own, which its
+    // callers' counts would miss. A result freed is the one returned only
+    // when a single allocation call inside could have made it.
+    let allocations = |k: usize| {
+        within.iter().filter(|&&(w, i)| w == k && scan.entries[scan.sites[i].entry].sig.kind != Kind::Free).count()
+    };
+    let fits = |k: usize, inner: Kind| {
+        let c = &charged[k];
+        match c.kind {
+            Kind::Alloc | Kind::Realloc => {
+                inner != Kind::Free || !(c.frees.other || (c.frees.result && allocations(k) > 1))
+            }
+            Kind::Free => inner == Kind::Free,
+        }
     };
     let mut ok: Vec<bool> = charged.iter().map(|c| c.countable).collect();
     loop {
@@ -153,7 +169,7 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
             let s = &scan.sites[i];
             let inner = scan.entries[s.entry].sig.kind;
             let callee_ok = by_entry.get(&s.entry).is_none_or(|&j| ok[j]);
-            if ok[k] && !(callee_ok && fits(charged[k].kind, inner)) {
+            if ok[k] && !(callee_ok && fits(k, inner)) {
                 ok[k] = false;
                 changed = true;
             }

@@ -70,6 +70,8 @@ pub struct WrapperInfo {
     pub reason: String,
     /// 0 named by the user, 1 a wrapper of entry points, 2 of wrappers...
     pub depth: u32,
+    /// What it frees besides what it reallocates.
+    pub frees: wrappers::Frees,
 }
 
 /// The default entry points followed by the user's.
@@ -117,6 +119,7 @@ pub fn analyze_with(
             role: w.role,
             reason: w.why.text(),
             depth: w.depth,
+            frees: w.frees,
         })
         .collect();
     let imports: std::collections::BTreeSet<&str> =
@@ -134,6 +137,7 @@ pub fn analyze_with(
                     None => "exported by a library the file needs".to_string(),
                 },
                 depth: 1,
+                frees: Default::default(),
             });
         }
     }

@@ -123,7 +123,10 @@ impl Callee {
     /// size is none of its arguments.
     pub fn signature(&self) -> Option<Signature> {
         match *self {
-            Callee::Alloc { size: Size::None } | Callee::NoReturn | Callee::ReturnsFirst => None,
+            Callee::Alloc { size: Size::None }
+            | Callee::Realloc { size: Size::None, .. }
+            | Callee::NoReturn
+            | Callee::ReturnsFirst => None,
             Callee::Alloc { size } => Some(Signature::alloc(size)),
             Callee::Free { ptr } => Some(Signature::free(ptr)),
             Callee::Realloc { ptr, size } => Some(Signature::realloc(ptr, size)),
@@ -142,6 +145,20 @@ pub struct Wrapper {
     pub why: Why,
     /// 1 for a wrapper of allocators, 2 for a wrapper of such wrappers, ...
     pub depth: u32,
+    /// What an allocation or realloc wrapper frees besides what it
+    /// reallocates.
+    pub frees: Frees,
+}
+
+/// What an allocation or realloc wrapper frees besides the object it
+/// reallocates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Frees {
+    /// An object some allocation call inside returned: the one it returns
+    /// (on a path that fails) or a temporary.
+    pub result: bool,
+    /// Anything else.
+    pub other: bool,
 }
 
 /// Code bytes by address (the executable sections).
@@ -182,6 +199,13 @@ pub fn find(
         Target::Slot(_) => known.callee(t),
     };
 
+    // Functions that return their first argument unchanged.
+    for (f, d) in functions.iter().zip(&decoded) {
+        if d.identity {
+            found.insert(f.start, (Callee::ReturnsFirst, 0));
+        }
+    }
+
     // Functions that never return: no `ret`, no indirect jump, and every
     // jump out of the function goes to a function that never returns.
     loop {
@@ -217,29 +241,38 @@ pub fn find(
     let mut todo: Vec<usize> = (0..functions.len())
         .filter(|&i| decoded[i].calls.iter().chain(&decoded[i].jumps_out).any(|&t| role(resolve(&found, t))))
         .collect();
-    let mut wrappers = Vec::new();
+    let mut wrappers: HashMap<u64, Wrapper> = HashMap::new();
     let mut depth = 1;
     while !todo.is_empty() {
         let mut next = HashSet::new();
         let mut new = Vec::new();
         for &i in &todo {
             let f = functions[i];
-            if found.contains_key(&f.start) || refused(f.start) {
+            // A free wrapper found before its callees were known may
+            // reallocate (`zrealloc` frees on size 0, and returns what a
+            // wrapper found later returns): analyzed again.
+            let again = matches!(found.get(&f.start), Some((Callee::Free { .. }, _)));
+            if (found.contains_key(&f.start) && !again) || refused(f.start) {
                 continue;
             }
-            if let Some((role, why)) = analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t)) {
-                new.push(Wrapper { start: f.start, end: f.end, role, why, depth });
+            if let Some((role, why, frees)) = analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t))
+                && !(again && matches!(role, Callee::Free { .. }))
+            {
+                new.push(Wrapper { start: f.start, end: f.end, role, why, depth, frees });
             }
         }
         for w in &new {
             found.insert(w.start, (w.role, w.depth));
             next.extend(callers.get(&w.start).into_iter().flatten().copied());
         }
-        wrappers.extend(new);
+        for w in new {
+            wrappers.insert(w.start, w);
+        }
         todo = next.into_iter().collect();
         todo.sort_unstable();
         depth += 1;
     }
+    let mut wrappers: Vec<Wrapper> = wrappers.into_values().collect();
     wrappers.sort_by_key(|w| w.start);
     let mut noreturn: Vec<u64> = found.iter().filter(|(_, (c, _))| *c == Callee::NoReturn).map(|(&a, _)| a).collect();
     noreturn.sort_unstable();
@@ -256,6 +289,9 @@ struct Decoded {
     indirect_jump: bool,
     calls: Vec<Target>,
     jumps_out: Vec<Target>,
+    /// The function is `mov rax, rdi; ret` (after an optional `endbr64`):
+    /// it returns its first argument.
+    identity: bool,
 }
 
 fn target_of(ins: &Instruction) -> Option<Target> {
@@ -276,10 +312,28 @@ impl Decoded {
         }
         let Some(bytes) = code.bytes(f) else { return d };
         let mut dec = Decoder::with_ip(64, bytes, f.start, DecoderOptions::NONE);
+        // Instructions seen, with `mov rax, rdi` as 1 and the rest as 2.
+        let mut shape: Vec<u8> = Vec::new();
         while dec.can_decode() {
             let ins = dec.decode();
             if ins.is_invalid() {
                 break;
+            }
+            if shape.len() < 3 && ins.code() != iced_x86::Code::Endbr64 {
+                let moves_arg =
+                    ins.code() == iced_x86::Code::Mov_r64_rm64 || ins.code() == iced_x86::Code::Mov_rm64_r64;
+                let rax_rdi = ins.op_count() == 2
+                    && ins.op0_kind() == OpKind::Register
+                    && ins.op1_kind() == OpKind::Register
+                    && ins.op0_register() == Register::RAX
+                    && ins.op1_register() == Register::RDI;
+                shape.push(if moves_arg && rax_rdi {
+                    1
+                } else if ins.flow_control() == FlowControl::Return {
+                    3
+                } else {
+                    2
+                });
             }
             let inside = |a: u64| (f.start..f.end).contains(&a);
             match ins.flow_control() {
@@ -303,6 +357,7 @@ impl Decoded {
                 d.instructions.push(ins);
             }
         }
+        d.identity = shape.starts_with(&[1, 3]);
         d
     }
 }
@@ -329,18 +384,43 @@ enum Val {
 /// Which call a result came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Origin {
-    /// An allocation of the bytes given (in the function's arguments).
-    Alloc(Size),
+    /// An allocation of the bytes given.
+    Alloc(Asked),
     /// A realloc of the function's argument `n` plus an offset, to the
     /// bytes given.
-    ReallocOfArg(u8, i64, Size),
+    ReallocOfArg(u8, i64, Asked),
     /// A realloc of something else.
     Realloc,
 }
 
-/// The size two paths ask for: the same, or not known.
-fn join_size(a: Size, b: Size) -> Size {
-    if a == b { a } else { Size::None }
+/// The bytes an allocator is asked for, in terms of the calling function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Asked {
+    /// Given by its arguments.
+    Of(Size),
+    /// A constant (`malloc(1)` where `malloc(0)` failed): a path that
+    /// does not change what a caller asked for.
+    Fixed,
+    Unknown,
+}
+
+/// The size two paths ask for: the same, the one of a path that is not
+/// a constant, or not known.
+fn join_size(a: Asked, b: Asked) -> Asked {
+    match (a, b) {
+        _ if a == b => a,
+        (Asked::Fixed, x) | (x, Asked::Fixed) => x,
+        _ => Asked::Unknown,
+    }
+}
+
+impl Asked {
+    fn size(self) -> Size {
+        match self {
+            Asked::Of(s) => s,
+            Asked::Fixed | Asked::Unknown => Size::None,
+        }
+    }
 }
 
 impl Origin {
@@ -361,19 +441,31 @@ impl Origin {
 
 /// A callee's size in terms of the calling function's arguments, from
 /// the argument registers at the call.
-fn asked(s: &State, size: Size) -> Size {
-    let arg = |a: u8| match ARGS.get(usize::from(a)).map(|&r| s.get(r)) {
-        Some(Val::Arg(n, _) | Val::ArgOr(n, _)) => Some(n),
+fn asked(s: &State, size: Size) -> Asked {
+    let val = |a: u8| ARGS.get(usize::from(a)).map_or(Val::Unknown, |&r| s.get(r));
+    let arg = |v: Val| match v {
+        Val::Arg(n, _) | Val::ArgOr(n, _) => Some(n),
         _ => None,
     };
+    let fixed = |v: Val| matches!(v, Val::Const(_) | Val::Zero);
     match size {
-        Size::Arg(a) => arg(a).map_or(Size::None, Size::Arg),
-        Size::Product(a, b) => match (arg(a), arg(b)) {
-            (Some(x), Some(y)) => Size::Product(x, y),
-            _ => Size::None,
+        Size::Arg(a) => match val(a) {
+            v if fixed(v) => Asked::Fixed,
+            v => arg(v).map_or(Asked::Unknown, |n| Asked::Of(Size::Arg(n))),
         },
-        Size::ResultStrlen => Size::ResultStrlen,
-        Size::None => Size::None,
+        Size::Product(a, b) => match (val(a), val(b)) {
+            (x, y) if fixed(x) && fixed(y) => Asked::Fixed,
+            // A count or size known to be 0 on this path: 0 bytes.
+            (Val::Zero, _) | (_, Val::Zero) => Asked::Fixed,
+            // calloc(1, n): n bytes.
+            (Val::Const(1), v) | (v, Val::Const(1)) => arg(v).map_or(Asked::Unknown, |n| Asked::Of(Size::Arg(n))),
+            (x, y) => match (arg(x), arg(y)) {
+                (Some(x), Some(y)) => Asked::Of(Size::Product(x, y)),
+                _ => Asked::Unknown,
+            },
+        },
+        Size::ResultStrlen => Asked::Of(Size::ResultStrlen),
+        Size::None => Asked::Unknown,
     }
 }
 
@@ -529,7 +621,7 @@ struct Ends {
     returned: Vec<(Val, u64)>,
     /// Results of tail calls: (callee, value of the pointer argument, size
     /// asked for), at.
-    tail: Vec<(Callee, Val, Size, u64)>,
+    tail: Vec<(Callee, Val, Asked, u64)>,
     /// Frees made: value of the pointer argument, at.
     frees: Vec<(Val, u64)>,
     /// Where results come from: call address per origin.
@@ -542,7 +634,7 @@ struct Ends {
 }
 
 /// Decides whether one function is a wrapper.
-fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<(Callee, Why)> {
+fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<(Callee, Why, Frees)> {
     let ends = flow(d, f, resolve)?;
     if ends.lost {
         return None;
@@ -565,8 +657,8 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     let mut other = false;
     let mut result: Option<(u64, i64)> = None;
     // The size every path asks for.
-    let mut size: Option<Size> = None;
-    let mut ask = |s: Size| size = Some(size.map_or(s, |t| join_size(s, t)));
+    let mut size: Option<Asked> = None;
+    let mut ask = |s: Asked| size = Some(size.map_or(s, |t| join_size(s, t)));
     for &(v, _) in &ends.returned {
         match v {
             Val::Zero => {}
@@ -595,7 +687,7 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
         ask(s);
         tail_at.get_or_insert(at);
     }
-    let size = size.unwrap_or(Size::None);
+    let size = size.map_or(Size::None, Asked::size);
     if alloc || realloc_of.is_some() {
         // Every path that returns must return the object (or NULL), and
         // every realloc must reallocate the same argument.
@@ -609,7 +701,16 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
             (None, Some(at)) => Why::TailCall { at },
             (None, None) => return None,
         };
-        return Some((role, why));
+        let mut frees = Frees::default();
+        for &(v, _) in &ends.frees {
+            match v {
+                Val::Zero => {}
+                Val::Result(..) => frees.result = true,
+                Val::Arg(n, _) if realloc_of == Some(n) => {}
+                _ => frees.other = true,
+            }
+        }
+        return Some((role, why, frees));
     }
     // A free wrapper: every free frees the same argument.
     let (first, at) = *ends.frees.first()?;
@@ -620,7 +721,7 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     if ends.returned.iter().any(|(v, _)| matches!(v, Val::Result(..))) {
         return None;
     }
-    Some((Callee::Free { ptr: n }, Why::Frees { at, offset }))
+    Some((Callee::Free { ptr: n }, Why::Frees { at, offset }, Frees::default()))
 }
 
 /// Runs the data-flow over a function; `None` if it does not settle.
@@ -1196,7 +1297,14 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
     for (name, role) in &opts.named {
         for a in defined(name) {
             code.insert(a, *role);
-            named.push(Wrapper { start: a, end: end_of(a), role: *role, why: Why::Named, depth: 0 });
+            named.push(Wrapper {
+                start: a,
+                end: end_of(a),
+                role: *role,
+                why: Why::Named,
+                depth: 0,
+                frees: Frees::default(),
+            });
         }
     }
     let refused: HashSet<u64> = opts.refused.iter().flat_map(|n| defined(n)).collect();
