@@ -26,13 +26,17 @@
  *   a = xrealloc(a, 32 + i)     realloc in xrealloc      5 calls, 170 bytes
  *   s = xstrdup("wrappers")     strdup in xstrdup        5 calls, 45 bytes
  *   z = zmalloc(24)             malloc in zmalloc_usable 5 calls, 200 bytes
+ *   y = zmalloc(8)              malloc in zmalloc_usable 5 calls, 120 bytes
  *   e = xmalloc0(i)             malloc in xmalloc        5 calls, 1+1+2+3+4 = 11 bytes
  *   t = tmalloc(8)              malloc in tmalloc        5 calls, 40 bytes
  *   g = lw_alloc(12)            (in libwraps.so)
  *   d = lw_dup(g, 12)           (in libwraps.so)
  *   grow(&buf, 64 * (i + 1))    realloc in grow          5 calls, 960 bytes
  *   xfree(a, b, s, e, t, f)     free in xfree            30 calls
- *   zfree(z)                    free in zfree            5 calls
+ *   zfree(z), free_fn(y)        free in zfree            10 calls
+ *                               (zfree through a function pointer: its
+ *                               inner free finds y by the allocator's
+ *                               pointer, where live tracking keys it)
  *   lw_free(g), lw_free(d)      (in libwraps.so)
  * then free(buf.p) once.
  *
@@ -57,8 +61,11 @@ void lw_free(void *p);
 static volatile int iterations = 5;
 
 void *xmalloc(size_t n);
-/* xmalloc's address is taken: it can be reached without a call site. */
+/* xmalloc's and zfree's addresses are taken: they can be reached without
+ * a call site. */
 static void *(*volatile alloc_fn)(size_t) = xmalloc;
+void zfree(void *p);
+static void (*volatile free_fn)(void *) = zfree;
 
 #define WRAPPER __attribute__((noinline, noclone, noipa))
 
@@ -118,7 +125,7 @@ WRAPPER void xfree(void *p)
 /* @wrapper zmalloc_usable alloc */
 WRAPPER void *zmalloc_usable(size_t n)
 {
-    size_t *p = malloc(n + 16); /* @site malloc calls=5 bytes=200 inside */
+    size_t *p = malloc(n + 16); /* @site malloc calls=10 bytes=320 inside */
     if (p == NULL)
         return NULL;
     p[0] = n;
@@ -138,7 +145,7 @@ WRAPPER void *zmalloc(size_t n)
 WRAPPER void zfree(void *p)
 {
     if (p != NULL)
-        free((char *)p - 16); /* @site free tail calls=5 bytes=0 inside */
+        free((char *)p - 16); /* @site free tail calls=10 bytes=0 inside charged=5,0 */
 }
 
 /* @wrapper xmalloc0 alloc */
@@ -190,6 +197,8 @@ int main(void)
         char *s = xstrdup(opaque("wrappers")); /* @charged xstrdup calls=5 bytes=45 */
         sum(s, 9);
         char *z = zmalloc(24); /* @charged zmalloc calls=5 bytes=120 */
+        char *y = zmalloc(8); /* @charged zmalloc calls=5 bytes=40 */
+        fill(y, 8, 4);
         fill(z, 24, 7);
         char *e = xmalloc0((size_t)i); /* @charged xmalloc0 calls=5 bytes=10 */
         fill(e, i == 0 ? 1 : (size_t)i, 3);
@@ -209,6 +218,7 @@ int main(void)
         xfree(t); /* @charged xfree calls=5 bytes=0 */
         xfree(f); /* @charged xfree calls=5 bytes=0 */
         zfree(z); /* @charged zfree calls=5 bytes=0 */
+        free_fn(y);
         lw_free(g); /* @charged lw_free calls=5 bytes=0 */
         lw_free(d); /* @charged lw_free calls=5 bytes=0 */
     }

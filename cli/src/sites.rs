@@ -58,14 +58,17 @@ impl WrapperArgs {
     /// are `data`: what its libraries export, what the user says.
     pub fn options(&self, path: &Path, data: &[u8], user: &[EntryPoint]) -> Result<wrappers::Options> {
         let named = self.wrappers.iter().map(|s| parse_wrapper(s)).collect::<Result<Vec<_>>>()?;
-        let (imported, libraries) = match alloctramp_patcher::Elf::parse(data) {
-            Ok(elf) if !self.no_wrappers => deps::imported_wrappers(path, &elf, &alloctramp_patcher::entry_set(user).0),
+        let entries = alloctramp_patcher::entry_set(user).0;
+        let imported = match alloctramp_patcher::Elf::parse(data) {
+            Ok(elf) if !self.no_wrappers => deps::imported_wrappers(path, &elf, &entries, self.charge_callers),
             _ => Default::default(),
         };
         Ok(wrappers::Options {
             search: !self.no_wrappers,
-            imported,
-            libraries,
+            imported: imported.roles,
+            imported_charged: imported.charged,
+            imported_keys: imported.keys,
+            libraries: imported.from,
             named,
             refused: self.not_wrappers.clone(),
             charge: self.charge_callers,

@@ -20,9 +20,9 @@
 //! directly.
 
 use crate::WrapperInfo;
-use crate::elf::{Elf, FileType};
-use crate::scan::{Charge, Scan, Via};
-use crate::wrappers::Frees;
+use crate::elf::Elf;
+use crate::scan::{Charge, Keys, Scan, Via};
+use crate::wrappers::{Frees, Offsets};
 use alloctramp_trampolines::entry::{EntryPoint, Kind, Signature, Size, Target};
 use std::collections::{HashMap, HashSet};
 
@@ -42,6 +42,10 @@ pub struct Charged {
     pub countable: bool,
     /// What it frees besides what it reallocates.
     pub frees: Frees,
+    /// The call its result or free comes from, and its pointers relative
+    /// to that call's (for an imported wrapper: to the allocator's).
+    pub at: Option<u64>,
+    pub offsets: Offsets,
 }
 
 /// Adds an entry point for each wrapper that is not one already; returns
@@ -87,7 +91,7 @@ pub fn entries(elf: &Elf, entries: &mut Vec<EntryPoint>, wrappers: &[WrapperInfo
             (None, Some(name)) if !names.contains(name) => (Target::Symbol(name.clone()), None, true),
             _ => continue,
         };
-        let countable = w.role.signature();
+        let countable = w.role.signature().filter(|_| w.chargeable);
         let sig = countable.unwrap_or(Signature::alloc(Size::None));
         out.push(Charged {
             entry: entries.len(),
@@ -97,19 +101,63 @@ pub fn entries(elf: &Elf, entries: &mut Vec<EntryPoint>, wrappers: &[WrapperInfo
             kind: sig.kind,
             countable: countable.is_some(),
             frees: w.frees,
+            at: w.why.and_then(|why| why.at()),
+            offsets: w.offsets,
         });
         entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6 });
     }
     out
 }
 
-/// The addresses among `starts` that an executable (not position
-/// independent) stores in its data: function pointers that need no
-/// relocation there. Any aligned word equal to one counts (a number that
-/// happens to be equal only costs a depth check).
+/// The offsets of wrapper `k`'s pointers from the allocator's, following
+/// the calls it wraps (`None`: a call not found, a cycle, or an offset out
+/// of range).
+fn key_of(
+    k: usize,
+    charged: &[Charged],
+    by_entry: &HashMap<usize, usize>,
+    site_at: &HashMap<u64, usize>,
+    scan: &Scan,
+    depth: u32,
+) -> Option<Keys> {
+    let c = charged.get(k)?;
+    let (inner_result, inner_ptr) = match (c.code, c.at) {
+        _ if depth > 64 => return None,
+        (None, _) => (0, 0),
+        (Some(_), None) => (0, 0),
+        (Some(_), Some(at)) => {
+            let site = scan.sites.get(*site_at.get(&at)?)?;
+            match by_entry.get(&site.entry) {
+                Some(&j) => {
+                    let inner = key_of(j, charged, by_entry, site_at, scan, depth + 1)?;
+                    (i64::from(inner.result), i64::from(inner.ptr))
+                }
+                None => (0, 0),
+            }
+        }
+    };
+    let result = i32::try_from(c.offsets.result.checked_add(inner_result)?).ok()?;
+    let ptr = i32::try_from(c.offsets.ptr.checked_add(inner_ptr)?).ok()?;
+    Some(Keys { result, ptr })
+}
+
+/// Whether an entry point may throw a C++ exception: the plain (not
+/// `nothrow`) `operator new` and `new[]`.
+fn may_throw(e: &EntryPoint) -> bool {
+    match &e.target {
+        Target::Symbol(s) => matches!(s.as_str(), "_Znwm" | "_Znam" | "_ZnwmSt11align_val_t" | "_ZnamSt11align_val_t"),
+        Target::Address(_) => false,
+    }
+}
+
+/// The addresses among `starts` that the file's data holds: function
+/// pointers of an executable (not position independent), which need no
+/// relocation, and those of relative relocations packed as `DT_RELR`,
+/// whose addend is the word itself. Any aligned word equal to one counts (a
+/// number that happens to be equal only costs a depth check).
 fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
     let mut out = HashSet::new();
-    if elf.file_type != FileType::Exec || starts.is_empty() {
+    if starts.is_empty() {
         return out;
     }
     for sec in elf.sections.iter().filter(|s| s.is_alloc() && !s.is_exec()) {
@@ -162,7 +210,27 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
             Kind::Free => inner == Kind::Free,
         }
     };
-    let mut ok: Vec<bool> = charged.iter().map(|c| c.countable).collect();
+    // Where the allocator's pointers are relative to each wrapper's: its
+    // own offsets plus those of the wrapper it calls, if any.
+    let site_at: HashMap<u64, usize> = scan.sites.iter().enumerate().map(|(i, s)| (s.vaddr.0, i)).collect();
+    let keys: Vec<Option<Keys>> =
+        (0..charged.len()).map(|k| key_of(k, charged, &by_entry, &site_at, scan, 0)).collect();
+    let mut ok: Vec<bool> = charged.iter().zip(&keys).map(|(c, key)| c.countable && key.is_some()).collect();
+    // A reference inside that is not a site (a conditional or short jump,
+    // a pointer taken) reaches what it reaches without counting or raising
+    // the depth.
+    for r in &scan.unpatchable {
+        if let Some(k) = inside(r.vaddr.0) {
+            ok[k] = false;
+        }
+    }
+    // An allocator that throws (`operator new`) would unwind through the
+    // caller's trampoline, which has no unwind information.
+    for &(k, i) in &within {
+        if may_throw(&scan.entries[scan.sites[i].entry]) {
+            ok[k] = false;
+        }
+    }
     loop {
         let mut changed = false;
         for &(k, i) in &within {
@@ -197,20 +265,23 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
             break;
         }
     }
-    // Wrappers whose allocations all leave the file: a call to one
-    // clobbers every caller-saved register (the compiler's interprocedural
-    // register allocation sees calls through the PLT in its body).
-    let mut external = ok.clone();
+    // Wrappers that call out of the file (through the PLT or the GOT, or
+    // through another such wrapper): a call to one clobbers every
+    // caller-saved register, as the compiler's interprocedural register
+    // allocation assumes of a function with an external call in its body.
+    // Found from below (a least fixpoint): a wrapper with no call out, or
+    // only recursion, is not one.
+    let mut external: Vec<bool> = charged.iter().map(|c| c.code.is_none()).collect();
     loop {
         let mut changed = false;
         for &(k, i) in &within {
             let s = &scan.sites[i];
             let out = match by_entry.get(&s.entry) {
-                Some(&j) => charged[j].code.is_none() || external[j],
+                Some(&j) => external[j],
                 None => s.via != Via::Direct,
             };
-            if external[k] && !out {
-                external[k] = false;
+            if ok[k] && out && !external[k] {
+                external[k] = true;
                 changed = true;
             }
         }
@@ -233,6 +304,13 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
                 None => Charge::Own,
             },
         };
+    }
+    for (k, c) in charged.iter().enumerate() {
+        if let (true, Some(key)) = (ok[k], keys[k])
+            && key != Keys::default()
+        {
+            scan.keys.insert(c.entry, key);
+        }
     }
     scan.sites.retain(|s| !dropped(s.entry));
     scan.unpatchable.retain(|r| !dropped(r.entry));

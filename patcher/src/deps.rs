@@ -104,17 +104,38 @@ pub fn libraries(path: &Path, elf: &Elf) -> Vec<PathBuf> {
 /// own unpatched code allocates), by SONAME prefix.
 const NOT_SEARCHED: &[&str] = &["libc.so", "ld-linux", "libm.so", "libpthread.so", "libdl.so", "librt.so"];
 
-/// The wrappers the libraries `path` needs export, for
-/// [`crate::wrappers::Options`]: (symbol -> role, symbol -> library file
-/// name). Libraries are searched in the dynamic linker's order, so a
-/// library's wrappers may wrap those of the libraries it needs.
+/// What the libraries a file needs export, for [`crate::wrappers::Options`].
+#[derive(Clone, Debug, Default)]
+pub struct Imported {
+    /// Wrapper symbol -> role.
+    pub roles: std::collections::HashMap<String, crate::wrappers::Callee>,
+    /// Wrapper symbol -> library file name.
+    pub from: std::collections::HashMap<String, String>,
+    /// The wrappers the library charges to its callers when it is patched
+    /// with `--charge-callers` (the sites inside check the thread's
+    /// wrapper depth): the only ones a program may charge to its own
+    /// calls. Filled when asked for.
+    pub charged: std::collections::HashSet<String>,
+    /// Where the allocator's pointers are relative to those of the charged
+    /// wrappers with a size header.
+    pub keys: std::collections::HashMap<String, crate::scan::Keys>,
+}
+
+/// The wrappers the libraries `path` needs export. Libraries are searched
+/// in the dynamic linker's order, so a library's wrappers may wrap those of
+/// the libraries it needs. With `charge`, each library is also analyzed as
+/// `patch --charge-callers` would (a sweep of its code) to tell which of
+/// its wrappers it charges.
 pub fn imported_wrappers(
     path: &Path,
     elf: &Elf,
     entries: &[alloctramp_trampolines::entry::EntryPoint],
-) -> (std::collections::HashMap<String, crate::wrappers::Callee>, std::collections::HashMap<String, String>) {
+    charge: bool,
+) -> Imported {
     let mut roles = std::collections::HashMap::new();
     let mut from = std::collections::HashMap::new();
+    let mut charged = std::collections::HashSet::new();
+    let mut keys = std::collections::HashMap::new();
     let mut libs = libraries(path, elf);
     // Wrappers of wrappers across libraries: the ones needed last first.
     libs.reverse();
@@ -125,12 +146,35 @@ pub fn imported_wrappers(
         }
         let Ok(data) = std::fs::read(&lib) else { continue };
         let Ok(lib_elf) = Elf::parse(&data) else { continue };
-        for (symbol, role) in crate::wrappers::exported(&lib_elf, entries, &roles) {
+        let exported = crate::wrappers::exported(&lib_elf, entries, &roles);
+        if charge && !exported.is_empty() {
+            let opts =
+                crate::wrappers::Options { search: true, imported: roles.clone(), charge: true, ..Default::default() };
+            if let Ok(a) = crate::analyze_with(&data, &name, None, &[], &opts) {
+                for (symbol, _) in &exported {
+                    let function = crate::symbols::demangle(symbol);
+                    let charges = a.scan.sites.iter().any(|s| {
+                        matches!(s.charge, crate::scan::Charge::Inside { wrapper, checked: true, .. }
+                            if a.wrappers.get(wrapper).is_some_and(|w| w.function == function))
+                    });
+                    if charges {
+                        charged.insert(symbol.clone());
+                        let target = alloctramp_trampolines::entry::Target::Symbol(symbol.clone());
+                        if let Some(key) =
+                            a.scan.entries.iter().position(|e| e.target == target).and_then(|i| a.scan.keys.get(&i))
+                        {
+                            keys.insert(symbol.clone(), *key);
+                        }
+                    }
+                }
+            }
+        }
+        for (symbol, role) in exported {
             from.entry(symbol.clone()).or_insert_with(|| name.clone());
             roles.entry(symbol).or_insert(role);
         }
     }
-    (roles, from)
+    Imported { roles, from, charged, keys }
 }
 
 /// Whether `p` is an x86-64 ELF shared object (the dynamic linker skips

@@ -72,6 +72,13 @@ pub struct WrapperInfo {
     pub depth: u32,
     /// What it frees besides what it reallocates.
     pub frees: wrappers::Frees,
+    /// Its callers can be charged with what it allocates (see
+    /// [`wrappers::Wrapper::chargeable`]).
+    pub chargeable: bool,
+    /// Why it is one (the call its result or free comes from).
+    pub why: Option<wrappers::Why>,
+    /// Its pointers relative to that call's.
+    pub offsets: wrappers::Offsets,
 }
 
 /// The default entry points followed by the user's.
@@ -120,6 +127,9 @@ pub fn analyze_with(
             reason: w.why.text(),
             depth: w.depth,
             frees: w.frees,
+            chargeable: w.chargeable,
+            why: Some(w.why),
+            offsets: w.offsets,
         })
         .collect();
     let imports: std::collections::BTreeSet<&str> =
@@ -138,6 +148,12 @@ pub fn analyze_with(
                 },
                 depth: 1,
                 frees: Default::default(),
+                chargeable: wrapper_opts.imported_charged.contains(name),
+                why: None,
+                offsets: wrapper_opts.imported_keys.get(name).map_or_else(Default::default, |k| wrappers::Offsets {
+                    result: i64::from(k.result),
+                    ptr: i64::from(k.ptr),
+                }),
             });
         }
     }

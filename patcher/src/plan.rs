@@ -24,6 +24,7 @@ use crate::tables::{Jmprel, Phdr, Tables};
 use crate::{Analysis, SiteInfo, Via};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
 use alloctramp_trampolines::codegen::{self, CodegenError, TrampolineSpec};
+use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
 use object::LittleEndian as LE;
 use object::elf;
@@ -384,6 +385,20 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
     let (init, fini) = plan_stubs(&mut cursor, &ctx, &tables)?;
     let sites = plan_sites(&mut cursor, &ctx, a);
+    // A call to a wrapper that counts for what the wrapper allocates must
+    // be patched: the calls inside the wrapper may count nothing.
+    for (p, site) in sites.iter().zip(&a.scan.sites) {
+        if let (Decision::Skipped(reason), Charge::Caller { .. }) = (&p.decision, site.charge) {
+            return Err(Error::new(
+                ErrorKind::Request,
+                Location::Vaddr(site.vaddr),
+                format!(
+                    "the call to allocation wrapper {} cannot be patched ({reason}); patch without --charge-callers",
+                    a.scan.entries[site.entry].display
+                ),
+            ));
+        }
+    }
     let text = Region { offset: FileOffset(text_start), addr: Vaddr(mem.text), size: cursor.offset - text_start };
     let rw = ReadWrite::place(align(text.end_offset().0, PAGE), &mem);
     // The original file follows at a multiple of the largest alignment, so
@@ -699,13 +714,18 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
             target: site.target.0,
             sig: entry.sig,
             index: i as u32,
-            preserve: site.via == Via::Direct && !external,
+            // A free or realloc wrapper's trampoline calls the runtime
+            // before the wrapper: preserve mode keeps its vector registers
+            // (arguments, for a wrapper that takes floating point ones).
+            preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
             args: entry.args,
             control: ctx.control,
             shard_mask: ctx.shards - 1,
             shard_stride: ctx.stride as u32,
             depth_check,
             depth_bump,
+            key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
+            key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
         };
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)

@@ -114,6 +114,21 @@ pub struct Scan {
     pub unresolved: Vec<usize>,
     /// Bytes of executable code swept.
     pub code_bytes: u64,
+    /// For the entries of charged allocation wrappers with a size header:
+    /// where the allocator's pointers are relative to the wrapper's (see
+    /// [`Keys`]).
+    pub keys: HashMap<usize, Keys>,
+}
+
+/// How a site calling an allocation wrapper with a size header in front
+/// finds the allocator's own pointer, which live tracking keys objects by
+/// (a free on any path, through the wrapper or not, finds them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Keys {
+    /// The wrapper returns the allocator's pointer plus this.
+    pub result: i32,
+    /// The wrapper frees or reallocates its pointer argument plus this.
+    pub ptr: i32,
 }
 
 /// Where entry points can be reached in one file.

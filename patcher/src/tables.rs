@@ -540,7 +540,7 @@ fn check_plt_indices(elf: &Elf, count: u64) -> Result<()> {
         let mut dec = Decoder::with_ip(64, s.data, s.addr.0, DecoderOptions::NONE);
         for ins in &mut dec {
             if matches!(ins.code(), Code::Pushq_imm32 | Code::Pushq_imm8) {
-                let index = ins.immediate64();
+                let index = ins.immediate(0);
                 if index >= count {
                     let at = s.offset.0 + (ins.ip() - s.addr.0);
                     return Err(Error::new(

@@ -41,6 +41,10 @@ pub enum Callee {
     Realloc { ptr: u8, size: Size },
     /// Never returns (`abort`, `exit`, a `die()` of the program).
     NoReturn,
+    /// Never returns: throws a C++ exception (`__cxa_throw`,
+    /// `std::__throw_bad_alloc`, a function of the program that only
+    /// throws).
+    Throws,
     /// Returns its first argument (`memcpy`, `memset`, `strcpy`): a
     /// wrapper may fill the object it returns with one.
     ReturnsFirst,
@@ -90,6 +94,14 @@ pub enum Why {
 }
 
 impl Why {
+    /// The call the wrapper's result or free comes from.
+    pub fn at(&self) -> Option<u64> {
+        match *self {
+            Why::Returns { at, .. } | Why::TailCall { at } | Why::Frees { at, .. } => Some(at),
+            Why::Named => None,
+        }
+    }
+
     /// What the reason says, for listings.
     pub fn text(&self) -> String {
         let off = |o: i64| match o {
@@ -114,6 +126,7 @@ impl Callee {
             Callee::Free { .. } => "free",
             Callee::Realloc { .. } => "realloc",
             Callee::NoReturn => "noreturn",
+            Callee::Throws => "throws",
             Callee::ReturnsFirst => "returns-first",
         }
     }
@@ -126,6 +139,7 @@ impl Callee {
             Callee::Alloc { size: Size::None }
             | Callee::Realloc { size: Size::None, .. }
             | Callee::NoReturn
+            | Callee::Throws
             | Callee::ReturnsFirst => None,
             Callee::Alloc { size } => Some(Signature::alloc(size)),
             Callee::Free { ptr } => Some(Signature::free(ptr)),
@@ -148,6 +162,34 @@ pub struct Wrapper {
     /// What an allocation or realloc wrapper frees besides what it
     /// reallocates.
     pub frees: Frees,
+    /// Its callers can be charged with what it allocates: it hands over
+    /// the allocator's own pointer (no header in front), it throws no C++
+    /// exception (which cannot unwind through a trampoline), and it takes
+    /// no argument on the stack (a trampoline's frame would move them).
+    pub chargeable: bool,
+    /// Its pointers relative to those of the call at `why`'s address.
+    pub offsets: Offsets,
+}
+
+/// What [`analyze`] finds a wrapper to be.
+struct Found {
+    role: Callee,
+    why: Why,
+    frees: Frees,
+    chargeable: bool,
+    offsets: Offsets,
+}
+
+/// Where a wrapper's pointers are relative to those of the call it makes
+/// (at [`Why`]'s address): a size header in front.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Offsets {
+    /// An allocation or realloc wrapper returns the callee's result plus
+    /// this.
+    pub result: i64,
+    /// A realloc wrapper reallocates, a free wrapper frees, its pointer
+    /// argument plus this.
+    pub ptr: i64,
 }
 
 /// What an allocation or realloc wrapper frees besides the object it
@@ -214,8 +256,10 @@ pub fn find(
             if found.contains_key(&f.start) || d.returns || d.indirect_jump || d.empty {
                 continue;
             }
-            if d.jumps_out.iter().all(|&t| resolve(&found, t) == Some(Callee::NoReturn)) {
-                found.insert(f.start, (Callee::NoReturn, 0));
+            let ends: Vec<Option<Callee>> = d.jumps_out.iter().map(|&t| resolve(&found, t)).collect();
+            if ends.iter().all(|c| matches!(c, Some(Callee::NoReturn | Callee::Throws))) {
+                let throws = ends.contains(&Some(Callee::Throws));
+                found.insert(f.start, (if throws { Callee::Throws } else { Callee::NoReturn }, 0));
                 changed = true;
             }
         }
@@ -255,10 +299,11 @@ pub fn find(
             if (found.contains_key(&f.start) && !again) || refused(f.start) {
                 continue;
             }
-            if let Some((role, why, frees)) = analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t))
-                && !(again && matches!(role, Callee::Free { .. }))
+            if let Some(a) = analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t))
+                && !(again && matches!(a.role, Callee::Free { .. }))
             {
-                new.push(Wrapper { start: f.start, end: f.end, role, why, depth, frees });
+                let Found { role, why, frees, chargeable, offsets } = a;
+                new.push(Wrapper { start: f.start, end: f.end, role, why, depth, frees, chargeable, offsets });
             }
         }
         for w in &new {
@@ -274,7 +319,8 @@ pub fn find(
     }
     let mut wrappers: Vec<Wrapper> = wrappers.into_values().collect();
     wrappers.sort_by_key(|w| w.start);
-    let mut noreturn: Vec<u64> = found.iter().filter(|(_, (c, _))| *c == Callee::NoReturn).map(|(&a, _)| a).collect();
+    let mut noreturn: Vec<u64> =
+        found.iter().filter(|(_, (c, _))| matches!(c, Callee::NoReturn | Callee::Throws)).map(|(&a, _)| a).collect();
     noreturn.sort_unstable();
     (wrappers, noreturn)
 }
@@ -370,8 +416,8 @@ enum Val {
     Zero,
     /// Argument `n` at entry, plus an offset.
     Arg(u8, i64),
-    /// On some paths argument `n` plus an offset, on the others a
-    /// constant (`if (n == 0) n = 1`): what a size may be.
+    /// On some paths argument `n` plus an offset, on the others 1 or 0
+    /// (`if (n == 0) n = 1`): what a size may be.
     ArgOr(u8, i64),
     /// A constant other than NULL.
     Const(i64),
@@ -492,8 +538,10 @@ impl Val {
             (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Arg(m, y) | Val::ArgOr(m, y)) if (n, x) == (m, y) => {
                 Val::ArgOr(n, x)
             }
-            (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Const(_) | Val::Zero)
-            | (Val::Const(_) | Val::Zero, Val::Arg(n, x) | Val::ArgOr(n, x)) => Val::ArgOr(n, x),
+            // Only `if (n == 0) n = 1` (or 0): a request that another
+            // constant replaces (a minimum of 4096) is not the caller's.
+            (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Const(1) | Val::Zero)
+            | (Val::Const(1) | Val::Zero, Val::Arg(n, x) | Val::ArgOr(n, x)) => Val::ArgOr(n, x),
             _ => Val::Unknown,
         }
     }
@@ -545,6 +593,9 @@ struct State {
     /// What the flags say: the zero flag is set exactly when this location
     /// is NULL (after `test r, r`, `cmp r, 0` or `cmp [slot], 0`).
     zero_test: Option<Loc>,
+    /// Arguments (bit n: argument n) that every path to here freed or
+    /// found NULL.
+    settled: u8,
 }
 
 /// A register (by index) or a stack slot.
@@ -561,7 +612,7 @@ impl State {
             regs[gpr(r).unwrap_or(0)] = Val::Arg(n as u8, 0);
         }
         regs[4] = Val::Stack(0);
-        State { regs, stack: BTreeMap::new(), zero_test: None }
+        State { regs, stack: BTreeMap::new(), zero_test: None, settled: 0 }
     }
     fn get(&self, r: Register) -> Val {
         gpr(r).map_or(Val::Unknown, |i| self.regs[i])
@@ -589,6 +640,7 @@ impl State {
         if self.zero_test != o.zero_test {
             self.zero_test = None;
         }
+        self.settled &= o.settled;
         *self != before
     }
     /// The stack slot a memory operand names, if its base is known to point
@@ -631,10 +683,18 @@ struct Ends {
     /// A result is stored somewhere other than the frame (a global, a list):
     /// the function keeps the object, it does not hand it over.
     escapes: bool,
+    /// Per path that returns (or tail-calls): the arguments freed on it or
+    /// known NULL there (see `State::settled`).
+    exits: Vec<u8>,
+    /// A path throws (a C++ exception), which no trampoline may be on the
+    /// stack for.
+    throws: bool,
+    /// The function reads arguments passed on the stack.
+    stack_args: bool,
 }
 
 /// Decides whether one function is a wrapper.
-fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<(Callee, Why, Frees)> {
+fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<Found> {
     let ends = flow(d, f, resolve)?;
     if ends.lost {
         return None;
@@ -658,6 +718,7 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     let mut result: Option<(u64, i64)> = None;
     // The size every path asks for.
     let mut size: Option<Asked> = None;
+    let mut ptr_offset: Option<i64> = None;
     let mut ask = |s: Asked| size = Some(size.map_or(s, |t| join_size(s, t)));
     for &(v, _) in &ends.returned {
         match v {
@@ -667,8 +728,9 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
                 ask(s);
                 result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
             }
-            Val::Result(Origin::ReallocOfArg(n, _, s), off) => {
+            Val::Result(Origin::ReallocOfArg(n, o, s), off) => {
                 realloc(Some(n));
+                ptr_offset.get_or_insert(o);
                 ask(s);
                 result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
             }
@@ -682,7 +744,7 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
             (Callee::Alloc { .. }, _) => alloc = true,
             (Callee::Realloc { .. }, Val::Arg(n, _)) => realloc(Some(n)),
             (Callee::Realloc { .. }, _) => realloc(None),
-            (Callee::Free { .. } | Callee::NoReturn | Callee::ReturnsFirst, _) => continue,
+            (Callee::Free { .. } | Callee::NoReturn | Callee::Throws | Callee::ReturnsFirst, _) => continue,
         }
         ask(s);
         tail_at.get_or_insert(at);
@@ -710,18 +772,31 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
                 _ => frees.other = true,
             }
         }
-        return Some((role, why, frees));
+        let result = match why {
+            Why::Returns { offset, .. } => offset,
+            _ => 0,
+        };
+        let offsets = Offsets { result, ptr: ptr_offset.unwrap_or(0) };
+        return Some(Found { role, why, frees, chargeable: !ends.throws, offsets });
     }
-    // A free wrapper: every free frees the same argument.
+    // A free wrapper: every free frees the same argument, and every path
+    // that returns frees it or found it NULL (not a reference count's
+    // release, which frees only the last time).
     let (first, at) = *ends.frees.first()?;
     let Val::Arg(n, offset) = first else { return None };
     if ends.frees.iter().any(|(v, _)| !matches!(v, Val::Arg(m, _) if *m == n)) {
         return None;
     }
+    let bit = 1u8.checked_shl(u32::from(n)).unwrap_or(0);
+    if ends.exits.iter().any(|&m| m & bit == 0) {
+        return None;
+    }
     if ends.returned.iter().any(|(v, _)| matches!(v, Val::Result(..))) {
         return None;
     }
-    Some((Callee::Free { ptr: n }, Why::Frees { at, offset }, Frees::default()))
+    let why = Why::Frees { at, offset };
+    let offsets = Offsets { result: 0, ptr: offset };
+    Some(Found { role: Callee::Free { ptr: n }, why, frees: Frees::default(), chargeable: !ends.throws, offsets })
 }
 
 /// Runs the data-flow over a function; `None` if it does not settle.
@@ -743,11 +818,15 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
         let mut taken: Option<State> = None;
         let after = ins.next_ip();
         match ins.flow_control() {
-            FlowControl::Return => ends.returned.push((s.get(Register::RAX), ins.ip())),
+            FlowControl::Return => {
+                ends.returned.push((s.get(Register::RAX), ins.ip()));
+                ends.exits.push(s.settled);
+            }
             FlowControl::Call | FlowControl::IndirectCall => {
                 let callee = target_of(ins).and_then(resolve);
                 match callee {
                     Some(Callee::NoReturn) => {}
+                    Some(Callee::Throws) => ends.throws = true,
                     _ => {
                         call(&mut s, ins, callee, &mut ends);
                         next.push(after);
@@ -786,6 +865,7 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
                 if (0..ins.op_count()).any(|k| ins.op_kind(k) == OpKind::Memory) && s.slot(ins).is_some_and(|o| o >= 8)
                 {
                     ends.lost = true;
+                    ends.stack_args = true;
                 }
                 if stores_result_away(&s, ins) {
                     ends.escapes = true;
@@ -825,6 +905,15 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
     Some(ends)
 }
 
+/// Whether a function reads arguments passed on the stack (or cannot be
+/// followed far enough to tell).
+fn reads_stack_args(code: &Code, f: Function) -> bool {
+    match flow(&Decoded::new(code, f, true), f, &|_| None) {
+        Some(ends) => ends.stack_args || f.end <= f.start,
+        None => true,
+    }
+}
+
 /// Whether an instruction stores a call's result (the object) to memory
 /// outside the frame.
 fn stores_result_away(s: &State, ins: &Instruction) -> bool {
@@ -851,7 +940,11 @@ fn call(s: &mut State, ins: &Instruction, callee: Option<Callee>, ends: &mut End
             _ => Val::Result(Origin::Realloc, 0),
         },
         Some(Callee::Free { ptr }) => {
-            ends.frees.push((arg(s, ptr), ins.ip()));
+            let v = arg(s, ptr);
+            ends.frees.push((v, ins.ip()));
+            if let Val::Arg(n, _) = v {
+                s.settled |= 1u8.checked_shl(u32::from(n)).unwrap_or(0);
+            }
             Val::Unknown
         }
         Some(Callee::ReturnsFirst) => arg(s, 0),
@@ -872,14 +965,33 @@ fn tail_call(s: &State, ins: &Instruction, callee: Option<Callee>, ends: &mut En
     let arg = |n: u8| ARGS.get(usize::from(n)).map_or(Val::Unknown, |&r| s.get(r));
     match callee {
         Some(Callee::NoReturn) => {}
-        Some(c @ Callee::Alloc { size }) => ends.tail.push((c, Val::Unknown, asked(s, size), ins.ip())),
-        Some(c @ Callee::Realloc { ptr, size }) => ends.tail.push((c, arg(ptr), asked(s, size), ins.ip())),
-        Some(Callee::Free { ptr }) => {
-            ends.frees.push((arg(ptr), ins.ip()));
-            ends.returned.push((Val::Unknown, ins.ip()));
+        Some(Callee::Throws) => ends.throws = true,
+        Some(c @ Callee::Alloc { size }) => {
+            ends.tail.push((c, Val::Unknown, asked(s, size), ins.ip()));
+            ends.exits.push(s.settled);
         }
-        Some(Callee::ReturnsFirst) => ends.returned.push((arg(0), ins.ip())),
-        None => ends.returned.push((Val::Unknown, ins.ip())),
+        Some(c @ Callee::Realloc { ptr, size }) => {
+            ends.tail.push((c, arg(ptr), asked(s, size), ins.ip()));
+            ends.exits.push(s.settled);
+        }
+        Some(Callee::Free { ptr }) => {
+            let v = arg(ptr);
+            ends.frees.push((v, ins.ip()));
+            ends.returned.push((Val::Unknown, ins.ip()));
+            let freed = match v {
+                Val::Arg(n, _) => 1u8.checked_shl(u32::from(n)).unwrap_or(0),
+                _ => 0,
+            };
+            ends.exits.push(s.settled | freed);
+        }
+        Some(Callee::ReturnsFirst) => {
+            ends.returned.push((arg(0), ins.ip()));
+            ends.exits.push(s.settled);
+        }
+        None => {
+            ends.returned.push((Val::Unknown, ins.ip()));
+            ends.exits.push(s.settled);
+        }
     }
 }
 
@@ -900,12 +1012,12 @@ fn zero_test(s: &State, ins: &Instruction) -> Option<Loc> {
             wide_reg(ins.op0_register())
         }
         (Mnemonic::Cmp, OpKind::Register, OpKind::Immediate8to64 | OpKind::Immediate32to64)
-            if ins.immediate64() == 0 =>
+            if ins.immediate(1) == 0 =>
         {
             wide_reg(ins.op0_register())
         }
         (Mnemonic::Cmp, OpKind::Memory, OpKind::Immediate8to64 | OpKind::Immediate32to64)
-            if ins.immediate64() == 0 && ins.memory_size().size() == 8 =>
+            if ins.immediate(1) == 0 && ins.memory_size().size() == 8 =>
         {
             s.slot(ins).map(Loc::Slot)
         }
@@ -917,15 +1029,12 @@ impl State {
     /// This state where `at` holds NULL.
     fn with_zero(&self, at: Loc) -> State {
         let mut s = self.clone();
-        match at {
-            Loc::Reg(i) => {
-                if let Some(r) = s.regs.get_mut(i) {
-                    *r = Val::Zero;
-                }
-            }
-            Loc::Slot(o) => {
-                s.stack.insert(o, Val::Zero);
-            }
+        let was = match at {
+            Loc::Reg(i) => s.regs.get_mut(i).map(|r| std::mem::replace(r, Val::Zero)),
+            Loc::Slot(o) => s.stack.insert(o, Val::Zero),
+        };
+        if let Some(Val::Arg(n, 0)) = was {
+            s.settled |= 1u8.checked_shl(u32::from(n)).unwrap_or(0);
         }
         s
     }
@@ -935,7 +1044,10 @@ fn transfer(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory)
     let reg0 = || (ins.op_count() > 0 && ins.op0_kind() == OpKind::Register).then(|| ins.op0_register());
     let reg1 = || (ins.op_count() > 1 && ins.op1_kind() == OpKind::Register).then(|| ins.op1_register());
     let imm = || match ins.op1_kind() {
-        OpKind::Immediate8to64 | OpKind::Immediate32to64 => Some(ins.immediate64() as i64),
+        // `immediate(1)`, not `immediate64()`: the latter is only for
+        // 64-bit immediates (a memory operand's displacement shares its
+        // storage otherwise).
+        OpKind::Immediate8to64 | OpKind::Immediate32to64 => Some(ins.immediate(1) as i64),
         OpKind::Immediate8 | OpKind::Immediate32 => Some(ins.immediate(1) as i64),
         _ => None,
     };
@@ -1126,6 +1238,13 @@ const RETURNS_FIRST: &[&str] = &[
     "__strncat_chk",
 ];
 
+/// Whether a (mangled) name is a function that throws a C++ exception
+/// (or resumes unwinding).
+fn throws(name: &str) -> bool {
+    matches!(name, "__cxa_throw" | "__cxa_rethrow" | "_Unwind_Resume" | "_Unwind_RaiseException")
+        || (name.starts_with("_ZSt") && name.contains("__throw_"))
+}
+
 /// Whether a (mangled) name is a function that never returns.
 fn never_returns(name: &str) -> bool {
     if NO_RETURN.contains(&name) || (name.starts_with("_ZSt") && name.contains("__throw_")) {
@@ -1203,6 +1322,12 @@ pub struct Options {
     /// Wrappers the file's libraries export, by symbol name (see
     /// [`exported`]).
     pub imported: HashMap<String, Callee>,
+    /// Those of `imported` that their library charges to its callers: the
+    /// only imported wrappers whose calls are charged.
+    pub imported_charged: HashSet<String>,
+    /// Where the allocator's pointers are relative to those of imported
+    /// wrappers with a size header.
+    pub imported_keys: HashMap<String, crate::scan::Keys>,
     /// The library that exports each of `imported` (for listings).
     pub libraries: HashMap<String, String>,
     /// Functions of the file named wrappers by the user, with their role.
@@ -1229,7 +1354,9 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
     }
     let named = |name: &str| {
         by_name.get(name).copied().or_else(|| {
-            if never_returns(name) {
+            if throws(name) {
+                Some(Callee::Throws)
+            } else if never_returns(name) {
                 Some(Callee::NoReturn)
             } else {
                 RETURNS_FIRST.contains(&name).then_some(Callee::ReturnsFirst)
@@ -1293,17 +1420,22 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
     };
     let functions = functions(elf);
     let end_of = |a: u64| functions.iter().find(|f| f.start == a).map_or(a, |f| f.end);
+    let text = Code { ranges: texts, local };
     let mut named = Vec::new();
     for (name, role) in &opts.named {
         for a in defined(name) {
             code.insert(a, *role);
+            let f = Function { start: a, end: end_of(a) };
+            let chargeable = !reads_stack_args(&text, f);
             named.push(Wrapper {
                 start: a,
-                end: end_of(a),
+                end: f.end,
                 role: *role,
                 why: Why::Named,
                 depth: 0,
                 frees: Frees::default(),
+                chargeable,
+                offsets: Offsets::default(),
             });
         }
     }
@@ -1313,7 +1445,7 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
         Target::Code(a) => code.get(&a).copied(),
         Target::Slot(a) => slots.get(&a).copied(),
     };
-    let (mut wrappers, noreturn) = find(&Code { ranges: texts, local }, &functions, &known, &|a| refused.contains(&a));
+    let (mut wrappers, noreturn) = find(&text, &functions, &known, &|a| refused.contains(&a));
     named.retain(|n| !wrappers.iter().any(|w| w.start == n.start));
     wrappers.extend(named);
     wrappers.sort_by_key(|w| w.start);
@@ -1614,6 +1746,43 @@ mod tests {
             ]
         );
         assert_eq!(found[2].1.signature(), None, "calls to it cannot be counted");
+    }
+
+    #[test]
+    fn a_release_that_frees_only_sometimes_and_a_minimum_size() {
+        // unref(o) { if (--o->refs == 0) free(o); }: frees on one path only.
+        let unref = |a: &mut CodeAssembler| {
+            let mut done = a.create_label();
+            a.sub(dword_ptr(rdi), 1)?;
+            a.jne(done)?;
+            a.jmp(FREE)?;
+            a.set_label(&mut done)?;
+            a.ret()?;
+            Ok(())
+        };
+        // drop(p) { if (p) free(p); }: frees or found NULL on every path.
+        let drop = |a: &mut CodeAssembler| {
+            let mut done = a.create_label();
+            a.test(rdi, rdi)?;
+            a.je(done)?;
+            a.jmp(FREE)?;
+            a.set_label(&mut done)?;
+            a.ret()?;
+            Ok(())
+        };
+        // buf(n) { if (n < 4096) n = 4096; return malloc(n); }: the size is
+        // not the caller's.
+        let buf = |a: &mut CodeAssembler| {
+            let mut go = a.create_label();
+            a.cmp(rdi, 4096)?;
+            a.jae(go)?;
+            a.mov(edi, 4096)?;
+            a.set_label(&mut go)?;
+            a.jmp(MALLOC)?;
+            Ok(())
+        };
+        let (found, _, _) = run(&[&unref, &drop, &buf]);
+        assert_eq!(found, [(1, Callee::Free { ptr: 0 }, 1), (2, Callee::Alloc { size: Size::None }, 1)]);
     }
 
     #[test]

@@ -47,6 +47,13 @@ pub struct TrampolineSpec {
     /// The site calls an allocation wrapper whose inner sites check the
     /// depth: the counted call raises it for its duration.
     pub depth_bump: bool,
+    /// The site calls an allocation wrapper with a size header in front:
+    /// the wrapper returns the allocator's pointer plus `key_result`, and
+    /// frees (or reallocates) its pointer argument plus `key_ptr`. Live
+    /// tracking keys objects by the allocator's pointer, which a free on
+    /// any path finds.
+    pub key_result: i32,
+    pub key_ptr: i32,
 }
 
 /// Why a trampoline or stub could not be generated.
@@ -509,8 +516,14 @@ impl Gen<'_> {
         self.test_result(fail)?;
         if inline {
             let mut slow = self.a.create_label();
+            // The object's key: the allocator's pointer (r8, free after the
+            // call, when the wrapper puts a header in front).
+            let (key, key32) = if s.key_result != 0 { (r8, r8d) } else { (rax, eax) };
+            if s.key_result != 0 {
+                self.a.lea(r8, qword_ptr(rax - s.key_result))?;
+            }
             self.nursery(rcx, slow)?;
-            self.nursery_slot(edx, eax)?;
+            self.nursery_slot(edx, key32)?;
             let at = |f: u32| qword_ptr(rcx + rdx + (nursery::SLOTS + f) as i32);
             self.a.cmp(at(nursery::KEY), nursery::EMPTY as i32)?;
             self.a.jne(slow)?;
@@ -519,7 +532,7 @@ impl Gen<'_> {
             self.a.mov(at(nursery::CELL), rsi)?;
             self.size_to(rsi, [0, 1])?;
             self.a.mov(at(nursery::SIZE), rsi)?;
-            self.a.mov(at(nursery::KEY), rax)?;
+            self.a.mov(at(nursery::KEY), key)?;
             self.close_frame(f)?;
             self.leave()?;
             self.a.set_label(&mut slow)?;
@@ -537,12 +550,14 @@ impl Gen<'_> {
                     g.a.mov(rdi, m)?;
                     g.a.mov(rdi, qword_ptr(rdi))?;
                 }
+                _ if g.s.key_result != 0 => g.a.lea(rdi, qword_ptr(rax - g.s.key_result))?,
                 _ => g.a.mov(rdi, rax)?,
             }
             g.a.mov(edx, index as i32)?;
             g.add(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(control)))?;
             Ok(())
         })?;
+        self.pointer_of_key()?;
         if let Returns::OutArg(_) = s.sig.result {
             self.a.xor(eax, eax)?;
         }
@@ -588,6 +603,7 @@ impl Gen<'_> {
             if freed != rdi {
                 g.a.mov(rdi, freed)?;
             }
+            g.key_of_pointer(rdi, g.s.key_ptr)?;
             let t = g.slot(token);
             g.a.lea(rsi, t)?;
             g.a.mov(edx, index as i32)?;
@@ -607,12 +623,14 @@ impl Gen<'_> {
         self.runtime_call(control::TRACK_REALLOC_END, |g| {
             g.size_to(rdx, size_at)?;
             g.a.mov(rdi, rax)?;
+            g.key_of_pointer(rdi, g.s.key_result.wrapping_neg())?;
             let t = g.slot(token);
             g.a.lea(rsi, t)?;
             g.a.mov(ecx, index as i32)?;
             g.add(Instruction::with2(Code::Lea_r64_m, Register::R8, rip(control)))?;
             Ok(())
         })?;
+        self.pointer_of_key()?;
         self.close_frame(f)?;
         let mut fail = self.a.create_label();
         self.test_result(fail)?;
@@ -631,7 +649,9 @@ impl Gen<'_> {
         self.depth_gate(plain)?;
         self.count_before()?;
         let mut drain = self.a.create_label();
-        self.free_inline(drain)?;
+        if self.s.key_ptr == 0 {
+            self.free_inline(drain)?;
+        }
         self.a.set_label(&mut drain)?;
         self.free_live()?;
         self.free_target()?;
@@ -707,6 +727,35 @@ impl Gen<'_> {
         Ok(())
     }
 
+    /// `reg` += `offset` unless `reg` is NULL (the allocator's pointer for
+    /// a wrapper's). Clobbers the flags.
+    fn key_of_pointer(&mut self, reg: AsmRegister64, offset: i32) -> R<()> {
+        if offset == 0 {
+            return Ok(());
+        }
+        let mut null = self.a.create_label();
+        self.a.test(reg, reg)?;
+        self.a.je(null)?;
+        self.a.add(reg, offset)?;
+        self.a.set_label(&mut null)?;
+        Ok(())
+    }
+
+    /// rax += `key_result` after the runtime returned the key it was given
+    /// for a non-NULL result (the wrapper's pointer again).
+    fn pointer_of_key(&mut self) -> R<()> {
+        let c = self.s.key_result;
+        if c == 0 {
+            return Ok(());
+        }
+        let mut null = self.a.create_label();
+        self.a.test(rax, rax)?;
+        self.a.je(null)?;
+        self.a.add(rax, c)?;
+        self.a.set_label(&mut null)?;
+        Ok(())
+    }
+
     /// The original free, then back to the code after the site.
     fn free_target(&mut self) -> R<()> {
         if self.s.form.is_tail() && !self.s.depth_bump {
@@ -724,18 +773,22 @@ impl Gen<'_> {
         let s = self.s;
         let freed = ARG_REGS[s.sig.freed.unwrap_or(0) as usize];
         let args = usize::from(s.args.clamp(1, 6));
-        let keep: Vec<AsmRegister64> = ARG_REGS[..args].iter().copied().filter(|&r| r != freed).collect();
+        // The runtime returns the pointer it was given: the freed register
+        // is kept in the frame only when that is a key, not the pointer.
+        let keyed = s.key_ptr != 0;
+        let keep: Vec<AsmRegister64> = ARG_REGS[..args].iter().copied().filter(|&r| r != freed || keyed).collect();
         let f = self.open_frame(&keep, 0)?;
         let (index, control) = (s.index, s.control);
         self.runtime_call(control::TRACK_FREE, |g| {
             if freed != rdi {
                 g.a.mov(rdi, freed)?;
             }
+            g.key_of_pointer(rdi, g.s.key_ptr)?;
             g.a.mov(esi, index as i32)?;
             g.add(Instruction::with2(Code::Lea_r64_m, Register::RDX, rip(control)))?;
             Ok(())
         })?;
-        if !s.preserve {
+        if !s.preserve && !keyed {
             self.a.mov(freed, rax)?;
         }
         for (k, &r) in keep.iter().enumerate() {
@@ -869,6 +922,8 @@ mod golden {
             shard_stride: 0x2000,
             depth_check: false,
             depth_bump: false,
+            key_result: 0,
+            key_ptr: 0,
         }
     }
 
@@ -921,6 +976,22 @@ mod golden {
             ("wrapper-inside-alloc-checked", charged("malloc", SiteForm::CallRel32, false, true, false)),
             ("wrapper-inside-free-tail-checked", charged("free", SiteForm::JmpRipMem, false, true, false)),
             ("wrapper-inside-realloc-checked-bump", charged("realloc", SiteForm::CallRel32, true, true, true)),
+            (
+                "wrapper-caller-alloc-header",
+                TrampolineSpec { key_result: 16, ..charged("malloc", SiteForm::CallRel32, false, false, false) },
+            ),
+            (
+                "wrapper-caller-free-header",
+                TrampolineSpec { key_ptr: -16, ..charged("free", SiteForm::CallRel32, false, false, false) },
+            ),
+            (
+                "wrapper-caller-realloc-header",
+                TrampolineSpec {
+                    key_result: 16,
+                    key_ptr: -16,
+                    ..charged("realloc", SiteForm::CallRel32, false, false, false)
+                },
+            ),
         ] {
             v.push((file, listing(&s)));
         }
