@@ -416,8 +416,8 @@ enum Val {
     Zero,
     /// Argument `n` at entry, plus an offset.
     Arg(u8, i64),
-    /// On some paths argument `n` plus an offset, on the others 1 or 0
-    /// (`if (n == 0) n = 1`): what a size may be.
+    /// On some paths argument `n` plus an offset, on the others a small
+    /// constant (`if (n == 0) n = 1`): what a size may be.
     ArgOr(u8, i64),
     /// A constant other than NULL.
     Const(i64),
@@ -538,10 +538,18 @@ impl Val {
             (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Arg(m, y) | Val::ArgOr(m, y)) if (n, x) == (m, y) => {
                 Val::ArgOr(n, x)
             }
-            // Only `if (n == 0) n = 1` (or 0): a request that another
-            // constant replaces (a minimum of 4096) is not the caller's.
-            (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Const(1) | Val::Zero)
-            | (Val::Const(1) | Val::Zero, Val::Arg(n, x) | Val::ArgOr(n, x)) => Val::ArgOr(n, x),
+            // `if (n == 0) n = 1`, redis' `size > 0 ? size : sizeof(long)`:
+            // a small constant (at most 16) standing in for an empty
+            // request. A request that a larger constant replaces (a
+            // minimum of 4096) is not the caller's.
+            (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Zero) | (Val::Zero, Val::Arg(n, x) | Val::ArgOr(n, x)) => {
+                Val::ArgOr(n, x)
+            }
+            (Val::Arg(n, x) | Val::ArgOr(n, x), Val::Const(k)) | (Val::Const(k), Val::Arg(n, x) | Val::ArgOr(n, x))
+                if (1..=16).contains(&k) =>
+            {
+                Val::ArgOr(n, x)
+            }
             _ => Val::Unknown,
         }
     }
