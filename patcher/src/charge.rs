@@ -176,6 +176,12 @@ fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
 /// (see the module's description). Calls to wrappers that are not charged
 /// stop being sites.
 pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
+    let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
+    decide(scan, charged, &stored);
+}
+
+/// [`assign`] given the wrapper addresses the file's data holds.
+fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
     let by_entry: HashMap<usize, usize> = charged.iter().enumerate().map(|(k, c)| (c.entry, k)).collect();
     let inside = |addr: u64| charged.iter().position(|c| c.code.is_some_and(|(s, e)| (s..e).contains(&addr)));
     let mut open: Vec<bool> = charged.iter().map(|c| c.open).collect();
@@ -184,7 +190,6 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
             open[k] = true;
         }
     }
-    let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
     for (k, c) in charged.iter().enumerate() {
         if c.code.is_some_and(|(s, _)| stored.contains(&s)) {
             open[k] = true;
@@ -314,4 +319,128 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
     }
     scan.sites.retain(|s| !dropped(s.entry));
     scan.unpatchable.retain(|r| !dropped(r.entry));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scan::{Reason, Reference, Site};
+    use alloctramp_trampolines::addr::{FileOffset, Vaddr};
+    use alloctramp_trampolines::entry::{Signature, Size, Target};
+    use alloctramp_trampolines::layout::SiteForm;
+
+    /// Entry 0 is `malloc` (through the PLT); wrapper k is entry k + 1, its
+    /// code at 0x1000 * (k + 1).
+    fn setup(wrappers: usize) -> (Scan, Vec<Charged>) {
+        let mut entries = vec![EntryPoint {
+            target: Target::Symbol("malloc".into()),
+            display: "malloc".into(),
+            sig: Signature::alloc(Size::Arg(0)),
+            args: 1,
+        }];
+        let mut charged = Vec::new();
+        for k in 0..wrappers {
+            let start = 0x1000 * (k as u64 + 1);
+            charged.push(Charged {
+                entry: entries.len(),
+                wrapper: k,
+                code: Some((start, start + 0x100)),
+                open: false,
+                kind: Kind::Alloc,
+                countable: true,
+                frees: Frees::default(),
+                at: None,
+                offsets: Offsets::default(),
+            });
+            entries.push(EntryPoint {
+                target: Target::Address(start),
+                display: format!("w{k}"),
+                sig: Signature::alloc(Size::Arg(0)),
+                args: 6,
+            });
+        }
+        (Scan { entries, ..Scan::default() }, charged)
+    }
+
+    fn site(scan: &mut Scan, at: u64, entry: usize, via: Via) {
+        scan.sites.push(Site {
+            vaddr: Vaddr(at),
+            offset: FileOffset(at),
+            len: 5,
+            form: SiteForm::CallRel32,
+            entry,
+            via,
+            target: Vaddr(0),
+            charge: Charge::Own,
+        });
+    }
+
+    fn charges(scan: &Scan) -> Vec<(u64, Charge)> {
+        scan.sites.iter().map(|s| (s.vaddr.0, s.charge)).collect()
+    }
+
+    #[test]
+    fn closed_open_and_nested_wrappers() {
+        // w0 calls malloc@plt; w1 (open: its address is taken) calls w0;
+        // the program calls both.
+        let (mut scan, mut charged) = setup(2);
+        charged[1].open = true;
+        site(&mut scan, 0x1010, 0, Via::Plt);
+        site(&mut scan, 0x2010, 1, Via::Direct);
+        site(&mut scan, 0x9000, 1, Via::Direct);
+        site(&mut scan, 0x9010, 2, Via::Direct);
+        decide(&mut scan, &charged, &HashSet::new());
+        assert_eq!(
+            charges(&scan),
+            [
+                (0x1010, Charge::Inside { wrapper: 0, checked: false, bump: false, external: false }),
+                (0x2010, Charge::Inside { wrapper: 1, checked: true, bump: false, external: true }),
+                (0x9000, Charge::Caller { bump: false, external: true }),
+                (0x9010, Charge::Caller { bump: true, external: true }),
+            ]
+        );
+    }
+
+    #[test]
+    fn what_stops_a_wrapper_from_being_charged() {
+        // w0: a short jump to malloc inside (an unpatchable reference); w1
+        // calls w0; w2 has no call out and recurses into itself.
+        let (mut scan, charged) = setup(3);
+        scan.unpatchable.push(Reference { vaddr: Vaddr(0x1020), offset: None, entry: 0, reason: Reason::ShortJump });
+        site(&mut scan, 0x1010, 0, Via::Plt);
+        site(&mut scan, 0x2010, 1, Via::Direct);
+        site(&mut scan, 0x3010, 3, Via::Direct);
+        site(&mut scan, 0x9000, 1, Via::Direct);
+        site(&mut scan, 0x9010, 2, Via::Direct);
+        site(&mut scan, 0x9020, 3, Via::Direct);
+        decide(&mut scan, &charged, &HashSet::new());
+        // Calls to w0 and w1 are no sites; w2 is charged but keeps preserve
+        // mode (nothing in it calls out).
+        assert_eq!(
+            charges(&scan),
+            [
+                (0x1010, Charge::Own),
+                (0x3010, Charge::Inside { wrapper: 2, checked: false, bump: false, external: false }),
+                (0x9020, Charge::Caller { bump: false, external: false }),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_address_in_data_opens_a_wrapper_and_headers_add_up() {
+        // w1 returns w0's result + 8; w0 returns malloc's + 16.
+        let (mut scan, mut charged) = setup(2);
+        charged[0].at = Some(0x1010);
+        charged[0].offsets = Offsets { result: 16, ptr: 0 };
+        charged[1].at = Some(0x2010);
+        charged[1].offsets = Offsets { result: 8, ptr: 0 };
+        site(&mut scan, 0x1010, 0, Via::Plt);
+        site(&mut scan, 0x2010, 1, Via::Direct);
+        site(&mut scan, 0x9000, 2, Via::Direct);
+        decide(&mut scan, &charged, &HashSet::from([0x1000]));
+        assert_eq!(scan.keys.get(&1), Some(&Keys { result: 16, ptr: 0 }));
+        assert_eq!(scan.keys.get(&2), Some(&Keys { result: 24, ptr: 0 }));
+        assert!(matches!(scan.sites[0].charge, Charge::Inside { checked: true, .. }));
+        assert_eq!(scan.sites[2].charge, Charge::Caller { bump: true, external: true });
+    }
 }
