@@ -152,3 +152,63 @@ fn check_charge(config: Config) {
 mod exact_charged_counts {
     crate::matrix!(super::check_charge);
 }
+
+/// Calls through a GOT slot that a relative relocation fills with an entry
+/// point the file defines (`call *f@GOTPCREL(%rip)` that the linker did not
+/// relax, as Rust calls `__rust_alloc`) are sites, not addresses in data.
+#[test]
+fn got_slots_filled_by_relative_relocations_are_sites() {
+    let p = program("own_malloc");
+    let dir = scratch("got-relative");
+    let exe = dir.join("own_malloc");
+    let src = p.src.to_str().unwrap();
+    let o = std::process::Command::new("gcc")
+        .args(["-g", "-O2", "-fPIC", "-pie", "-fno-plt", "-Wa,-mrelax-relocations=no", "-Wall", "-Werror", "-I"])
+        .arg(testbins_dir())
+        .args([src, "-o"])
+        .arg(&exe)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let entries = ["--entry", "my_alloc:alloc", "--entry", "my_free:free"];
+    let doc = sites_json(&exe, &entries);
+    let user: Vec<(u32, String, String, String)> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["entry"].as_str().unwrap().starts_with("my_"))
+        .map(|s| {
+            (
+                s["line"].as_u64().unwrap() as u32,
+                s["entry"].as_str().unwrap().to_string(),
+                s["form"].as_str().unwrap().to_string(),
+                s["via"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let expected: Vec<(u32, String, String, String)> = p
+        .user_markers
+        .iter()
+        .map(|m| (m.line, m.entry.clone(), "call [rip+disp]".to_string(), "got".to_string()))
+        .collect();
+    assert_eq!(user, expected, "calls through the GOT are sites");
+    let in_data = doc["unpatchable"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["entry"].as_str().unwrap().starts_with("my_"))
+        .count();
+    assert_eq!(in_data, 0, "the GOT slots are not addresses in data: {}", doc["unpatchable"]);
+
+    // Patched and run: the calls count at their lines.
+    let patched = dir.join("own_malloc.patched");
+    patch_to(&exe, &patched, &entries);
+    let counters = counters_dir("got-relative");
+    let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+    assert_eq!(run_program(&patched, &p.run, &env), run_program(&exe, &p.run, &[]));
+    let got = figures(&report(only_counters_file(&counters).to_str().unwrap(), &counters));
+    for m in &p.user_markers {
+        let key = (m.file.clone(), m.line, m.entry.clone());
+        assert_eq!(got.get(&key), Some(&(m.calls, m.bytes, m.failed)), "{key:?}");
+    }
+}

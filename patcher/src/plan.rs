@@ -809,7 +809,8 @@ fn plan_section_headers(elf: &Elf, end: u64) -> Result<(Shstrtab, FileRange, usi
         Error::malformed_at(62, format!("e_shstrndx {shstrndx} names section [{shstrndx}] {what}; {why}"))
     };
     if let Some(s) = section.filter(|s| s.index != 0) {
-        if s.is_alloc() && !s.data.is_empty() && elf.offset_of(s.addr).is_some() {
+        // Empty or not: it has its new names once moved.
+        if s.is_alloc() && elf.offset_of(s.addr).is_some() {
             return Err(bad(format!("{:?}, which a PT_LOAD maps (SHF_ALLOC, address {})", s.name, s.addr)));
         }
         if [elf::SHT_SYMTAB.0, elf::SHT_DYNSYM.0].contains(&s.sh_type) {

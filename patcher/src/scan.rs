@@ -221,6 +221,21 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
         }
     }
 
+    // GOT slots that a relative relocation fills with the address of an
+    // entry point the file defines: `call *f@GOTPCREL(%rip)` to a function
+    // of the file that the linker did not relax to a direct call (Rust's
+    // `__rust_alloc`, code built with -fno-plt).
+    let in_got = |a: u64| elf.sections.iter().any(|s| s.name == ".got" && s.contains(a));
+    for r in elf.dynamic_relocations() {
+        if r.r_type == 8
+            && let Ok(a) = u64::try_from(r.addend)
+            && let Some(&(i, Via::Direct)) = t.code.get(&a)
+            && in_got(r.offset.0)
+        {
+            t.got.insert(r.offset.0, i);
+        }
+    }
+
     // PLT stubs: decode each stub to find its GOT slot.
     if !t.got.is_empty() {
         for sec in elf.sections.iter().filter(|s| is_plt(s) && s.is_exec()) {
@@ -299,6 +314,8 @@ pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -
     for r in elf.dynamic_relocations() {
         let entry = match (r.r_type, r.symbol) {
             (1, Some(name)) => out.entries.iter().position(|e| e.target == Target::Symbol(name.to_string())),
+            // A GOT slot is read by calls (sites) or loads (references).
+            (8, _) if targets.got.contains_key(&r.offset.0) => None,
             (8, _) => u64::try_from(r.addend).ok().and_then(|a| targets.code_target(a)).map(|(i, _)| i),
             _ => None,
         };

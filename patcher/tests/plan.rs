@@ -312,6 +312,16 @@ fn a_section_name_table_that_is_loaded_is_refused() {
         assert!(msg.contains(what) && msg.ends_with("must be a non-allocated SHT_STRTAB"), "{msg}");
         assert!(!msg.contains('\n'));
     }
+    // Another fuzzed input named an empty allocated section: once moved,
+    // it held the names and no longer read where its address is loaded.
+    let mut d = data.clone();
+    let index = shstrndx(".fini_array");
+    d[62..64].copy_from_slice(&index.to_le_bytes());
+    let sh = u64::from_le_bytes(d[40..48].try_into().unwrap()) as usize + usize::from(index) * 64;
+    d[sh + 32..sh + 40].copy_from_slice(&0u64.to_le_bytes());
+    let a = analysis(&d, "every_c");
+    let e = patch(&d, &a, &opts()).err().unwrap_or_else(|| panic!("an empty loaded name table is refused"));
+    assert!(e.to_string().contains("which a PT_LOAD maps"), "{e}");
     // The fuzzed input also had its read-only PT_LOAD at 0x30000002000.
     let mut d = data.clone();
     d[62..64].copy_from_slice(&shstrndx(".fini_array").to_le_bytes());
