@@ -212,3 +212,57 @@ fn got_slots_filled_by_relative_relocations_are_sites() {
         assert_eq!(got.get(&key), Some(&(m.calls, m.bytes, m.failed)), "{key:?}");
     }
 }
+
+/// A Rust program: its calls of `__rust_alloc` and kin (through GOT slots
+/// and directly) are charged to the standard library's code that makes
+/// them, never to the allocator shims, and every figure of the whole
+/// process is what it is without charging.
+#[test]
+fn a_rust_program_is_charged_to_the_code_that_allocates() {
+    let dir = scratch("rust-charge");
+    let exe = dir.join("collections");
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let src = testbins_dir().join("rust/collections.rs");
+    let o = std::process::Command::new(rustc)
+        .args(["-O", "-g", "--edition", "2021"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "rustc: {}", String::from_utf8_lossy(&o.stderr));
+    let doc = sites_json(&exe, &["--charge-callers"]);
+    let shims: Vec<String> = doc["wrappers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["function"].as_str().unwrap().to_string())
+        .filter(|f| f.starts_with("__rustc::"))
+        .collect();
+    assert!(shims.iter().any(|f| f == "__rustc::__rust_alloc"), "the allocator shims are wrappers: {shims:?}");
+    let original = run_program(&exe, &[], &[]);
+    let mut totals = Vec::new();
+    for (name, flags) in [("plain", &[][..]), ("charged", &["--charge-callers"][..])] {
+        let patched = dir.join(format!("collections-{name}"));
+        patch_to(&exe, &patched, flags);
+        let counters = counters_dir(&format!("rust-charge-{name}"));
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+        assert_eq!(run_program(&patched, &[], &env), original, "{name}: the program behaves as the original");
+        let rep = report(only_counters_file(&counters).to_str().unwrap(), &counters);
+        let rows = rep["sites"].as_array().unwrap();
+        let sum = |free: bool, field: &str| -> u64 {
+            rows.iter().filter(|r| (r["kind"] == "free") == free).map(|r| r[field].as_u64().unwrap_or(0)).sum()
+        };
+        totals.push((sum(false, "calls"), sum(false, "bytes"), sum(false, "live_calls"), sum(true, "calls")));
+        if name == "charged" {
+            let at_shims: u64 = rows
+                .iter()
+                .filter(|r| r["kind"] != "free" && r["function"].as_str().is_some_and(|f| shims.iter().any(|s| s == f)))
+                .map(|r| r["bytes"].as_u64().unwrap())
+                .sum();
+            assert_eq!(at_shims, 0, "no bytes charged to the allocator shims");
+        }
+    }
+    assert!(totals[0].0 > 1000, "the program allocates: {totals:?}");
+    assert_eq!(totals[0], totals[1], "calls, bytes, live objects and frees are the same charged or not");
+}
