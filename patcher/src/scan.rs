@@ -244,7 +244,9 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
                 _ => 16,
             };
             let mut off = 0u64;
-            while off < sec.size {
+            // The stubs present in the file (a section without contents has
+            // none, whatever its size says).
+            while off < sec.data.len() as u64 {
                 let addr = sec.addr.0 + off;
                 if let Some(slot) = plt_stub_slot(sec, addr)
                     && let Some(&i) = t.got.get(&slot)

@@ -1406,7 +1406,9 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
         texts.push((sec.addr.0, sec.data));
         if crate::scan::is_plt(sec) && !(slots.is_empty() && own_slots.is_empty()) {
             let step = if sec.name == ".plt.got" { 8 } else { 16 };
-            for addr in (sec.addr.0..sec.addr.0 + sec.size).step_by(step) {
+            // The stubs present in the file (a section without contents
+            // has none, whatever its size says).
+            for addr in (sec.addr.0..sec.addr.0.saturating_add(sec.data.len() as u64)).step_by(step) {
                 let Some(slot) = crate::scan::plt_stub_slot(sec, addr) else { continue };
                 if let Some(c) = slots.get(&slot) {
                     code.insert(addr, *c);

@@ -390,3 +390,27 @@ fn plan_dumps_match_the_golden_files() {
     goldens().check_all(dumps.iter().map(|(n, t)| (n.as_str(), t.clone())));
     goldens().no_orphans(dumps.iter().map(|(n, _)| n.as_str()));
 }
+
+/// A fuzzed input gave a PLT section without contents (SHT_NOBITS) a huge
+/// size: the wrapper search and the site scan walked its "stubs" one by
+/// one for as long as the size said. The stubs walked are those the file
+/// holds.
+#[test]
+fn a_plt_section_without_contents_has_no_stubs() {
+    let mut d = fixture("every_c");
+    let elf = Elf::parse(&d).unwrap();
+    let index = elf.sections.iter().position(|s| s.name == ".plt").unwrap();
+    let sh = u64::from_le_bytes(d[40..48].try_into().unwrap()) as usize + index * 64;
+    d[sh + 4..sh + 8].copy_from_slice(&8u32.to_le_bytes()); // SHT_NOBITS
+    d[sh + 32..sh + 40].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let opts = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
+    let started = std::time::Instant::now();
+    let a = alloctramp_patcher::analyze_with(&d, "every_c", None, &[], &opts);
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "took {:?}", started.elapsed());
+    if let Ok(a) = a {
+        assert!(
+            a.scan.sites.iter().all(|s| s.via != alloctramp_patcher::Via::Plt),
+            "no site through a PLT without stubs"
+        );
+    }
+}
