@@ -823,6 +823,12 @@ fn plan_section_headers(elf: &Elf, end: u64) -> Result<(Shstrtab, FileRange, usi
         size += n.len() as u64 + 1;
         at
     });
+    if let Some(s) = section.filter(|s| s.index != 0 && s.addr.0.checked_add(size).is_none()) {
+        return Err(bad(format!(
+            "{:?}, whose address {} leaves no room for its {size} bytes once grown",
+            s.name, s.addr
+        )));
+    }
     let shnum = elf.sections.len() + names.len();
     if shnum >= 0xff00 {
         return Err(refuse("too many sections"));

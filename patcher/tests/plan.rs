@@ -322,6 +322,17 @@ fn a_section_name_table_that_is_loaded_is_refused() {
     let a = analysis(&d, "every_c");
     let e = patch(&d, &a, &opts()).err().unwrap_or_else(|| panic!("an empty loaded name table is refused"));
     assert!(e.to_string().contains("which a PT_LOAD maps"), "{e}");
+    // A third named a section whose address left no room for the names
+    // the table grows by.
+    let mut d = data.clone();
+    let index = shstrndx(".comment");
+    d[62..64].copy_from_slice(&index.to_le_bytes());
+    let sh = u64::from_le_bytes(d[40..48].try_into().unwrap()) as usize + usize::from(index) * 64;
+    let size = u64::from_le_bytes(d[sh + 32..sh + 40].try_into().unwrap());
+    d[sh + 16..sh + 24].copy_from_slice(&(u64::MAX - size).to_le_bytes());
+    let a = analysis(&d, "every_c");
+    let e = patch(&d, &a, &opts()).err().unwrap_or_else(|| panic!("a name table at the top of the address space"));
+    assert!(e.to_string().contains("leaves no room"), "{e}");
     // The fuzzed input also had its read-only PT_LOAD at 0x30000002000.
     let mut d = data.clone();
     d[62..64].copy_from_slice(&shstrndx(".fini_array").to_le_bytes());
