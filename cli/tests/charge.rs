@@ -17,17 +17,6 @@ fn is_local(p: &Program, entry: &str) -> bool {
     !p.is_library && p.wrappers.iter().any(|(n, _)| n == entry)
 }
 
-fn form(config: Config, tail: bool, direct: bool) -> String {
-    let jmp = tail && config.optimized();
-    match (jmp, config.no_plt() && !direct) {
-        (false, false) => "call rel32",
-        (true, false) => "jmp rel32",
-        (false, true) => "call [rip+disp]",
-        (true, true) => "jmp [rip+disp]",
-    }
-    .to_string()
-}
-
 /// The sites `sites --charge-callers` lists, as the markers give them:
 /// (file, line, entry, form, charge). A site inside a wrapper that can be
 /// reached without a call site (exported, or its address taken: a marker
@@ -41,7 +30,7 @@ fn expected_sites(p: &Program, config: Config, exported: bool) -> Vec<SiteKey> {
         (true, false) => "inside",
     };
     let key = |m: &Marker, direct: bool, caller: bool| {
-        (m.file.clone(), m.line, m.entry.clone(), form(config, m.tail, direct), charge(m, caller).to_string())
+        (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail, direct), charge(m, caller).to_string())
     };
     let mut v: Vec<SiteKey> = p
         .markers

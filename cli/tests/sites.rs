@@ -11,17 +11,6 @@ use std::time::{Duration, Instant};
 
 type Key = (String, u32, String, String);
 
-fn expected_form(config: Config, tail: bool) -> String {
-    let jmp = tail && config.optimized();
-    match (jmp, config.no_plt()) {
-        (false, false) => "call rel32",
-        (true, false) => "jmp rel32",
-        (false, true) => "call [rip+disp]",
-        (true, true) => "jmp [rip+disp]",
-    }
-    .to_string()
-}
-
 /// The allocation wrappers `sites` lists are the file's `@wrapper` markers
 /// (name and kind) and, for a program, those of the libraries it needs
 /// that it imports; no `@notwrapper` function is one.
@@ -84,7 +73,7 @@ fn check_markers(config: Config) {
         let mut expected: Vec<Key> = p
             .markers
             .iter()
-            .map(|m| (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail)))
+            .map(|m| (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail, false)))
             .collect();
         actual.sort();
         expected.sort();
@@ -210,12 +199,15 @@ fn user_named_entries_by_symbol_and_address() {
                 })
                 .collect();
             // Calls to functions defined in the program are direct.
-            let direct = |tail: bool| if tail && config.optimized() { "jmp rel32" } else { "call rel32" }.to_string();
             let mut expected: Vec<Key> = p
                 .markers
                 .iter()
-                .map(|m| (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail)))
-                .chain(p.user_markers.iter().map(|m| (m.file.clone(), m.line, m.entry.clone(), direct(m.tail))))
+                .map(|m| (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail, false)))
+                .chain(
+                    p.user_markers
+                        .iter()
+                        .map(|m| (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail, true))),
+                )
                 .collect();
             actual.sort();
             expected.sort();

@@ -557,7 +557,8 @@ impl Gen<'_> {
             g.add(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(control)))?;
             Ok(())
         })?;
-        self.pointer_of_key()?;
+        // The runtime returned the key it was given: the wrapper's pointer again.
+        self.key_of_pointer(rax, self.s.key_result)?;
         if let Returns::OutArg(_) = s.sig.result {
             self.a.xor(eax, eax)?;
         }
@@ -630,7 +631,8 @@ impl Gen<'_> {
             g.add(Instruction::with2(Code::Lea_r64_m, Register::R8, rip(control)))?;
             Ok(())
         })?;
-        self.pointer_of_key()?;
+        // The runtime returned the key it was given: the wrapper's pointer again.
+        self.key_of_pointer(rax, self.s.key_result)?;
         self.close_frame(f)?;
         let mut fail = self.a.create_label();
         self.test_result(fail)?;
@@ -737,21 +739,6 @@ impl Gen<'_> {
         self.a.test(reg, reg)?;
         self.a.je(null)?;
         self.a.add(reg, offset)?;
-        self.a.set_label(&mut null)?;
-        Ok(())
-    }
-
-    /// rax += `key_result` after the runtime returned the key it was given
-    /// for a non-NULL result (the wrapper's pointer again).
-    fn pointer_of_key(&mut self) -> R<()> {
-        let c = self.s.key_result;
-        if c == 0 {
-            return Ok(());
-        }
-        let mut null = self.a.create_label();
-        self.a.test(rax, rax)?;
-        self.a.je(null)?;
-        self.a.add(rax, c)?;
         self.a.set_label(&mut null)?;
         Ok(())
     }

@@ -90,6 +90,20 @@ impl Config {
     }
 }
 
+/// The form `sites` gives a marked call in `config`: a jump at -O2 where the
+/// marker says `tail`; through the GOT with -fno-plt, unless the call is
+/// `direct` (to a function the file defines).
+pub fn expected_form(config: Config, tail: bool, direct: bool) -> String {
+    let jmp = tail && config.optimized();
+    match (jmp, config.no_plt() && !direct) {
+        (false, false) => "call rel32",
+        (true, false) => "jmp rel32",
+        (false, true) => "call [rip+disp]",
+        (true, true) => "jmp [rip+disp]",
+    }
+    .to_string()
+}
+
 /// An allocation call marked in a source file.
 #[derive(Clone, Debug)]
 pub struct Marker {
