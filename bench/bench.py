@@ -954,13 +954,13 @@ def part_wrappers():
     d = os.path.join(WORK, "charged")
     os.makedirs(d, exist_ok=True)
     ploop = os.path.join(d, "wrapper_loop")
-    subprocess.run([AT, "patch", "--charge-callers", loop, "-o", ploop], check=True, env=base_env(),
+    subprocess.run([AT, "patch", loop, "-o", ploop], check=True, env=base_env(),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
     sec = Section(
         "Instructions through allocation wrappers", "wrappers",
         "`bench/wrapper_loop.c`: `xmalloc` (malloc, dies on NULL) and `xfree` (free), static functions of the "
-        f"program, called in a loop; patched with `alloctramp patch --charge-callers`, so the loop's two calls are "
+        f"program, called in a loop; patched with `alloctramp patch` (which charges callers), so the loop's two calls are "
         "the sites that count and the calls inside the wrappers are not patched. Instructions of the loop "
         f"(`valgrind --tool=callgrind --toggle-collect=work`) at {n1:,} and {n2:,} pairs; the per-pair difference "
         "against the unpatched program.",
@@ -1002,7 +1002,7 @@ print "$n ", scalar(@words), "\\n";
 def attribution_shares(exe, counters):
     """Bytes requested at the rows of the counters files in COUNTERS: (total, share outside EXE's allocation
     wrappers, share outside the wrappers whose size is their caller's, top rows)."""
-    doc = json.loads(output([AT, "sites", "--charge-callers", "--json", exe], env=base_env()))
+    doc = json.loads(output([AT, "sites", "--json", exe], env=base_env()))
     listed = {w["function"] for w in doc["wrappers"]}
     passing = {w["function"] for w in doc["wrappers"] if w["countable"]}
     total, outside, outside_passing, rows = 0, 0, 0, {}
@@ -1021,10 +1021,10 @@ def attribution_shares(exe, counters):
 
 
 def part_attribution():
-    """Rows name the code that allocates: perl, git and redis-server patched without and with --charge-callers."""
+    """Rows name the code that allocates: perl, git and redis-server patched with --no-charge-callers and with no option."""
     sec = Section(
         "Attribution: rows that name the code that allocates", "attribution",
-        "Each program is patched twice, with `alloctramp patch` and with `alloctramp patch --charge-callers`, and "
+        "Each program is patched twice, with `alloctramp patch --no-charge-callers` and with `alloctramp patch` (charging callers, the default), and "
         "run with profiling on from the start (`ALLOCTRAMP=on`). The figure is the share of the bytes requested "
         "(allocations and reallocs, every row of every counters file) that the report charges to rows whose function "
         "is not one of the program's allocation wrappers (as `alloctramp sites` lists them); beside it, the share "
@@ -1039,11 +1039,11 @@ def part_attribution():
     programs = [("perl", shutil.which("perl")), ("git", shutil.which("git")), ("redis-server", shutil.which("redis-server"))]
     for name, exe in programs:
         if not exe:
-            target(sec, f"{name}: bytes charged outside allocation wrappers (--charge-callers)", "not installed",
+            target(sec, f"{name}: bytes charged outside allocation wrappers", "not installed",
                    ">= 90%", False)
             continue
         res = {}
-        for variant, flags in (("before", []), ("after", ["--charge-callers"])):
+        for variant, flags in (("before", ["--no-charge-callers"]), ("after", [])):
             d = os.path.join(WORK, f"attr-{variant}")
             os.makedirs(d, exist_ok=True)
             copy = os.path.join(d, os.path.basename(exe))
@@ -1083,13 +1083,13 @@ def part_attribution():
         (tb, sb, _, topb), (ta, sa, pa, topa) = res["before"], res["after"]
         shown = lambda top: "; ".join(f"`{fn}` {b:,}" for fn, b in top)
         rows.append([name, f"{tb:,}", f"{sb:.1%}", shown(topb), f"{ta:,}", f"{sa:.1%}", f"{pa:.1%}", shown(topa)])
-        target(sec, f"{name}: bytes charged outside allocation wrappers (--charge-callers)", f"{sa:.1%}", ">= 90%",
+        target(sec, f"{name}: bytes charged outside allocation wrappers", f"{sa:.1%}", ">= 90%",
                sa >= 0.9)
-    sec.table(["program", "bytes (patch)", "outside wrappers", "top rows", "bytes (--charge-callers)",
+    sec.table(["program", "bytes (--no-charge-callers)", "outside wrappers", "top rows", "bytes (default)",
                "outside wrappers", "outside wrappers that pass the charge on", "top rows"], rows)
     sec.para("Bytes differ between the two runs where a wrapper asks the allocator for other than what its caller "
              "asked (perl's safesysmalloc turns 0 into 1; git's xmalloc retries malloc(0) as malloc(1)): with "
-             "--charge-callers the bytes are the caller's request.")
+             "callers charged the bytes are the caller's request.")
 
 
 PARTS = {

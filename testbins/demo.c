@@ -102,7 +102,7 @@ __attribute__((noinline, noclone, noipa)) static char *parse_key(unsigned long r
 {
     char key[32];
     snprintf(key, sizeof key, "user-%04lu", r % 10000);
-    char *k = strdup(key); /* @site strdup calls=100 bytes=1000 */
+    char *k = strdup(key); /* @site strdup calls=100 bytes=1000 inside */
     if (k == NULL)
         die("out of memory");
     sum(k, strlen(k));
@@ -151,7 +151,7 @@ __attribute__((noinline, noclone, noipa)) static void handle(void)
 {
     unsigned long r = requests++;
     char *buf = read_request(r);
-    char *key = parse_key(r);
+    char *key = parse_key(r); /* @charged parse_key calls=100 bytes=1000 */
     cache_store(r);
     if (r % 10 == 0)
         open_session(r);

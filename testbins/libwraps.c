@@ -7,7 +7,7 @@
  *   lw_alloc(12) x5   -> malloc, 5 calls, 60 bytes
  *   lw_dup(g, 12) x5  -> lw_alloc (through the PLT), malloc, 5 calls, 60 bytes
  *   lw_free(p) x10    -> free, 10 calls
- * With --charge-callers the program's calls count these; `alone=` gives
+ * Charging callers (the default), the program's calls count these; `alone=` gives
  * what the library's sites count when only the library is patched (the
  * program's calls are then plain calls): lw_dup's call of lw_alloc counts
  * the copies, and raises the depth that lw_alloc's own site checks.

@@ -40,8 +40,8 @@
  *   lw_free(g), lw_free(d)      (in libwraps.so)
  * then free(buf.p) once.
  *
- * `@site` markers count calls where they are made (the default). With
- * `--charge-callers` the calls to wrappers count what the wrappers
+ * `@site` markers count calls where they are made (`--no-charge-callers`).
+ * Charging callers (the default), the calls to wrappers count what the wrappers
  * allocate (`@charged` markers on the calls, `tail` where the call is a
  * jump at -O2), and a site inside a wrapper (word `inside`) counts only the
  * calls that reach its wrapper other than through such a call: here the

@@ -142,7 +142,7 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
         .as_ref()
         .map(|(p, inp)| alloctramp_patcher::DebugFile { data: &inp.map, label: p.display().to_string() });
     // Without charging, wrappers change nothing in the patched file.
-    let wrapper_opts = match args.wrappers.charge_callers {
+    let wrapper_opts = match args.wrappers.charge() {
         true => args.wrappers.options(&args.input, &input.map, &user)?,
         false => Default::default(),
     };

@@ -44,23 +44,30 @@ pub struct WrapperArgs {
     pub not_wrappers: Vec<String>,
     /// Do not look for allocation wrappers (the search reads every
     /// function's code, and the libraries the file needs).
-    #[arg(long, conflicts_with_all = ["wrappers", "not_wrappers", "charge_callers"])]
+    #[arg(long, conflicts_with_all = ["wrappers", "not_wrappers"])]
     pub no_wrappers: bool,
-    /// Make each call to an allocation wrapper a site that counts what the
-    /// wrapper allocates, and the calls inside the wrapper count only when
-    /// it is reached without one (as the kernel's alloc_hooks nest).
+    /// Count every allocator call where it is made, inside wrappers too.
+    /// By default each call to an allocation wrapper is a site that counts
+    /// what the wrapper allocates, and the calls inside the wrapper count
+    /// only when it is reached without one (as the kernel's alloc_hooks
+    /// nest).
     #[arg(long)]
-    pub charge_callers: bool,
+    pub no_charge_callers: bool,
 }
 
 impl WrapperArgs {
+    /// Whether calls to wrappers are sites that take the charge.
+    pub fn charge(&self) -> bool {
+        !self.no_wrappers && !self.no_charge_callers
+    }
+
     /// The wrapper search's options for the file at `path`, whose bytes
     /// are `data`: what its libraries export, what the user says.
     pub fn options(&self, path: &Path, data: &[u8], user: &[EntryPoint]) -> Result<wrappers::Options> {
         let named = self.wrappers.iter().map(|s| parse_wrapper(s)).collect::<Result<Vec<_>>>()?;
         let entries = alloctramp_patcher::entry_set(user).0;
         let imported = match alloctramp_patcher::Elf::parse(data) {
-            Ok(elf) if !self.no_wrappers => deps::imported_wrappers(path, &elf, &entries, self.charge_callers),
+            Ok(elf) if !self.no_wrappers => deps::imported_wrappers(path, &elf, &entries, self.charge()),
             _ => Default::default(),
         };
         Ok(wrappers::Options {
@@ -71,7 +78,7 @@ impl WrapperArgs {
             libraries: imported.from,
             named,
             refused: self.not_wrappers.clone(),
-            charge: self.charge_callers,
+            charge: self.charge(),
         })
     }
 }

@@ -1,4 +1,4 @@
-//! `--charge-callers`: calls to allocation wrappers are sites that count
+//! Charging callers (the default): calls to allocation wrappers are sites that count
 //! what the wrappers allocate, and the sites inside a wrapper count only
 //! when it is reached without one. Exact figures for `wrappers` (and the
 //! library `libwraps.so` it needs) in every build configuration.
@@ -17,7 +17,7 @@ fn is_local(p: &Program, entry: &str) -> bool {
     !p.is_library && p.wrappers.iter().any(|(n, _)| n == entry)
 }
 
-/// The sites `sites --charge-callers` lists, as the markers give them:
+/// The sites `sites` lists, as the markers give them:
 /// (file, line, entry, form, charge). A site inside a wrapper that can be
 /// reached without a call site (exported, or its address taken: a marker
 /// with `charged=`) checks the depth.
@@ -43,7 +43,7 @@ fn expected_sites(p: &Program, config: Config, exported: bool) -> Vec<SiteKey> {
 }
 
 fn actual_sites(path: &std::path::Path) -> Vec<SiteKey> {
-    let doc = sites_json(path, &["--charge-callers"]);
+    let doc = sites_json(path, &[]);
     let mut v: Vec<SiteKey> = doc["sites"]
         .as_array()
         .unwrap()
@@ -64,7 +64,7 @@ fn actual_sites(path: &std::path::Path) -> Vec<SiteKey> {
 
 type Figures = BTreeMap<(String, u32, String), (u64, u64, u64)>;
 
-/// What each site counts with `--charge-callers`, the program and its
+/// What each site counts (charging callers), the program and its
 /// libraries patched: calls to wrappers their markers' figures, sites
 /// inside wrappers only what reaches them otherwise.
 fn charged_figures(progs: &[&Program]) -> (Figures, Figures) {
@@ -94,7 +94,7 @@ fn check_charge(config: Config) {
     let _ = std::fs::remove_dir_all(&pdir);
     std::fs::create_dir_all(&pdir).unwrap();
     for p in [prog, lib] {
-        patch_to(&b.path(&p.name), &pdir.join(&p.output), &["--charge-callers"]);
+        patch_to(&b.path(&p.name), &pdir.join(&p.output), &[]);
     }
     let original = run_program(&b.path(&prog.name), &prog.run, &[]);
     let (counts, live) = charged_figures(&[prog, lib]);
@@ -220,7 +220,7 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
         .output()
         .unwrap();
     assert!(o.status.success(), "rustc: {}", String::from_utf8_lossy(&o.stderr));
-    let doc = sites_json(&exe, &["--charge-callers"]);
+    let doc = sites_json(&exe, &[]);
     let shims: Vec<String> = doc["wrappers"]
         .as_array()
         .unwrap()
@@ -231,7 +231,7 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
     assert!(shims.iter().any(|f| f == "__rustc::__rust_alloc"), "the allocator shims are wrappers: {shims:?}");
     let original = run_program(&exe, &[], &[]);
     let mut totals = Vec::new();
-    for (name, flags) in [("plain", &[][..]), ("charged", &["--charge-callers"][..])] {
+    for (name, flags) in [("own", &[OWN][..]), ("charged", &[][..])] {
         let patched = dir.join(format!("collections-{name}"));
         patch_to(&exe, &patched, flags);
         let counters = counters_dir(&format!("rust-charge-{name}"));

@@ -81,7 +81,7 @@ fn check_counts(config: Config) {
     let _ = std::fs::remove_dir_all(&pdir);
     std::fs::create_dir_all(&pdir).unwrap();
     for p in programs() {
-        patch_to(&b.path(&p.name), &pdir.join(&p.output), &[]);
+        patch_to(&b.path(&p.name), &pdir.join(&p.output), &[OWN]);
     }
     for p in programs().iter().filter(|p| !p.is_library && !p.variable_counts) {
         let dir = counters_dir(&format!("{}-{}", config.name(), p.name));
@@ -453,7 +453,7 @@ fn sites_switched_while_threads_are_inside_the_target() {
     for start_on in [true, false] {
         let dir = counters_dir(&format!("parked-{start_on}"));
         let bin = dir.join("parked");
-        patch_to(&b.path("parked"), &bin, &["--entry", "slow_alloc:alloc"]);
+        patch_to(&b.path("parked"), &bin, &["--entry", "slow_alloc:alloc", OWN]);
         let mut cmd = Command::new(&bin);
         cmd.env("ALLOCTRAMP_DIR", &dir).stdin(Stdio::piped()).stdout(Stdio::piped());
         if start_on {

@@ -59,7 +59,7 @@ fn check_wrappers(p: &Program, doc: &Value, path: &Path, config: Config) {
 fn check_markers(config: Config) {
     let built = built(config);
     for p in programs() {
-        let doc = sites_json(&built.path(&p.name), &[]);
+        let doc = sites_json(&built.path(&p.name), &[OWN]);
         let mut actual: Vec<Key> = Vec::new();
         for s in doc["sites"].as_array().unwrap() {
             let file = s["file"].as_str().unwrap_or_else(|| panic!("{}: site without file:line: {s}", p.name));
@@ -183,7 +183,7 @@ fn user_named_entries_by_symbol_and_address() {
             [("wrapper", ["xmalloc:alloc", "xfree:free"]), ("own_malloc", ["my_alloc:alloc", "my_free:free"])]
         {
             let p = program(name);
-            let args: Vec<&str> = specs.iter().flat_map(|s| ["--entry", *s]).collect();
+            let args: Vec<&str> = specs.iter().flat_map(|s| ["--entry", *s]).chain([OWN]).collect();
             let doc = sites_json(&b.path(name), &args);
             let mut actual: Vec<Key> = doc["sites"]
                 .as_array()

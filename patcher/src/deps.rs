@@ -112,7 +112,7 @@ pub struct Imported {
     /// Wrapper symbol -> library file name.
     pub from: std::collections::HashMap<String, String>,
     /// The wrappers the library charges to its callers when it is patched
-    /// with `--charge-callers` (the sites inside check the thread's
+    /// charging callers (the sites inside check the thread's
     /// wrapper depth): the only ones a program may charge to its own
     /// calls. Filled when asked for.
     pub charged: std::collections::HashSet<String>,
@@ -124,7 +124,7 @@ pub struct Imported {
 /// The wrappers the libraries `path` needs export. Libraries are searched
 /// in the dynamic linker's order, so a library's wrappers may wrap those of
 /// the libraries it needs. With `charge`, each library is also analyzed as
-/// `patch --charge-callers` would (a sweep of its code) to tell which of
+/// `patch` would (a sweep of its code) to tell which of
 /// its wrappers it charges.
 pub fn imported_wrappers(
     path: &Path,

@@ -61,8 +61,8 @@ pub struct SiteDoc<'a> {
     pub file: Option<&'a str>,
     pub line: Option<u32>,
     pub module: &'a str,
-    /// How its count nests with allocation wrappers (`patch
-    /// --charge-callers`): `own`, `caller` (a call to a wrapper, counted
+    /// How its count nests with allocation wrappers (charging callers,
+    /// the default): `own`, `caller` (a call to a wrapper, counted
     /// for what it allocates), `inside` (in a wrapper: never counted) or
     /// `inside-checked` (counted when the wrapper is reached otherwise).
     pub charge: &'static str,

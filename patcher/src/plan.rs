@@ -393,7 +393,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
                 ErrorKind::Request,
                 Location::Vaddr(site.vaddr),
                 format!(
-                    "the call to allocation wrapper {} cannot be patched ({reason}); patch without --charge-callers",
+                    "the call to allocation wrapper {} cannot be patched ({reason}); patch with --no-charge-callers",
                     a.scan.entries[site.entry].display
                 ),
             ));

@@ -1,6 +1,6 @@
 // A Rust program allocating through the standard library (String, Vec,
 // HashMap): `cli/tests/charge.rs` builds it with rustc and compares what a
-// report charges with and without `patch --charge-callers`.
+// report charges with and without `patch --no-charge-callers`.
 use std::collections::HashMap;
 fn main() {
     let mut h: HashMap<String, Vec<u64>> = HashMap::new();

@@ -40,6 +40,10 @@ where
 }
 
 /// Runs `alloctramp sites --json FILE [extra...]` and parses the document.
+/// The option that counts every allocator call where it is made (the
+/// tests whose markers give those figures pass it).
+pub const OWN: &str = "--no-charge-callers";
+
 pub fn sites_json(file: &Path, extra: &[&str]) -> Value {
     let out = alloctramp().arg("sites").arg("--json").arg(file).args(extra).output().unwrap();
     assert!(
@@ -118,13 +122,28 @@ pub struct Marker {
     pub live: Option<(u64, u64)>,
     /// Frees of untracked memory at this site, where given.
     pub untracked: Option<u64>,
-    /// Inside an allocation wrapper: with `--charge-callers` it counts
+    /// Inside an allocation wrapper: charging callers (the default), it counts
     /// only `charged` (calls, bytes; none where not given).
     pub inside: bool,
     pub charged: Option<(u64, u64)>,
-    /// In a library: what it counts with `--charge-callers` when only the
+    /// In a library: what it counts charging callers when only the
     /// library is patched (`alone=CALLS,BYTES`).
     pub alone: Option<(u64, u64)>,
+}
+
+impl Program {
+    /// The sites that count, and what they count, when the program is
+    /// patched with no option (charging callers): calls to wrappers count
+    /// what the wrappers allocate; a site inside a wrapper counts what
+    /// reaches it without such a call (`charged=`), or nothing (it is
+    /// listed, not patched).
+    pub fn charged_view(&self) -> Vec<Marker> {
+        let inside = self.markers.iter().filter(|m| m.inside).map(|m| {
+            let (calls, bytes) = m.charged.unwrap_or((0, 0));
+            Marker { calls, bytes, failed: 0, live: None, untracked: None, ..m.clone() }
+        });
+        self.markers.iter().filter(|m| !m.inside).chain(&self.charged_markers).cloned().chain(inside).collect()
+    }
 }
 
 /// A program in testbins/ with its build line and markers.
@@ -140,7 +159,7 @@ pub struct Program {
     /// Calls of program-defined allocation functions, counted only when
     /// those are named as entry points.
     pub user_markers: Vec<Marker>,
-    /// Sites that only `--charge-callers` makes: calls to wrappers
+    /// Sites that only charging callers makes: calls to wrappers
     /// (`@charged`).
     pub charged_markers: Vec<Marker>,
     pub is_library: bool,
