@@ -19,6 +19,7 @@ pub mod plan;
 pub mod scan;
 pub mod symbols;
 pub mod tables;
+pub mod unwind;
 pub mod wrappers;
 pub mod write;
 
@@ -52,6 +53,8 @@ pub struct Analysis {
     /// The allocation wrappers the file defines or imports, by address
     /// (imported ones last, by name).
     pub wrappers: Vec<WrapperInfo>,
+    /// The unwind rows callers capture uses (from `.eh_frame`).
+    pub unwind: Vec<alloctramp_trampolines::layout::UnwindRow>,
 }
 
 /// One allocation wrapper of a file.
@@ -182,7 +185,8 @@ pub fn analyze_with(
             location: lines.as_ref().and_then(|l| l.find(s.vaddr.0)),
         })
         .collect();
-    Ok(Analysis { module, file_type: elf.file_type, scan, info, debug_source, wrappers })
+    let unwind = unwind::rows(&elf);
+    Ok(Analysis { module, file_type: elf.file_type, scan, info, debug_source, wrappers, unwind })
 }
 
 pub fn base_name(path: &str) -> &str {

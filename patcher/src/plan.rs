@@ -197,6 +197,8 @@ pub struct Trampoline {
     /// free site (0 otherwise) and the entry that only counts.
     pub drain: u16,
     pub count: u16,
+    /// The callers entry (0: none).
+    pub callers: u16,
 }
 
 /// What becomes of a site.
@@ -312,6 +314,8 @@ pub struct Plan<'a> {
     /// segment.
     pub init: Code,
     pub fini: Code,
+    /// The stub every site's callers entry goes through (callers capture).
+    pub capture: Code,
     /// All of the executable segment's code (.alloctramp.text).
     pub text: Region,
     /// The new .dynamic: the input's entries, the runtime's DT_NEEDED after
@@ -375,15 +379,27 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     check_loads(elf)?;
     let (ro_addr, max_align) = new_base(elf, &tables)?;
     let phnum = elf.file.elf_program_headers().len() + 3;
-    let table_len = layout::table_size(a.scan.sites.len(), a.scan.entries.len(), strings.strings.len());
+    let table_len = layout::table_and_unwind_size(
+        layout::table_size(a.scan.sites.len(), a.scan.entries.len(), strings.strings.len()),
+        a.unwind.len(),
+    );
     let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables, opts);
     let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), opts.shards)?;
     // File order: read-only, executable, read-write, each from a page.
     let text_start = align(ro.size, PAGE);
-    let ctx =
-        TextContext { control: mem.control, table: ro.site_table.addr.0, shards: opts.shards, stride: mem.stride };
+    let mut ctx = TextContext {
+        control: mem.control,
+        table: ro.site_table.addr.0,
+        shards: opts.shards,
+        stride: mem.stride,
+        capture: 0,
+    };
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
-    let (init, fini) = plan_stubs(&mut cursor, &ctx, &tables)?;
+    let (init, fini, capture) = plan_stubs(&mut cursor, &ctx, &tables)?;
+    // Callers capture needs the module's unwind rows.
+    if !a.unwind.is_empty() {
+        ctx.capture = capture.addr.0;
+    }
     let sites = plan_sites(&mut cursor, &ctx, a);
     // A call to a wrapper that counts for what the wrapper allocates must
     // be patched: the calls inside the wrapper may count nothing.
@@ -422,6 +438,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         copies: ro.copies,
         init,
         fini,
+        capture,
         text,
         dynamic: rw.dynamic,
         control: rw.control,
@@ -671,6 +688,8 @@ struct TextContext {
     table: u64,
     shards: u32,
     stride: u64,
+    /// The capture stub (0: sites get no callers entry).
+    capture: u64,
 }
 
 /// Places generated code at the cursor; the next code starts 16-byte
@@ -683,7 +702,7 @@ fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
 
 /// The init and fini stubs, which register the module with the runtime and
 /// continue to the input's DT_INIT and DT_FINI functions, if any.
-fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code, Code)> {
+fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code, Code, Code)> {
     let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let mut stub = |api: i32, original: Option<u64>| -> Result<Code> {
         let at = text.offset.wrapping_add(text.delta);
@@ -692,7 +711,9 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code,
     };
     let init = stub(layout::api::REGISTER, t.value(elf::DT_INIT))?;
     let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI))?;
-    Ok((init, fini))
+    let at = text.offset.wrapping_add(text.delta);
+    let capture = codegen::capture_stub(at, ctx.control, ctx.table).map_err(stub_err)?;
+    Ok((init, fini, place_code(text, capture)))
 }
 
 /// Every site's decision; patched sites get their trampolines one after
@@ -726,14 +747,15 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
             depth_bump,
             key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
             key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
+            capture: ctx.capture,
         };
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)
         } else {
             match trampoline(&spec, at) {
                 Ok(t) => {
-                    let (drain, count) = (t.drain, t.count);
-                    Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count })
+                    let (drain, count, callers) = (t.drain, t.count, t.callers);
+                    Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count, callers })
                 }
                 Err(reason) => Decision::Skipped(reason),
             }
@@ -751,7 +773,7 @@ fn trampoline(spec: &TrampolineSpec, at: u64) -> std::result::Result<codegen::Tr
     }
     let t = codegen::trampoline(spec, at).map_err(SkipReason::Codegen)?;
     let reaches = |e: u16| codegen::site_jump(spec.site, at + u64::from(e)).is_some();
-    if [0, t.drain, t.count].into_iter().all(reaches) { Ok(t) } else { Err(SkipReason::OutOfRange) }
+    if [0, t.drain, t.count, t.callers].into_iter().all(reaches) { Ok(t) } else { Err(SkipReason::OutOfRange) }
 }
 
 /// The section headers of the copied tables, found by type and address

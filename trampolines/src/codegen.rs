@@ -54,6 +54,10 @@ pub struct TrampolineSpec {
     /// any path finds.
     pub key_result: i32,
     pub key_ptr: i32,
+    /// The module's capture stub (see [`capture_stub`]): the trampoline
+    /// gets a callers entry that records the call chain through it first.
+    /// 0: no callers entry.
+    pub capture: u64,
 }
 
 /// Why a trampoline or stub could not be generated.
@@ -796,6 +800,8 @@ pub struct Trampoline {
     pub drain: u16,
     /// Offset of the entry that counts without tracking.
     pub count: u16,
+    /// Offset of the callers entry (0: none).
+    pub callers: u16,
 }
 
 /// Generates the trampoline for one site, to be placed at address `at`.
@@ -808,6 +814,14 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
             (Some(d), c)
         }
     };
+    // The callers entry, last: the site's index for the stub, which comes
+    // back to the start or the count entry (the runtime says which).
+    let mut callers = g.a.create_label();
+    if spec.capture != 0 {
+        g.a.set_label(&mut callers)?;
+        g.a.push(i32::try_from(spec.index).map_err(|_| CodegenError::TooLong)?)?;
+        g.a.jmp(spec.capture)?;
+    }
     let r = g.a.assemble_options(at, iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
     let offset = |l: &CodeLabel| -> R<u16> { u16::try_from(r.label_ip(l)? - at).map_err(|_| CodegenError::TooLong) };
     let drain = match drain {
@@ -815,7 +829,8 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
         None => 0,
     };
     let count = offset(&count)?;
-    Ok(Trampoline { code: r.inner.code_buffer, drain, count })
+    let callers = if spec.capture != 0 { offset(&callers)? } else { 0 };
+    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers })
 }
 
 pub use crate::layout::site_jump;
@@ -851,6 +866,44 @@ pub fn init_stub(at: u64, control: u64, table: u64, api_offset: i32, original: O
         Some(f) => a.jmp(f)?,
         None => a.ret()?,
     }
+    Ok(a.assemble(at)?)
+}
+
+/// The module's capture stub, reached from a trampoline's callers entry
+/// with the site's index pushed: saves what a call may clobber into a
+/// [`capture::Frame`](crate::layout::capture::Frame) (the vector state too:
+/// a direct call's callers may keep values in registers the callee leaves
+/// alone), calls the runtime's `capture(frame, control, rbp, table)`
+/// (`table`: the module's site table, which names the continuation even
+/// before the runtime knows the module), which
+/// records the chain and replaces the index with the entry to continue at,
+/// restores everything and jumps there with the stack as it was at the
+/// site. The jump reads its target just below the stack pointer: the
+/// 128-byte red zone, which signal delivery leaves alone.
+pub fn capture_stub(at: u64, control: u64, table: u64) -> R<Vec<u8>> {
+    const SAVED: [AsmRegister64; 9] = [rax, rcx, rdx, rsi, rdi, r8, r9, r10, r11];
+    let mut a = CodeAssembler::new(64)?;
+    for r in SAVED {
+        a.push(r)?;
+    }
+    a.mov(rdi, rsp)?;
+    a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RSI, rip(control))?)?;
+    a.mov(rdx, rbp)?;
+    a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(table))?)?;
+    a.push(rbx)?;
+    a.mov(rbx, rsp)?;
+    a.and(rsp, -16)?;
+    a.sub(rsp, 512)?;
+    a.fxsave64(byte_ptr(rsp))?;
+    a.add_instruction(Instruction::with1(Code::Call_rm64, rip(control + u64::from(control::CAPTURE)))?)?;
+    a.fxrstor64(byte_ptr(rsp))?;
+    a.mov(rsp, rbx)?;
+    a.pop(rbx)?;
+    for r in SAVED.iter().rev() {
+        a.pop(*r)?;
+    }
+    a.lea(rsp, qword_ptr(rsp + 8))?;
+    a.jmp(qword_ptr(rsp - 8))?;
     Ok(a.assemble(at)?)
 }
 
@@ -911,6 +964,7 @@ mod golden {
             depth_bump: false,
             key_result: 0,
             key_ptr: 0,
+            capture: 0,
         }
     }
 
@@ -922,6 +976,9 @@ mod golden {
             text.push_str(&format!("drain entry: {:08x}\n", AT + u64::from(t.drain)));
         }
         text.push_str(&format!("count entry: {:08x}\n", AT + u64::from(t.count)));
+        if t.callers != 0 {
+            text.push_str(&format!("callers entry: {:08x}\n", AT + u64::from(t.callers)));
+        }
         text
     }
 
@@ -986,6 +1043,14 @@ mod golden {
         v.push(("init-stub", disassemble(&init, AT)));
         let fini = init_stub(AT, CONTROL, 0x415040, crate::layout::api::UNREGISTER, None).unwrap();
         v.push(("fini-stub-no-original", disassemble(&fini, AT)));
+        // Callers capture: the entry that goes through the module's stub.
+        const STUB: u64 = AT - 0x40;
+        for (file, name, form) in
+            [("callers-malloc-plt", "malloc", SiteForm::CallRel32), ("callers-free-tail", "free", SiteForm::JmpRel32)]
+        {
+            v.push((file, listing(&TrampolineSpec { capture: STUB, ..spec(name, form, false) })));
+        }
+        v.push(("capture-stub", disassemble(&capture_stub(STUB, CONTROL, 0x415040).unwrap(), STUB)));
         v
     }
 

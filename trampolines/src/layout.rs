@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 6;
+pub const VERSION: u32 = 7;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -96,6 +96,7 @@ pub mod control {
     pub const NURSERY_TLS: u32 = offset_of!(ControlBlock, nursery_tls) as u32;
     pub const NURSERIES: u32 = offset_of!(ControlBlock, nurseries) as u32;
     pub const DEPTH_TLS: u32 = offset_of!(ControlBlock, depth_tls) as u32;
+    pub const CAPTURE: u32 = offset_of!(ControlBlock, capture) as u32;
 }
 
 /// A thread's nursery: a direct-mapped table of the objects the thread
@@ -218,6 +219,12 @@ pub struct Header {
     pub reserved: [u8; 4],
     /// Address of the ELF header (and program headers) in memory.
     pub ehdr_addr: u64,
+    /// The module's unwind rows ([`UnwindRow`], sorted by address), after
+    /// the table's strings (not part of the table's size: a copy of the
+    /// table leaves them out); 0 and 0 when the module has none.
+    pub unwind_addr: u64,
+    pub unwind_count: u32,
+    pub unwind_reserved: u32,
 }
 
 /// One site.
@@ -245,7 +252,11 @@ pub struct Site {
     /// Offset in the trampoline of its entry that counts without live
     /// tracking (the trampoline's start counts and tracks).
     pub count: u16,
-    pub reserved: [u8; 4],
+    /// Offset in the trampoline of its entry that first records the call
+    /// chain (callers capture), then continues at the start or the count
+    /// entry; 0: none.
+    pub callers: u16,
+    pub reserved: [u8; 2],
 }
 
 impl Site {
@@ -310,7 +321,11 @@ pub struct ControlBlock {
     /// their callers' sites, the thread is inside. Written at
     /// registration, before any site is switched.
     pub depth_tls: AtomicI64,
-    pub reserved: [u64; 4],
+    /// `extern "C" fn(frame, control, rbp, table)`: records the call chain of a
+    /// site whose callers are captured (see [`capture`]); the module's
+    /// capture stub calls it. Written at registration.
+    pub capture: AtomicU64,
+    pub reserved: [u64; 3],
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -404,16 +419,78 @@ unsafe impl Pod for Entry {}
 unsafe impl Pod for ControlBlock {}
 // SAFETY: as above.
 unsafe impl Pod for Cell {}
+// SAFETY: as above.
+unsafe impl Pod for UnwindRow {}
+
+/// One row of a module's unwind table, built from `.eh_frame` at patch
+/// time (as objtool builds ORC tables for the kernel): from `addr` (a file
+/// address, up to the next row's) the caller's frame is found without
+/// interpreting DWARF. The return address is always at CFA - 8.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct UnwindRow {
+    pub addr: u32,
+    /// The CFA is `base + cfa_offset`, `base` given by [`unwind`] kind.
+    pub cfa_offset: i16,
+    /// Where the caller's rbp was saved (CFA + `rbp_offset`), if `rbp_saved`.
+    pub rbp_offset: i16,
+    /// [`unwind::STOP`], [`unwind::RSP`] or [`unwind::RBP`].
+    pub kind: u8,
+    pub rbp_saved: u8,
+    pub reserved: [u8; 2],
+}
+
+/// [`UnwindRow::kind`].
+pub mod unwind {
+    /// No frame can be found here (no CFI, or a rule the table cannot
+    /// express): a chain ends.
+    pub const STOP: u8 = 0;
+    /// CFA = rsp + offset.
+    pub const RSP: u8 = 1;
+    /// CFA = rbp + offset.
+    pub const RBP: u8 = 2;
+}
+
+/// Callers capture: a trampoline's callers entry pushes the site's index
+/// and jumps to the module's capture stub, which saves the registers a
+/// call may clobber into a [`capture::Frame`] and calls the runtime's
+/// [`ControlBlock::capture`]; the runtime records the chain and writes in
+/// `Frame::index` the entry to continue at.
+pub mod capture {
+    /// What the capture stub saved, lowest address first; the site's stack
+    /// pointer is the address just past `index`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default)]
+    pub struct Frame {
+        pub r11: u64,
+        pub r10: u64,
+        pub r9: u64,
+        pub r8: u64,
+        pub rdi: u64,
+        pub rsi: u64,
+        pub rdx: u64,
+        pub rcx: u64,
+        pub rax: u64,
+        /// The site's index on entry; the address to continue at on return.
+        pub index: u64,
+    }
+    /// Deepest chain recorded (frames above the site).
+    pub const MAX_DEPTH: usize = 8;
+    /// Default depth.
+    pub const DEFAULT_DEPTH: usize = 4;
+}
 
 pub const HEADER_SIZE: usize = size_of::<Header>();
 pub const SITE_SIZE: usize = size_of::<Site>();
 pub const ENTRY_SIZE: usize = size_of::<Entry>();
 pub const CONTROL_SIZE: usize = size_of::<ControlBlock>();
 pub const CELL_SIZE: usize = size_of::<Cell>();
+pub const UNWIND_ROW_SIZE: usize = 12;
 
 const _: () = {
-    assert!(HEADER_SIZE == 144 && offset_of!(Header, build_id) == 112 && offset_of!(Header, ehdr_addr) == 136);
-    assert!(SITE_SIZE == 48 && offset_of!(Site, drain) == 40);
+    assert!(HEADER_SIZE == 160 && offset_of!(Header, build_id) == 112 && offset_of!(Header, unwind_addr) == 144);
+    assert!(SITE_SIZE == 48 && offset_of!(Site, drain) == 40 && offset_of!(Site, callers) == 44);
+    assert!(size_of::<UnwindRow>() == UNWIND_ROW_SIZE && size_of::<capture::Frame>() == 80);
     assert!(ENTRY_SIZE == 16 && offset_of!(Entry, sig) == 5);
     assert!(CONTROL_SIZE == 128 && offset_of!(ControlBlock, nurseries) == 80);
     assert!(CELL_SIZE == 64 && offset_of!(Cell, failed_bytes) == 56);
@@ -447,6 +524,17 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("build_id", offset_of!(Header, build_id), "[u8; 20]"),
     ("reserved", offset_of!(Header, reserved), "[u8; 4]"),
     ("ehdr_addr", offset_of!(Header, ehdr_addr), "u64"),
+    ("unwind_addr", offset_of!(Header, unwind_addr), "u64"),
+    ("unwind_count", offset_of!(Header, unwind_count), "u32"),
+    ("unwind_reserved", offset_of!(Header, unwind_reserved), "u32"),
+];
+pub const UNWIND_FIELDS: &[(&str, usize, &str)] = &[
+    ("addr", offset_of!(UnwindRow, addr), "u32"),
+    ("cfa_offset", offset_of!(UnwindRow, cfa_offset), "i16"),
+    ("rbp_offset", offset_of!(UnwindRow, rbp_offset), "i16"),
+    ("kind", offset_of!(UnwindRow, kind), "u8"),
+    ("rbp_saved", offset_of!(UnwindRow, rbp_saved), "u8"),
+    ("reserved", offset_of!(UnwindRow, reserved), "[u8; 2]"),
 ];
 pub const SITE_FIELDS: &[(&str, usize, &str)] = &[
     ("addr", offset_of!(Site, addr), "u64"),
@@ -460,7 +548,8 @@ pub const SITE_FIELDS: &[(&str, usize, &str)] = &[
     ("line", offset_of!(Site, line), "u32"),
     ("drain", offset_of!(Site, drain), "u16"),
     ("count", offset_of!(Site, count), "u16"),
-    ("reserved", offset_of!(Site, reserved), "[u8; 4]"),
+    ("callers", offset_of!(Site, callers), "u16"),
+    ("reserved", offset_of!(Site, reserved), "[u8; 2]"),
 ];
 pub const ENTRY_FIELDS: &[(&str, usize, &str)] = &[
     ("name", offset_of!(Entry, name), "u32"),
@@ -481,7 +570,8 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("nursery_tls", offset_of!(ControlBlock, nursery_tls), "i64"),
     ("nurseries", offset_of!(ControlBlock, nurseries), "u64"),
     ("depth_tls", offset_of!(ControlBlock, depth_tls), "i64"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 4]"),
+    ("capture", offset_of!(ControlBlock, capture), "fn"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 3]"),
 ];
 pub const CELL_FIELDS: &[(&str, usize, &str)] = &[
     ("calls", offset_of!(Cell, calls), "u64"),
@@ -575,6 +665,39 @@ impl Strings {
 /// Size in bytes of a table with these counts and string bytes.
 pub fn table_size(sites: usize, entries: usize, strings: usize) -> usize {
     HEADER_SIZE + sites * SITE_SIZE + entries * ENTRY_SIZE + strings
+}
+
+/// Offset of the unwind rows from the table's start, for a table of
+/// `table_len` bytes.
+pub fn unwind_offset(table_len: usize) -> usize {
+    table_len.next_multiple_of(4)
+}
+
+/// Bytes of a site table followed by `rows` unwind rows.
+pub fn table_and_unwind_size(table_len: usize, rows: usize) -> usize {
+    if rows == 0 { table_len } else { unwind_offset(table_len) + rows * UNWIND_ROW_SIZE }
+}
+
+/// Serializes a site table followed by its unwind rows (`header`'s
+/// `unwind_addr` and `unwind_count` are filled in from `header.table_addr`).
+pub fn encode_with_unwind(
+    mut header: Header,
+    sites: &[Site],
+    entries: &[Entry],
+    strings: &Strings,
+    rows: &[UnwindRow],
+) -> Vec<u8> {
+    let len = table_size(sites.len(), entries.len(), strings.len());
+    if !rows.is_empty() {
+        header.unwind_addr = header.table_addr + unwind_offset(len) as u64;
+        header.unwind_count = rows.len() as u32;
+    }
+    let mut b = encode(header, sites, entries, strings);
+    if !rows.is_empty() {
+        b.resize(unwind_offset(len), 0);
+        rows.iter().for_each(|r| b.extend_from_slice(pod::bytes_of(r)));
+    }
+    b
 }
 
 /// Serializes a site table. `header`'s magic, version, sizes, counts and
@@ -880,13 +1003,14 @@ pub(crate) mod tests {
     fn the_documented_module_formats_are_the_structs() {
         let doc = formats_md();
         assert!(doc.contains(&format!("## The site table (`.alloctramp.sites`, version {VERSION})")));
-        assert_eq!(documented(&doc, "Header (144 bytes)"), fields(HEADER_FIELDS));
+        assert_eq!(documented(&doc, "Header (160 bytes)"), fields(HEADER_FIELDS));
         assert_eq!(documented(&doc, "Site (48 bytes"), fields(SITE_FIELDS));
         assert_eq!(documented(&doc, "Entry (16 bytes"), fields(ENTRY_FIELDS));
         assert_eq!(documented(&doc, "## Module control block"), fields(CONTROL_FIELDS));
         assert_eq!(documented(&doc, "## Nurseries"), fields(NURSERY_FIELDS));
         assert_eq!(documented(&doc, "Nursery slot (32 bytes)"), fields(NURSERY_SLOT_FIELDS));
         assert_eq!(documented(&doc, "## Counters"), fields(CELL_FIELDS));
+        assert_eq!(documented(&doc, "Unwind rows (12 bytes each"), fields(UNWIND_FIELDS));
     }
 }
 

@@ -344,8 +344,20 @@ pub fn built(config: Config) -> Arc<Built> {
 }
 
 /// Runs a program and returns (stdout, stderr, exit code).
+/// A file written just before may be held open for writing by a child
+/// that another test thread forked and that has not yet exec'd: exec then
+/// fails with ETXTBSY for a moment, and is retried.
 pub fn run_program(path: &Path, args: &[String], env: &[(&str, &str)]) -> (String, String, i32) {
-    let out = Command::new(path).args(args).envs(env.iter().copied()).output().unwrap();
+    let mut tries = 0;
+    let out = loop {
+        match Command::new(path).args(args).envs(env.iter().copied()).output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r => break r.unwrap(),
+        }
+    };
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),

@@ -38,7 +38,8 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
             original[..n].copy_from_slice(&orig[..n]);
             // A site that is not patched stays in the table for the report,
             // without a trampoline: the runtime never rewrites it.
-            let (trampoline, drain, count) = site.trampoline().map_or((0, 0, 0), |t| (t.code.addr.0, t.drain, t.count));
+            let (trampoline, drain, count, callers) =
+                site.trampoline().map_or((0, 0, 0, 0), |t| (t.code.addr.0, t.drain, t.count, t.callers));
             layout::Site {
                 addr: site.addr.0,
                 trampoline,
@@ -51,6 +52,7 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
                 line,
                 drain,
                 count,
+                callers,
                 ..layout::Site::default()
             }
         })
@@ -67,5 +69,5 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
             ..layout::Entry::default()
         })
         .collect();
-    layout::encode(header, &sites, &entries, &s.strings)
+    layout::encode_with_unwind(header, &sites, &entries, &s.strings, &a.unwind)
 }

@@ -1,12 +1,13 @@
-//! .alloctramp.text: the init and fini stubs, then every patched site's
+//! .alloctramp.text: the init, fini and capture stubs, then every patched site's
 //! trampoline, each 16-byte aligned, with `int3` between them.
 
 use crate::plan::Plan;
 
 pub(super) fn text(plan: &Plan) -> Vec<u8> {
     let mut text = vec![0xcc; plan.text.size as usize];
-    let codes =
-        [&plan.init, &plan.fini].into_iter().chain(plan.sites.iter().filter_map(|s| s.trampoline().map(|t| &t.code)));
+    let codes = [&plan.init, &plan.fini, &plan.capture]
+        .into_iter()
+        .chain(plan.sites.iter().filter_map(|s| s.trampoline().map(|t| &t.code)));
     for code in codes {
         let at = (code.offset.0 - plan.text.offset.0) as usize;
         text[at..at + code.bytes.len()].copy_from_slice(&code.bytes);
