@@ -990,6 +990,48 @@ def part_wrappers():
              "live target for a direct pair is 60).")
 
 
+def part_callers():
+    """Callers capture: instructions per captured call at depth 4, and nothing where it is off."""
+    loop = build("chain_loop.c")
+    d = os.path.join(WORK, "callers")
+    os.makedirs(d, exist_ok=True)
+    ploop = os.path.join(d, "chain_loop")
+    subprocess.run([AT, "patch", loop, "-o", ploop], check=True, env=base_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
+    sec = Section(
+        "Callers capture", "callers",
+        "`bench/chain_loop.c`: malloc and free at the bottom of a call chain five functions deep, N pairs. "
+        "Profiling on and counting only (`ALLOCTRAMP=on ALLOCTRAMP_LIVE=0`), without and with "
+        "`ALLOCTRAMP_CALLERS=4` (both sites record chains of 4 frames); instructions of the loop "
+        f"(`valgrind --tool=callgrind --toggle-collect=work`) at {n1:,} and {n2:,} pairs. A captured call is one "
+        "of the two calls of a pair.",
+    )
+    SECTIONS.append(sec)
+    runs = {}
+    variants = [("unpatched", loop, {}), ("counting", ploop, {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0"}),
+                ("counting, callers at depth 4", ploop,
+                 {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0", "ALLOCTRAMP_CALLERS": "4"})]
+    for name, exe, extra in variants:
+        env = base_env(extra)
+        for n in (n1, n2):
+            log(f"callgrind: chain_loop {name}, {n} pairs")
+            runs[name, n] = callgrind([exe, str(n)], env, toggle="work")
+    per = {name: (runs[name, n2] - runs[name, n1]) / (n2 - n1) for name, _, _ in variants}
+    rows = []
+    for name, exe, extra in variants:
+        shown = " ".join(f"{k}={v}" for k, v in extra.items())
+        where = "$W/callers/" if exe == ploop else "$W/"
+        cmd = f"`{shown + ' ' if shown else ''}valgrind --tool=callgrind --toggle-collect=work {where}chain_loop N`"
+        rows.append([name, cmd, f"{runs[name, n1]:,}", f"{runs[name, n2]:,}", f"{per[name]:.2f}"])
+    sec.table(["variant", "command", f"loop, N={n1:,}", f"loop, N={n2:,}", "per pair"], rows)
+    captured = (per["counting, callers at depth 4"] - per["counting"]) / 2
+    target(sec, "callers capture at depth 4: extra instructions per captured call", f"{captured:.1f}", "<= 150",
+           captured <= 150)
+    sec.para("Where it is off (no `ALLOCTRAMP_CALLERS`), the sites jump to the entries they use without callers "
+             "capture: the counting row is that cost.")
+
+
 PERL_SCRIPT = """my %h;
 for my $i (1 .. 200000) { $h{"key$i"} = [$i, "v" x ($i % 50)]; }
 my $n = 0;
@@ -1095,6 +1137,7 @@ def part_attribution():
 PARTS = {
     "attribution": part_attribution,
     "wrappers": part_wrappers,
+    "callers": part_callers,
     "scan": part_scan,
     "patch": part_patch,
     "instructions": part_instructions,
@@ -1105,7 +1148,7 @@ PARTS = {
     "switch": part_switch,
     "memory": part_memory,
 }
-ALL = ["instructions", "wrappers", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch", "memory"]
+ALL = ["instructions", "wrappers", "callers", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch", "memory"]
 ALIASES = {"all": ALL, "runtime": ["instructions", "loop", "switch"]}
 
 

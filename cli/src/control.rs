@@ -156,6 +156,31 @@ pub struct DisableArgs {
     pub now: bool,
 }
 
+/// Record the call chains that reach the sites of a running process
+/// (callers capture), or stop.
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  alloctramp callers 12345 on            # chains of 4 frames\n  \
+                        alloctramp callers 12345 on --depth 8\n  \
+                        alloctramp report 12345 --callers\n  \
+                        alloctramp callers 12345 off")]
+pub struct CallersArgs {
+    #[command(flatten)]
+    pub switch: SwitchArgs,
+    /// `on` or `off`.
+    #[arg(value_parser = ["on", "off"])]
+    pub state: String,
+    /// Frames recorded per chain (1 to 8).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub depth: u32,
+}
+
+pub fn run_callers(args: &CallersArgs) -> Result<()> {
+    let request = if args.state == "on" { Request::Callers } else { Request::NoCallers };
+    let msg = switch_with(&args.switch, request, args.depth)?;
+    eprintln!("alloctramp: {msg}");
+    Ok(())
+}
+
 struct State {
     generation: u64,
     on: bool,
@@ -202,6 +227,11 @@ fn read_state(path: &Path) -> Result<State> {
 /// then waits until the process reports that the request was carried out.
 /// Returns the message to show.
 pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
+    switch_with(args, request, 0)
+}
+
+/// [`switch`], with the depth a [`Request::Callers`] asks for.
+fn switch_with(args: &SwitchArgs, request: Request, depth: u32) -> Result<String> {
     let pid = args.pid;
     let dir = counters_dir(args.dir.as_deref());
     let path = pid_file(pid, &dir)?;
@@ -216,7 +246,7 @@ pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
     if before.signal == 0 && !before.watcher {
         bail!("process {pid} takes no requests while it runs (started with ALLOCTRAMP_SWITCH=none)");
     }
-    post_request(&path, request, before.watcher)?;
+    post_request(&path, request, before.watcher, depth)?;
     if !before.watcher {
         // SAFETY: kill(2) with a pid and a signal number.
         if unsafe { libc::kill(pid as i32, before.signal as i32) } != 0 {
@@ -238,6 +268,11 @@ pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
                 ns => format!(", switched in {:.1} ms", ns as f64 / 1e6),
             };
             return Ok(match request {
+                Request::Callers => format!(
+                    "process {pid}: recording call chains of {depth} frames ({where_}{took}{})",
+                    if s.on { "" } else { "; profiling is off: `alloctramp enable` to count" }
+                ),
+                Request::NoCallers => format!("process {pid}: call chains no longer recorded ({where_}{took})"),
                 Request::On if before.on => format!("process {pid}: profiling was already on ({where_})"),
                 Request::On => format!("process {pid}: profiling on ({where_}{took})"),
                 Request::Reset => {
@@ -268,7 +303,7 @@ pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
 
 /// Stores the request in the header of the process file at `path` and, for
 /// a watcher, increments the wake word and wakes it.
-fn post_request(path: &Path, request: Request, watcher: bool) -> Result<()> {
+fn post_request(path: &Path, request: Request, watcher: bool, depth: u32) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     use std::sync::atomic::Ordering;
     let file = std::fs::OpenOptions::new()
@@ -285,6 +320,7 @@ fn post_request(path: &Path, request: Request, watcher: bool) -> Result<()> {
     let mut map = unsafe { memmap2::MmapOptions::new().len(process::PROC_HEADER_SIZE as usize).map_mut(&file) }
         .with_context(|| format!("{}: cannot map", path.display()))?;
     let h: &ProcHeader = alloctramp_trampolines::pod::view_shared(&mut map).context("the header mapping")?;
+    h.callers_request_depth.store(depth, Ordering::Release);
     h.request.store(request as u32, Ordering::Release);
     if watcher {
         h.wake.fetch_add(1, Ordering::AcqRel);

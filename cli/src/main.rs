@@ -1,6 +1,7 @@
 //! The `alloctramp` command: glue between the command line, files, and the
 //! libraries that do the work.
 
+mod callers;
 mod clean;
 mod control;
 mod demo;
@@ -44,6 +45,7 @@ enum Command {
     Disable(control::DisableArgs),
     /// Zero the counters of a running process.
     Reset(control::SwitchArgs),
+    Callers(control::CallersArgs),
     Demo(demo::Args),
     Clean(clean::Args),
 }
@@ -74,6 +76,7 @@ fn main() -> ExitCode {
             control::run_switch(&args.switch, if args.now { Request::OffNow } else { Request::Off })
         }
         Command::Reset(args) => control::run_switch(&args, Request::Reset),
+        Command::Callers(args) => control::run_callers(&args),
         Command::Demo(args) => demo::run(args),
         Command::Clean(args) => clean::run(args),
     };

@@ -88,6 +88,11 @@ pub struct View {
     /// No notes on stderr (live tracking off, process exited, ...).
     #[arg(short, long)]
     pub quiet: bool,
+    /// The call chains recorded for each site (callers capture: `alloctramp
+    /// callers PID on`, or ALLOCTRAMP_CALLERS=on), with their calls and
+    /// bytes: after the table in text, in each site's `callers` in JSON.
+    #[arg(long)]
+    pub callers: bool,
 }
 
 impl Default for View {
@@ -102,6 +107,7 @@ impl Default for View {
             all_columns: false,
             group_by: GroupBy::Site,
             quiet: false,
+            callers: false,
         }
     }
 }
@@ -295,9 +301,26 @@ pub fn run(args: Args) -> Result<()> {
 
 /// A report in the view's format.
 pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row], view: &View) -> io::Result<()> {
+    let chains = match view.callers {
+        true => src.parse().map(|pf| crate::callers::chains(&pf)).unwrap_or_default(),
+        false => Vec::new(),
+    };
+    let lost = src.parse().map_or(0, |pf| pf.header.callers_lost.load(std::sync::atomic::Ordering::Relaxed));
     match view.format {
-        Format::Text => text::write(w, rows, &view.text_options(false)),
+        Format::Text => {
+            text::write(w, rows, &view.text_options(false))?;
+            if view.callers {
+                crate::callers::write_text(w, rows, &chains, lost)?;
+            }
+            Ok(())
+        }
         Format::Csv => csv::write(w, rows, view.group_by, false),
+        Format::Json if view.callers => {
+            let path = src.path.display().to_string();
+            let mut buf = Vec::new();
+            json::write_report(&mut buf, &src.doc(&path, figs), rows, view.group_by, view.selection().order())?;
+            crate::callers::write_json(w, &buf, &chains, lost)
+        }
         Format::Json => {
             let path = src.path.display().to_string();
             json::write_report(w, &src.doc(&path, figs), rows, view.group_by, view.selection().order())

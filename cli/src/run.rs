@@ -155,6 +155,9 @@ pub fn run(mut args: Args) -> Result<()> {
     if args.on {
         cmd.env("ALLOCTRAMP", "on");
     }
+    if args.view.callers && std::env::var_os("ALLOCTRAMP_CALLERS").is_none() {
+        cmd.env("ALLOCTRAMP_CALLERS", "on");
+    }
     let mut child = cmd.spawn().with_context(|| format!("{}: cannot run", patched.display()))?;
     let pid = child.id();
     // Ctrl-C and Ctrl-\ are for the program; this process waits to report.

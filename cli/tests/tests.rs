@@ -5,6 +5,7 @@
 mod util;
 
 mod bad_input;
+mod callers;
 mod charge;
 mod live;
 mod malformed;

@@ -360,6 +360,17 @@ impl<'a> Elf<'a> {
         })
     }
 
+    /// The virtual address a file offset is loaded at, from the loadable
+    /// segments (the inverse of [`offset_of`](Self::offset_of)).
+    pub fn vaddr_of(&self, offset: FileOffset) -> Option<Vaddr> {
+        let e = LE;
+        self.file.elf_program_headers().iter().find_map(|ph| {
+            let (off, filesz) = (ph.p_offset(e), ph.p_filesz(e));
+            (ph.p_type(e) == elf::PT_LOAD && offset.0 >= off && offset.0 - off < filesz)
+                .then(|| Vaddr(ph.p_vaddr(e) + (offset.0 - off)))
+        })
+    }
+
     /// Symbols of .symtab (`dynamic == false`) or .dynsym, read once.
     pub fn symbols(&self, dynamic: bool) -> &[Symbol<'a>] {
         let cell = if dynamic { &self.dynsym } else { &self.symtab };

@@ -382,6 +382,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     let table_len = layout::table_and_unwind_size(
         layout::table_size(a.scan.sites.len(), a.scan.entries.len(), strings.strings.len()),
         a.unwind.len(),
+        layout::unwind_block_index(&a.unwind).len(),
     );
     let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables, opts);
     let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), opts.shards)?;

@@ -164,8 +164,15 @@ pub fn apply(cmd: Command) {
             }
             registry::switch_all(Sites::Off)
         }
+        Command::Do(Request::Callers) => {
+            let asked = header().map_or(0, |h| h.callers_request_depth.load(Ordering::Acquire));
+            let depth = if asked == 0 { alloctramp_trampolines::layout::capture::DEFAULT_DEPTH as u32 } else { asked };
+            crate::callers::set_depth(depth)
+        }
+        Command::Do(Request::NoCallers) => crate::callers::set_depth(0),
         Command::Do(Request::Reset) => {
             reset_counters();
+            crate::callers::reset();
             live::forget_all();
             state::INCOMPLETE.store(false, Ordering::Relaxed);
             if state::want() == Sites::Frees { registry::switch_all(Sites::Off) } else { Ok(()) }

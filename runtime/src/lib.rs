@@ -22,6 +22,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc, clippy::indexing_slicing)]
 
+mod callers;
 mod control;
 mod live;
 mod patching;
@@ -208,6 +209,7 @@ extern "C" fn after_fork_in_child() {
     // The child profiled only if its sites are on now.
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
     registry::reopen_after_fork(|| open_process_file(dir, mode));
+    callers::after_fork_in_child();
     state::publish_state();
     if mode == Switch::Thread && procfile::header().is_some() {
         start_watcher();
@@ -284,6 +286,17 @@ fn init() {
     let f = open_process_file(&dir, mode);
     let have_file = f.is_some();
     PROC.with(|p| *p = f);
+    registry::CAPTURE.store(callers::capture as *const () as usize as u64, Ordering::Relaxed);
+    if let Ok(v) = std::env::var("ALLOCTRAMP_CALLERS") {
+        match callers::depth_from_env(&v) {
+            Some(d) => {
+                if let Err(e) = callers::set_depth(d) {
+                    sys::log(e.as_bytes());
+                }
+            }
+            None => sys::log(format!("ALLOCTRAMP_CALLERS={v:?}: expected on, off or a depth 1 to 8").as_bytes()),
+        }
+    }
     state::publish_state();
     let _ = DIR.set(dir);
 
@@ -353,6 +366,8 @@ static FINI: extern "C" fn() = {
         if procfile::header().is_none() {
             return;
         }
+        // The mappings as they are at the end, for naming chains' frames.
+        callers::snapshot_maps();
         PROC.with(|p| {
             let Some(f) = p.as_mut() else { return };
             if state::PROFILED.load(Ordering::Relaxed) {
@@ -402,6 +417,10 @@ unsafe extern "C" fn register(table: *const u8) {
     // SAFETY: the table's module is loaded (its init stub is running), and
     // `module.room` bytes of the read-only segment that holds it follow it.
     unsafe { registry::register(table, &module, inert) };
+    // A module loaded while chains are recorded: its mapping names frames.
+    if state::CALLERS.load(Ordering::Relaxed) != 0 {
+        callers::snapshot_maps();
+    }
 }
 
 fn read_only(p: &libc::Elf64_Phdr) -> bool {
@@ -462,8 +481,16 @@ unsafe extern "C" fn unregister(table: *const u8) {
 /// lower layers (checked by a test), so what a signal handler or a
 /// trampoline can reach is read from a few files.
 #[cfg(test)]
-const LAYERS: &[&[&str]] =
-    &[&["sys", "tls"], &["procfile"], &["state"], &["patching", "live"], &["registry"], &["control"], &["lib"]];
+const LAYERS: &[&[&str]] = &[
+    &["sys", "tls"],
+    &["procfile"],
+    &["state"],
+    &["patching", "live"],
+    &["registry"],
+    &["callers"],
+    &["control"],
+    &["lib"],
+];
 
 #[cfg(test)]
 #[allow(clippy::indexing_slicing)]

@@ -14,7 +14,7 @@
 //! mapping had (read from `/proc/self/maps`): a segment that is writable and
 //! executable, or a page shared with a data segment, stays as it was.
 
-use crate::state::{LIVE, Sites};
+use crate::state::{CALLERS, LIVE, Sites};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, Table};
@@ -46,11 +46,13 @@ fn ensure_trap_handler() -> Result<(), &'static str> {
 }
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
-/// (counting and tracking, counting only when live tracking is off, or the
-/// drain entry of a free site while draining), or the original bytes.
+/// (the callers entry while call chains are recorded, counting and
+/// tracking, counting only when live tracking is off, or the drain entry of
+/// a free site while draining), or the original bytes.
 fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
     let free = || table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
     let entry = match sites {
+        Sites::On if site.callers != 0 && CALLERS.load(Ordering::Relaxed) != 0 => Some(site.callers),
         Sites::On if LIVE.load(Ordering::Relaxed) => Some(0),
         Sites::On => Some(site.count),
         Sites::Frees if free() && site.drain != 0 => Some(site.drain),

@@ -3,6 +3,7 @@
 //! its counter regions mapped over each module's counters.
 
 use crate::sys::{self, Buf};
+use alloctramp_trampolines::layout::PAGE;
 use alloctramp_trampolines::pod;
 use alloctramp_trampolines::process::{self, ModuleSlot, PROC_HEADER_SIZE, ProcHeader};
 use std::ffi::CStr;
@@ -269,6 +270,36 @@ impl ProcFile {
         s.bias.store(bias, Ordering::Relaxed);
         self.header.module_count.store(index + 1, Ordering::Release);
         Ok((index, own as u64))
+    }
+
+    /// Adds the callers region (once): the mappings, then `slots` chain
+    /// slots, mapped shared. Returns its run-time address.
+    pub fn add_callers(&mut self, slots: u64) -> Result<u64, &'static str> {
+        let size = process::callers_region_size(slots).div_ceil(PAGE) * PAGE;
+        let at = self.size.div_ceil(PAGE) * PAGE;
+        let file = self.reopen()?;
+        // SAFETY: fd is ours; a fresh shared mapping of the region just
+        // added to the file.
+        let p = unsafe {
+            if libc::ftruncate(file.0, (at + size) as i64) != 0 {
+                return Err("cannot grow the counters file");
+            }
+            libc::mmap(
+                std::ptr::null_mut(),
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.0,
+                at as i64,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err("cannot map the callers region");
+        }
+        self.size = at + size;
+        self.header.callers_slots.store(slots, Ordering::Relaxed);
+        self.header.callers_offset.store(at, Ordering::Release);
+        Ok(p as u64)
     }
 
     pub fn set_module_on(&self, index: u32, on: bool) {

@@ -6,7 +6,7 @@ use crate::patching;
 use crate::procfile::ProcFile;
 use crate::state::{self, LIVE, Sites, WANT, want};
 use crate::{live, sys};
-use alloctramp_trampolines::layout::{self, CONTROL_SIZE, ControlBlock, Table};
+use alloctramp_trampolines::layout::{self, CONTROL_SIZE, ControlBlock, Table, UNWIND_ROW_SIZE, UnwindRow};
 use alloctramp_trampolines::pod;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -36,6 +36,14 @@ pub struct Slot {
     pub sites: AtomicU8,
     /// Index in the process file (u32::MAX: none).
     pub file_index: AtomicU32,
+    /// Run-time address and count of the module's unwind rows (0: none),
+    /// and the run-time range of code they cover.
+    unwind: AtomicUsize,
+    unwind_count: AtomicU32,
+    /// The block index after the rows (`unwind_blocks` entries).
+    unwind_blocks: AtomicU32,
+    code_lo: AtomicU64,
+    code_hi: AtomicU64,
 }
 
 impl Slot {
@@ -51,6 +59,39 @@ impl Slot {
             busy: AtomicBool::new(false),
             sites: AtomicU8::new(Sites::Off as u8),
             file_index: AtomicU32::new(u32::MAX),
+            unwind: AtomicUsize::new(0),
+            unwind_count: AtomicU32::new(0),
+            unwind_blocks: AtomicU32::new(0),
+            code_lo: AtomicU64::new(0),
+            code_hi: AtomicU64::new(0),
+        }
+    }
+
+    /// The unwind row that covers `pc`, if this module has one.
+    /// On the path of every captured call: a range check, then a few rows
+    /// scanned from the block index.
+    fn unwind_row(&self, pc: u64) -> Option<UnwindRow> {
+        let lo = self.code_lo.load(Ordering::Relaxed);
+        if pc < lo || pc >= self.code_hi.load(Ordering::Relaxed) || !self.is_active() {
+            return None;
+        }
+        let p = self.unwind.load(Ordering::Relaxed) as *const UnwindRow;
+        let n = self.unwind_count.load(Ordering::Relaxed) as usize;
+        // The rows' addresses are u32 and `pc` lies within them.
+        let at = pc.wrapping_sub(self.bias.load(Ordering::Relaxed)) as u32;
+        let block = ((pc - lo) / layout::UNWIND_BLOCK) as usize;
+        // SAFETY: set_unwind checked that the rows and the block index
+        // after them lie in the module's read-only segment (mapped while
+        // the slot is active), that the index has an entry for every block
+        // of [code_lo, code_hi) and that each names a row; `i + 1 < n`
+        // bounds the scan.
+        unsafe {
+            let mut i = *(p.add(n) as *const u32).add(block) as usize;
+            while i + 1 < n && (*p.add(i + 1)).addr <= at {
+                i += 1;
+            }
+            let r = *p.add(i);
+            (r.kind != layout::unwind::STOP).then_some(r)
         }
     }
 
@@ -195,6 +236,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
     let control = unsafe { control_block(bias, h) };
     control.rseq_offset.store(crate::sys::rseq_offset(), Ordering::Relaxed);
     control.depth_tls.store(crate::tls::offset() + 8 * crate::tls::DEPTH as i64, Ordering::Relaxed);
+    control.capture.store(CAPTURE.load(Ordering::Relaxed), Ordering::Relaxed);
     // A module registers twice (the runtime finds it loaded, then its init
     // stub runs): the second time must keep the runtime's mapping.
     let _ = control.counters.compare_exchange(0, counters, Ordering::Relaxed, Ordering::Relaxed);
@@ -243,6 +285,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         slot.lo.store(lo, Ordering::Relaxed);
         slot.hi.store(hi, Ordering::Relaxed);
         slot.file_index.store(file_index, Ordering::Relaxed);
+        set_unwind(slot, &t, table as u64, module.room, bias);
         slot.busy.store(true, Ordering::Relaxed);
         slot.state.store(ACTIVE, Ordering::Release);
         SLOT_COUNT.store(i + 1, Ordering::Release);
@@ -251,6 +294,92 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
     if let Some(slot) = slot {
         converge(slot);
     }
+}
+
+/// The module's unwind rows, if they lie within the `room` bytes of its
+/// read-only segment after the table at `table`, are sorted, and are
+/// 4-byte aligned.
+fn set_unwind(slot: &Slot, t: &Table, table: u64, room: usize, bias: u64) {
+    let h = &t.header;
+    let n = h.unwind_count as usize;
+    let blocks = h.unwind_blocks as usize;
+    let start = h.unwind_addr.wrapping_sub(h.table_addr);
+    let ok = n > 0
+        && h.unwind_addr >= h.table_addr
+        && start.is_multiple_of(4)
+        && usize::try_from(start)
+            .ok()
+            .and_then(|s| s.checked_add(n.checked_mul(UNWIND_ROW_SIZE)?)?.checked_add(blocks.checked_mul(4)?))
+            .is_some_and(|end| end <= room);
+    if !ok {
+        return;
+    }
+    let p = table.wrapping_add(start) as *const UnwindRow;
+    // SAFETY: within the module's read-only segment (checked above).
+    let rows = unsafe { std::slice::from_raw_parts(p, n) };
+    if !rows.windows(2).all(|w| w.first().map(|a| a.addr) < w.get(1).map(|b| b.addr)) {
+        return;
+    }
+    let (Some(first), Some(last)) = (rows.first(), rows.last()) else { return };
+    // The block index must cover the rows and name rows that exist.
+    // SAFETY: after the rows, within the segment (checked above).
+    let index = unsafe { std::slice::from_raw_parts(p.add(n) as *const u32, blocks) };
+    let need = (u64::from(last.addr - first.addr) / layout::UNWIND_BLOCK + 1) as usize;
+    if blocks != need || index.iter().any(|&i| i as usize >= n) {
+        return;
+    }
+    slot.code_lo.store(bias.wrapping_add(u64::from(first.addr)), Ordering::Relaxed);
+    slot.code_hi.store(bias.wrapping_add(u64::from(last.addr)), Ordering::Relaxed);
+    slot.unwind_count.store(n as u32, Ordering::Relaxed);
+    slot.unwind_blocks.store(blocks as u32, Ordering::Relaxed);
+    slot.unwind.store(p as usize, Ordering::Relaxed);
+    if code_range_overflows(slot) {
+        slot.unwind.store(0, Ordering::Relaxed);
+        slot.code_hi.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Whether the module's code range does not fit the rows' 32-bit
+/// addresses from its bias (then no lookup is made in it).
+fn code_range_overflows(slot: &Slot) -> bool {
+    let bias = slot.bias.load(Ordering::Relaxed);
+    let (lo, hi) = (slot.code_lo.load(Ordering::Relaxed), slot.code_hi.load(Ordering::Relaxed));
+    hi < lo || lo.wrapping_sub(bias) > u64::from(u32::MAX) || hi.wrapping_sub(bias) > u64::from(u32::MAX)
+}
+
+/// The runtime's `capture` function, written into every module's control
+/// block at registration (set at start-up by the layer that owns it).
+pub static CAPTURE: AtomicU64 = AtomicU64::new(0);
+
+/// The unwind row of the patched module whose code holds `pc`.
+pub fn unwind_row(pc: u64) -> Option<UnwindRow> {
+    slots().find_map(|s| s.unwind_row(pc))
+}
+
+/// The process-file index of the active module whose site table is at
+/// `table`.
+pub fn file_index_of_table(table: usize) -> Option<u32> {
+    slots()
+        .find(|s| s.is_active() && s.table.load(Ordering::Relaxed) == table)
+        .map(|s| s.file_index.load(Ordering::Relaxed))
+        .filter(|&i| i != u32::MAX)
+}
+
+/// Rewrites every module's sites to the entries they should hold now
+/// (after callers capture was switched): sites already right stay.
+pub fn refresh_all() -> Result<(), &'static str> {
+    let mut result = Ok(());
+    for slot in slots() {
+        if !slot.try_hold() {
+            continue;
+        }
+        // SAFETY: the slot is held.
+        if let Err(e) = unsafe { switch(slot, slot.state()) } {
+            result = Err(e);
+        }
+        slot.release();
+    }
+    result
 }
 
 /// Counters for a module the process file does not hold (nothing reads

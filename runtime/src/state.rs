@@ -5,7 +5,7 @@
 
 use crate::procfile;
 use crate::sys;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 
 /// Which sites of a module jump to their trampolines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +40,10 @@ pub fn want() -> Sites {
 pub fn is_on() -> bool {
     want() == Sites::On
 }
+
+/// Frames recorded per call chain while callers capture is on (0: off):
+/// sites with a callers entry jump there while profiling is on.
+pub static CALLERS: AtomicU32 = AtomicU32::new(0);
 
 /// Live tracking in this process (decided at start-up).
 pub static LIVE: AtomicBool = AtomicBool::new(false);

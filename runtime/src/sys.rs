@@ -245,6 +245,15 @@ impl Hook {
 /// context). `f` returns false to stop. Returns false if the file could
 /// not be read.
 pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
+    for_each_maps_line(|line| match parse_maps_line(line) {
+        Some((start, end, prot)) => f(start, end, prot),
+        None => true,
+    })
+}
+
+/// Every line of `/proc/self/maps` (without its newline; a line longer
+/// than the buffer is cut), as [`for_each_mapping`] reads them.
+pub fn for_each_maps_line(mut f: impl FnMut(&[u8]) -> bool) -> bool {
     // SAFETY: a NUL-terminated path; reads into a local buffer.
     let fd = unsafe { libc::open(c"/proc/self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
     if fd < 0 {
@@ -276,9 +285,7 @@ pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
             if std::mem::take(&mut skipping) {
                 continue;
             }
-            if let Some((start, end, prot)) = parse_maps_line(line)
-                && !f(start, end, prot)
-            {
+            if !f(line) {
                 break 'read;
             }
         }
@@ -287,9 +294,7 @@ pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
         if have == buf.len() {
             // A line longer than the buffer (a very long path): its
             // beginning holds the addresses.
-            if let Some((start, end, prot)) = parse_maps_line(buf.get(..have).unwrap_or_default())
-                && !f(start, end, prot)
-            {
+            if !f(buf.get(..have).unwrap_or_default()) {
                 break;
             }
             have = 0;
@@ -299,6 +304,27 @@ pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
     // SAFETY: closing the descriptor opened above.
     unsafe { libc::close(fd) };
     ok
+}
+
+/// A maps line's range, protection, file offset and path (empty for an
+/// anonymous mapping): `start-end perms offset dev inode path`.
+pub fn parse_maps_file_line(line: &[u8]) -> Option<(u64, u64, i32, u64, &[u8])> {
+    let (start, end, prot) = parse_maps_line(line)?;
+    // Skip four fields (range, perms, offset, dev, inode: the offset is
+    // the third), then spaces; the rest is the path.
+    let mut rest = line;
+    let mut offset = 0;
+    for k in 0..5 {
+        let sp = rest.iter().position(|&c| c == b' ').unwrap_or(rest.len());
+        if k == 2 {
+            offset =
+                rest.get(..sp)?.iter().try_fold(0u64, |v, &c| Some(v << 4 | u64::from((c as char).to_digit(16)?)))?;
+        }
+        rest = rest.get(sp..)?;
+        let words = rest.iter().position(|&c| c != b' ').unwrap_or(rest.len());
+        rest = rest.get(words..)?;
+    }
+    Some((start, end, prot, offset, rest))
 }
 
 /// `start-end perms ...` of a maps line.
@@ -331,6 +357,19 @@ fn parse_maps_line(line: &[u8]) -> Option<(u64, u64, i32)> {
 #[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn maps_lines_give_offset_and_path() {
+        let l = b"7f0e4c000000-7f0e4c021000 r-xp 00002000 08:01 1234     /usr/lib/x86_64-linux-gnu/libc.so.6";
+        let (s, e, prot, off, path) = parse_maps_file_line(l).unwrap();
+        assert_eq!((s, e, off), (0x7f0e4c000000, 0x7f0e4c021000, 0x2000));
+        assert_eq!(prot, libc::PROT_READ | libc::PROT_EXEC);
+        assert_eq!(path, b"/usr/lib/x86_64-linux-gnu/libc.so.6");
+        let anon = parse_maps_file_line(b"7ffd1000-7ffd2000 rw-p 00000000 00:00 0 ").unwrap();
+        assert_eq!(anon.4, b"");
+        let spaced = parse_maps_file_line(b"1000-2000 r-xp 0 08:01 5 /tmp/a b").unwrap();
+        assert_eq!(spaced.4, b"/tmp/a b");
+    }
 
     #[test]
     fn maps_lines() {

@@ -221,10 +221,13 @@ pub struct Header {
     pub ehdr_addr: u64,
     /// The module's unwind rows ([`UnwindRow`], sorted by address), after
     /// the table's strings (not part of the table's size: a copy of the
-    /// table leaves them out); 0 and 0 when the module has none.
+    /// table leaves them out); 0 and 0 when the module has none. The rows
+    /// are followed by `unwind_blocks` u32s: for each [`UNWIND_BLOCK`]-byte
+    /// block of code from the first row's address, the index of the row in
+    /// effect at the block's start (a lookup scans from there).
     pub unwind_addr: u64,
     pub unwind_count: u32,
-    pub unwind_reserved: u32,
+    pub unwind_blocks: u32,
 }
 
 /// One site.
@@ -486,6 +489,25 @@ pub const ENTRY_SIZE: usize = size_of::<Entry>();
 pub const CONTROL_SIZE: usize = size_of::<ControlBlock>();
 pub const CELL_SIZE: usize = size_of::<Cell>();
 pub const UNWIND_ROW_SIZE: usize = 12;
+/// Bytes of code per entry of the unwind rows' block index.
+pub const UNWIND_BLOCK: u64 = 64;
+
+/// The block index of sorted unwind rows (see [`Header::unwind_blocks`]):
+/// one entry per block from the first row's address up to the last's.
+pub fn unwind_block_index(rows: &[UnwindRow]) -> Vec<u32> {
+    let (Some(first), Some(last)) = (rows.first(), rows.last()) else { return Vec::new() };
+    let blocks = (u64::from(last.addr - first.addr) / UNWIND_BLOCK + 1) as usize;
+    let mut out = Vec::with_capacity(blocks);
+    let mut i = 0usize;
+    for b in 0..blocks as u64 {
+        let start = u64::from(first.addr) + b * UNWIND_BLOCK;
+        while rows.get(i + 1).is_some_and(|r| u64::from(r.addr) <= start) {
+            i += 1;
+        }
+        out.push(i as u32);
+    }
+    out
+}
 
 const _: () = {
     assert!(HEADER_SIZE == 160 && offset_of!(Header, build_id) == 112 && offset_of!(Header, unwind_addr) == 144);
@@ -526,7 +548,7 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("ehdr_addr", offset_of!(Header, ehdr_addr), "u64"),
     ("unwind_addr", offset_of!(Header, unwind_addr), "u64"),
     ("unwind_count", offset_of!(Header, unwind_count), "u32"),
-    ("unwind_reserved", offset_of!(Header, unwind_reserved), "u32"),
+    ("unwind_blocks", offset_of!(Header, unwind_blocks), "u32"),
 ];
 pub const UNWIND_FIELDS: &[(&str, usize, &str)] = &[
     ("addr", offset_of!(UnwindRow, addr), "u32"),
@@ -673,9 +695,10 @@ pub fn unwind_offset(table_len: usize) -> usize {
     table_len.next_multiple_of(4)
 }
 
-/// Bytes of a site table followed by `rows` unwind rows.
-pub fn table_and_unwind_size(table_len: usize, rows: usize) -> usize {
-    if rows == 0 { table_len } else { unwind_offset(table_len) + rows * UNWIND_ROW_SIZE }
+/// Bytes of a site table followed by `rows` unwind rows and their block
+/// index of `blocks` entries.
+pub fn table_and_unwind_size(table_len: usize, rows: usize, blocks: usize) -> usize {
+    if rows == 0 { table_len } else { unwind_offset(table_len) + rows * UNWIND_ROW_SIZE + blocks * 4 }
 }
 
 /// Serializes a site table followed by its unwind rows (`header`'s
@@ -692,10 +715,13 @@ pub fn encode_with_unwind(
         header.unwind_addr = header.table_addr + unwind_offset(len) as u64;
         header.unwind_count = rows.len() as u32;
     }
+    let index = unwind_block_index(rows);
+    header.unwind_blocks = index.len() as u32;
     let mut b = encode(header, sites, entries, strings);
     if !rows.is_empty() {
         b.resize(unwind_offset(len), 0);
         rows.iter().for_each(|r| b.extend_from_slice(pod::bytes_of(r)));
+        index.iter().for_each(|i| b.extend_from_slice(&i.to_le_bytes()));
     }
     b
 }

@@ -7,6 +7,8 @@
 //! per module   a copy of its site table (page-aligned)
 //!              its counters (page-aligned), mapped by the runtime over the
 //!              module's .alloctramp.counters with MAP_SHARED|MAP_FIXED
+//! callers      (once callers capture was first switched on, page-aligned)
+//!              MAX_MAPS mappings of the process, then callers_slots chains
 //! ```
 //!
 //! The runtime writes a module's table and counters region before it
@@ -62,7 +64,7 @@ use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 pub const PROC_MAGIC: [u8; 8] = *b"ATPROC\x00\x01";
-pub const PROC_VERSION: u32 = 3;
+pub const PROC_VERSION: u32 = 4;
 pub const PROC_HEADER_SIZE: u64 = size_of::<ProcHeader>() as u64;
 pub const MODULE_SLOT_SIZE: u64 = size_of::<ModuleSlot>() as u64;
 pub const MODULE_SLOTS_AT: u64 = offset_of!(ProcHeader, modules) as u64;
@@ -127,7 +129,21 @@ pub struct ProcHeader {
     /// replaced its program (`exec`) from one still running it.
     pub exe_dev: AtomicU64,
     pub exe_ino: AtomicU64,
-    pub reserved: [u8; 208],
+    /// File offset of the callers region (0: none yet): [`MAX_MAPS`]
+    /// [`MapEntry`]s, then `callers_slots` [`ChainSlot`]s.
+    pub callers_offset: AtomicU64,
+    /// Chain slots (a power of two).
+    pub callers_slots: AtomicU64,
+    /// Calls whose chain found no free slot (counted at their site only).
+    pub callers_lost: AtomicU64,
+    /// Frames recorded per chain while callers capture is on; 0: off.
+    pub callers_depth: AtomicU32,
+    /// Published map entries (a release store after they are written).
+    pub maps_count: AtomicU32,
+    /// The depth a requester asks for with [`Request::Callers`] (0: the
+    /// default).
+    pub callers_request_depth: AtomicU32,
+    pub reserved: [u8; 172],
     /// The modules, [`module_count`](Self::module_count) of them published.
     pub modules: [ModuleSlot; 248],
 }
@@ -181,6 +197,12 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("wake", offset_of!(ProcHeader, wake), "u32"),
     ("exe_dev", offset_of!(ProcHeader, exe_dev), "u64"),
     ("exe_ino", offset_of!(ProcHeader, exe_ino), "u64"),
+    ("callers_offset", offset_of!(ProcHeader, callers_offset), "u64"),
+    ("callers_slots", offset_of!(ProcHeader, callers_slots), "u64"),
+    ("callers_lost", offset_of!(ProcHeader, callers_lost), "u64"),
+    ("callers_depth", offset_of!(ProcHeader, callers_depth), "u32"),
+    ("maps_count", offset_of!(ProcHeader, maps_count), "u32"),
+    ("callers_request_depth", offset_of!(ProcHeader, callers_request_depth), "u32"),
     ("modules", offset_of!(ProcHeader, modules), "[slot; 248]"),
 ];
 
@@ -208,7 +230,71 @@ const _: () = {
     assert!(offset_of!(ProcHeader, exe_ino) == 296);
     assert!(offset_of!(ProcHeader, modules) == 512);
     assert!(offset_of!(ModuleSlot, unloaded) == 40);
+    assert!(offset_of!(ProcHeader, callers_offset) == 304 && offset_of!(ProcHeader, callers_request_depth) == 336);
+    assert!(size_of::<ChainSlot>() == 96 && size_of::<MapEntry>() == 256);
 };
+
+/// Mappings of the process recorded in the callers region (from
+/// `/proc/self/maps`: file-backed executable ones), so that a reader names
+/// the frames of a chain after the process is gone.
+pub const MAX_MAPS: u64 = 512;
+/// Chain slots of a callers region.
+pub const CALLERS_SLOTS: u64 = 1 << 16;
+
+/// One mapping: run-time range, file offset, path.
+#[repr(C)]
+pub struct MapEntry {
+    pub start: AtomicU64,
+    pub end: AtomicU64,
+    pub offset: AtomicU64,
+    /// NUL-padded path.
+    pub path: [AtomicU8; 232],
+}
+
+/// One distinct call chain that reached a site. `key` is written last (a
+/// release store) once the other identity fields are: 0 empty, 1 being
+/// written, otherwise a hash of the identity. A reader skips slots whose
+/// key is 0 or 1, and adds up slots with the same identity (two threads
+/// may record the same new chain at once).
+#[repr(C)]
+pub struct ChainSlot {
+    pub key: AtomicU64,
+    /// Module (its index in the process file) and site index.
+    pub module: AtomicU32,
+    pub site: AtomicU32,
+    /// Return addresses, innermost first (run-time addresses); 0 ends a
+    /// chain shorter than the depth.
+    pub frames: [AtomicU64; crate::layout::capture::MAX_DEPTH],
+    pub calls: AtomicU64,
+    /// Bytes requested (allocations and reallocs).
+    pub bytes: AtomicU64,
+}
+
+// SAFETY: repr(C), atomics of integers only.
+unsafe impl Pod for ChainSlot {}
+// SAFETY: as above.
+unsafe impl Pod for MapEntry {}
+
+/// Every field of a map entry and of a chain slot, likewise.
+pub const MAP_FIELDS: &[(&str, usize, &str)] = &[
+    ("start", offset_of!(MapEntry, start), "u64"),
+    ("end", offset_of!(MapEntry, end), "u64"),
+    ("offset", offset_of!(MapEntry, offset), "u64"),
+    ("path", offset_of!(MapEntry, path), "[u8; 232]"),
+];
+pub const CHAIN_FIELDS: &[(&str, usize, &str)] = &[
+    ("key", offset_of!(ChainSlot, key), "u64"),
+    ("module", offset_of!(ChainSlot, module), "u32"),
+    ("site", offset_of!(ChainSlot, site), "u32"),
+    ("frames", offset_of!(ChainSlot, frames), "[u64; 8]"),
+    ("calls", offset_of!(ChainSlot, calls), "u64"),
+    ("bytes", offset_of!(ChainSlot, bytes), "u64"),
+];
+
+/// Bytes of a callers region.
+pub fn callers_region_size(slots: u64) -> u64 {
+    MAX_MAPS * size_of::<MapEntry>() as u64 + slots * size_of::<ChainSlot>() as u64
+}
 
 impl ProcHeader {
     /// A NUL-padded text field.
@@ -247,6 +333,11 @@ pub enum Request {
     OffNow = 3,
     /// Zero every figure and forget every tracked object.
     Reset = 4,
+    /// Record the call chains of every site (depth from
+    /// `callers_request_depth`).
+    Callers = 5,
+    /// Stop recording call chains.
+    NoCallers = 6,
 }
 
 impl Request {
@@ -256,6 +347,8 @@ impl Request {
             2 => Some(Request::Off),
             3 => Some(Request::OffNow),
             4 => Some(Request::Reset),
+            5 => Some(Request::Callers),
+            6 => Some(Request::NoCallers),
             _ => None,
         }
     }
@@ -267,13 +360,17 @@ impl Request {
             Request::Off => "off",
             Request::OffNow => "off now",
             Request::Reset => "reset",
+            Request::Callers => "callers",
+            Request::NoCallers => "no callers",
         }
     }
 
     /// Parses a control file's words (surrounding white space ignored).
     pub fn parse(text: &[u8]) -> Option<Request> {
         let t = text.trim_ascii();
-        [Request::On, Request::Off, Request::OffNow, Request::Reset].into_iter().find(|r| r.text().as_bytes() == t)
+        [Request::On, Request::Off, Request::OffNow, Request::Reset, Request::Callers, Request::NoCallers]
+            .into_iter()
+            .find(|r| r.text().as_bytes() == t)
     }
 }
 
@@ -304,6 +401,26 @@ pub fn module_region(table_size: u64, counters_size: u64, at: u64) -> (u64, u64,
 }
 
 pub use crate::layout::Cell;
+
+/// A call chain as read from a process file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    pub module: u32,
+    pub site: u32,
+    /// Return addresses, innermost first.
+    pub frames: Vec<u64>,
+    pub calls: u64,
+    pub bytes: u64,
+}
+
+/// A mapping of the process as recorded in the callers region.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Map {
+    pub start: u64,
+    pub end: u64,
+    pub offset: u64,
+    pub path: String,
+}
 
 /// One module as read from a process file.
 pub struct Module<'a> {
@@ -394,6 +511,57 @@ impl<'a> ProcessFile<'a> {
             exe: (get64(&h.exe_dev), get64(&h.exe_ino)),
             header: h,
         })
+    }
+
+    /// The call chains recorded (callers capture), the slots of one chain
+    /// added up, in no particular order. Empty when capture never ran or
+    /// the region is not within the bytes.
+    pub fn chains(&self) -> Vec<Chain> {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (at, slots) = (get(&self.header.callers_offset), get(&self.header.callers_slots));
+        if at == 0 {
+            return Vec::new();
+        }
+        let first = at + MAX_MAPS * size_of::<MapEntry>() as u64;
+        let mut merged: std::collections::HashMap<(u32, u32, Vec<u64>), (u64, u64)> = Default::default();
+        for i in 0..slots.min(1 << 24) {
+            let Some(off) = usize::try_from(first + i * size_of::<ChainSlot>() as u64).ok() else { break };
+            let Some(s) = crate::pod::copy::<ChainSlot>(self.bytes.get(off..).unwrap_or_default()) else { break };
+            if get(&s.key) <= 1 {
+                continue;
+            }
+            let frames: Vec<u64> = s.frames.iter().map(get).take_while(|&f| f != 0).collect();
+            let e =
+                merged.entry((s.module.load(Ordering::Relaxed), s.site.load(Ordering::Relaxed), frames)).or_default();
+            e.0 = e.0.wrapping_add(get(&s.calls));
+            e.1 = e.1.wrapping_add(get(&s.bytes));
+        }
+        merged
+            .into_iter()
+            .map(|((module, site, frames), (calls, bytes))| Chain { module, site, frames, calls, bytes })
+            .collect()
+    }
+
+    /// The mappings recorded for naming the frames of chains.
+    pub fn maps(&self) -> Vec<Map> {
+        let at = self.header.callers_offset.load(Ordering::Relaxed);
+        let n = u64::from(self.header.maps_count.load(Ordering::Acquire)).min(MAX_MAPS);
+        if at == 0 {
+            return Vec::new();
+        }
+        (0..n)
+            .filter_map(|i| {
+                let off = usize::try_from(at + i * size_of::<MapEntry>() as u64).ok()?;
+                let m = crate::pod::copy::<MapEntry>(self.bytes.get(off..)?)?;
+                let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                Some(Map {
+                    start: get(&m.start),
+                    end: get(&m.end),
+                    offset: get(&m.offset),
+                    path: ProcHeader::text(&m.path),
+                })
+            })
+            .collect()
     }
 
     /// The published modules. A module whose region is not (yet) within the
@@ -521,6 +689,8 @@ mod tests {
         assert!(doc.contains(&format!("## The process counters file (`PID.counters`, version {PROC_VERSION})")));
         assert_eq!(documented(&doc, "## The process counters file"), fields(HEADER_FIELDS));
         assert_eq!(documented(&doc, "Module slot (64 bytes)"), fields(SLOT_FIELDS));
+        assert_eq!(documented(&doc, "Map entry (256 bytes)"), fields(MAP_FIELDS));
+        assert_eq!(documented(&doc, "Chain slot (96 bytes)"), fields(CHAIN_FIELDS));
     }
 
     #[test]

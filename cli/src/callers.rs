@@ -1,0 +1,204 @@
+//! `report --callers`: the call chains recorded for each site (callers
+//! capture), their frames named from the module files the process mapped.
+
+use crate::util::Input;
+use alloctramp_patcher::Elf;
+use alloctramp_patcher::lines::{DebugSections, Lines};
+use alloctramp_patcher::symbols::{FunctionIndex, demangle};
+use alloctramp_report::model::Row;
+use alloctramp_trampolines::addr::FileOffset;
+use alloctramp_trampolines::process::{Map, ProcessFile};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::path::Path;
+
+/// One frame of a chain.
+#[derive(Serialize, Clone, Debug)]
+pub struct Frame {
+    /// Run-time return address.
+    pub address: u64,
+    /// The file mapped there, and the address in it.
+    pub module: Option<String>,
+    pub module_address: Option<u64>,
+    pub function: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+}
+
+impl Frame {
+    /// `function (file:line)`, what is known of it.
+    pub fn describe(&self) -> String {
+        let name = self.function.clone().unwrap_or_else(|| format!("{:#x}", self.address));
+        match (&self.file, self.line, &self.module) {
+            (Some(f), Some(l), _) => format!("{name} ({f}:{l})"),
+            (_, _, Some(m)) => format!("{name} ({})", base(m)),
+            _ => name,
+        }
+    }
+}
+
+fn base(p: &str) -> &str {
+    p.rsplit('/').next().unwrap_or(p)
+}
+
+/// One chain of one site.
+#[derive(Serialize, Clone, Debug)]
+pub struct ChainRow {
+    /// The site: its module's name and address, as the report's rows give
+    /// them.
+    #[serde(skip)]
+    pub site: (String, u64),
+    pub calls: u64,
+    pub bytes: u64,
+    /// Innermost first: the return address out of the site's function,
+    /// then its caller's, and so on.
+    pub frames: Vec<Frame>,
+}
+
+/// What a module file says of an address in it: its virtual address, the
+/// function, and `file:line`.
+type Named = (u64, Option<String>, Option<(String, u32)>);
+
+/// Names of return addresses in one module file (file offsets as mapped).
+fn name_in_file(path: &Path, offsets: &[u64]) -> HashMap<u64, Named> {
+    let mut out = HashMap::new();
+    let Ok(input) = Input::open(path) else { return out };
+    let Ok(elf) = Elf::parse(&input.map) else { return out };
+    let functions = FunctionIndex::new(&elf);
+    let sections = DebugSections::load(&elf.file);
+    let lines = sections.as_ref().and_then(Lines::new);
+    for &off in offsets {
+        let Some(vaddr) = elf.vaddr_of(FileOffset(off)).map(|v| v.0) else { continue };
+        // A return address is after its call: name the call.
+        let at = vaddr.saturating_sub(1);
+        let function = functions.lookup(at).map(|n| demangle(&n));
+        let line = lines.as_ref().and_then(|l| l.find(at)).map(|loc| (loc.file, loc.line));
+        out.insert(off, (vaddr, function, line));
+    }
+    out
+}
+
+/// Names every address of `addresses` from the files of the recorded
+/// mappings, each file read once.
+fn name_frames(addresses: &[u64], maps: &[Map]) -> HashMap<u64, Frame> {
+    let mut by_file: HashMap<&str, Vec<(u64, u64)>> = HashMap::new();
+    let mut out = HashMap::new();
+    for &a in addresses {
+        let f = Frame { address: a, module: None, module_address: None, function: None, file: None, line: None };
+        match maps.iter().find(|m| a >= m.start && a < m.end) {
+            Some(m) => {
+                by_file.entry(m.path.as_str()).or_default().push((a, a - m.start + m.offset));
+                out.insert(a, Frame { module: Some(m.path.clone()), ..f });
+            }
+            None => {
+                out.insert(a, f);
+            }
+        }
+    }
+    for (path, addrs) in by_file {
+        let offsets: Vec<u64> = addrs.iter().map(|&(_, o)| o).collect();
+        let names = name_in_file(Path::new(path), &offsets);
+        for (a, off) in addrs {
+            if let (Some((vaddr, function, line)), Some(f)) = (names.get(&off), out.get_mut(&a)) {
+                f.module_address = Some(*vaddr);
+                f.function = function.clone();
+                if let Some((file, l)) = line {
+                    f.file = Some(file.clone());
+                    f.line = Some(*l);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Every chain of the process, its frames named, largest (calls) first.
+/// Chains of one site whose frames have the same names (function, file,
+/// line, module: calls at different addresses of one line, as an unrolled
+/// loop makes) are one row; its frames give the first one's addresses.
+pub fn chains(pf: &ProcessFile) -> Vec<ChainRow> {
+    let modules = pf.modules().unwrap_or_default();
+    let maps = pf.maps();
+    let raw = pf.chains();
+    let mut addresses: Vec<u64> = raw.iter().flat_map(|c| c.frames.iter().copied()).collect();
+    addresses.sort_unstable();
+    addresses.dedup();
+    let names = name_frames(&addresses, &maps);
+    let out: Vec<ChainRow> = raw
+        .into_iter()
+        .filter(|c| c.calls > 0)
+        .filter_map(|c| {
+            let m = modules.get(c.module as usize)?;
+            let site = m.table.get_site(c.site as usize)?;
+            let frames = c.frames.iter().filter_map(|a| names.get(a).cloned()).collect();
+            Some(ChainRow {
+                site: (m.table.module_name().to_string(), site.addr),
+                calls: c.calls,
+                bytes: c.bytes,
+                frames,
+            })
+        })
+        .collect();
+    let mut merged: Vec<ChainRow> = Vec::new();
+    let mut at: HashMap<(String, u64, Vec<String>), usize> = HashMap::new();
+    for c in out {
+        let names = c.frames.iter().map(|f| format!("{}|{:?}", f.describe(), f.module)).collect();
+        match at.get(&(c.site.0.clone(), c.site.1, names)) {
+            Some(&i) => {
+                if let Some(m) = merged.get_mut(i) {
+                    m.calls += c.calls;
+                    m.bytes += c.bytes;
+                }
+            }
+            None => {
+                let names = c.frames.iter().map(|f| format!("{}|{:?}", f.describe(), f.module)).collect();
+                at.insert((c.site.0.clone(), c.site.1, names), merged.len());
+                merged.push(c);
+            }
+        }
+    }
+    merged.sort_by(|a, b| b.calls.cmp(&a.calls).then(b.bytes.cmp(&a.bytes)).then(a.frames.len().cmp(&b.frames.len())));
+    merged
+}
+
+/// The chains of each row's site, after the table: `#` lines, so that a
+/// reader of the allocinfo layout skips them as it skips the header.
+pub fn write_text(w: &mut dyn Write, rows: &[Row], chains: &[ChainRow], lost: u64) -> io::Result<()> {
+    writeln!(w, "# callers: calls bytes chain (innermost caller first)")?;
+    if chains.is_empty() {
+        writeln!(w, "# no call chains recorded (alloctramp callers PID on, or ALLOCTRAMP_CALLERS=on)")?;
+    }
+    for r in rows {
+        let of_site: Vec<&ChainRow> =
+            chains.iter().filter(|c| c.site.0 == r.site.module && c.site.1 == r.site.address).collect();
+        if of_site.is_empty() {
+            continue;
+        }
+        writeln!(w, "# {}", r.tag())?;
+        for c in of_site {
+            let chain: Vec<String> = c.frames.iter().map(Frame::describe).collect();
+            writeln!(w, "#   {:>10} {:>12}  {}", c.calls, c.bytes, chain.join(" <- "))?;
+        }
+    }
+    if lost > 0 {
+        writeln!(w, "# {lost} calls found no free chain slot (counted at their sites only)")?;
+    }
+    Ok(())
+}
+
+/// The report's JSON document with `callers` added to each site (and
+/// `callers_lost` at the top).
+pub fn write_json(w: &mut dyn Write, doc: &[u8], chains: &[ChainRow], lost: u64) -> io::Result<()> {
+    let mut v: serde_json::Value = serde_json::from_slice(doc).map_err(io::Error::other)?;
+    if let Some(sites) = v.get_mut("sites").and_then(|s| s.as_array_mut()) {
+        for s in sites {
+            let key = (s["module"].as_str().unwrap_or("").to_string(), s["address"].as_u64().unwrap_or(u64::MAX));
+            let of_site: Vec<&ChainRow> = chains.iter().filter(|c| c.site == key).collect();
+            s["callers"] = serde_json::to_value(of_site).map_err(io::Error::other)?;
+        }
+    }
+    v["callers_lost"] = lost.into();
+    serde_json::to_writer_pretty(&mut *w, &v).map_err(io::Error::other)?;
+    writeln!(w)
+}

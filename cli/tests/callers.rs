@@ -1,0 +1,196 @@
+//! Callers capture: the call chains that reach a site, recorded with the
+//! unwind rows the patcher builds from `.eh_frame`, switched on from the
+//! start (ALLOCTRAMP_CALLERS) and on a running process (`alloctramp
+//! callers PID on|off`), shown by `report --callers`. Exact chains of
+//! `testbins/callers.c` in every build configuration.
+
+use crate::patch::patch_to;
+use crate::runtime::{counters_dir, only_counters_file};
+use crate::util::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// `@frame NAME` lines of callers.c.
+fn frame_lines() -> BTreeMap<String, u32> {
+    let src = std::fs::read_to_string(testbins_dir().join("callers.c")).unwrap();
+    let mut m = BTreeMap::new();
+    for (i, l) in src.lines().enumerate() {
+        if let Some(at) = l.find("/* @frame ") {
+            let name = l[at + 10..].split_whitespace().next().unwrap().to_string();
+            m.insert(name, i as u32 + 1);
+        }
+    }
+    m
+}
+
+/// (frames as "function:line" strings, calls, bytes) of the malloc site's
+/// chains, from `report --callers --format json`.
+type Chains = Vec<(Vec<String>, u64, u64)>;
+
+fn chains_of(file: &Path, dir: &Path) -> (Chains, Value) {
+    let o =
+        alloctramp().args(["report", "--callers", "--format", "json", "--dir"]).arg(dir).arg(file).output().unwrap();
+    assert!(o.status.success(), "report --callers: {}", String::from_utf8_lossy(&o.stderr));
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let site =
+        doc["sites"].as_array().unwrap().iter().find(|s| s["entry"] == "malloc").expect("the malloc site").clone();
+    let mut chains: Chains = site["callers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let frames = c["frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| match (f["function"].as_str(), f["line"].as_u64()) {
+                    (Some(func), Some(line)) => format!("{func}:{line}"),
+                    _ => {
+                        let m = f["module"].as_str().unwrap_or("?");
+                        format!("[{}]", m.rsplit('/').next().unwrap())
+                    }
+                })
+                .collect();
+            (frames, c["calls"].as_u64().unwrap(), c["bytes"].as_u64().unwrap())
+        })
+        .collect();
+    chains.sort();
+    (chains, site)
+}
+
+fn expected(scale: u64) -> Chains {
+    let l = frame_lines();
+    let libc = "[libc.so.6]".to_string();
+    let mut v: Chains = vec![
+        (vec![format!("from_a:{}", l["a"]), format!("main:{}", l["main1"]), libc.clone()], 3 * scale, 48 * scale),
+        (vec![format!("from_b:{}", l["b"]), format!("main:{}", l["main2"]), libc.clone()], 5 * scale, 160 * scale),
+        (vec![format!("from_a:{}", l["a"]), format!("main:{}", l["main3"]), libc], 3 * scale, 48 * scale),
+    ];
+    v.sort();
+    v
+}
+
+fn check_callers(config: Config) {
+    let b = built(config);
+    let dir = b.dir.join("patched-callers");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("callers");
+    patch_to(&b.path("callers"), &bin, &[]);
+    let original = run_program(&b.path("callers"), &[], &[]);
+    for (live, depth) in [("1", "on"), ("0", "4")] {
+        let counters = counters_dir(&format!("{}-callers-{live}", config.name()));
+        let env = [
+            ("ALLOCTRAMP", "on"),
+            ("ALLOCTRAMP_LIVE", live),
+            ("ALLOCTRAMP_CALLERS", depth),
+            ("ALLOCTRAMP_DIR", counters.to_str().unwrap()),
+        ];
+        assert_eq!(run_program(&bin, &[], &env), original, "{}: the program behaves as the original", config.name());
+        let file = only_counters_file(&counters);
+        let (chains, site) = chains_of(&file, &counters);
+        assert_eq!(chains, expected(1), "{} live={live}: the malloc site's chains", config.name());
+        assert_eq!(site["calls"], 11, "{}: the site's own count", config.name());
+        let sum: u64 = chains.iter().map(|c| c.1).sum();
+        assert_eq!(sum, 11, "the chains' calls add up to the site's");
+    }
+    // Without ALLOCTRAMP_CALLERS nothing is recorded.
+    let counters = counters_dir(&format!("{}-callers-none", config.name()));
+    let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+    assert_eq!(run_program(&bin, &[], &env), original);
+    let (chains, _) = chains_of(&only_counters_file(&counters), &counters);
+    assert!(chains.is_empty(), "no chains unless asked: {chains:?}");
+}
+
+mod exact_chains {
+    crate::matrix!(super::check_callers);
+}
+
+/// `report --callers` in text: the chains under the site's tag, `#` lines
+/// after the table.
+#[test]
+fn text_report_lists_chains_after_the_table() {
+    let b = built(Config::default_o2());
+    let dir = b.dir.join("patched-callers-text");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("callers");
+    patch_to(&b.path("callers"), &bin, &[]);
+    let counters = counters_dir("callers-text");
+    let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "2"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+    run_program(&bin, &[], &env);
+    let file = only_counters_file(&counters);
+    let o = alloctramp().args(["report", "--callers", "--dir"]).arg(&counters).arg(&file).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    let l = frame_lines();
+    // Paths are as DWARF gives them (absolute).
+    let want =
+        ["from_b (".to_string(), format!("callers.c:{}) <- main (", l["b"]), format!("callers.c:{})", l["main2"])];
+    let line = text
+        .lines()
+        .find(|x| want.iter().all(|w| x.contains(w.as_str())) && x.ends_with(&want[2]))
+        .unwrap_or_else(|| panic!("a chain line with {want:?}:\n{text}"));
+    assert!(line.starts_with('#'), "{line}");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!((words[1], words[2]), ("5", "160"), "{line}");
+}
+
+/// Sum of the chains' calls per site (entry name, line) of a running
+/// process, and the site's own calls.
+fn chain_sums(pid: &str, dir: &Path) -> BTreeMap<(String, u64), (u64, u64, bool)> {
+    let o = alloctramp().args(["report", "--callers", "--format", "json", "--dir"]).arg(dir).arg(pid).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut m = BTreeMap::new();
+    for s in doc["sites"].as_array().unwrap() {
+        let chains = s["callers"].as_array().unwrap();
+        let sum: u64 = chains.iter().map(|c| c["calls"].as_u64().unwrap()).sum();
+        // Every chain's first frame is a function of server.c, by name and line.
+        let named = chains.iter().all(|c| {
+            let f = &c["frames"][0];
+            f["function"].is_string() && f["file"].as_str().is_some_and(|p| p.ends_with("server.c"))
+        });
+        let key = (s["entry"].as_str().unwrap().to_string(), s["line"].as_u64().unwrap_or(0));
+        m.insert(key, (s["calls"].as_u64().unwrap(), sum, named));
+    }
+    m
+}
+
+/// `alloctramp callers PID on|off` on a running process: chains are
+/// recorded only while on, add up to the calls made meanwhile, and a reset
+/// zeroes them with the counters.
+#[test]
+fn switched_on_and_off_in_a_running_process() {
+    let mut s = crate::runtime::Server::start("callers-live", &[("ALLOCTRAMP", "on")]);
+    assert_eq!(s.cmd("round"), "done");
+    let before = chain_sums(&s.pid(), &s.dir);
+    assert!(before.values().all(|&(calls, sum, _)| calls > 0 || sum == 0));
+    assert!(before.values().all(|&(_, sum, _)| sum == 0), "nothing recorded before: {before:?}");
+
+    let on = alloctramp().args(["callers", "--dir"]).arg(&s.dir).arg(s.pid()).arg("on").output().unwrap();
+    assert!(on.status.success(), "{}", String::from_utf8_lossy(&on.stderr));
+    assert!(String::from_utf8_lossy(&on.stderr).contains("recording call chains of 4 frames"));
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.cmd("round"), "done");
+    let during = chain_sums(&s.pid(), &s.dir);
+    for (k, &(calls, sum, named)) in &during {
+        let (was, _, _) = before[k];
+        assert_eq!(sum, calls - was, "{k:?}: the chains count the calls made while on");
+        assert!(named, "{k:?}: frames named from the program's DWARF");
+    }
+    assert!(during.values().any(|&(_, sum, _)| sum >= 10), "round's malloc(100) x5, twice: {during:?}");
+
+    let off = alloctramp().args(["callers", "--dir"]).arg(&s.dir).arg(s.pid()).arg("off").output().unwrap();
+    assert!(off.status.success(), "{}", String::from_utf8_lossy(&off.stderr));
+    assert_eq!(s.cmd("round"), "done");
+    let after = chain_sums(&s.pid(), &s.dir);
+    for (k, &(calls, sum, _)) in &after {
+        assert_eq!(sum, during[k].1, "{k:?}: nothing recorded once off");
+        assert!(calls >= during[k].0);
+    }
+    assert!(s.switch("reset").status.success());
+    let reset = chain_sums(&s.pid(), &s.dir);
+    assert!(reset.values().all(|&(calls, sum, _)| calls == 0 && sum == 0), "reset: {reset:?}");
+    s.quit();
+}
