@@ -55,16 +55,18 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
     let f = unsafe { &mut *frame };
     let index = f.index;
     let t = table as u64;
-    // Only the fields needed are read. SAFETY (each read below): fields of
-    // the module's site table, of its site `index` and of that site's
-    // entry, all within the table (checked at registration; caller).
     let header = |field: usize| t.wrapping_add(field as u64);
-    let bias = t.wrapping_sub(unsafe { read::<u64>(header(offset_of!(Header, table_addr))) });
-    let sites = u64::from(unsafe { read::<u32>(header(offset_of!(Header, sites_offset))) });
-    let site = t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64));
-    let field = |f: usize| site.wrapping_add(f as u64);
-    let trampoline: u64 = unsafe { read(field(offset_of!(Site, trampoline))) };
-    let entry = if LIVE.load(Ordering::Relaxed) { 0 } else { unsafe { read::<u16>(field(offset_of!(Site, count))) } };
+    // Only the fields needed are read. SAFETY: the header's fields and
+    // those of site `index` lie within the module's site table (checked at
+    // registration; caller).
+    let (bias, site, trampoline, count) = unsafe {
+        let bias = t.wrapping_sub(read::<u64>(header(offset_of!(Header, table_addr))));
+        let sites = u64::from(read::<u32>(header(offset_of!(Header, sites_offset))));
+        let site = t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64));
+        let trampoline: u64 = read(site + offset_of!(Site, trampoline) as u64);
+        (bias, site, trampoline, read::<u16>(site + offset_of!(Site, count) as u64))
+    };
+    let entry = if LIVE.load(Ordering::Relaxed) { 0 } else { count };
     // Before anything else: where the stub goes back to.
     f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
     let depth = (state::CALLERS.load(Ordering::Relaxed) as usize).min(MAX_DEPTH);
@@ -74,15 +76,19 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
     }
     let Some(module) = registry::file_index_of_table(table as usize) else { return };
     let sp = frame as u64 + size_of::<Frame>() as u64;
-    let addr: u64 = unsafe { read(field(offset_of!(Site, addr))) };
+    // SAFETY: as above; the site's entry index names an entry of the
+    // table, whose name is one of its strings.
+    let (addr, e, strings) = unsafe {
+        let addr: u64 = read(site + offset_of!(Site, addr) as u64);
+        let entries = u64::from(read::<u32>(header(offset_of!(Header, entries_offset))));
+        let entry_index = u64::from(read::<u16>(site + offset_of!(Site, entry) as u64));
+        let e: Entry = read(t.wrapping_add(entries).wrapping_add(entry_index.wrapping_mul(ENTRY_SIZE as u64)));
+        let strings_offset = u64::from(read::<u32>(header(offset_of!(Header, strings_offset))));
+        (addr, e, t.wrapping_add(strings_offset).wrapping_add(u64::from(e.name)))
+    };
     let frames = walk(bias.wrapping_add(addr), sp, rbp, depth);
-    let entries = u64::from(unsafe { read::<u32>(header(offset_of!(Header, entries_offset))) });
-    let entry_index = u64::from(unsafe { read::<u16>(field(offset_of!(Site, entry))) });
-    let e: Entry = unsafe { read(t.wrapping_add(entries).wrapping_add(entry_index.wrapping_mul(ENTRY_SIZE as u64))) };
     // strndup(s, n) copies at most n bytes (the only default entry with a
     // length limit after the string).
-    let strings_offset = u64::from(unsafe { read::<u32>(header(offset_of!(Header, strings_offset))) });
-    let strings = t.wrapping_add(strings_offset).wrapping_add(u64::from(e.name));
     let limited = || {
         b"strndup\0".iter().enumerate().all(|(i, &c)| {
             // SAFETY: the entry's name is a NUL-terminated string of the
