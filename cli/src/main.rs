@@ -3,6 +3,7 @@
 
 mod clean;
 mod control;
+mod debuginfod;
 mod demo;
 mod patch;
 mod report;

@@ -6,6 +6,7 @@ mod util;
 
 mod bad_input;
 mod charge;
+mod debuginfod;
 mod live;
 mod malformed;
 mod patch;
