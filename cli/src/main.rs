@@ -4,6 +4,7 @@
 mod callers;
 mod clean;
 mod control;
+mod debuginfod;
 mod demo;
 mod patch;
 mod report;

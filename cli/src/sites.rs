@@ -1,5 +1,6 @@
 //! `alloctramp sites`: list every allocator call site in an ELF file.
 
+use crate::debuginfod;
 use crate::util::{Input, emit};
 use alloctramp_patcher::wrappers::{self, Callee};
 use alloctramp_patcher::{DebugFile, debugfile, deps, output};
@@ -23,7 +24,9 @@ pub struct Args {
     /// Print one JSON document instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Where separate debug files live (gdb's debug-file-directory).
+    /// Where separate debug files live (gdb's debug-file-directory). Files
+    /// with a build-id and no debug file are then asked of the debuginfod
+    /// servers in DEBUGINFOD_URLS.
     #[arg(long, value_name = "DIR", default_value = debugfile::DEFAULT_DEBUG_DIR)]
     pub debug_dir: PathBuf,
     #[command(flatten)]
@@ -101,15 +104,20 @@ pub fn parse_entries(specs: &[String]) -> Result<Vec<EntryPoint>> {
 }
 
 /// A separate debug file for `data` (read from `path`), found the way gdb
-/// does; only looked for when the file has no DWARF line table.
+/// does, else fetched from the debuginfod servers of `DEBUGINFOD_URLS` by
+/// build-id; only looked for when the file has no DWARF line table.
 pub fn find_debug_in(path: &Path, data: &[u8], debug_dir: &Path) -> Option<(PathBuf, Input)> {
     let elf = alloctramp_patcher::Elf::parse(data).ok()?;
     if elf.has_dwarf_lines() {
         return None;
     }
-    debugfile::candidates(path, &elf, debug_dir).into_iter().find_map(|cand| {
+    let local = debugfile::candidates(path, &elf, debug_dir).into_iter().find_map(|cand| {
         let inp = Input::open(&cand).ok()?;
         debugfile::matches(&elf, &inp.map).then_some((cand, inp))
+    });
+    local.or_else(|| {
+        let id = elf.build_id()?;
+        debuginfod::Config::from_env()?.find(id, &|bytes| debugfile::matches(&elf, bytes))
     })
 }
 

@@ -7,6 +7,7 @@ mod util;
 mod bad_input;
 mod callers;
 mod charge;
+mod debuginfod;
 mod live;
 mod malformed;
 mod patch;

@@ -26,8 +26,12 @@ pub fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// The alloctramp binary, with no debuginfod server (`DEBUGINFOD_URLS`
+/// unset): tests never reach the network unless they start a server.
 pub fn alloctramp() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_alloctramp"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_alloctramp"));
+    cmd.env_remove("DEBUGINFOD_URLS");
+    cmd
 }
 
 /// Runs alloctramp with arguments; returns the output.
