@@ -3,7 +3,9 @@
 
 use crate::util::Input;
 use alloctramp_patcher::Elf;
+use alloctramp_patcher::Location;
 use alloctramp_patcher::lines::{DebugSections, Lines};
+use alloctramp_patcher::plumbing::Plumbing;
 use alloctramp_patcher::symbols::{FunctionIndex, demangle};
 use alloctramp_report::model::Row;
 use alloctramp_trampolines::addr::FileOffset;
@@ -54,6 +56,11 @@ pub struct ChainRow {
     /// Innermost first: the return address out of the site's function,
     /// then its caller's, and so on.
     pub frames: Vec<Frame>,
+    /// The first frame outside allocation plumbing (an index of
+    /// `frames`), when the site is in plumbing (by its function's name or
+    /// its source file); null when it is not (the site names the code) or
+    /// every frame is.
+    pub outside_plumbing: Option<usize>,
 }
 
 /// What a module file says of an address in it: its virtual address, the
@@ -61,7 +68,10 @@ pub struct ChainRow {
 type Named = (u64, Option<String>, Option<(String, u32)>);
 
 /// Names of return addresses in one module file (file offsets as mapped).
-fn name_in_file(path: &Path, offsets: &[u64]) -> HashMap<u64, Named> {
+/// A call inside inlined allocation plumbing is named after the first
+/// inlined caller outside it (its name and the line of its call), as the
+/// patcher names sites.
+fn name_in_file(path: &Path, offsets: &[u64], plumbing: &Plumbing) -> HashMap<u64, Named> {
     let mut out = HashMap::new();
     let Ok(input) = Input::open(path) else { return out };
     let Ok(elf) = Elf::parse(&input.map) else { return out };
@@ -72,8 +82,19 @@ fn name_in_file(path: &Path, offsets: &[u64]) -> HashMap<u64, Named> {
         let Some(vaddr) = elf.vaddr_of(FileOffset(off)).map(|v| v.0) else { continue };
         // A return address is after its call: name the call.
         let at = vaddr.saturating_sub(1);
-        let function = functions.lookup(at).map(|n| demangle(&n));
-        let line = lines.as_ref().and_then(|l| l.find(at)).map(|loc| (loc.file, loc.line));
+        let mut function = functions.lookup(at).map(|n| demangle(&n));
+        let mut line = lines.as_ref().and_then(|l| l.find(at)).map(|loc| (loc.file, loc.line));
+        let inlined = lines.as_ref().map(|l| l.inline_frames(at)).unwrap_or_default();
+        let plumbing_fn = |(n, loc): &(Option<String>, Option<Location>)| {
+            plumbing.matches_frame(n.as_deref().map(demangle).as_deref(), loc.as_ref().map(|l| l.file.as_str()))
+        };
+        if inlined.len() > 1
+            && inlined.first().is_some_and(plumbing_fn)
+            && let Some((Some(name), loc)) = inlined.iter().find(|f| f.0.is_some() && !plumbing_fn(f))
+        {
+            function = Some(demangle(name));
+            line = loc.as_ref().map(|l| (l.file.clone(), l.line));
+        }
         out.insert(off, (vaddr, function, line));
     }
     out
@@ -81,7 +102,7 @@ fn name_in_file(path: &Path, offsets: &[u64]) -> HashMap<u64, Named> {
 
 /// Names every address of `addresses` from the files of the recorded
 /// mappings, each file read once.
-fn name_frames(addresses: &[u64], maps: &[Map]) -> HashMap<u64, Frame> {
+fn name_frames(addresses: &[u64], maps: &[Map], plumbing: &Plumbing) -> HashMap<u64, Frame> {
     let mut by_file: HashMap<&str, Vec<(u64, u64)>> = HashMap::new();
     let mut out = HashMap::new();
     for &a in addresses {
@@ -98,7 +119,7 @@ fn name_frames(addresses: &[u64], maps: &[Map]) -> HashMap<u64, Frame> {
     }
     for (path, addrs) in by_file {
         let offsets: Vec<u64> = addrs.iter().map(|&(_, o)| o).collect();
-        let names = name_in_file(Path::new(path), &offsets);
+        let names = name_in_file(Path::new(path), &offsets, plumbing);
         for (a, off) in addrs {
             if let (Some((vaddr, function, line)), Some(f)) = (names.get(&off), out.get_mut(&a)) {
                 f.module_address = Some(*vaddr);
@@ -114,29 +135,39 @@ fn name_frames(addresses: &[u64], maps: &[Map]) -> HashMap<u64, Frame> {
 }
 
 /// Every chain of the process, its frames named, largest (calls) first.
+/// `plumbing` decides each chain's first frame outside allocation
+/// plumbing.
 /// Chains of one site whose frames have the same names (function, file,
 /// line, module: calls at different addresses of one line, as an unrolled
 /// loop makes) are one row; its frames give the first one's addresses.
-pub fn chains(pf: &ProcessFile) -> Vec<ChainRow> {
+pub fn chains(pf: &ProcessFile, plumbing: &Plumbing) -> Vec<ChainRow> {
     let modules = pf.modules().unwrap_or_default();
     let maps = pf.maps();
     let raw = pf.chains();
     let mut addresses: Vec<u64> = raw.iter().flat_map(|c| c.frames.iter().copied()).collect();
     addresses.sort_unstable();
     addresses.dedup();
-    let names = name_frames(&addresses, &maps);
+    let names = name_frames(&addresses, &maps, plumbing);
     let out: Vec<ChainRow> = raw
         .into_iter()
         .filter(|c| c.calls > 0)
         .filter_map(|c| {
             let m = modules.get(c.module as usize)?;
             let site = m.table.get_site(c.site as usize)?;
-            let frames = c.frames.iter().filter_map(|a| names.get(a).cloned()).collect();
+            let frames: Vec<Frame> = c.frames.iter().filter_map(|a| names.get(a).cloned()).collect();
+            let in_plumbing = plumbing.matches_frame(m.table.string(site.function), m.table.string(site.file));
+            let outside_plumbing = match in_plumbing {
+                true => frames.iter().position(|f| {
+                    f.function.is_some() && !plumbing.matches_frame(f.function.as_deref(), f.file.as_deref())
+                }),
+                false => None,
+            };
             Some(ChainRow {
                 site: (m.table.module_name().to_string(), site.addr),
                 calls: c.calls,
                 bytes: c.bytes,
                 frames,
+                outside_plumbing,
             })
         })
         .collect();
@@ -165,7 +196,7 @@ pub fn chains(pf: &ProcessFile) -> Vec<ChainRow> {
 /// The chains of each row's site, after the table: `#` lines, so that a
 /// reader of the allocinfo layout skips them as it skips the header.
 pub fn write_text(w: &mut dyn Write, rows: &[Row], chains: &[ChainRow], lost: u64) -> io::Result<()> {
-    writeln!(w, "# callers: calls bytes chain (innermost caller first)")?;
+    writeln!(w, "# callers: calls bytes (totals while capture was on) chain (innermost caller first)")?;
     if chains.is_empty() {
         writeln!(w, "# no call chains recorded (alloctramp callers PID on, or ALLOCTRAMP_CALLERS=on)")?;
     }
@@ -179,6 +210,26 @@ pub fn write_text(w: &mut dyn Write, rows: &[Row], chains: &[ChainRow], lost: u6
         for c in of_site {
             let chain: Vec<String> = c.frames.iter().map(Frame::describe).collect();
             writeln!(w, "#   {:>10} {:>12}  {}", c.calls, c.bytes, chain.join(" <- "))?;
+        }
+    }
+    // Where the rows' allocations come from when the sites are in
+    // allocation plumbing: each chain's first frame outside it.
+    let mut by_caller: Vec<(String, u64, u64)> = Vec::new();
+    for r in rows.iter().filter(|r| r.allocates) {
+        for c in chains.iter().filter(|c| c.site.0 == r.site.module && c.site.1 == r.site.address) {
+            let Some(f) = c.outside_plumbing.and_then(|i| c.frames.get(i)) else { continue };
+            let name = f.describe();
+            match by_caller.iter_mut().find(|e| e.0 == name) {
+                Some(e) => (e.1, e.2) = (e.1 + c.calls, e.2 + c.bytes),
+                None => by_caller.push((name, c.calls, c.bytes)),
+            }
+        }
+    }
+    if !by_caller.is_empty() {
+        by_caller.sort_by(|a, b| b.2.cmp(&a.2).then(b.1.cmp(&a.1)));
+        writeln!(w, "# sites in allocation plumbing, by their first caller outside it: calls bytes caller")?;
+        for (name, calls, bytes) in by_caller {
+            writeln!(w, "#   {calls:>10} {bytes:>12}  {name}")?;
         }
     }
     if lost > 0 {

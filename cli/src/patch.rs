@@ -144,7 +144,9 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
     // Without charging, wrappers change nothing in the patched file.
     let wrapper_opts = match args.wrappers.charge() {
         true => args.wrappers.options(&args.input, &input.map, &user)?,
-        false => Default::default(),
+        false => {
+            alloctramp_patcher::wrappers::Options { plumbing: args.wrappers.plumbing.clone(), ..Default::default() }
+        }
     };
     let analysis = alloctramp_patcher::analyze_with(&input.map, &name, debug, &user, &wrapper_opts)
         .with_context(|| format!("{}", args.input.display()))?;

@@ -93,6 +93,11 @@ pub struct View {
     /// bytes: after the table in text, in each site's `callers` in JSON.
     #[arg(long)]
     pub callers: bool,
+    /// Also allocation plumbing, for --callers (a glob over demangled
+    /// names, `*` any text), besides the default list: a chain of a site in
+    /// plumbing is attributed to its first frame outside it.
+    #[arg(long = "plumbing", value_name = "PATTERN", requires = "callers")]
+    pub plumbing: Vec<String>,
 }
 
 impl Default for View {
@@ -108,6 +113,7 @@ impl Default for View {
             group_by: GroupBy::Site,
             quiet: false,
             callers: false,
+            plumbing: Vec::new(),
         }
     }
 }
@@ -302,7 +308,10 @@ pub fn run(args: Args) -> Result<()> {
 /// A report in the view's format.
 pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row], view: &View) -> io::Result<()> {
     let chains = match view.callers {
-        true => src.parse().map(|pf| crate::callers::chains(&pf)).unwrap_or_default(),
+        true => {
+            let plumbing = alloctramp_patcher::plumbing::Plumbing::with(&view.plumbing);
+            src.parse().map(|pf| crate::callers::chains(&pf, &plumbing)).unwrap_or_default()
+        }
         false => Vec::new(),
     };
     let lost = src.parse().map_or(0, |pf| pf.header.callers_lost.load(std::sync::atomic::Ordering::Relaxed));

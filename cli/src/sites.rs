@@ -56,6 +56,11 @@ pub struct WrapperArgs {
     /// nest).
     #[arg(long)]
     pub no_charge_callers: bool,
+    /// Also allocation plumbing (a glob over demangled names, `*` any
+    /// text), besides the default list: a site in inlined plumbing is named
+    /// after the first inlined caller outside it.
+    #[arg(long = "plumbing", value_name = "PATTERN")]
+    pub plumbing: Vec<String>,
 }
 
 impl WrapperArgs {
@@ -82,6 +87,7 @@ impl WrapperArgs {
             named,
             refused: self.not_wrappers.clone(),
             charge: self.charge(),
+            plumbing: self.plumbing.clone(),
         })
     }
 }

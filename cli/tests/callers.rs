@@ -194,3 +194,85 @@ fn switched_on_and_off_in_a_running_process() {
     assert!(reset.values().all(|&(calls, sum, _)| calls == 0 && sum == 0), "reset: {reset:?}");
     s.quit();
 }
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The Debian redis-server, patched with no option and run with profiling
+/// and callers capture on from the start under redis-benchmark: the chains
+/// of its busiest site add up to the site's calls, none lost.
+#[test]
+fn redis_busiest_site_callers_add_up_to_its_calls() {
+    if !(have("redis-server") && have("redis-benchmark") && have("redis-cli")) {
+        skip(test_name(), "redis-server and redis-tools are not installed");
+        return;
+    }
+    let real = std::fs::canonicalize(which("redis-server")).unwrap();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("redis-callers");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // redis picks its mode from the name it runs under.
+    let bin = dir.join("redis-server");
+    patch_to(&real, &bin, &[]);
+    let counters = counters_dir("redis-callers");
+    let port = free_port().to_string();
+    let mut server = std::process::Command::new(&bin)
+        .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"])
+        .env("ALLOCTRAMP", "on")
+        .env("ALLOCTRAMP_CALLERS", "on")
+        .env("ALLOCTRAMP_DIR", &counters)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let cli = |args: &[&str]| std::process::Command::new("redis-cli").args(["-p", &port]).args(args).output().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while String::from_utf8_lossy(&cli(&["ping"]).stdout).trim() != "PONG" {
+        assert!(std::time::Instant::now() < deadline, "redis-server did not answer");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let bench = std::process::Command::new("redis-benchmark")
+        .args(["-p", &port, "-n", "5000", "-q", "-t", "set,get,lpush,lpop,hset,sadd"])
+        .output()
+        .unwrap();
+    assert!(bench.status.success(), "redis-benchmark: {}", String::from_utf8_lossy(&bench.stderr));
+    cli(&["shutdown", "nosave"]);
+    let status = server.wait().unwrap();
+    assert!(status.success(), "redis-server exits cleanly: {status:?}");
+
+    let file = only_counters_file(&counters);
+    let o = alloctramp()
+        .args(["report", "--callers", "--format", "json", "--dir"])
+        .arg(&counters)
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["callers_lost"], 0, "every chain found a slot");
+    let busiest = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["kind"] != "free")
+        .max_by_key(|s| s["calls"].as_u64().unwrap())
+        .unwrap();
+    let calls = busiest["calls"].as_u64().unwrap();
+    let chains = busiest["callers"].as_array().unwrap();
+    let sum: u64 = chains.iter().map(|c| c["calls"].as_u64().unwrap()).sum();
+    assert!(calls > 10_000, "the benchmark's 30,000 requests allocate: {calls}");
+    assert_eq!(sum, calls, "the chains of {} add up to its calls", busiest["function"]);
+    assert!(chains.len() >= 2, "more than one caller: {chains:?}");
+    // Every chain starts inside redis-server itself.
+    for c in chains {
+        let m = c["frames"][0]["module"].as_str().unwrap_or("");
+        assert!(m.ends_with("/redis-server"), "first frame in {m}");
+    }
+}
+
+fn which(tool: &str) -> std::path::PathBuf {
+    let o = std::process::Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().unwrap();
+    std::path::PathBuf::from(String::from_utf8_lossy(&o.stdout).trim())
+}

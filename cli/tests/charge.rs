@@ -6,6 +6,7 @@
 use crate::patch::patch_to;
 use crate::runtime::{counters_dir, display, figures, live_figures, only_counters_file, report};
 use crate::util::*;
+use serde_json::Value;
 use std::collections::BTreeMap;
 
 type SiteKey = (String, u32, String, String, String);
@@ -254,4 +255,32 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
     }
     assert!(totals[0].0 > 1000, "the program allocates: {totals:?}");
     assert_eq!(totals[0], totals[1], "calls, bytes, live objects and frees are the same charged or not");
+
+    // With call chains: the allocations made in the standard library's
+    // plumbing (RawVec growth, hashbrown's rehash, format) are charged to
+    // their first caller outside it, the program's main, at its lines.
+    let patched = dir.join("collections-charged");
+    let counters = counters_dir("rust-charge-callers");
+    let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+    assert_eq!(run_program(&patched, &[], &env), original);
+    let file = only_counters_file(&counters);
+    let o = alloctramp().args(["report", "--callers", "--format", "json"]).arg(&file).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (mut total, mut in_main) = (0u64, 0u64);
+    let mut lines = std::collections::BTreeSet::new();
+    for s in doc["sites"].as_array().unwrap().iter().filter(|s| s["kind"] != "free") {
+        total += s["bytes"].as_u64().unwrap();
+        for c in s["callers"].as_array().unwrap() {
+            let Some(i) = c["outside_plumbing"].as_u64() else { continue };
+            let f = &c["frames"][i as usize];
+            if f["function"] == "collections::main" && f["file"].as_str().is_some_and(|p| p.ends_with("collections.rs"))
+            {
+                in_main += c["bytes"].as_u64().unwrap();
+                lines.insert(f["line"].as_u64().unwrap());
+            }
+        }
+    }
+    assert!(in_main * 10 >= total * 9, "at least 90% of the bytes charged to main's lines: {in_main} of {total}");
+    assert!(lines.len() >= 3, "format!, the map's growth and collect are lines of their own: {lines:?}");
 }

@@ -16,6 +16,7 @@ pub mod error;
 pub mod lines;
 pub mod output;
 pub mod plan;
+pub mod plumbing;
 pub mod scan;
 pub mod symbols;
 pub mod tables;
@@ -177,16 +178,42 @@ pub fn analyze_with(
     };
     let lines = sections.as_ref().and_then(lines::Lines::new);
 
+    let plumbing = plumbing::Plumbing::with(&wrapper_opts.plumbing);
     let info = scan
         .sites
         .iter()
-        .map(|s| SiteInfo {
-            function: functions.lookup(s.vaddr.0),
-            location: lines.as_ref().and_then(|l| l.find(s.vaddr.0)),
+        .map(|s| {
+            let outside = lines.as_ref().and_then(|l| outside_plumbing(l, s.vaddr.0, &plumbing));
+            match outside {
+                Some((function, location)) => SiteInfo { function: Some(function), location },
+                None => SiteInfo {
+                    function: functions.lookup(s.vaddr.0),
+                    location: lines.as_ref().and_then(|l| l.find(s.vaddr.0)),
+                },
+            }
         })
         .collect();
     let unwind = unwind::rows(&elf);
     Ok(Analysis { module, file_type: elf.file_type, scan, info, debug_source, wrappers, unwind })
+}
+
+/// When the innermost function inlined at `addr` is allocation plumbing:
+/// the first inlined caller that is not, and where in it the call is.
+fn outside_plumbing(
+    lines: &lines::Lines,
+    addr: u64,
+    plumbing: &plumbing::Plumbing,
+) -> Option<(String, Option<Location>)> {
+    let frames = lines.inline_frames(addr);
+    let is_plumbing = |(name, loc): &(Option<String>, Option<Location>)| {
+        let name = name.as_deref().map(symbols::demangle);
+        plumbing.matches_frame(name.as_deref(), loc.as_ref().map(|l| l.file.as_str()))
+    };
+    if frames.len() < 2 || !is_plumbing(frames.first()?) {
+        return None;
+    }
+    let (name, loc) = frames.into_iter().find(|f| f.0.is_some() && !is_plumbing(f))?;
+    Some((name?, loc))
 }
 
 pub fn base_name(path: &str) -> &str {

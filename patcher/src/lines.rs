@@ -62,6 +62,21 @@ impl<'s> Lines<'s> {
         Some(Lines { ctx })
     }
 
+    /// The inlined functions at an address, innermost first, each with its
+    /// (linkage, else plain) name and where in it the address is (for an
+    /// outer frame: the call of the inner one). Empty without DWARF
+    /// function information there.
+    pub fn inline_frames(&self, addr: u64) -> Vec<(Option<String>, Option<Location>)> {
+        let mut out = Vec::new();
+        let Ok(mut frames) = self.ctx.find_frames(addr).skip_all_loads() else { return out };
+        while let Ok(Some(f)) = frames.next() {
+            let name = f.function.as_ref().and_then(|n| n.raw_name().ok()).map(|n| n.into_owned());
+            let loc = f.location.and_then(|l| Some(Location { file: l.file?.to_string(), line: l.line? }));
+            out.push((name, loc));
+        }
+        out
+    }
+
     /// The innermost source location of an address (for inlined code, the
     /// inlined function's line).
     pub fn find(&self, addr: u64) -> Option<Location> {

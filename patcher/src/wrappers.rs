@@ -1345,6 +1345,10 @@ pub struct Options {
     /// Make calls to wrappers sites, charged with what the wrappers
     /// allocate (see [`crate::charge`]).
     pub charge: bool,
+    /// Patterns of allocation plumbing added to the default list
+    /// ([`crate::plumbing`]): a site inside inlined plumbing is named
+    /// after the first inlined caller outside it.
+    pub plumbing: Vec<String>,
 }
 
 /// The wrappers in a file whose entry points `entries` are (the defaults
