@@ -172,13 +172,78 @@ pub struct CallersArgs {
     /// Frames recorded per chain (1 to 8).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=8))]
     pub depth: u32,
+    /// Only the sites SPEC names (any number of times, 16 sites at most):
+    /// FILE:LINE (a file name or a path suffix), a function name, or
+    /// 0xADDRESS (in its module's file, or at run time). Default: every
+    /// site.
+    #[arg(long = "site", value_name = "SPEC")]
+    pub sites: Vec<String>,
 }
 
 pub fn run_callers(args: &CallersArgs) -> Result<()> {
     let request = if args.state == "on" { Request::Callers } else { Request::NoCallers };
-    let msg = switch_with(&args.switch, request, args.depth)?;
+    if request == Request::NoCallers && !args.sites.is_empty() {
+        bail!("callers off stops every site: --site is for `on`");
+    }
+    let sites = select_sites(&args.switch, &args.sites)?;
+    let msg = switch_with(&args.switch, request, args.depth, &sites)?;
     eprintln!("alloctramp: {msg}");
     Ok(())
+}
+
+/// The run-time addresses of the patched sites the specs name.
+fn select_sites(args: &SwitchArgs, specs: &[String]) -> Result<Vec<u64>> {
+    if specs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let path = pid_file(args.pid, &counters_dir(args.dir.as_deref()))?;
+    let m = Snapshot::read(&path)?;
+    let pf = ProcessFile::parse(&m.bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let modules = pf.modules().map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    for spec in specs {
+        let before = out.len();
+        let (file_line, addr) = parse_site_spec(spec);
+        for md in modules.iter().filter(|m| !m.unloaded) {
+            let t = &md.table;
+            for s in t.sites().filter(|s| s.trampoline != 0 && s.callers != 0) {
+                let run = md.bias.wrapping_add(s.addr);
+                let hit = match (&file_line, addr) {
+                    (_, Some(a)) => a == s.addr || a == run,
+                    (Some((file, line)), None) => {
+                        s.line == *line
+                            && t.string(s.file).is_some_and(|f| f == file || f.ends_with(&format!("/{file}")))
+                    }
+                    (None, None) => {
+                        t.string(s.function).is_some_and(|f| f == spec || f.split('(').next() == Some(spec))
+                    }
+                };
+                if hit && !out.contains(&run) {
+                    out.push(run);
+                }
+            }
+        }
+        if out.len() == before {
+            bail!("--site {spec}: no patched site of process {} matches", args.pid);
+        }
+    }
+    if out.len() > process::MAX_CALLERS_SITES {
+        bail!("--site names {} sites; at most {} at once", out.len(), process::MAX_CALLERS_SITES);
+    }
+    Ok(out)
+}
+
+/// `FILE:LINE` or `0xADDRESS` (else a function name).
+fn parse_site_spec(spec: &str) -> (Option<(String, u32)>, Option<u64>) {
+    if let Some(hex) = spec.strip_prefix("0x") {
+        return (None, u64::from_str_radix(hex, 16).ok());
+    }
+    match spec.rsplit_once(':') {
+        Some((file, line)) if !file.is_empty() && !file.ends_with(':') => {
+            (line.parse().ok().map(|l| (file.to_string(), l)), None)
+        }
+        _ => (None, None),
+    }
 }
 
 struct State {
@@ -227,11 +292,12 @@ fn read_state(path: &Path) -> Result<State> {
 /// then waits until the process reports that the request was carried out.
 /// Returns the message to show.
 pub fn switch(args: &SwitchArgs, request: Request) -> Result<String> {
-    switch_with(args, request, 0)
+    switch_with(args, request, 0, &[])
 }
 
-/// [`switch`], with the depth a [`Request::Callers`] asks for.
-fn switch_with(args: &SwitchArgs, request: Request, depth: u32) -> Result<String> {
+/// [`switch`], with the depth and the sites (none: every site) a
+/// [`Request::Callers`] asks for.
+fn switch_with(args: &SwitchArgs, request: Request, depth: u32, sites: &[u64]) -> Result<String> {
     let pid = args.pid;
     let dir = counters_dir(args.dir.as_deref());
     let path = pid_file(pid, &dir)?;
@@ -246,7 +312,7 @@ fn switch_with(args: &SwitchArgs, request: Request, depth: u32) -> Result<String
     if before.signal == 0 && !before.watcher {
         bail!("process {pid} takes no requests while it runs (started with ALLOCTRAMP_SWITCH=none)");
     }
-    post_request(&path, request, before.watcher, depth)?;
+    post_request(&path, request, before.watcher, depth, sites)?;
     if !before.watcher {
         // SAFETY: kill(2) with a pid and a signal number.
         if unsafe { libc::kill(pid as i32, before.signal as i32) } != 0 {
@@ -269,7 +335,12 @@ fn switch_with(args: &SwitchArgs, request: Request, depth: u32) -> Result<String
             };
             return Ok(match request {
                 Request::Callers => format!(
-                    "process {pid}: recording call chains of {depth} frames ({where_}{took}{})",
+                    "process {pid}: recording call chains of {depth} frames at {} ({where_}{took}{})",
+                    match sites.len() {
+                        0 => "every site".to_string(),
+                        1 => "1 site".to_string(),
+                        n => format!("{n} sites"),
+                    },
                     if s.on { "" } else { "; profiling is off: `alloctramp enable` to count" }
                 ),
                 Request::NoCallers => format!("process {pid}: call chains no longer recorded ({where_}{took})"),
@@ -303,7 +374,7 @@ fn switch_with(args: &SwitchArgs, request: Request, depth: u32) -> Result<String
 
 /// Stores the request in the header of the process file at `path` and, for
 /// a watcher, increments the wake word and wakes it.
-fn post_request(path: &Path, request: Request, watcher: bool, depth: u32) -> Result<()> {
+fn post_request(path: &Path, request: Request, watcher: bool, depth: u32, sites: &[u64]) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     use std::sync::atomic::Ordering;
     let file = std::fs::OpenOptions::new()
@@ -321,6 +392,10 @@ fn post_request(path: &Path, request: Request, watcher: bool, depth: u32) -> Res
         .with_context(|| format!("{}: cannot map", path.display()))?;
     let h: &ProcHeader = alloctramp_trampolines::pod::view_shared(&mut map).context("the header mapping")?;
     h.callers_request_depth.store(depth, Ordering::Release);
+    for (slot, &a) in h.callers_sites.iter().zip(sites) {
+        slot.store(a, Ordering::Relaxed);
+    }
+    h.callers_request_sites.store(sites.len() as u32, Ordering::Release);
     h.request.store(request as u32, Ordering::Release);
     if watcher {
         h.wake.fetch_add(1, Ordering::AcqRel);

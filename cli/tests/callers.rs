@@ -276,3 +276,35 @@ fn which(tool: &str) -> std::path::PathBuf {
     let o = std::process::Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().unwrap();
     std::path::PathBuf::from(String::from_utf8_lossy(&o.stdout).trim())
 }
+
+/// `--site FILE:LINE` records the chains of that site only; a spec that
+/// names no site is refused with one line.
+#[test]
+fn one_site_chosen_on_a_running_process() {
+    let line = program("server").markers.iter().find(|m| m.entry == "malloc").unwrap().line;
+    let mut s = crate::runtime::Server::start("callers-one-site", &[("ALLOCTRAMP", "on")]);
+    let on = |spec: &str| {
+        alloctramp()
+            .args(["callers", "--dir"])
+            .arg(&s.dir)
+            .arg(s.pid())
+            .args(["on", "--depth", "2", "--site", spec])
+            .output()
+            .unwrap()
+    };
+    let bad = on("server.c:1");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("--site server.c:1: no patched site"), "{err}");
+    let ok = on(&format!("server.c:{line}"));
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(String::from_utf8_lossy(&ok.stderr).contains("recording call chains of 2 frames at 1 site"));
+    assert_eq!(s.cmd("round"), "done");
+    let sums = chain_sums(&s.pid(), &s.dir);
+    for ((entry, l), &(_, sum, _)) in &sums {
+        let want = if *l == u64::from(line) && entry == "malloc" { 5 } else { 0 };
+        assert_eq!(sum, want, "{entry} at line {l}: chains only at the chosen site");
+    }
+    s.quit();
+}

@@ -1,6 +1,7 @@
 //! Any bytes as a process counters file, through everything `alloctramp
 //! report` does with one: an error, or figures that group, sort, total,
-//! diff and write in every format without a panic.
+//! diff and write in every format without a panic, and the call chains and
+//! mappings of its callers region.
 #![no_main]
 
 use alloctramp_report::model::{GroupBy, Selection, SortKey, diff, select};
@@ -10,6 +11,10 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     let Ok(copy) = read::consistent_copy(data) else { return };
     let Ok(pf) = read::parse(&copy) else { return };
+    // The callers region: chains and mappings, whatever the header says.
+    let chains = pf.chains();
+    assert!(chains.iter().all(|c| c.frames.len() <= 8 && !c.frames.contains(&0)));
+    let _ = pf.maps();
     let Ok(figs) = read::figures(&pf) else { return };
     let live = figs.live();
     for (group_by, sort) in

@@ -165,6 +165,14 @@ pub fn apply(cmd: Command) {
             registry::switch_all(Sites::Off)
         }
         Command::Do(Request::Callers) => {
+            // The sites asked for (none: every site), before the sites move.
+            let n = header().map_or(0, |h| h.callers_request_sites.load(Ordering::Acquire) as usize);
+            let n = if n > state::CALLERS_SITES.len() { 0 } else { n };
+            for (i, s) in state::CALLERS_SITES.iter().enumerate() {
+                let addr = header().and_then(|h| h.callers_sites.get(i)).map_or(0, |a| a.load(Ordering::Relaxed));
+                s.store(if i < n { addr } else { 0 }, Ordering::Relaxed);
+            }
+            state::CALLERS_SITES_N.store(n as u32, Ordering::Release);
             let asked = header().map_or(0, |h| h.callers_request_depth.load(Ordering::Acquire));
             let depth = if asked == 0 { alloctramp_trampolines::layout::capture::DEFAULT_DEPTH as u32 } else { asked };
             crate::callers::set_depth(depth)

@@ -14,7 +14,7 @@
 //! mapping had (read from `/proc/self/maps`): a segment that is writable and
 //! executable, or a page shared with a data segment, stays as it was.
 
-use crate::state::{CALLERS, LIVE, Sites};
+use crate::state::{LIVE, Sites, records_chains};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, Table};
@@ -49,10 +49,10 @@ fn ensure_trap_handler() -> Result<(), &'static str> {
 /// (the callers entry while call chains are recorded, counting and
 /// tracking, counting only when live tracking is off, or the drain entry of
 /// a free site while draining), or the original bytes.
-fn wanted(table: &Table, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
+fn wanted(table: &Table, bias: u64, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
     let free = || table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
     let entry = match sites {
-        Sites::On if site.callers != 0 && CALLERS.load(Ordering::Relaxed) != 0 => Some(site.callers),
+        Sites::On if site.callers != 0 && records_chains(bias.wrapping_add(site.addr)) => Some(site.callers),
         Sites::On if LIVE.load(Ordering::Relaxed) => Some(0),
         Sites::On => Some(site.count),
         Sites::Frees if free() && site.drain != 0 => Some(site.drain),
@@ -152,7 +152,7 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     // Nothing to do if every site already holds the wanted bytes.
     // SAFETY: sites lie in the module's mapped executable segments, which
     // stay mapped during the call (caller).
-    let differs = table.sites().filter(active).any(|s| unsafe { read5(at(&s)) } != wanted(table, &s, on));
+    let differs = table.sites().filter(active).any(|s| unsafe { read5(at(&s)) } != wanted(table, m.bias, &s, on));
     if !differs {
         return Ok(());
     }
@@ -168,7 +168,7 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     for s in table.sites().filter(active) {
         let p = at(&s);
         // SAFETY: as above.
-        if unsafe { read5(p) } != wanted(table, &s, on) {
+        if unsafe { read5(p) } != wanted(table, m.bias, &s, on) {
             // SAFETY: as above.
             unsafe { std::ptr::write_volatile(p, INT3) };
         }
@@ -178,7 +178,7 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
         let p = at(&s);
         // SAFETY: as above.
         if unsafe { std::ptr::read_volatile(p) } == INT3 {
-            let w = wanted(table, &s, on);
+            let w = wanted(table, m.bias, &s, on);
             for (k, &b) in w.iter().enumerate().skip(1) {
                 // SAFETY: as above (k < 5).
                 unsafe { std::ptr::write_volatile(p.add(k), b) };
@@ -191,7 +191,7 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
         // SAFETY: as above.
         if unsafe { std::ptr::read_volatile(p) } == INT3 {
             // SAFETY: as above.
-            unsafe { std::ptr::write_volatile(p, wanted(table, &s, on)[0]) };
+            unsafe { std::ptr::write_volatile(p, wanted(table, m.bias, &s, on)[0]) };
         }
     }
     sys::serialize(barrier);

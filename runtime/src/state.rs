@@ -5,7 +5,7 @@
 
 use crate::procfile;
 use crate::sys;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 /// Which sites of a module jump to their trampolines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +44,20 @@ pub fn is_on() -> bool {
 /// Frames recorded per call chain while callers capture is on (0: off):
 /// sites with a callers entry jump there while profiling is on.
 pub static CALLERS: AtomicU32 = AtomicU32::new(0);
+
+/// The sites (run-time addresses) whose chains are recorded, the first
+/// `CALLERS_SITES_N`; none: every site.
+pub static CALLERS_SITES: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
+pub static CALLERS_SITES_N: AtomicU32 = AtomicU32::new(0);
+
+/// Whether the site at run-time address `addr` records chains now.
+pub fn records_chains(addr: u64) -> bool {
+    if CALLERS.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let n = CALLERS_SITES_N.load(Ordering::Relaxed) as usize;
+    n == 0 || CALLERS_SITES.iter().take(n).any(|s| s.load(Ordering::Relaxed) == addr)
+}
 
 /// Live tracking in this process (decided at start-up).
 pub static LIVE: AtomicBool = AtomicBool::new(false);

@@ -143,7 +143,11 @@ pub struct ProcHeader {
     /// The depth a requester asks for with [`Request::Callers`] (0: the
     /// default).
     pub callers_request_depth: AtomicU32,
-    pub reserved: [u8; 172],
+    /// The sites (run-time addresses) whose chains a request 5 asks for,
+    /// `callers_request_sites` of them; 0: every site.
+    pub callers_request_sites: AtomicU32,
+    pub callers_sites: [AtomicU64; MAX_CALLERS_SITES],
+    pub reserved: [u8; 40],
     /// The modules, [`module_count`](Self::module_count) of them published.
     pub modules: [ModuleSlot; 248],
 }
@@ -203,6 +207,8 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("callers_depth", offset_of!(ProcHeader, callers_depth), "u32"),
     ("maps_count", offset_of!(ProcHeader, maps_count), "u32"),
     ("callers_request_depth", offset_of!(ProcHeader, callers_request_depth), "u32"),
+    ("callers_request_sites", offset_of!(ProcHeader, callers_request_sites), "u32"),
+    ("callers_sites", offset_of!(ProcHeader, callers_sites), "[u64; 16]"),
     ("modules", offset_of!(ProcHeader, modules), "[slot; 248]"),
 ];
 
@@ -231,8 +237,12 @@ const _: () = {
     assert!(offset_of!(ProcHeader, modules) == 512);
     assert!(offset_of!(ModuleSlot, unloaded) == 40);
     assert!(offset_of!(ProcHeader, callers_offset) == 304 && offset_of!(ProcHeader, callers_request_depth) == 336);
+    assert!(offset_of!(ProcHeader, callers_sites) == 344);
     assert!(size_of::<ChainSlot>() == 96 && size_of::<MapEntry>() == 256);
 };
+
+/// Sites a request for call chains may name (more: every site).
+pub const MAX_CALLERS_SITES: usize = 16;
 
 /// Mappings of the process recorded in the callers region (from
 /// `/proc/self/maps`: file-backed executable ones), so that a reader names
@@ -522,10 +532,13 @@ impl<'a> ProcessFile<'a> {
         if at == 0 {
             return Vec::new();
         }
-        let first = at + MAX_MAPS * size_of::<MapEntry>() as u64;
+        let Some(first) = at.checked_add(MAX_MAPS * size_of::<MapEntry>() as u64) else { return Vec::new() };
         let mut merged: std::collections::HashMap<(u32, u32, Vec<u64>), (u64, u64)> = Default::default();
         for i in 0..slots.min(1 << 24) {
-            let Some(off) = usize::try_from(first + i * size_of::<ChainSlot>() as u64).ok() else { break };
+            let Some(off) = first.checked_add(i * size_of::<ChainSlot>() as u64).and_then(|o| usize::try_from(o).ok())
+            else {
+                break;
+            };
             let Some(s) = crate::pod::copy::<ChainSlot>(self.bytes.get(off..).unwrap_or_default()) else { break };
             if get(&s.key) <= 1 {
                 continue;
@@ -551,7 +564,7 @@ impl<'a> ProcessFile<'a> {
         }
         (0..n)
             .filter_map(|i| {
-                let off = usize::try_from(at + i * size_of::<MapEntry>() as u64).ok()?;
+                let off = usize::try_from(at.checked_add(i * size_of::<MapEntry>() as u64)?).ok()?;
                 let m = crate::pod::copy::<MapEntry>(self.bytes.get(off..)?)?;
                 let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
                 Some(Map {
