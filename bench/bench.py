@@ -774,7 +774,7 @@ def part_scan():
                   f"{code / 2**20:.0f} MiB of code, {sites:,} sites). `alloctramp sites --no-wrappers` is the site "
                   "scan, with symbolization and printing every line; the page cache is warm. The wrapper search "
                   "(`alloctramp sites` by default) reads every function again, and the libraries the file needs; "
-                  "its time is reported without a target (patching does not use it yet).")
+                  "its time is reported without a target; `alloctramp patch` runs it too (it charges wrappers' callers by default), so the patching figures below include it.")
     SECTIONS.append(sec)
     scan = [AT, "sites", "--no-wrappers", f]
     timed(scan, base_env())  # warm the page cache
