@@ -948,14 +948,20 @@ def part_memory():
     target(sec, "runtime memory per tracked live object", value, "<= 24 bytes", ok)
 
 
-def part_wrappers():
-    """A malloc+free pair through one level of allocation wrappers, charged to the wrappers' caller."""
-    loop = build("wrapper_loop.c")
-    d = os.path.join(WORK, "charged")
+def build_and_patch(src, subdir):
+    """bench/SRC built, and patched with no option into $W/SUBDIR: (unpatched, patched) paths."""
+    loop = build(src)
+    d = os.path.join(WORK, subdir)
     os.makedirs(d, exist_ok=True)
-    ploop = os.path.join(d, "wrapper_loop")
+    ploop = os.path.join(d, os.path.basename(loop))
     subprocess.run([AT, "patch", loop, "-o", ploop], check=True, env=base_env(),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return loop, ploop
+
+
+def part_wrappers():
+    """A malloc+free pair through one level of allocation wrappers, charged to the wrappers' caller."""
+    loop, ploop = build_and_patch("wrapper_loop.c", "charged")
     n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
     sec = Section(
         "Instructions through allocation wrappers", "wrappers",
@@ -992,12 +998,7 @@ def part_wrappers():
 
 def part_callers():
     """Callers capture: instructions per captured call at depth 4, and nothing where it is off."""
-    loop = build("chain_loop.c")
-    d = os.path.join(WORK, "callers")
-    os.makedirs(d, exist_ok=True)
-    ploop = os.path.join(d, "chain_loop")
-    subprocess.run([AT, "patch", loop, "-o", ploop], check=True, env=base_env(),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    loop, ploop = build_and_patch("chain_loop.c", "callers")
     n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
     sec = Section(
         "Callers capture", "callers",

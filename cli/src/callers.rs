@@ -175,16 +175,15 @@ pub fn chains(pf: &ProcessFile, plumbing: &Plumbing) -> Vec<ChainRow> {
     let mut at: HashMap<(String, u64, Vec<String>), usize> = HashMap::new();
     for c in out {
         let names = c.frames.iter().map(|f| format!("{}|{:?}", f.describe(), f.module)).collect();
-        match at.get(&(c.site.0.clone(), c.site.1, names)) {
-            Some(&i) => {
-                if let Some(m) = merged.get_mut(i) {
+        match at.entry((c.site.0.clone(), c.site.1, names)) {
+            std::collections::hash_map::Entry::Occupied(e) => {
+                if let Some(m) = merged.get_mut(*e.get()) {
                     m.calls += c.calls;
                     m.bytes += c.bytes;
                 }
             }
-            None => {
-                let names = c.frames.iter().map(|f| format!("{}|{:?}", f.describe(), f.module)).collect();
-                at.insert((c.site.0.clone(), c.site.1, names), merged.len());
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(merged.len());
                 merged.push(c);
             }
         }

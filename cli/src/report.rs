@@ -307,14 +307,13 @@ pub fn run(args: Args) -> Result<()> {
 
 /// A report in the view's format.
 pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row], view: &View) -> io::Result<()> {
-    let chains = match view.callers {
-        true => {
+    let (chains, lost) = match (view.callers, src.parse()) {
+        (true, Ok(pf)) => {
             let plumbing = alloctramp_patcher::plumbing::Plumbing::with(&view.plumbing);
-            src.parse().map(|pf| crate::callers::chains(&pf, &plumbing)).unwrap_or_default()
+            (crate::callers::chains(&pf, &plumbing), pf.header.callers_lost.load(std::sync::atomic::Ordering::Relaxed))
         }
-        false => Vec::new(),
+        _ => (Vec::new(), 0),
     };
-    let lost = src.parse().map_or(0, |pf| pf.header.callers_lost.load(std::sync::atomic::Ordering::Relaxed));
     match view.format {
         Format::Text => {
             text::write(w, rows, &view.text_options(false))?;

@@ -2,7 +2,6 @@
 //! function boundaries recorded in .eh_frame (named `fn@0x...`).
 
 use crate::elf::Elf;
-use gimli::{BaseAddresses, CieOrFde, EhFrame, NativeEndian, UnwindSection};
 
 #[derive(Clone, Debug)]
 struct Range {
@@ -64,27 +63,10 @@ impl FunctionIndex {
 
 fn eh_frame_ranges(elf: &Elf) -> Vec<Range> {
     let mut out = Vec::new();
-    let Some(sec) = elf.section_by_name(".eh_frame") else { return out };
-    let eh = EhFrame::new(sec.data, NativeEndian);
-    let mut bases = BaseAddresses::default().set_eh_frame(sec.addr.0);
-    if let Some(text) = elf.section_by_name(".text") {
-        bases = bases.set_text(text.addr.0);
-    }
-    if let Some(hdr) = elf.section_by_name(".eh_frame_hdr") {
-        bases = bases.set_eh_frame_hdr(hdr.addr.0);
-    }
-    if let Some(got) = elf.section_by_name(".got") {
-        bases = bases.set_got(got.addr.0);
-    }
-    let mut entries = eh.entries(&bases);
-    while let Ok(Some(entry)) = entries.next() {
-        if let CieOrFde::Fde(partial) = entry
-            && let Ok(fde) = partial.parse(|_, bases, o| eh.cie_from_offset(bases, o))
-        {
-            let start = fde.initial_address();
-            out.push(Range { start, end: start.saturating_add(fde.len()), name: None, rank: 2 });
-        }
-    }
+    crate::unwind::for_each_fde(elf, |_, _, fde| {
+        let start = fde.initial_address();
+        out.push(Range { start, end: start.saturating_add(fde.len()), name: None, rank: 2 });
+    });
     out
 }
 

@@ -13,7 +13,8 @@
 use crate::elf::Elf;
 use alloctramp_trampolines::layout::{UnwindRow, unwind};
 use gimli::{
-    BaseAddresses, CfaRule, CieOrFde, EhFrame, LittleEndian, RegisterRule, UnwindContext, UnwindSection, X86_64,
+    BaseAddresses, CfaRule, CieOrFde, EhFrame, EndianSlice, LittleEndian, RegisterRule, UnwindContext, UnwindSection,
+    X86_64,
 };
 
 /// The rows for `elf`'s `.eh_frame`, sorted by address, consecutive rows
@@ -22,32 +23,17 @@ use gimli::{
 /// malformed `.eh_frame` gives the rows read before the damage (the
 /// damaged range stops chains).
 pub fn rows(elf: &Elf) -> Vec<UnwindRow> {
-    let Some(sec) = elf.section_by_name(".eh_frame").filter(|s| !s.data.is_empty()) else {
-        return Vec::new();
-    };
-    let eh = EhFrame::new(sec.data, LittleEndian);
-    let mut bases = BaseAddresses::default().set_eh_frame(sec.addr.0);
-    if let Some(text) = elf.section_by_name(".text") {
-        bases = bases.set_text(text.addr.0);
-    }
-    if let Some(got) = elf.section_by_name(".got") {
-        bases = bases.set_got(got.addr.0);
-    }
     let mut ctx = Box::new(UnwindContext::new());
     // (start, end, row) for every CFI row.
     let mut raw: Vec<(u64, u64, UnwindRow)> = Vec::new();
-    let mut entries = eh.entries(&bases);
-    while let Ok(Some(entry)) = entries.next() {
-        let CieOrFde::Fde(partial) = entry else { continue };
-        let Ok(fde) = partial.parse(|s, b, o| s.cie_from_offset(b, o)) else { continue };
-        let Ok(mut table) = fde.rows(&eh, &bases, &mut ctx) else { continue };
+    for_each_fde(elf, |eh, bases, fde| {
+        let Ok(mut table) = fde.rows(eh, bases, &mut ctx) else { return };
         while let Ok(Some(row)) = table.next_row() {
-            if row.start_address() >= row.end_address() {
-                continue;
+            if row.start_address() < row.end_address() {
+                raw.push((row.start_address(), row.end_address(), convert(row)));
             }
-            raw.push((row.start_address(), row.end_address(), convert(row)));
         }
-    }
+    });
     if raw.iter().any(|&(_, end, _)| end > u64::from(u32::MAX)) {
         return Vec::new();
     }
@@ -73,6 +59,37 @@ pub fn rows(elf: &Elf) -> Vec<UnwindRow> {
     }
     out
 }
+
+/// The readable FDEs of `elf`'s `.eh_frame`, in file order, with the
+/// section and the base addresses their pointers are relative to (what the
+/// function index and the unwind rows both read).
+pub fn for_each_fde<'a>(
+    elf: &Elf<'a>,
+    mut f: impl FnMut(&EhFrame<EndianSlice<'a, LittleEndian>>, &BaseAddresses, &Fde<'a>),
+) {
+    let Some(sec) = elf.section_by_name(".eh_frame").filter(|s| !s.data.is_empty()) else { return };
+    let eh = EhFrame::new(sec.data, LittleEndian);
+    let mut bases = BaseAddresses::default().set_eh_frame(sec.addr.0);
+    for (name, set) in [
+        (".text", BaseAddresses::set_text as fn(BaseAddresses, u64) -> BaseAddresses),
+        (".eh_frame_hdr", BaseAddresses::set_eh_frame_hdr),
+        (".got", BaseAddresses::set_got),
+    ] {
+        if let Some(s) = elf.section_by_name(name) {
+            bases = set(bases, s.addr.0);
+        }
+    }
+    let mut entries = eh.entries(&bases);
+    while let Ok(Some(entry)) = entries.next() {
+        if let CieOrFde::Fde(partial) = entry
+            && let Ok(fde) = partial.parse(|s, b, o| s.cie_from_offset(b, o))
+        {
+            f(&eh, &bases, &fde);
+        }
+    }
+}
+
+type Fde<'a> = gimli::FrameDescriptionEntry<EndianSlice<'a, LittleEndian>>;
 
 fn same_rules(a: &UnwindRow, b: &UnwindRow) -> bool {
     (a.kind, a.cfa_offset, a.rbp_saved, a.rbp_offset) == (b.kind, b.cfa_offset, b.rbp_saved, b.rbp_offset)

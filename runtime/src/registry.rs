@@ -71,8 +71,10 @@ impl Slot {
     /// On the path of every captured call: a range check, then a few rows
     /// scanned from the block index.
     fn unwind_row(&self, pc: u64) -> Option<UnwindRow> {
+        // code_hi is published last (check_unwind): read first.
+        let hi = self.code_hi.load(Ordering::Acquire);
         let lo = self.code_lo.load(Ordering::Relaxed);
-        if pc < lo || pc >= self.code_hi.load(Ordering::Relaxed) || !self.is_active() {
+        if pc < lo || pc >= hi || !self.is_active() {
             return None;
         }
         let p = self.unwind.load(Ordering::Relaxed) as *const UnwindRow;
@@ -82,9 +84,10 @@ impl Slot {
         let block = ((pc - lo) / layout::UNWIND_BLOCK) as usize;
         // SAFETY: set_unwind checked that the rows and the block index
         // after them lie in the module's read-only segment (mapped while
-        // the slot is active), that the index has an entry for every block
-        // of [code_lo, code_hi) and that each names a row; `i + 1 < n`
-        // bounds the scan.
+        // the slot is active), and check_unwind, before it published
+        // code_hi, that the index has an entry for every block of
+        // [code_lo, code_hi) and that each names a row; `i + 1 < n` bounds
+        // the scan.
         unsafe {
             let mut i = *(p.add(n) as *const u32).add(block) as usize;
             while i + 1 < n && (*p.add(i + 1)).addr <= at {
@@ -285,7 +288,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         slot.lo.store(lo, Ordering::Relaxed);
         slot.hi.store(hi, Ordering::Relaxed);
         slot.file_index.store(file_index, Ordering::Relaxed);
-        set_unwind(slot, &t, table as u64, module.room, bias);
+        set_unwind(slot, &t, table as u64, module.room);
         slot.busy.store(true, Ordering::Relaxed);
         slot.state.store(ACTIVE, Ordering::Release);
         SLOT_COUNT.store(i + 1, Ordering::Release);
@@ -299,7 +302,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
 /// The module's unwind rows, if they lie within the `room` bytes of its
 /// read-only segment after the table at `table`, are sorted, and are
 /// 4-byte aligned.
-fn set_unwind(slot: &Slot, t: &Table, table: u64, room: usize, bias: u64) {
+fn set_unwind(slot: &Slot, t: &Table, table: u64, room: usize) {
     let h = &t.header;
     let n = h.unwind_count as usize;
     let blocks = h.unwind_blocks as usize;
@@ -314,37 +317,49 @@ fn set_unwind(slot: &Slot, t: &Table, table: u64, room: usize, bias: u64) {
     if !ok {
         return;
     }
-    let p = table.wrapping_add(start) as *const UnwindRow;
-    // SAFETY: within the module's read-only segment (checked above).
-    let rows = unsafe { std::slice::from_raw_parts(p, n) };
-    if !rows.windows(2).all(|w| w.first().map(|a| a.addr) < w.get(1).map(|b| b.addr)) {
-        return;
-    }
-    let (Some(first), Some(last)) = (rows.first(), rows.last()) else { return };
-    // The block index must cover the rows and name rows that exist.
-    // SAFETY: after the rows, within the segment (checked above).
-    let index = unsafe { std::slice::from_raw_parts(p.add(n) as *const u32, blocks) };
-    let need = (u64::from(last.addr - first.addr) / layout::UNWIND_BLOCK + 1) as usize;
-    if blocks != need || index.iter().any(|&i| i as usize >= n) {
-        return;
-    }
-    slot.code_lo.store(bias.wrapping_add(u64::from(first.addr)), Ordering::Relaxed);
-    slot.code_hi.store(bias.wrapping_add(u64::from(last.addr)), Ordering::Relaxed);
     slot.unwind_count.store(n as u32, Ordering::Relaxed);
     slot.unwind_blocks.store(blocks as u32, Ordering::Relaxed);
-    slot.unwind.store(p as usize, Ordering::Relaxed);
-    if code_range_overflows(slot) {
-        slot.unwind.store(0, Ordering::Relaxed);
-        slot.code_hi.store(0, Ordering::Relaxed);
-    }
+    slot.unwind.store(table.wrapping_add(start) as usize, Ordering::Relaxed);
 }
 
-/// Whether the module's code range does not fit the rows' 32-bit
-/// addresses from its bias (then no lookup is made in it).
-fn code_range_overflows(slot: &Slot) -> bool {
+/// Checks a held slot's unwind rows once (sorted, a block index that
+/// covers them and names rows that exist, addresses that fit 32 bits from
+/// the bias), then opens them to lookups. Done when callers capture first
+/// needs them, not at registration: a module whose chains are never
+/// recorded never reads its rows (nor maps their pages).
+fn check_unwind(slot: &Slot) {
+    if slot.code_hi.load(Ordering::Relaxed) != 0 {
+        return;
+    }
+    let p = slot.unwind.load(Ordering::Relaxed) as *const UnwindRow;
+    let (n, blocks) =
+        (slot.unwind_count.load(Ordering::Relaxed) as usize, slot.unwind_blocks.load(Ordering::Relaxed) as usize);
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: within the module's read-only segment (set_unwind), mapped
+    // while the slot is held.
+    let (rows, index) =
+        unsafe { (std::slice::from_raw_parts(p, n), std::slice::from_raw_parts(p.add(n) as *const u32, blocks)) };
+    let (Some(first), Some(last)) = (rows.first(), rows.last()) else { return };
+    let need = (u64::from(last.addr - first.addr) / layout::UNWIND_BLOCK + 1) as usize;
+    if !rows.windows(2).all(|w| w.first().map(|a| a.addr) < w.get(1).map(|b| b.addr))
+        || blocks != need
+        || index.iter().any(|&i| i as usize >= n)
+    {
+        slot.unwind.store(0, Ordering::Relaxed);
+        return;
+    }
     let bias = slot.bias.load(Ordering::Relaxed);
-    let (lo, hi) = (slot.code_lo.load(Ordering::Relaxed), slot.code_hi.load(Ordering::Relaxed));
-    hi < lo || lo.wrapping_sub(bias) > u64::from(u32::MAX) || hi.wrapping_sub(bias) > u64::from(u32::MAX)
+    let (lo, hi) = (bias.wrapping_add(u64::from(first.addr)), bias.wrapping_add(u64::from(last.addr)));
+    // The rows' addresses are u32 from the bias: a range that wraps is not
+    // looked up.
+    if hi < lo || hi.wrapping_sub(bias) > u64::from(u32::MAX) {
+        slot.unwind.store(0, Ordering::Relaxed);
+        return;
+    }
+    slot.code_lo.store(lo, Ordering::Relaxed);
+    slot.code_hi.store(hi, Ordering::Release);
 }
 
 /// The runtime's `capture` function, written into every module's control
@@ -444,6 +459,9 @@ fn converge(slot: &Slot) {
 /// # Safety
 /// The slot must be held busy by the caller.
 unsafe fn switch(slot: &Slot, to: Sites) -> Result<(), &'static str> {
+    if state::CALLERS.load(Ordering::Relaxed) != 0 {
+        check_unwind(slot);
+    }
     // SAFETY: a held slot's module stays mapped (caller).
     match unsafe { slot.module() } {
         // SAFETY: as above; holding the slot excludes other switches.
