@@ -170,9 +170,9 @@ def cached(fn):
 
 
 @cached
-def build(src, *flags):
-    """Compiles bench/SRC into $W/NAME; returns its path."""
-    name = os.path.splitext(src)[0]
+def build(src, *flags, name=None):
+    """Compiles bench/SRC into $W/NAME (NAME: SRC's stem unless given); returns its path."""
+    name = name or os.path.splitext(src)[0]
     exe = os.path.join(WORK, name)
     compiler = "g++" if src.endswith(".cpp") else "gcc"
     subprocess.run([compiler, "-O2", os.path.join(ROOT, "bench", src), "-o", exe, *flags], check=True)
@@ -948,9 +948,9 @@ def part_memory():
     target(sec, "runtime memory per tracked live object", value, "<= 24 bytes", ok)
 
 
-def build_and_patch(src, subdir):
-    """bench/SRC built, and patched with no option into $W/SUBDIR: (unpatched, patched) paths."""
-    loop = build(src)
+def build_and_patch(src, subdir, *flags, name=None):
+    """bench/SRC built (with FLAGS, as NAME), and patched with no option into $W/SUBDIR: (unpatched, patched) paths."""
+    loop = build(src, *flags, name=name)
     d = os.path.join(WORK, subdir)
     os.makedirs(d, exist_ok=True)
     ploop = os.path.join(d, os.path.basename(loop))
@@ -999,6 +999,9 @@ def part_wrappers():
 def part_callers():
     """Callers capture: instructions per captured call at depth 4, and nothing where it is off."""
     loop, ploop = build_and_patch("chain_loop.c", "callers")
+    # The same loop with frame pointers: every frame's CFA comes from rbp,
+    # so no call is recognised from its site's memo and each is unwound.
+    fp, pfp = build_and_patch("chain_loop.c", "callers", "-fno-omit-frame-pointer", name="chain_loop_fp")
     n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
     sec = Section(
         "Callers capture", "callers",
@@ -1006,29 +1009,39 @@ def part_callers():
         "Profiling on and counting only (`ALLOCTRAMP=on ALLOCTRAMP_LIVE=0`), without and with "
         "`ALLOCTRAMP_CALLERS=4` (both sites record chains of 4 frames); instructions of the loop "
         f"(`valgrind --tool=callgrind --toggle-collect=work`) at {n1:,} and {n2:,} pairs. A captured call is one "
-        "of the two calls of a pair.",
+        "of the two calls of a pair. Built with `gcc -O2` (frames found from the stack pointer: after the first "
+        "call, each is recognised from its site's last chain by reading one word per frame), and with "
+        "`-fno-omit-frame-pointer` as `chain_loop_fp` (frames found through rbp: every call is unwound with the "
+        "rows).",
     )
     SECTIONS.append(sec)
     runs = {}
-    variants = [("unpatched", loop, {}), ("counting", ploop, {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0"}),
-                ("counting, callers at depth 4", ploop,
-                 {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0", "ALLOCTRAMP_CALLERS": "4"})]
+    counting = {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0"}
+    callers = dict(counting, ALLOCTRAMP_CALLERS="4")
+    variants = [("unpatched", loop, {}), ("counting", ploop, counting),
+                ("counting, callers at depth 4", ploop, callers),
+                ("frame pointers: counting", pfp, counting),
+                ("frame pointers: counting, callers at depth 4", pfp, callers)]
     for name, exe, extra in variants:
         env = base_env(extra)
         for n in (n1, n2):
-            log(f"callgrind: chain_loop {name}, {n} pairs")
+            log(f"callgrind: {os.path.basename(exe)} {name}, {n} pairs")
             runs[name, n] = callgrind([exe, str(n)], env, toggle="work")
     per = {name: (runs[name, n2] - runs[name, n1]) / (n2 - n1) for name, _, _ in variants}
     rows = []
     for name, exe, extra in variants:
         shown = " ".join(f"{k}={v}" for k, v in extra.items())
-        where = "$W/callers/" if exe == ploop else "$W/"
-        cmd = f"`{shown + ' ' if shown else ''}valgrind --tool=callgrind --toggle-collect=work {where}chain_loop N`"
+        where = "$W/callers/" if exe in (ploop, pfp) else "$W/"
+        cmd = (f"`{shown + ' ' if shown else ''}valgrind --tool=callgrind --toggle-collect=work "
+               f"{where}{os.path.basename(exe)} N`")
         rows.append([name, cmd, f"{runs[name, n1]:,}", f"{runs[name, n2]:,}", f"{per[name]:.2f}"])
     sec.table(["variant", "command", f"loop, N={n1:,}", f"loop, N={n2:,}", "per pair"], rows)
     captured = (per["counting, callers at depth 4"] - per["counting"]) / 2
     target(sec, "callers capture at depth 4: extra instructions per captured call", f"{captured:.1f}", "<= 150",
            captured <= 150)
+    unwound = (per["frame pointers: counting, callers at depth 4"] - per["frame pointers: counting"]) / 2
+    sec.para(f"Every call unwound (frame pointers): {unwound:+.1f} instructions per captured call (no target of "
+             "its own; it is what a call costs whose chain is not its site's last one).")
     sec.para("Where it is off (no `ALLOCTRAMP_CALLERS`), the sites jump to the entries they use without callers "
              "capture: the counting row is that cost.")
 

@@ -107,6 +107,63 @@ mod exact_chains {
     crate::matrix!(super::check_callers);
 }
 
+/// Four threads reach one malloc site at once through four chains
+/// (`testbins/callers_threads.c`): each chain's calls and bytes are exact,
+/// whether its calls are recognised from the site's last chain or unwound
+/// (the threads keep replacing it), at -O0 (frames found through rbp) and
+/// -O2 (through the stack pointer).
+fn check_threaded_chains(config: Config) {
+    let b = built(config);
+    let dir = b.dir.join("patched-callers-threads");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("callers_threads");
+    patch_to(&b.path("callers_threads"), &bin, &[]);
+    let original = run_program(&b.path("callers_threads"), &[], &[]);
+    for depth in ["2", "4"] {
+        let counters = counters_dir(&format!("{}-callers-threads-{depth}", config.name()));
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", depth), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+        assert_eq!(run_program(&bin, &[], &env), original, "{}: the program behaves as the original", config.name());
+        let file = only_counters_file(&counters);
+        let o = alloctramp()
+            .args(["report", "--callers", "--format", "json", "--dir"])
+            .arg(&counters)
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(doc["callers_lost"], 0, "{}: no chain lost", config.name());
+        let site = doc["sites"].as_array().unwrap().iter().find(|s| s["entry"] == "malloc").unwrap();
+        let mut got: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        for c in site["callers"].as_array().unwrap() {
+            let frames = c["frames"].as_array().unwrap();
+            // path<t> <- worker <- libc's thread start (not patched: the
+            // chain ends there).
+            assert_eq!(frames.len(), depth.parse::<usize>().unwrap().min(3), "{}: {c}", config.name());
+            let names: Vec<&str> = frames.iter().map(|f| f["function"].as_str().unwrap_or("?")).collect();
+            assert_eq!(names[1], "worker", "{}: {names:?}", config.name());
+            let e = got.entry(names[0].to_string()).or_default();
+            e.0 += c["calls"].as_u64().unwrap();
+            e.1 += c["bytes"].as_u64().unwrap();
+        }
+        let want: BTreeMap<String, (u64, u64)> =
+            (0..4u64).map(|t| (format!("path{t}"), (20_000, 20_000 * 16 * (t + 1)))).collect();
+        assert_eq!(got, want, "{} depth {depth}: each thread's chain, exactly", config.name());
+    }
+}
+
+mod threaded_chains {
+    #[test]
+    fn o0_pie() {
+        super::check_threaded_chains(crate::util::Config { opt: "-O0", pie: true, extra: "" });
+    }
+    #[test]
+    fn o2_pie() {
+        super::check_threaded_chains(crate::util::Config::default_o2());
+    }
+}
+
 /// `report --callers` in text: the chains under the site's tag, `#` lines
 /// after the table.
 #[test]

@@ -17,13 +17,12 @@
 use crate::registry::{self, PROC};
 use crate::state::{self, LIVE};
 use crate::sys;
-use alloctramp_trampolines::entry::{Kind, Size};
 use alloctramp_trampolines::layout::capture::{Frame, MAX_DEPTH};
 use alloctramp_trampolines::layout::{self, ControlBlock, ENTRY_SIZE, Entry, Header, SITE_SIZE, Site};
 use alloctramp_trampolines::pod;
 use alloctramp_trampolines::process::{CALLERS_SLOTS, ChainSlot, MAX_MAPS, MapEntry, ProcHeader};
 use std::mem::offset_of;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Run-time address of the callers region (0: none) and its chain slots.
 static REGION: AtomicU64 = AtomicU64::new(0);
@@ -46,131 +45,353 @@ unsafe fn read<T: pod::Pod>(addr: u64) -> T {
 
 /// Called by a module's capture stub (see `layout::capture`).
 ///
+/// On the allocation path of every captured call, so written for few
+/// instructions: the site's continuation first; then, if the call comes
+/// from the chain last recorded at the site, its memo names the chain's
+/// slot after reading one word per frame ([`Memo::replay`]); otherwise
+/// [`capture_walk`] unwinds and looks the chain up.
+///
 /// # Safety
-/// `frame` is the stub's frame on the calling thread's stack, `table` the
-/// site table of the module whose trampoline the thread came from (mapped:
-/// its code is running), and `frame.index` a site index of that table.
+/// `frame` is the stub's frame on the calling thread's stack, `control`
+/// and `table` the control block and site table of the module whose
+/// trampoline the thread came from (mapped: its code is running), and
+/// `frame.index` a site index of that table.
 pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBlock, rbp: u64, table: *const u8) {
     // SAFETY: the stub's frame (caller).
     let f = unsafe { &mut *frame };
     let index = f.index;
     let t = table as u64;
-    let header = |field: usize| t.wrapping_add(field as u64);
     // Only the fields needed are read. SAFETY: the header's fields and
     // those of site `index` lie within the module's site table (checked at
     // registration; caller).
-    let (bias, site, trampoline, count) = unsafe {
-        let bias = t.wrapping_sub(read::<u64>(header(offset_of!(Header, table_addr))));
-        let sites = u64::from(read::<u32>(header(offset_of!(Header, sites_offset))));
-        let site = t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64));
-        let trampoline: u64 = read(site + offset_of!(Site, trampoline) as u64);
-        (bias, site, trampoline, read::<u16>(site + offset_of!(Site, count) as u64))
+    let (bias, site) = unsafe {
+        let bias = t.wrapping_sub(read::<u64>(t + offset_of!(Header, table_addr) as u64));
+        let sites = u64::from(read::<u32>(t + offset_of!(Header, sites_offset) as u64));
+        (bias, t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64)))
+    };
+    // Before anything else: where the stub goes back to. SAFETY: as above.
+    let (trampoline, count) = unsafe {
+        (read::<u64>(site + offset_of!(Site, trampoline) as u64), read::<u16>(site + offset_of!(Site, count) as u64))
     };
     let entry = if LIVE.load(Ordering::Relaxed) { 0 } else { count };
-    // Before anything else: where the stub goes back to.
     f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
-    let depth = (state::CALLERS.load(Ordering::Relaxed) as usize).min(MAX_DEPTH);
-    let region = REGION.load(Ordering::Acquire);
-    if depth == 0 || region == 0 {
+    // The epoch first: switching the depth raises it after the store.
+    let epoch = epoch();
+    if state::CALLERS.load(Ordering::Acquire) == 0 {
         return;
     }
-    let Some(module) = registry::file_index_of_table(table as usize) else { return };
     let sp = frame as u64 + size_of::<Frame>() as u64;
-    // SAFETY: as above; the site's entry index names an entry of the
-    // table, whose name is one of its strings.
-    let (addr, e, strings) = unsafe {
-        let addr: u64 = read(site + offset_of!(Site, addr) as u64);
-        let entries = u64::from(read::<u32>(header(offset_of!(Header, entries_offset))));
-        let entry_index = u64::from(read::<u16>(site + offset_of!(Site, entry) as u64));
-        let e: Entry = read(t.wrapping_add(entries).wrapping_add(entry_index.wrapping_mul(ENTRY_SIZE as u64)));
-        let strings_offset = u64::from(read::<u32>(header(offset_of!(Header, strings_offset))));
-        (addr, e, t.wrapping_add(strings_offset).wrapping_add(u64::from(e.name)))
-    };
-    let frames = walk(bias.wrapping_add(addr), sp, rbp, depth);
-    // strndup(s, n) copies at most n bytes (the only default entry with a
-    // length limit after the string).
-    let limited = || {
-        b"strndup\0".iter().enumerate().all(|(i, &c)| {
-            // SAFETY: the entry's name is a NUL-terminated string of the
-            // table; the comparison stops at its first differing byte, at
-            // the NUL at the latest.
-            unsafe { read::<u8>(strings + i as u64) == c }
-        })
-    };
-    let bytes = size_of_call(&e, f, limited);
-    record(region, module, index as u32, &frames, depth, bytes);
+    if let Some((chain, rule)) = memo_of(index).replay(site, sp, epoch) {
+        add(chain, size_of_call(rule, f));
+        return;
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { capture_walk(f, rbp, t, index) };
 }
 
-/// The size a call asks for, from the saved argument registers.
-fn size_of_call(e: &Entry, f: &Frame, limited: impl Fn() -> bool) -> u64 {
-    let Some(kind) = Kind::from_code(e.kind) else { return 0 };
-    let Some(sig) = layout::decode_sig(kind, e.sig) else { return 0 };
-    let arg = |i: u8| match i {
-        0 => f.rdi,
-        1 => f.rsi,
-        2 => f.rdx,
-        3 => f.rcx,
-        4 => f.r8,
-        5 => f.r9,
-        _ => 0,
+/// The chain of a call its site's memo did not know: unwound with the
+/// rows, recorded, and remembered in the memo when it can be replayed.
+/// What [`capture`] found is found again here rather than passed, which
+/// keeps [`capture`]'s registers for its own path.
+///
+/// # Safety
+/// As for [`capture`], with `t` the table and `index` the site's index.
+#[inline(never)]
+unsafe fn capture_walk(f: &Frame, rbp: u64, t: u64, index: u64) {
+    // SAFETY: as in `capture`.
+    let (bias, site) = unsafe {
+        let bias = t.wrapping_sub(read::<u64>(t + offset_of!(Header, table_addr) as u64));
+        let sites = u64::from(read::<u32>(t + offset_of!(Header, sites_offset) as u64));
+        (bias, t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64)))
     };
-    match sig.size {
-        Size::None => 0,
-        Size::Arg(a) => arg(a),
-        Size::Product(a, b) => arg(a).wrapping_mul(arg(b)),
-        // strdup(s) and strndup(s, n): the copy's length plus one. The
-        // string is read as the callee is about to read it.
-        Size::ResultStrlen if f.rdi == 0 => 0,
-        Size::ResultStrlen => {
-            let limit = if limited() { f.rsi } else { u64::MAX };
-            let mut n = 0u64;
-            // SAFETY: a NUL-terminated string the allocator is given.
-            while n < limit && unsafe { read::<u8>(f.rdi.wrapping_add(n)) } != 0 {
-                n += 1;
-            }
-            n + 1
-        }
+    let epoch = epoch();
+    let depth = (state::CALLERS.load(Ordering::Acquire) as usize).min(MAX_DEPTH);
+    let sp = f as *const Frame as u64 + size_of::<Frame>() as u64;
+    let region = REGION.load(Ordering::Acquire);
+    if region == 0 || depth == 0 {
+        return;
+    }
+    // SAFETY: the module's control block, mapped with its code (caller).
+    let slot = unsafe {
+        let control = bias.wrapping_add(read::<u64>(t + offset_of!(Header, control_addr) as u64));
+        pod::at::<ControlBlock>(control as usize).module_id.load(Ordering::Relaxed)
+    };
+    let Some(module) = registry::file_index_of(slot, t as usize) else { return };
+    // SAFETY: the site's fields, its entry (the index names one of the
+    // table's entries) and the entry's name (one of the table's strings)
+    // lie within the table (caller).
+    let (addr, e, name) = unsafe {
+        let addr: u64 = read(site + offset_of!(Site, addr) as u64);
+        let entries = u64::from(read::<u32>(t + offset_of!(Header, entries_offset) as u64));
+        let entry_index = u64::from(read::<u16>(site + offset_of!(Site, entry) as u64));
+        let e: Entry = read(t.wrapping_add(entries).wrapping_add(entry_index.wrapping_mul(ENTRY_SIZE as u64)));
+        let strings = u64::from(read::<u32>(t + offset_of!(Header, strings_offset) as u64));
+        (addr, e, t.wrapping_add(strings).wrapping_add(u64::from(e.name)))
+    };
+    // strndup(s, n) copies at most n bytes (the only default entry with a
+    // length limit after the string).
+    let limited = b"strndup\0".iter().enumerate().all(|(i, &c)| {
+        // SAFETY: a NUL-terminated string of the table; the comparison
+        // stops at its first differing byte, at the NUL at the latest.
+        unsafe { read::<u8>(name.wrapping_add(i as u64)) == c }
+    });
+    let rule = size_rule(&e, limited);
+    let mut frames = [0u64; MAX_DEPTH];
+    let mut at = [0u32; MAX_DEPTH];
+    let mut key = seed(module, index as u32);
+    let walked = walk(bias.wrapping_add(addr), sp, rbp, depth, &mut frames, &mut at, &mut key);
+    // Frames past the chain's end stay 0 and are hashed as such.
+    for &ra in frames.get(walked.found..depth).unwrap_or_default() {
+        key = mix(key, ra);
+    }
+    let frames = frames.get(..depth).unwrap_or_default();
+    let Some(chain) = record(region, module, index as u32, frames, finish(key), size_of_call(rule, f)) else {
+        return;
+    };
+    if walked.from_sp && sp & 7 == 0 {
+        let found = frames.get(..walked.found).unwrap_or_default();
+        memo_of(index).fill(site, rule, epoch, chain, found, &at);
     }
 }
 
-/// The return addresses above the site at `pc` (the thread's stack pointer
-/// `sp` and rbp there), innermost first, at most `depth`.
-fn walk(mut pc: u64, mut sp: u64, mut bp: u64, depth: usize) -> [u64; MAX_DEPTH] {
-    let mut frames = [0u64; MAX_DEPTH];
-    for (k, slot) in frames.iter_mut().enumerate().take(depth) {
-        // A return address is after its call: look the call up.
-        let Some(row) = registry::unwind_row(if k == 0 { pc } else { pc.wrapping_sub(1) }) else { break };
-        let base = if row.kind == layout::unwind::RSP { sp } else { bp };
-        let cfa = base.wrapping_add_signed(i64::from(row.cfa_offset));
-        if cfa <= sp || cfa - sp > MAX_FRAME || !cfa.is_multiple_of(8) {
+/// How an entry's call is sized, in the 9 bits [`size_of_call`] reads:
+/// the signature's size rule (`layout::decode_sig`: 0 none, 1 an
+/// argument, 2 a product of two, 3 a string's length plus one), the
+/// [`Frame`] words (3 bits each) holding its two arguments, and whether
+/// the length is limited by the second argument (strndup). A rule this
+/// runtime does not know counts no bytes.
+fn size_rule(e: &Entry, limited: bool) -> u32 {
+    // The argument registers' words in a Frame.
+    const WORD: [u32; 6] = [4, 5, 6, 7, 3, 2];
+    let [rule, a, b, ..] = e.sig;
+    let word = |i: u8| WORD.get(usize::from(i)).copied();
+    match (rule, word(a), word(b)) {
+        (1, Some(a), _) => 1 | a << 2,
+        (2, Some(a), Some(b)) => 2 | a << 2 | b << 5,
+        // strdup(s) and strndup(s, n).
+        (3, ..) => 3 | 4 << 2 | 5 << 5 | u32::from(limited) << 8,
+        _ => 0,
+    }
+}
+
+/// The size a call asks for, from the saved argument registers and its
+/// [`size_rule`].
+#[inline(always)]
+fn size_of_call(rule: u32, f: &Frame) -> u64 {
+    // SAFETY: a Frame is 10 words; the index has 3 bits.
+    let arg = |shift: u32| unsafe { (f as *const Frame as *const u64).add(((rule >> shift) & 7) as usize).read() };
+    let kind = rule & 3;
+    if kind == 1 {
+        arg(2)
+    } else if kind == 0 {
+        0
+    } else if kind == 2 {
+        arg(2).wrapping_mul(arg(5))
+    } else {
+        // strdup(s) and strndup(s, n): the copy's length plus one. The
+        // string is read as the callee is about to read it.
+        let s = arg(2);
+        if s == 0 {
+            return 0;
+        }
+        let limit = if rule & 1 << 8 != 0 { arg(5) } else { u64::MAX };
+        let mut n = 0u64;
+        // SAFETY: a NUL-terminated string the allocator is given.
+        while n < limit && unsafe { read::<u8>(s.wrapping_add(n)) } != 0 {
+            n += 1;
+        }
+        n + 1
+    }
+}
+
+/// What [`walk`] found: how many frames, and whether every frame's CFA
+/// came from the stack pointer (so that each return address lies at a
+/// fixed distance from the site's stack pointer, given the ones below).
+struct Walked {
+    found: usize,
+    from_sp: bool,
+}
+
+/// Fills `frames` with the return addresses above the site at `pc` (the
+/// thread's stack pointer `sp` and rbp there), innermost first (at most `depth`), and `at`
+/// with their distances from `sp`, mixing each into `key`.
+#[inline(always)]
+fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u32], key: &mut u64) -> Walked {
+    let (mut pc, mut cur, mut bp) = (pc, sp, bp);
+    let mut w = Walked { found: 0, from_sp: true };
+    for (slot, dist) in frames.iter_mut().zip(at.iter_mut()).take(depth) {
+        // A return address is after its call: look the call up (the site's
+        // own address is that of the call).
+        let Some(step) = registry::unwind_step(if w.found == 0 { pc } else { pc.wrapping_sub(1) }) else { break };
+        let cfa = (if step.from_rbp { bp } else { cur }).wrapping_add_signed(step.cfa);
+        w.from_sp &= !step.from_rbp;
+        if cfa.wrapping_sub(cur).wrapping_sub(1) >= MAX_FRAME || cfa & 7 != 0 {
             break;
         }
         // SAFETY: the row says the return address is at CFA - 8, which
-        // lies above `sp` on this thread's stack (checked above).
+        // lies above `cur` on this thread's stack (checked above).
         let ra: u64 = unsafe { read(cfa - 8) };
-        if row.rbp_saved != 0 {
-            let at = cfa.wrapping_add_signed(i64::from(row.rbp_offset));
-            if at < sp || at + 8 > cfa {
+        if step.rbp_saved {
+            let at = cfa.wrapping_add_signed(step.rbp);
+            if at < cur || at + 8 > cfa {
                 break;
             }
-            // SAFETY: between `sp` and the CFA (checked above).
+            // SAFETY: between `cur` and the CFA (checked above).
             bp = unsafe { read(at) };
         }
         if ra == 0 {
             break;
         }
         *slot = ra;
-        (pc, sp) = (ra, cfa);
+        // Within MAX_DEPTH frames of at most MAX_FRAME bytes each.
+        *dist = (cfa - 8 - sp) as u32;
+        *key = mix(*key, ra);
+        w.found += 1;
+        (pc, cur) = (ra, cfa);
     }
-    frames
+    w
 }
 
-fn hash(module: u32, site: u32, frames: &[u64]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ (u64::from(module) << 32 | u64::from(site));
-    for &f in frames {
-        h = (h ^ f).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29);
+/// The last chain recorded at a site, kept so that the next call from the
+/// same chain is recognised by reading its return addresses where they
+/// were, without unwinding (see [`Memo::replay`]). Direct-mapped by site;
+/// written under a sequence count (odd while written) by whichever thread
+/// claims it, read by any.
+#[repr(C, align(128))]
+struct Memo {
+    seq: AtomicU32,
+    /// Frames found, and the site's [`size_rule`] from bit 4.
+    shape: AtomicU32,
+    /// The run-time address of the site's record in its table: with the
+    /// epoch, it names the site (a module unloaded changes the epoch).
+    site: AtomicU64,
+    epoch: AtomicU64,
+    /// Address of the chain's slot.
+    chain: AtomicU64,
+    /// Each frame's distance from the site's stack pointer, and its
+    /// return address.
+    at: [AtomicU32; MAX_DEPTH],
+    frames: [AtomicU64; MAX_DEPTH],
+}
+
+const MEMOS: usize = 1024;
+static MEMO: [Memo; MEMOS] = [const {
+    Memo {
+        seq: AtomicU32::new(0),
+        shape: AtomicU32::new(0),
+        site: AtomicU64::new(0),
+        epoch: AtomicU64::new(0),
+        chain: AtomicU64::new(0),
+        at: [const { AtomicU32::new(0) }; MAX_DEPTH],
+        frames: [const { AtomicU64::new(0) }; MAX_DEPTH],
     }
-    h ^= h >> 31;
+}; MEMOS];
+
+/// What a memo was derived from: the unwind rows and the callers region
+/// (replacing the region raises the rows' generation too).
+#[inline(always)]
+fn epoch() -> u64 {
+    registry::rows_generation()
+}
+
+/// The memo of a site, by its index in its table (sites of other modules
+/// with the same low bits share it).
+#[inline(always)]
+fn memo_of(index: u64) -> &'static Memo {
+    // SAFETY: the index is masked to the array's length.
+    unsafe { MEMO.get_unchecked(index as usize & (MEMOS - 1)) }
+}
+
+impl Memo {
+    /// The chain slot (and the size rule) of a call at the site whose
+    /// record is at `site`, with stack pointer `sp`, if it comes from this
+    /// memo's chain.
+    ///
+    /// The memo was filled by a walk from the same site, at the same
+    /// depth (changing the depth changes the epoch) and with the stack
+    /// pointer 8-aligned, in which every frame's CFA was the stack pointer
+    /// plus the row's offset. Each row depends only on the address it is
+    /// looked up for, so the walk from this call (with `sp` 8-aligned too)
+    /// finds the memo's first return address at the same distance from
+    /// `sp` (the site's row), and, if that address is the memo's, its
+    /// second at the same distance as well, and so on: each read is where
+    /// the walk would read (a frame of this thread's stack), and a chain
+    /// that matches every address is the memo's, ending where it ended
+    /// (the walk's stops depend only on the same rows and addresses, and
+    /// on `sp` modulo 8). Rows that changed change the epoch. Each frame's
+    /// pair is checked to be whole (no writer since the sequence count was
+    /// read) before the stack is read where it says.
+    #[inline(always)]
+    fn replay(&self, site: u64, sp: u64, epoch: u64) -> Option<(u64, u32)> {
+        let seq = self.seq.load(Ordering::Acquire);
+        let shape = self.shape.load(Ordering::Relaxed);
+        let chain = self.chain.load(Ordering::Relaxed);
+        if seq & 1 != 0
+            || self.site.load(Ordering::Relaxed) != site
+            || self.epoch.load(Ordering::Relaxed) != epoch
+            || sp & 7 != 0
+        {
+            return None;
+        }
+        let found = (shape & 15) as usize;
+        for (d, ra) in self.at.iter().zip(&self.frames).take(found) {
+            let (d, ra) = (d.load(Ordering::Relaxed), ra.load(Ordering::Relaxed));
+            std::sync::atomic::fence(Ordering::Acquire);
+            if self.seq.load(Ordering::Relaxed) != seq {
+                return None;
+            }
+            // SAFETY: where the walk would read the frame's return address
+            // (see above): within this thread's stack.
+            if unsafe { read::<u64>(sp + u64::from(d)) } != ra {
+                return None;
+            }
+        }
+        // `chain` and `shape` were read before the count was checked again
+        // (above, or here for a chain of no frames).
+        if found == 0 {
+            std::sync::atomic::fence(Ordering::Acquire);
+            if self.seq.load(Ordering::Relaxed) != seq {
+                return None;
+            }
+        }
+        Some((chain, shape >> 4))
+    }
+
+    /// Remembers a chain just recorded into the slot at `chain`, unless
+    /// another thread (or this one, interrupted) is writing the memo.
+    fn fill(&self, site: u64, rule: u32, epoch: u64, chain: u64, frames: &[u64], at: &[u32]) {
+        let seq = self.seq.load(Ordering::Relaxed);
+        if seq & 1 != 0 || self.seq.compare_exchange(seq, seq + 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            return;
+        }
+        self.site.store(site, Ordering::Relaxed);
+        self.epoch.store(epoch, Ordering::Relaxed);
+        self.shape.store(frames.len() as u32 | rule << 4, Ordering::Relaxed);
+        self.chain.store(chain, Ordering::Relaxed);
+        for ((a, b), (&d, &ra)) in self.at.iter().zip(&self.frames).zip(at.iter().zip(frames)) {
+            a.store(d, Ordering::Relaxed);
+            b.store(ra, Ordering::Relaxed);
+        }
+        self.seq.store(seq + 2, Ordering::Release);
+    }
+}
+
+/// A chain's key: its module and site, then its frames mixed in one by
+/// one, then [`finish`]ed.
+#[inline(always)]
+fn seed(module: u32, site: u32) -> u64 {
+    (0xcbf2_9ce4_8422_2325u64 ^ (u64::from(module) << 32 | u64::from(site))).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+#[inline(always)]
+fn mix(h: u64, frame: u64) -> u64 {
+    (h ^ frame).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29)
+}
+
+/// Keys 0 and 1 mark free and claimed slots.
+#[inline(always)]
+fn finish(h: u64) -> u64 {
+    let h = h ^ h >> 31;
     if h <= 1 { h + 2 } else { h }
 }
 
@@ -185,16 +406,20 @@ fn same(s: &ChainSlot, module: u32, site: u32, frames: &[u64]) -> bool {
 /// Only the first `depth` frames are compared and written: the others are
 /// 0 in every slot (a slot's depth is the capture's at the time; a chain
 /// recorded at another depth is another chain).
-fn record(region: u64, module: u32, site: u32, all: &[u64; MAX_DEPTH], depth: usize, bytes: u64) {
+#[inline(always)]
+fn record(region: u64, module: u32, site: u32, frames: &[u64], key: u64, bytes: u64) -> Option<u64> {
     let slots = SLOTS.load(Ordering::Relaxed);
     let base = region + MAX_MAPS * size_of::<MapEntry>() as u64;
-    let frames = all.get(..depth).unwrap_or(all);
-    let key = hash(module, site, frames);
     for probe in 0..PROBES.min(slots) {
         let i = key.wrapping_add(probe) & (slots - 1);
+        let at = base + i * size_of::<ChainSlot>() as u64;
         // SAFETY: slot i of the region, mapped while the process runs.
-        let s: &ChainSlot = unsafe { pod::at((base + i * size_of::<ChainSlot>() as u64) as usize) };
+        let s: &ChainSlot = unsafe { pod::at(at as usize) };
         let mut k = s.key.load(Ordering::Acquire);
+        if k == key && same(s, module, site, frames) {
+            add(at, bytes);
+            return Some(at);
+        }
         if k == 0 && s.key.compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
             s.module.store(module, Ordering::Relaxed);
             s.site.store(site, Ordering::Relaxed);
@@ -204,19 +429,35 @@ fn record(region: u64, module: u32, site: u32, all: &[u64; MAX_DEPTH], depth: us
             s.calls.fetch_add(1, Ordering::Relaxed);
             s.bytes.fetch_add(bytes, Ordering::Relaxed);
             s.key.store(key, Ordering::Release);
-            return;
+            return Some(at);
         }
         if k == 0 {
             k = s.key.load(Ordering::Acquire);
+            // Claimed and published by another thread meanwhile.
+            if k == key && same(s, module, site, frames) {
+                add(at, bytes);
+                return Some(at);
+            }
         }
         // A slot being written (1) is passed over: the chain may then be
         // recorded twice, and a reader adds the two up.
-        if k == key && same(s, module, site, frames) {
-            s.calls.fetch_add(1, Ordering::Relaxed);
-            s.bytes.fetch_add(bytes, Ordering::Relaxed);
-            return;
-        }
     }
+    lost();
+    None
+}
+
+/// Adds a call of `bytes` to the chain slot at `chain`.
+#[inline(always)]
+fn add(chain: u64, bytes: u64) {
+    // SAFETY: a slot of the region, mapped while the process runs.
+    let s: &ChainSlot = unsafe { pod::at(chain as usize) };
+    s.calls.fetch_add(1, Ordering::Relaxed);
+    s.bytes.fetch_add(bytes, Ordering::Relaxed);
+}
+
+#[cold]
+#[inline(never)]
+fn lost() {
     if let Some(h) = crate::procfile::header() {
         h.callers_lost.fetch_add(1, Ordering::Relaxed);
     }
@@ -281,6 +522,7 @@ fn ensure_region() -> Result<(), &'static str> {
         None => Err("no counters file: call chains cannot be recorded"),
     })?;
     SLOTS.store(CALLERS_SLOTS, Ordering::Relaxed);
+    registry::forget_rows();
     REGION.store(r, Ordering::Release);
     Ok(())
 }
@@ -294,6 +536,8 @@ pub fn set_depth(depth: u32) -> Result<(), &'static str> {
         ensure_region()?;
     }
     state::CALLERS.store(depth, Ordering::Release);
+    // Memos hold chains of the depth they were recorded at.
+    registry::forget_rows();
     if let Some(h) = crate::procfile::header() {
         h.callers_depth.store(depth, Ordering::Release);
     }
@@ -307,6 +551,7 @@ pub fn set_depth(depth: u32) -> Result<(), &'static str> {
 /// that records chains gets a region in its own file.
 pub fn after_fork_in_child() {
     REGION.store(0, Ordering::Release);
+    registry::forget_rows();
     let depth = state::CALLERS.load(Ordering::Relaxed);
     if depth != 0 && ensure_region().is_ok() {
         if let Some(h) = crate::procfile::header() {

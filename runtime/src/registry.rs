@@ -273,6 +273,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         // outlives the module: a nursery or table entry may name a cell
         // after the module is unloaded.
         control.counters.store(own, Ordering::Relaxed);
+        control.module_id.store(i as u64, Ordering::Relaxed);
         if LIVE.load(Ordering::Relaxed) {
             // SAFETY: its sites are all off until `converge`.
             unsafe { live::enable_in(control, i as u64) };
@@ -360,24 +361,158 @@ fn check_unwind(slot: &Slot) {
     }
     slot.code_lo.store(lo, Ordering::Relaxed);
     slot.code_hi.store(hi, Ordering::Release);
+    // Addresses of this module were answered "no row" until now.
+    forget_rows();
 }
 
 /// The runtime's `capture` function, written into every module's control
 /// block at registration (set at start-up by the layer that owns it).
 pub static CAPTURE: AtomicU64 = AtomicU64::new(0);
 
-/// The unwind row of the patched module whose code holds `pc`.
-pub fn unwind_row(pc: u64) -> Option<UnwindRow> {
-    slots().find_map(|s| s.unwind_row(pc))
+/// How to find a frame's caller (an unwind row, decoded): the CFA is rbp
+/// (`from_rbp`) or rsp plus `cfa`; the return address is at CFA - 8 and,
+/// if `rbp_saved`, the caller's rbp at CFA + `rbp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub from_rbp: bool,
+    pub cfa: i64,
+    pub rbp_saved: bool,
+    pub rbp: i64,
 }
 
-/// The process-file index of the active module whose site table is at
-/// `table`.
-pub fn file_index_of_table(table: usize) -> Option<u32> {
-    slots()
-        .find(|s| s.is_active() && s.table.load(Ordering::Relaxed) == table)
-        .map(|s| s.file_index.load(Ordering::Relaxed))
-        .filter(|&i| i != u32::MAX)
+impl Step {
+    fn of(r: UnwindRow) -> Option<Step> {
+        (r.kind == layout::unwind::RSP || r.kind == layout::unwind::RBP).then_some(Step {
+            from_rbp: r.kind == layout::unwind::RBP,
+            cfa: i64::from(r.cfa_offset),
+            rbp_saved: r.rbp_saved != 0,
+            rbp: i64::from(r.rbp_offset),
+        })
+    }
+}
+
+/// The unwind step at `pc`, from the row of the patched module whose code
+/// holds it (`None` where a chain ends: no module has a row there, or the
+/// row says stop).
+///
+/// On the path of every captured call, once per frame: most lookups are
+/// answered by [`ROW_CACHE`] with one load.
+#[inline(always)]
+pub fn unwind_step(pc: u64) -> Option<Step> {
+    let cell = row_cell(pc);
+    let v = cell.load(Ordering::Relaxed);
+    // An empty entry (0) matches only addresses below 8 KiB, which it
+    // answers as a stop; an address above 47 bits matches no entry.
+    if v >> CACHE_TAG_SHIFT == pc >> CACHE_BITS {
+        return unpack_step(v);
+    }
+    unwind_miss(pc, cell)
+}
+
+#[cold]
+#[inline(never)]
+fn unwind_miss(pc: u64, cell: &AtomicU64) -> Option<Step> {
+    let generation = ROW_CACHE_GENERATION.load(Ordering::SeqCst);
+    let row = slots().find_map(|s| s.unwind_row(pc));
+    if let Some(v) = pack_row(pc, row) {
+        cell.store(v, Ordering::SeqCst);
+        // Forgotten meanwhile (the answer may be stale): take it back.
+        if ROW_CACHE_GENERATION.load(Ordering::SeqCst) != generation {
+            let _ = cell.compare_exchange(v, 0, Ordering::SeqCst, Ordering::Relaxed);
+        }
+    }
+    row.and_then(Step::of)
+}
+
+/// Lookups of [`unwind_row`], direct-mapped by the address's low
+/// [`CACHE_BITS`] bits, one word each so that no reader sees half an
+/// entry: from bit 0, the row's kind (2 bits), whether rbp was saved (1),
+/// the CFA offset and the saved rbp's offset in units of 8 bytes (13 and
+/// 14 bits, two's complement), then the address's bits above the index
+/// (the tag; user addresses have 47 bits). 0 is empty: the first page of
+/// the address space is never code. A row whose offsets do not fit is not
+/// cached (it is looked up each time); "no row" is cached as a stop.
+///
+/// An answer can go stale only when the rows it came from change: a
+/// module's rows opened to lookups (`check_unwind`) or its unloading.
+/// Both call [`forget_rows`], which raises the generation before clearing
+/// every entry; a lookup that stored an answer checks the generation
+/// after the store and takes the answer back if it moved (all SeqCst: if
+/// the clearing missed the store, the lookup sees the new generation).
+static ROW_CACHE: [AtomicU64; 1 << CACHE_BITS] = [const { AtomicU64::new(0) }; 1 << CACHE_BITS];
+static ROW_CACHE_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Raised whenever unwind rows change (see [`ROW_CACHE`]): what was
+/// derived from lookups made under another generation is stale.
+#[inline(always)]
+pub fn rows_generation() -> u64 {
+    ROW_CACHE_GENERATION.load(Ordering::Acquire)
+}
+const CACHE_BITS: u32 = 13;
+const CACHE_PC_BITS: u32 = 47;
+const CACHE_TAG_SHIFT: u32 = 30;
+
+fn row_cell(pc: u64) -> &'static AtomicU64 {
+    let i = (pc & ((1 << CACHE_BITS) - 1)) as usize;
+    // SAFETY: the index is masked to the array's length.
+    unsafe { ROW_CACHE.get_unchecked(i) }
+}
+
+fn pack_row(pc: u64, row: Option<UnwindRow>) -> Option<u64> {
+    if pc >> CACHE_PC_BITS != 0 || pc >> CACHE_BITS == 0 {
+        return None;
+    }
+    let tag = (pc >> CACHE_BITS) << CACHE_TAG_SHIFT;
+    let Some(r) = row else { return Some(tag) };
+    let (cfa, rbp) = (i64::from(r.cfa_offset), i64::from(r.rbp_offset));
+    let saved = r.rbp_saved != 0;
+    if r.kind > 3 || cfa % 8 != 0 || (saved && rbp % 8 != 0) {
+        return None;
+    }
+    let rbp = if saved { rbp / 8 } else { 0 };
+    // i16 / 8 fits 13 bits, and so 14.
+    Some(
+        tag | ((rbp as u64) & 0x3fff) << 16
+            | ((cfa / 8) as u64 & 0x1fff) << 3
+            | u64::from(saved) << 2
+            | u64::from(r.kind),
+    )
+}
+
+#[inline(always)]
+fn unpack_step(v: u64) -> Option<Step> {
+    let kind = (v & 3) as u8;
+    if kind != layout::unwind::RSP && kind != layout::unwind::RBP {
+        return None;
+    }
+    // Each offset field, sign-extended and shifted so that it lands at
+    // bit 3 (times 8), with the bits below it cleared.
+    Some(Step {
+        from_rbp: kind == layout::unwind::RBP,
+        cfa: ((v << 48) as i64 >> 48) & !7,
+        rbp_saved: v & 4 != 0,
+        rbp: ((v << 34) as i64 >> 47) & !7,
+    })
+}
+
+/// Forgets every cached unwind lookup (see [`ROW_CACHE`]), and raises the
+/// generation that what callers capture derives from them carries. Not in
+/// signal context: on the registration and switching paths.
+pub fn forget_rows() {
+    ROW_CACHE_GENERATION.fetch_add(1, Ordering::SeqCst);
+    for c in &ROW_CACHE {
+        c.store(0, Ordering::SeqCst);
+    }
+}
+
+/// The process-file index of the module in slot `slot` (its control
+/// block's `module_id`), if that slot is active and holds the site table
+/// at `table`.
+#[inline(always)]
+pub fn file_index_of(slot: u64, table: usize) -> Option<u32> {
+    let s = SLOTS.get(slot as usize)?;
+    let i = s.file_index.load(Ordering::Relaxed);
+    (s.is_active() && s.table.load(Ordering::Relaxed) == table && i != u32::MAX).then_some(i)
 }
 
 /// Rewrites every module's sites to the entries they should hold now
@@ -508,6 +643,7 @@ pub fn unregister(table: *const u8) {
                 std::hint::spin_loop();
             }
             slot.state.store(DEAD, Ordering::Release);
+            forget_rows();
             let idx = slot.file_index.load(Ordering::Relaxed);
             PROC.with(|p| {
                 if let (Some(f), true) = (p.as_ref(), idx != u32::MAX) {
@@ -602,6 +738,7 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
                     set_on(slot, Sites::Off);
                 }
                 slot.state.store(DEAD, Ordering::Release);
+                forget_rows();
                 slot.release();
             }
             continue;
@@ -628,4 +765,50 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         }
         *p = f;
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_rows_round_trip() {
+        let pc = 0x7f12_3456_789a;
+        let row = |kind, cfa, saved, rbp| UnwindRow {
+            addr: 0,
+            cfa_offset: cfa,
+            rbp_offset: rbp,
+            kind,
+            rbp_saved: saved,
+            reserved: [0; 2],
+        };
+        for r in [
+            row(layout::unwind::RSP, 8, 0, 0),
+            row(layout::unwind::RSP, 32_760, 1, -16),
+            row(layout::unwind::RBP, 16, 1, -16),
+            row(layout::unwind::RBP, -32_768, 1, -32_768),
+            row(layout::unwind::RSP, 4_096, 1, 32_760),
+        ] {
+            let v = pack_row(pc, Some(r)).unwrap();
+            assert_eq!(v >> CACHE_TAG_SHIFT, pc >> CACHE_BITS);
+            assert_eq!(unpack_step(v), Step::of(r), "{r:?}");
+            let step = unpack_step(v).unwrap();
+            assert_eq!((step.cfa, step.from_rbp), (i64::from(r.cfa_offset), r.kind == layout::unwind::RBP));
+            if r.rbp_saved != 0 {
+                assert_eq!(step.rbp, i64::from(r.rbp_offset));
+            }
+        }
+        // Stops, and "no row", are cached as stops.
+        assert_eq!(unpack_step(pack_row(pc, None).unwrap()), None);
+        assert_eq!(unpack_step(pack_row(pc, Some(row(layout::unwind::STOP, 0, 0, 0))).unwrap()), None);
+        assert_eq!(unpack_step(0), None);
+        // What does not fit is not cached.
+        assert_eq!(pack_row(pc, Some(row(layout::unwind::RSP, 12, 0, 0))), None);
+        assert_eq!(pack_row(pc, Some(row(layout::unwind::RBP, 16, 1, -12))), None);
+        assert_eq!(pack_row(1 << 47, None), None);
+        assert_eq!(pack_row(0x1fff, None), None);
+        // An empty entry answers only the first 8 KiB.
+        assert_eq!(0u64 >> CACHE_TAG_SHIFT, 0x1fffu64 >> CACHE_BITS);
+        assert_ne!(0u64 >> CACHE_TAG_SHIFT, 0x2000u64 >> CACHE_BITS);
+    }
 }
