@@ -161,10 +161,11 @@ def show(argv):
 def cached(fn):
     memo = {}
 
-    def wrapper(*args):
-        if args not in memo:
-            memo[args] = fn(*args)
-        return memo[args]
+    def wrapper(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in memo:
+            memo[key] = fn(*args, **kwargs)
+        return memo[key]
 
     return wrapper
 
@@ -1077,7 +1078,7 @@ def attribution_shares(exe, counters):
 
 
 def part_attribution():
-    """Rows name the code that allocates: perl, git and redis-server patched with --no-charge-callers and with no option."""
+    """Rows name the code that allocates: perl, git, redis-server and cc1plus (and a Rust program) patched with --no-charge-callers and with no option."""
     sec = Section(
         "Attribution: rows that name the code that allocates", "attribution",
         "Each program is patched twice, with `alloctramp patch --no-charge-callers` and with `alloctramp patch` (charging callers, the default), and "
@@ -1088,11 +1089,13 @@ def part_attribution():
         "computes the size it allocates is where the allocation is decided). perl: `perl SCRIPT` on a hash-heavy "
         "script (200,000 keys, bench/bench.py PERL_SCRIPT, PERL_HASH_SEED=0). git: the git workload's 15 commands "
         "(section git) with GIT_EXEC_PATH at the patched copy. redis-server: on a loopback port, "
-        "`redis-benchmark -n 20000 -t set,get,lpush,lpop,hset,sadd`, then `redis-cli shutdown nosave`.",
+        "`redis-benchmark -n 20000 -t set,get,lpush,lpop,hset,sadd`, then `redis-cli shutdown nosave`. cc1plus (stripped): "
+        "the section cc1plus's compilation (`cc1plus -O1` of a preprocessed template-heavy source).",
     )
     SECTIONS.append(sec)
     rows = []
-    programs = [("perl", shutil.which("perl")), ("git", shutil.which("git")), ("redis-server", shutil.which("redis-server"))]
+    programs = [("perl", shutil.which("perl")), ("git", shutil.which("git")), ("redis-server", shutil.which("redis-server")),
+                ("cc1plus", cc1plus_path())]
     for name, exe in programs:
         if not exe:
             target(sec, f"{name}: bytes charged outside allocation wrappers", "not installed",
@@ -1113,6 +1116,9 @@ def part_attribution():
                 with open(script, "w") as f:
                     f.write(PERL_SCRIPT)
                 subprocess.run([copy, script], check=True, env={**env, "PERL_HASH_SEED": "0"}, capture_output=True)
+            elif name == "cc1plus":
+                w = Cc1plus()
+                subprocess.run([copy, *w.args()], check=True, env=env, cwd=WORK, capture_output=True)
             elif name == "git":
                 w = GitWorkload()
                 w.prepare_run()
@@ -1143,9 +1149,74 @@ def part_attribution():
                sa >= 0.9)
     sec.table(["program", "bytes (--no-charge-callers)", "outside wrappers", "top rows", "bytes (default)",
                "outside wrappers", "outside wrappers that pass the charge on", "top rows"], rows)
+    rust_attribution(sec)
     sec.para("Bytes differ between the two runs where a wrapper asks the allocator for other than what its caller "
              "asked (perl's safesysmalloc turns 0 into 1; git's xmalloc retries malloc(0) as malloc(1)): with "
              "callers charged the bytes are the caller's request.")
+
+
+# Names of the Rust standard library's allocation plumbing (the default
+# plumbing list's Rust patterns, patcher/src/plumbing.rs).
+RUST_PLUMBING = ("alloc::", "__rdl_", "__rust_", "__rustc::", "hashbrown::", "<alloc::", "core::ptr::drop_in_place")
+
+
+def rust_attribution(sec):
+    """testbins/rust/collections.rs (String, Vec, HashMap, format!): bytes charged outside allocation plumbing."""
+    rustc = shutil.which("rustc")
+    if not rustc:
+        target(sec, "Rust program: bytes at rows outside allocation plumbing", "rustc not installed", ">= 90%", False)
+        return
+    exe = os.path.join(WORK, "collections")
+    subprocess.run([rustc, "-O", "-g", "--edition", "2021", os.path.join(ROOT, "testbins", "rust", "collections.rs"),
+                    "-o", exe], check=True, capture_output=True)
+    res = {}
+    for variant, flags in (("before", ["--no-charge-callers"]), ("after", [])):
+        d = os.path.join(WORK, f"attr-{variant}")
+        os.makedirs(d, exist_ok=True)
+        copy = os.path.join(d, "collections")
+        subprocess.run([AT, "patch", *flags, exe, "-o", copy], check=True, env=base_env(), capture_output=True)
+        counters = os.path.join(WORK, f"attr-counters-rust-{variant}")
+        shutil.rmtree(counters, ignore_errors=True)
+        os.makedirs(counters, mode=0o700)
+        log(f"attribution: rust, {variant}")
+        env = base_env({"ALLOCTRAMP": "on", "ALLOCTRAMP_CALLERS": "8", "ALLOCTRAMP_DIR": counters})
+        subprocess.run([copy], check=True, env=env, capture_output=True)
+        total, in_rows, in_chains, rows = 0, 0, 0, {}
+        for f in sorted(os.listdir(counters)):
+            rep = json.loads(output([AT, "report", "--callers", "--format", "json", os.path.join(counters, f)],
+                                    env=base_env()))
+            for r in rep["sites"]:
+                if r["kind"] == "free":
+                    continue
+                fn = r.get("function") or "?"
+                total += r["bytes"]
+                rows[fn] = rows.get(fn, 0) + r["bytes"]
+                chains = r.get("callers") or []
+                if any(c["outside_plumbing"] is not None for c in chains) or fn.startswith(RUST_PLUMBING):
+                    # A row in plumbing: with --callers its bytes go to each
+                    # chain's first frame outside it, when it has one.
+                    in_chains += sum(c["bytes"] for c in chains if c["outside_plumbing"] is not None)
+                else:
+                    in_rows += r["bytes"]
+                    in_chains += r["bytes"]
+        top = sorted(rows.items(), key=lambda x: -x[1])[:3]
+        res[variant] = (total, in_rows / max(total, 1), in_chains / max(total, 1), top)
+    (tb, rb, cb, topb), (ta, ra, ca, topa) = res["before"], res["after"]
+    shown = lambda top: "; ".join(f"`{fn}` {b:,}" for fn, b in top)
+    sec.para("A Rust program, `testbins/rust/collections.rs` (String, Vec, HashMap, `format!`), built with `rustc -O -g` "
+             "and run with `ALLOCTRAMP=on ALLOCTRAMP_CALLERS=8`: the share of bytes at rows outside the standard "
+             "library's allocation plumbing (`alloc::`, `__rdl_`, `__rust_`, hashbrown), and the share that "
+             "`report --callers` charges outside it (a row in plumbing passes its bytes to each chain's first frame "
+             "outside it). Rows inside plumbing that was inlined are named after the first caller outside it; "
+             "plumbing that was not inlined (hashbrown's `reserve_rehash`, `RawVec`'s `finish_grow`) keeps its rows, "
+             "and only the chains name the code that called it.")
+    sec.table(["program", "bytes (--no-charge-callers)", "rows outside plumbing", "with --callers", "top rows",
+               "bytes (default)", "rows outside plumbing", "with --callers", "top rows"],
+              [["rust collections", f"{tb:,}", f"{rb:.1%}", f"{cb:.1%}", shown(topb), f"{ta:,}", f"{ra:.1%}",
+                f"{ca:.1%}", shown(topa)]])
+    target(sec, "Rust program: bytes at rows outside allocation plumbing", f"{ra:.1%}", ">= 90%", ra >= 0.9)
+    target(sec, "Rust program: bytes charged outside allocation plumbing with --callers", f"{ca:.1%}", ">= 90%",
+           ca >= 0.9)
 
 
 PARTS = {

@@ -81,7 +81,7 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
         return;
     }
     let sp = frame as u64 + size_of::<Frame>() as u64;
-    if let Some((chain, rule)) = memo_of(index).replay(site, sp, epoch) {
+    if let Some((chain, rule)) = memo_of(index).replay(site, sp, rbp, epoch) {
         add(chain, size_of_call(rule, f));
         return;
     }
@@ -148,9 +148,16 @@ unsafe fn capture_walk(f: &Frame, rbp: u64, t: u64, index: u64) {
     let Some(chain) = record(region, module, index as u32, frames, finish(key), size_of_call(rule, f)) else {
         return;
     };
-    if walked.from_sp && sp & 7 == 0 {
+    // A memo is kept where a replay finds what the walk would: see
+    // `Memo::replay`.
+    let mode = match walked {
+        Walked { from_sp: true, end, .. } if sp & 7 == 0 && end != End::Zero => Some(0),
+        Walked { from_sp: false, packed: true, end: End::Depth | End::NoRow, .. } => Some(Memo::STEPS),
+        _ => None,
+    };
+    if let Some(mode) = mode {
         let found = frames.get(..walked.found).unwrap_or_default();
-        memo_of(index).fill(site, rule, epoch, chain, found, &at);
+        memo_of(index).fill(site, rule | mode, epoch, chain, found, &at);
     }
 }
 
@@ -204,28 +211,53 @@ fn size_of_call(rule: u32, f: &Frame) -> u64 {
     }
 }
 
-/// What [`walk`] found: how many frames, and whether every frame's CFA
-/// came from the stack pointer (so that each return address lies at a
-/// fixed distance from the site's stack pointer, given the ones below).
+/// What [`walk`] found: how many frames, whether every frame's CFA came
+/// from the stack pointer (so that each return address lies at a fixed
+/// distance from the site's stack pointer, given the ones below), whether
+/// every step fits [`Step::pack`](registry::Step::pack), and why it
+/// stopped.
 struct Walked {
     found: usize,
     from_sp: bool,
+    packed: bool,
+    end: End,
+}
+
+/// Why a walk stopped.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// The depth was reached.
+    Depth,
+    /// No row for the address (or a stop row).
+    NoRow,
+    /// A CFA, or the saved rbp's slot, out of the frame's bounds.
+    Bounds,
+    /// A return address of 0.
+    Zero,
 }
 
 /// Fills `frames` with the return addresses above the site at `pc` (the
-/// thread's stack pointer `sp` and rbp there), innermost first (at most `depth`), and `at`
-/// with their distances from `sp`, mixing each into `key`.
+/// thread's stack pointer `sp` and rbp there), innermost first (at most
+/// `depth`), and `at` with each one's distance from `sp` while every CFA
+/// came from the stack pointer, then with its packed step; mixes each
+/// into `key`.
 #[inline(always)]
 fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u32], key: &mut u64) -> Walked {
     let (mut pc, mut cur, mut bp) = (pc, sp, bp);
-    let mut w = Walked { found: 0, from_sp: true };
-    for (slot, dist) in frames.iter_mut().zip(at.iter_mut()).take(depth) {
+    let mut w = Walked { found: 0, from_sp: true, packed: true, end: End::Depth };
+    let mut steps = [0u32; MAX_DEPTH];
+    for ((slot, dist), packed) in frames.iter_mut().zip(at.iter_mut()).zip(steps.iter_mut()).take(depth) {
         // A return address is after its call: look the call up (the site's
         // own address is that of the call).
-        let Some(step) = registry::unwind_step(if w.found == 0 { pc } else { pc.wrapping_sub(1) }) else { break };
+        let Some(step) = registry::unwind_step(if w.found == 0 { pc } else { pc.wrapping_sub(1) }) else {
+            w.end = End::NoRow;
+            break;
+        };
         let cfa = (if step.from_rbp { bp } else { cur }).wrapping_add_signed(step.cfa);
+        // (A stop here depends on rbp's value if the CFA came from it.)
         w.from_sp &= !step.from_rbp;
         if cfa.wrapping_sub(cur).wrapping_sub(1) >= MAX_FRAME || cfa & 7 != 0 {
+            w.end = End::Bounds;
             break;
         }
         // SAFETY: the row says the return address is at CFA - 8, which
@@ -234,20 +266,31 @@ fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u
         if step.rbp_saved {
             let at = cfa.wrapping_add_signed(step.rbp);
             if at < cur || at + 8 > cfa {
+                w.end = End::Bounds;
                 break;
             }
             // SAFETY: between `cur` and the CFA (checked above).
             bp = unsafe { read(at) };
         }
         if ra == 0 {
+            w.end = End::Zero;
             break;
         }
+        *packed = step.pack().unwrap_or_else(|| {
+            w.packed = false;
+            0
+        });
         *slot = ra;
         // Within MAX_DEPTH frames of at most MAX_FRAME bytes each.
         *dist = (cfa - 8 - sp) as u32;
         *key = mix(*key, ra);
         w.found += 1;
         (pc, cur) = (ra, cfa);
+    }
+    if !w.from_sp {
+        for (a, &s) in at.iter_mut().zip(&steps) {
+            *a = s;
+        }
     }
     w
 }
@@ -260,7 +303,8 @@ fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u
 #[repr(C, align(128))]
 struct Memo {
     seq: AtomicU32,
-    /// Frames found, and the site's [`size_rule`] from bit 4.
+    /// Frames found, and from bit 4 the site's [`size_rule`] with
+    /// [`Memo::STEPS`].
     shape: AtomicU32,
     /// The run-time address of the site's record in its table: with the
     /// epoch, it names the site (a module unloaded changes the epoch).
@@ -303,37 +347,50 @@ fn memo_of(index: u64) -> &'static Memo {
 }
 
 impl Memo {
+    /// In a memo's rule: the memo holds packed steps, not distances.
+    const STEPS: u32 = 1 << 9;
+
     /// The chain slot (and the size rule) of a call at the site whose
-    /// record is at `site`, with stack pointer `sp`, if it comes from this
-    /// memo's chain.
+    /// record is at `site`, with stack pointer `sp` and rbp `bp`, if it
+    /// comes from this memo's chain.
     ///
-    /// The memo was filled by a walk from the same site, at the same
-    /// depth (changing the depth changes the epoch) and with the stack
-    /// pointer 8-aligned, in which every frame's CFA was the stack pointer
-    /// plus the row's offset. Each row depends only on the address it is
-    /// looked up for, so the walk from this call (with `sp` 8-aligned too)
-    /// finds the memo's first return address at the same distance from
-    /// `sp` (the site's row), and, if that address is the memo's, its
-    /// second at the same distance as well, and so on: each read is where
-    /// the walk would read (a frame of this thread's stack), and a chain
-    /// that matches every address is the memo's, ending where it ended
-    /// (the walk's stops depend only on the same rows and addresses, and
-    /// on `sp` modulo 8). Rows that changed change the epoch. Each frame's
-    /// pair is checked to be whole (no writer since the sequence count was
-    /// read) before the stack is read where it says.
+    /// The memo was filled by a walk from the same site and at the same
+    /// depth (changing the depth changes the epoch), and each row depends
+    /// only on the address it is looked up for. Two kinds:
+    ///
+    /// * Distances: every frame's CFA was the stack pointer plus the row's
+    ///   offset, with the stack pointer 8-aligned. The walk from this call
+    ///   (with `sp` 8-aligned too) finds the memo's first return address
+    ///   at the same distance from `sp` (the site's row), and, if that
+    ///   address is the memo's, its second at the same distance as well,
+    ///   and so on: each read is where the walk would read (a frame of this
+    ///   thread's stack), and a chain that matches every address is the
+    ///   memo's, ending where it ended (its stops depend only on the same
+    ///   rows and addresses, on `sp` modulo 8, and on no value read, as
+    ///   the memo is not kept for a chain that ended at a return address
+    ///   of 0).
+    /// * Steps (some CFA came from rbp): [`Memo::replay_steps`] takes the
+    ///   walk's steps with the walk's checks, without looking rows up.
+    ///
+    /// Rows that changed change the epoch. Each frame's pair is checked to
+    /// be whole (no writer since the sequence count was read) before the
+    /// stack is read where it says.
     #[inline(always)]
-    fn replay(&self, site: u64, sp: u64, epoch: u64) -> Option<(u64, u32)> {
+    fn replay(&self, site: u64, sp: u64, bp: u64, epoch: u64) -> Option<(u64, u32)> {
         let seq = self.seq.load(Ordering::Acquire);
         let shape = self.shape.load(Ordering::Relaxed);
         let chain = self.chain.load(Ordering::Relaxed);
-        if seq & 1 != 0
-            || self.site.load(Ordering::Relaxed) != site
-            || self.epoch.load(Ordering::Relaxed) != epoch
-            || sp & 7 != 0
-        {
+        if seq & 1 != 0 || self.site.load(Ordering::Relaxed) != site || self.epoch.load(Ordering::Relaxed) != epoch {
             return None;
         }
         let found = (shape & 15) as usize;
+        let rule = shape >> 4;
+        if rule & Memo::STEPS != 0 {
+            return self.replay_steps(seq, found, sp, bp).then_some((chain, rule));
+        }
+        if sp & 7 != 0 {
+            return None;
+        }
         for (d, ra) in self.at.iter().zip(&self.frames).take(found) {
             let (d, ra) = (d.load(Ordering::Relaxed), ra.load(Ordering::Relaxed));
             std::sync::atomic::fence(Ordering::Acquire);
@@ -354,7 +411,51 @@ impl Memo {
                 return None;
             }
         }
-        Some((chain, shape >> 4))
+        Some((chain, rule))
+    }
+
+    /// Whether the walk from this call would find the memo's chain: the
+    /// memo's steps taken as [`walk`] takes the rows' (same checks, same
+    /// reads), each return address compared with the memo's before the
+    /// next step is taken (the step of the frame above it is the row of
+    /// that address). The memo is kept only for a chain that ended at its
+    /// depth or at an address without a row, which the walk would reach
+    /// too.
+    #[inline(never)]
+    fn replay_steps(&self, seq: u32, found: usize, sp: u64, bp: u64) -> bool {
+        let (mut cur, mut bp) = (sp, bp);
+        for (st, ra) in self.at.iter().zip(&self.frames).take(found) {
+            let (st, want) = (st.load(Ordering::Relaxed), ra.load(Ordering::Relaxed));
+            std::sync::atomic::fence(Ordering::Acquire);
+            if self.seq.load(Ordering::Relaxed) != seq {
+                return false;
+            }
+            let Some(step) = registry::Step::unpack(st) else { return false };
+            let cfa = (if step.from_rbp { bp } else { cur }).wrapping_add_signed(step.cfa);
+            if cfa.wrapping_sub(cur).wrapping_sub(1) >= MAX_FRAME || cfa & 7 != 0 {
+                return false;
+            }
+            // SAFETY: as in `walk`: the step is the row of this frame's
+            // address, and the CFA lies above `cur` on this thread's stack.
+            let ra: u64 = unsafe { read(cfa - 8) };
+            if step.rbp_saved {
+                let at = cfa.wrapping_add_signed(step.rbp);
+                if at < cur || at + 8 > cfa {
+                    return false;
+                }
+                // SAFETY: between `cur` and the CFA (checked above).
+                bp = unsafe { read(at) };
+            }
+            if ra != want {
+                return false;
+            }
+            cur = cfa;
+        }
+        if found == 0 {
+            std::sync::atomic::fence(Ordering::Acquire);
+            return self.seq.load(Ordering::Relaxed) == seq;
+        }
+        true
     }
 
     /// Remembers a chain just recorded into the slot at `chain`, unless

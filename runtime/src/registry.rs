@@ -381,6 +381,29 @@ pub struct Step {
 }
 
 impl Step {
+    /// The step in 30 bits (the low bits of a [`ROW_CACHE`] entry), if its
+    /// offsets are multiples of 8.
+    pub fn pack(self) -> Option<u32> {
+        let fits = |v: i64| v % 8 == 0 && (-32_768..32_768).contains(&v);
+        if !fits(self.cfa) || (self.rbp_saved && !fits(self.rbp)) {
+            return None;
+        }
+        let kind = if self.from_rbp { layout::unwind::RBP } else { layout::unwind::RSP };
+        let rbp = if self.rbp_saved { self.rbp / 8 } else { 0 };
+        Some(
+            ((rbp as u32) & 0x3fff) << 16
+                | ((self.cfa / 8) as u32 & 0x1fff) << 3
+                | u32::from(self.rbp_saved) << 2
+                | u32::from(kind),
+        )
+    }
+
+    /// A step [`Step::pack`] made (`None` for 0).
+    #[inline(always)]
+    pub fn unpack(v: u32) -> Option<Step> {
+        unpack_step(u64::from(v))
+    }
+
     fn of(r: UnwindRow) -> Option<Step> {
         (r.kind == layout::unwind::RSP || r.kind == layout::unwind::RBP).then_some(Step {
             from_rbp: r.kind == layout::unwind::RBP,
@@ -793,6 +816,8 @@ mod tests {
             assert_eq!(v >> CACHE_TAG_SHIFT, pc >> CACHE_BITS);
             assert_eq!(unpack_step(v), Step::of(r), "{r:?}");
             let step = unpack_step(v).unwrap();
+            assert_eq!(Step::unpack(step.pack().unwrap()), Some(step));
+            assert_eq!(u64::from(step.pack().unwrap()), v & 0x3fff_ffff);
             assert_eq!((step.cfa, step.from_rbp), (i64::from(r.cfa_offset), r.kind == layout::unwind::RBP));
             if r.rbp_saved != 0 {
                 assert_eq!(step.rbp, i64::from(r.rbp_offset));
