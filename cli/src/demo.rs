@@ -114,6 +114,7 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
         runtime: None,
         runtime_link: RuntimeLink::Origin,
         shards: 16,
+        no_library_unwind: false,
     })?;
     say(&format!(
         "2. Patching a copy: each of its {} allocator call sites gets a trampoline; its own code stays byte for byte \

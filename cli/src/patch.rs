@@ -44,6 +44,10 @@ pub struct Args {
     /// CPUs count into different shards).
     #[arg(long, default_value_t = 16)]
     pub shards: u32,
+    /// Do not carry the unwind rows of the libraries the file needs (call
+    /// chains then end at the first frame in one of them).
+    #[arg(long)]
+    pub no_library_unwind: bool,
     #[command(flatten)]
     pub wrappers: crate::sites::WrapperArgs,
 }
@@ -154,7 +158,13 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
         RuntimeLink::Origin => format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
         RuntimeLink::Absolute => runtime.to_string_lossy().into_owned(),
     };
-    let opts = PatchOptions { runtime_needed: needed, shards: args.shards };
+    // Chains go on through the libraries the file needs (their rows are
+    // carried in the patched file).
+    let foreign_unwind = match alloctramp_patcher::elf::Elf::parse(&input.map) {
+        Ok(elf) if !args.no_library_unwind => alloctramp_patcher::deps::foreign_unwind(&args.input, &elf),
+        _ => Vec::new(),
+    };
+    let opts = PatchOptions { runtime_needed: needed, shards: args.shards, foreign_unwind };
     let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
 
     // The runtime copy and the output are renamed into place together,

@@ -135,6 +135,7 @@ pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<
         runtime: Some(runtime),
         runtime_link: RuntimeLink::Origin,
         shards: 16,
+        no_library_unwind: false,
     };
     let s = patch::patch_file(&args)?;
     eprintln!("alloctramp: patched {} into {} ({} sites)", program.display(), out.display(), s.sites);

@@ -59,13 +59,24 @@ fn chains_of(file: &Path, dir: &Path) -> (Chains, Value) {
     (chains, site)
 }
 
-fn expected(scale: u64) -> Chains {
+/// The malloc site's chains at `depth` frames. Above main they go on
+/// through the C library (the patched program carries its unwind rows)
+/// to the program's `_start`; with `--no-library-unwind` they end at the
+/// first frame in the C library.
+fn expected(scale: u64, depth: usize, library_rows: bool) -> Chains {
     let l = frame_lines();
     let libc = "[libc.so.6]".to_string();
+    let above: Vec<String> = if library_rows { vec![libc.clone(), libc, "[callers]".to_string()] } else { vec![libc] };
+    let chain = |first: String, main: &str| {
+        let mut v = vec![first, format!("main:{}", l[main])];
+        v.extend(above.iter().cloned());
+        v.truncate(depth);
+        v
+    };
     let mut v: Chains = vec![
-        (vec![format!("from_a:{}", l["a"]), format!("main:{}", l["main1"]), libc.clone()], 3 * scale, 48 * scale),
-        (vec![format!("from_b:{}", l["b"]), format!("main:{}", l["main2"]), libc.clone()], 5 * scale, 160 * scale),
-        (vec![format!("from_a:{}", l["a"]), format!("main:{}", l["main3"]), libc], 3 * scale, 48 * scale),
+        (chain(format!("from_a:{}", l["a"]), "main1"), 3 * scale, 48 * scale),
+        (chain(format!("from_b:{}", l["b"]), "main2"), 5 * scale, 160 * scale),
+        (chain(format!("from_a:{}", l["a"]), "main3"), 3 * scale, 48 * scale),
     ];
     v.sort();
     v
@@ -78,20 +89,26 @@ fn check_callers(config: Config) {
     std::fs::create_dir_all(&dir).unwrap();
     let bin = dir.join("callers");
     patch_to(&b.path("callers"), &bin, &[]);
+    let bare = dir.join("callers-no-library-unwind");
+    patch_to(&b.path("callers"), &bare, &["--no-library-unwind"]);
     let original = run_program(&b.path("callers"), &[], &[]);
-    for (live, depth) in [("1", "on"), ("0", "4")] {
-        let counters = counters_dir(&format!("{}-callers-{live}", config.name()));
+    for (exe, library_rows, live, depth) in
+        [(&bin, true, "1", "on"), (&bin, true, "0", "8"), (&bare, false, "0", "4"), (&bare, false, "1", "8")]
+    {
+        let what = format!("{} library rows={library_rows} live={live} depth={depth}", config.name());
+        let counters = counters_dir(&format!("{}-callers-{library_rows}-{live}-{depth}", config.name()));
         let env = [
             ("ALLOCTRAMP", "on"),
             ("ALLOCTRAMP_LIVE", live),
             ("ALLOCTRAMP_CALLERS", depth),
             ("ALLOCTRAMP_DIR", counters.to_str().unwrap()),
         ];
-        assert_eq!(run_program(&bin, &[], &env), original, "{}: the program behaves as the original", config.name());
+        assert_eq!(run_program(exe, &[], &env), original, "{what}: the program behaves as the original");
         let file = only_counters_file(&counters);
         let (chains, site) = chains_of(&file, &counters);
-        assert_eq!(chains, expected(1), "{} live={live}: the malloc site's chains", config.name());
-        assert_eq!(site["calls"], 11, "{}: the site's own count", config.name());
+        let frames = if depth == "on" { 4 } else { depth.parse().unwrap() };
+        assert_eq!(chains, expected(1, frames, library_rows), "{what}: the malloc site's chains");
+        assert_eq!(site["calls"], 11, "{what}: the site's own count");
         let sum: u64 = chains.iter().map(|c| c.1).sum();
         assert_eq!(sum, 11, "the chains' calls add up to the site's");
     }
@@ -138,11 +155,14 @@ fn check_threaded_chains(config: Config) {
         let mut got: BTreeMap<String, (u64, u64)> = BTreeMap::new();
         for c in site["callers"].as_array().unwrap() {
             let frames = c["frames"].as_array().unwrap();
-            // path<t> <- worker <- libc's thread start (not patched: the
-            // chain ends there).
-            assert_eq!(frames.len(), depth.parse::<usize>().unwrap().min(3), "{}: {c}", config.name());
+            // path<t> <- worker <- the C library's thread start and clone
+            // (through the rows the program carries for it).
+            assert_eq!(frames.len(), depth.parse::<usize>().unwrap(), "{}: {c}", config.name());
             let names: Vec<&str> = frames.iter().map(|f| f["function"].as_str().unwrap_or("?")).collect();
             assert_eq!(names[1], "worker", "{}: {names:?}", config.name());
+            for f in frames.iter().skip(2) {
+                assert!(f["module"].as_str().unwrap().ends_with("/libc.so.6"), "{}: {c}", config.name());
+            }
             let e = got.entry(names[0].to_string()).or_default();
             e.0 += c["calls"].as_u64().unwrap();
             e.1 += c["bytes"].as_u64().unwrap();

@@ -107,7 +107,7 @@ fn sites(name: &str, json: bool) -> String {
     ok(&o, &format!("alloctramp sites {name}"))
 }
 
-/// Where NAME was patched to, and what `alloctramp patch` said (the output
+/// Where NAME was patched to (`--no-library-unwind`), and what `alloctramp patch` said (the output
 /// as a name relative to its directory, where the command ran). Patched
 /// once per test process.
 fn patched(name: &str) -> (PathBuf, String) {
@@ -117,7 +117,15 @@ fn patched(name: &str) -> (PathBuf, String) {
         return p.clone();
     }
     let dir = scratch(&format!("golden-patch-{name}"));
-    let o = alloctramp().current_dir(&dir).arg("patch").arg(golden_input(name)).args(["-o", name]).output().unwrap();
+    // Without the installed libraries' unwind rows, whose size is the
+    // machine's (tests/callers.rs checks them).
+    let o = alloctramp()
+        .current_dir(&dir)
+        .arg("patch")
+        .arg(golden_input(name))
+        .args(["-o", name, "--no-library-unwind"])
+        .output()
+        .unwrap();
     ok(&o, &format!("alloctramp patch {name}"));
     let said = String::from_utf8(o.stderr).unwrap();
     let p = (dir.join(name), said);

@@ -98,6 +98,50 @@ pub fn libraries(path: &Path, elf: &Elf) -> Vec<PathBuf> {
     found
 }
 
+/// Rows carried per patched file at most (12 bytes each): libraries past
+/// it are left out.
+const MAX_FOREIGN_ROWS: usize = 1 << 20;
+
+/// The unwind rows of the libraries `path` names in `DT_NEEDED` (found as
+/// the dynamic linker finds them), for the patched file to carry: a chain
+/// that reaches their code goes on through it (the runtime uses them for
+/// the loaded library with the same build-id). Libraries without a
+/// build-id or `.eh_frame`, and patched ones (they carry rows of their
+/// own), are left out; so is everything for a file that is not an
+/// executable.
+pub fn foreign_unwind(path: &Path, elf: &Elf) -> Vec<alloctramp_trampolines::layout::ForeignRows> {
+    // Only an executable's are used (see the runtime's `foreign`).
+    if !matches!(elf.file_type, crate::elf::FileType::Exec | crate::elf::FileType::Pie) {
+        return Vec::new();
+    }
+    let direct = needs(&elf.file).needed;
+    let mut out = Vec::new();
+    let mut total = 0;
+    for lib in libraries(path, elf) {
+        let name = lib.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if !direct.iter().any(|d| d.rsplit('/').next() == Some(name.as_str())) {
+            continue;
+        }
+        let Ok(data) = std::fs::read(&lib) else { continue };
+        let Ok(lib_elf) = Elf::parse(&data) else { continue };
+        let Some(build_id) = lib_elf.build_id().filter(|b| !b.is_empty()) else { continue };
+        if crate::plan::is_patched(&lib_elf) {
+            continue;
+        }
+        let rows = crate::unwind::rows(&lib_elf);
+        if rows.is_empty() || total + rows.len() > MAX_FOREIGN_ROWS {
+            continue;
+        }
+        total += rows.len();
+        out.push(alloctramp_trampolines::layout::ForeignRows {
+            build_id: build_id.to_vec(),
+            path: lib.to_string_lossy().into_owned(),
+            rows,
+        });
+    }
+    out
+}
+
 /// Libraries whose exported functions are not searched for wrappers: the
 /// C library and the dynamic linker (their allocating functions are the
 /// entry points themselves, or return objects such as `FILE` that their

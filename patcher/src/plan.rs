@@ -41,11 +41,18 @@ pub struct PatchOptions {
     pub runtime_needed: String,
     /// Counter shards (a power of two).
     pub shards: u32,
+    /// Unwind rows of libraries the file needs, carried for callers
+    /// capture (`deps::foreign_unwind`).
+    pub foreign_unwind: Vec<layout::ForeignRows>,
 }
 
 impl Default for PatchOptions {
     fn default() -> Self {
-        PatchOptions { runtime_needed: format!("$ORIGIN/{}", layout::RUNTIME_SONAME), shards: 16 }
+        PatchOptions {
+            runtime_needed: format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
+            shards: 16,
+            foreign_unwind: Vec::new(),
+        }
     }
 }
 
@@ -256,7 +263,7 @@ impl fmt::Debug for SiteStrings {
 }
 
 impl SiteStrings {
-    fn new(a: &Analysis) -> SiteStrings {
+    fn new(a: &Analysis, foreign: &[layout::ForeignRows]) -> SiteStrings {
         let mut strings = layout::Strings::default();
         let module = strings.add(&a.module);
         let sites = a
@@ -269,6 +276,11 @@ impl SiteStrings {
             })
             .collect();
         let entries = a.scan.entries.iter().map(|en| strings.add(&en.display)).collect();
+        if !a.unwind.is_empty() {
+            for f in foreign {
+                strings.add(&f.path);
+            }
+        }
         SiteStrings { strings, module, sites, entries }
     }
 }
@@ -337,6 +349,9 @@ pub struct Plan<'a> {
     /// In the analysis's order.
     pub sites: Vec<SitePlan>,
     pub(crate) strings: SiteStrings,
+    /// Libraries' unwind rows the site table carries (none when the file
+    /// has no rows of its own).
+    pub(crate) foreign_unwind: Vec<layout::ForeignRows>,
 }
 
 impl Plan<'_> {
@@ -375,7 +390,7 @@ pub fn is_patched(elf: &Elf) -> bool {
 pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan<'a>> {
     let dyn_ph = check_input(elf, opts)?;
     let tables = Tables::read(elf, dyn_ph)?;
-    let strings = SiteStrings::new(a);
+    let strings = SiteStrings::new(a, &opts.foreign_unwind);
     check_loads(elf)?;
     let (ro_addr, max_align) = new_base(elf, &tables)?;
     let phnum = elf.file.elf_program_headers().len() + 3;
@@ -383,6 +398,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         layout::table_size(a.scan.sites.len(), a.scan.entries.len(), strings.strings.len()),
         a.unwind.len(),
         layout::unwind_block_index(&a.unwind).len(),
+        &opts.foreign_unwind,
     );
     let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables, opts);
     let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), opts.shards)?;
@@ -452,6 +468,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         entries: a.scan.entries.iter().map(|e| e.display.clone()).collect(),
         sites,
         strings,
+        foreign_unwind: if a.unwind.is_empty() { Vec::new() } else { opts.foreign_unwind.clone() },
     })
 }
 

@@ -30,7 +30,7 @@ fn plan_of<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> alloctramp_
 }
 
 fn opts() -> PatchOptions {
-    PatchOptions { runtime_needed: "liballoctramp_rt.so".into(), shards: 16 }
+    PatchOptions { runtime_needed: "liballoctramp_rt.so".into(), shards: 16, foreign_unwind: Vec::new() }
 }
 
 /// Every fixture's plan, with its input's bytes.

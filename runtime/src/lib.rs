@@ -24,6 +24,7 @@
 
 mod callers;
 mod control;
+mod foreign;
 mod live;
 mod patching;
 mod procfile;
@@ -485,7 +486,7 @@ const LAYERS: &[&[&str]] = &[
     &["sys", "tls"],
     &["procfile"],
     &["state"],
-    &["patching", "live"],
+    &["patching", "live", "foreign"],
     &["registry"],
     &["callers"],
     &["control"],

@@ -5,7 +5,7 @@
 use crate::patching;
 use crate::procfile::ProcFile;
 use crate::state::{self, LIVE, Sites, WANT, want};
-use crate::{live, sys};
+use crate::{foreign, live, sys};
 use alloctramp_trampolines::layout::{self, CONTROL_SIZE, ControlBlock, Table, UNWIND_ROW_SIZE, UnwindRow};
 use alloctramp_trampolines::pod;
 use std::cell::UnsafeCell;
@@ -44,6 +44,9 @@ pub struct Slot {
     unwind_blocks: AtomicU32,
     code_lo: AtomicU64,
     code_hi: AtomicU64,
+    /// End of the module's read-only segment after the table (what the
+    /// rows it carries for libraries must lie within).
+    unwind_end: AtomicU64,
 }
 
 impl Slot {
@@ -64,6 +67,7 @@ impl Slot {
             unwind_blocks: AtomicU32::new(0),
             code_lo: AtomicU64::new(0),
             code_hi: AtomicU64::new(0),
+            unwind_end: AtomicU64::new(0),
         }
     }
 
@@ -79,23 +83,11 @@ impl Slot {
         }
         let p = self.unwind.load(Ordering::Relaxed) as *const UnwindRow;
         let n = self.unwind_count.load(Ordering::Relaxed) as usize;
-        // The rows' addresses are u32 and `pc` lies within them.
-        let at = pc.wrapping_sub(self.bias.load(Ordering::Relaxed)) as u32;
-        let block = ((pc - lo) / layout::UNWIND_BLOCK) as usize;
         // SAFETY: set_unwind checked that the rows and the block index
         // after them lie in the module's read-only segment (mapped while
-        // the slot is active), and check_unwind, before it published
-        // code_hi, that the index has an entry for every block of
-        // [code_lo, code_hi) and that each names a row; `i + 1 < n` bounds
-        // the scan.
-        unsafe {
-            let mut i = *(p.add(n) as *const u32).add(block) as usize;
-            while i + 1 < n && (*p.add(i + 1)).addr <= at {
-                i += 1;
-            }
-            let r = *p.add(i);
-            (r.kind != layout::unwind::STOP).then_some(r)
-        }
+        // the slot is active), and check_unwind that they are sound before
+        // it published code_hi.
+        unsafe { foreign::row_at(p, n, self.bias.load(Ordering::Relaxed), lo, pc) }
     }
 
     pub fn is_active(&self) -> bool {
@@ -320,6 +312,7 @@ fn set_unwind(slot: &Slot, t: &Table, table: u64, room: usize) {
     }
     slot.unwind_count.store(n as u32, Ordering::Relaxed);
     slot.unwind_blocks.store(blocks as u32, Ordering::Relaxed);
+    slot.unwind_end.store(table.wrapping_add(room as u64), Ordering::Relaxed);
     slot.unwind.store(table.wrapping_add(start) as usize, Ordering::Relaxed);
 }
 
@@ -342,27 +335,49 @@ fn check_unwind(slot: &Slot) {
     // while the slot is held.
     let (rows, index) =
         unsafe { (std::slice::from_raw_parts(p, n), std::slice::from_raw_parts(p.add(n) as *const u32, blocks)) };
-    let (Some(first), Some(last)) = (rows.first(), rows.last()) else { return };
-    let need = (u64::from(last.addr - first.addr) / layout::UNWIND_BLOCK + 1) as usize;
-    if !rows.windows(2).all(|w| w.first().map(|a| a.addr) < w.get(1).map(|b| b.addr))
-        || blocks != need
-        || index.iter().any(|&i| i as usize >= n)
-    {
-        slot.unwind.store(0, Ordering::Relaxed);
-        return;
-    }
     let bias = slot.bias.load(Ordering::Relaxed);
-    let (lo, hi) = (bias.wrapping_add(u64::from(first.addr)), bias.wrapping_add(u64::from(last.addr)));
-    // The rows' addresses are u32 from the bias: a range that wraps is not
-    // looked up.
-    if hi < lo || hi.wrapping_sub(bias) > u64::from(u32::MAX) {
+    let Some((lo, hi)) = foreign::rows_are_sound(rows, index, bias) else {
         slot.unwind.store(0, Ordering::Relaxed);
         return;
-    }
+    };
     slot.code_lo.store(lo, Ordering::Relaxed);
     slot.code_hi.store(hi, Ordering::Release);
+    open_foreign(slot, p as u64 + (n * UNWIND_ROW_SIZE + blocks * 4) as u64);
     // Addresses of this module were answered "no row" until now.
     forget_rows();
+}
+
+/// Opens the rows an executable carries for its libraries, in a directory
+/// after its own rows (ending at `own_end`). Only an executable's: its
+/// segment, where they lie, stays mapped while any thread may be in a
+/// library it needs, which a library's own unloading would not ensure.
+fn open_foreign(slot: &Slot, own_end: u64) {
+    // SAFETY: the slot is held (caller): its module is mapped.
+    let Some(t) = (unsafe { slot.table() }) else { return };
+    let count = t.header.foreign_count;
+    let bias = slot.bias.load(Ordering::Relaxed);
+    if count == 0 || !is_executable(bias.wrapping_add(t.header.ehdr_addr)) {
+        return;
+    }
+    let Some(index) = slots().position(|s| std::ptr::eq(s, slot)) else { return };
+    let string = |o: u32| t.string(o).map(str::as_bytes);
+    let dir = layout::foreign_offset(own_end as usize) as u64;
+    foreign::open(index, dir, count, slot.unwind_end.load(Ordering::Relaxed), string);
+}
+
+/// Whether the ELF file whose header is mapped at `ehdr` (a registered
+/// module's) has a program interpreter: an executable, never unloaded.
+fn is_executable(ehdr: u64) -> bool {
+    // SAFETY: a registered module's ELF header and program headers, which
+    // the patcher places at the start of its read-only segment (mapped
+    // while the module is).
+    unsafe {
+        let phoff: u64 = std::ptr::read_unaligned((ehdr + 32) as *const u64);
+        let phnum: u16 = std::ptr::read_unaligned((ehdr + 56) as *const u16);
+        (0..u64::from(phnum.min(64))).any(|i| {
+            std::ptr::read_unaligned((ehdr.wrapping_add(phoff).wrapping_add(i * 56)) as *const u32) == libc::PT_INTERP
+        })
+    }
 }
 
 /// The runtime's `capture` function, written into every module's control
@@ -436,7 +451,7 @@ pub fn unwind_step(pc: u64) -> Option<Step> {
 #[inline(never)]
 fn unwind_miss(pc: u64, cell: &AtomicU64) -> Option<Step> {
     let generation = ROW_CACHE_GENERATION.load(Ordering::SeqCst);
-    let row = slots().find_map(|s| s.unwind_row(pc));
+    let row = slots().find_map(|s| s.unwind_row(pc)).or_else(|| foreign::row(pc));
     if let Some(v) = pack_row(pc, row) {
         cell.store(v, Ordering::SeqCst);
         // Forgotten meanwhile (the answer may be stale): take it back.
@@ -660,12 +675,13 @@ pub fn is_registered(table: *const u8) -> bool {
 /// address (compared, never read): waits until no switch holds it, then
 /// forgets it (its figures stay in the process file).
 pub fn unregister(table: *const u8) {
-    for slot in slots() {
+    for (i, slot) in slots().enumerate() {
         if slot.is_active() && slot.table.load(Ordering::Relaxed) == table as usize {
             while slot.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
                 std::hint::spin_loop();
             }
             slot.state.store(DEAD, Ordering::Release);
+            foreign::close(i);
             forget_rows();
             let idx = slot.file_index.load(Ordering::Relaxed);
             PROC.with(|p| {

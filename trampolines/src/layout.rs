@@ -216,7 +216,11 @@ pub struct Header {
     pub build_id_len: u32,
     /// The original file's build-id, zero-padded.
     pub build_id: [u8; 20],
-    pub reserved: [u8; 4],
+    /// Libraries whose unwind rows the module carries (see
+    /// [`ForeignUnwind`]): a directory of that many entries after the
+    /// module's own rows and their block index (8-aligned). 0 in a module
+    /// without rows of its own.
+    pub foreign_count: u32,
     /// Address of the ELF header (and program headers) in memory.
     pub ehdr_addr: u64,
     /// The module's unwind rows ([`UnwindRow`], sorted by address), after
@@ -228,6 +232,33 @@ pub struct Header {
     pub unwind_addr: u64,
     pub unwind_count: u32,
     pub unwind_blocks: u32,
+}
+
+/// Unwind rows a module carries for a library it needs, so that a chain
+/// that reaches the library's code (unpatched) goes on through it. The
+/// runtime uses them for the loaded module with the same build-id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ForeignUnwind {
+    pub build_id: [u8; 20],
+    pub build_id_len: u8,
+    pub reserved: [u8; 3],
+    /// Byte offset of the library's rows from the directory's start
+    /// (4-aligned); the rows' addresses are the library's.
+    pub rows_offset: u32,
+    pub count: u32,
+    /// Entries of the rows' block index, which follows them.
+    pub blocks: u32,
+    /// String offset of the library's path when the module was patched.
+    pub name: u32,
+}
+
+/// A library's unwind rows, to be carried by a module (see [`ForeignUnwind`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ForeignRows {
+    pub build_id: Vec<u8>,
+    pub path: String,
+    pub rows: Vec<UnwindRow>,
 }
 
 /// One site.
@@ -424,6 +455,8 @@ unsafe impl Pod for ControlBlock {}
 unsafe impl Pod for Cell {}
 // SAFETY: as above.
 unsafe impl Pod for UnwindRow {}
+// SAFETY: repr(C) integers and byte arrays, no padding (size asserted).
+unsafe impl Pod for ForeignUnwind {}
 
 /// One row of a module's unwind table, built from `.eh_frame` at patch
 /// time (as objtool builds ORC tables for the kernel): from `addr` (a file
@@ -513,6 +546,7 @@ const _: () = {
     assert!(HEADER_SIZE == 160 && offset_of!(Header, build_id) == 112 && offset_of!(Header, unwind_addr) == 144);
     assert!(SITE_SIZE == 48 && offset_of!(Site, drain) == 40 && offset_of!(Site, callers) == 44);
     assert!(size_of::<UnwindRow>() == UNWIND_ROW_SIZE && size_of::<capture::Frame>() == 80);
+    assert!(size_of::<ForeignUnwind>() == 40);
     assert!(ENTRY_SIZE == 16 && offset_of!(Entry, sig) == 5);
     assert!(CONTROL_SIZE == 128 && offset_of!(ControlBlock, nurseries) == 80);
     assert!(CELL_SIZE == 64 && offset_of!(Cell, failed_bytes) == 56);
@@ -544,11 +578,20 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("module_name", offset_of!(Header, module_name), "u32"),
     ("build_id_len", offset_of!(Header, build_id_len), "u32"),
     ("build_id", offset_of!(Header, build_id), "[u8; 20]"),
-    ("reserved", offset_of!(Header, reserved), "[u8; 4]"),
+    ("foreign_count", offset_of!(Header, foreign_count), "u32"),
     ("ehdr_addr", offset_of!(Header, ehdr_addr), "u64"),
     ("unwind_addr", offset_of!(Header, unwind_addr), "u64"),
     ("unwind_count", offset_of!(Header, unwind_count), "u32"),
     ("unwind_blocks", offset_of!(Header, unwind_blocks), "u32"),
+];
+pub const FOREIGN_FIELDS: &[(&str, usize, &str)] = &[
+    ("build_id", offset_of!(ForeignUnwind, build_id), "[u8; 20]"),
+    ("build_id_len", offset_of!(ForeignUnwind, build_id_len), "u8"),
+    ("reserved", offset_of!(ForeignUnwind, reserved), "[u8; 3]"),
+    ("rows_offset", offset_of!(ForeignUnwind, rows_offset), "u32"),
+    ("count", offset_of!(ForeignUnwind, count), "u32"),
+    ("blocks", offset_of!(ForeignUnwind, blocks), "u32"),
+    ("name", offset_of!(ForeignUnwind, name), "u32"),
 ];
 pub const UNWIND_FIELDS: &[(&str, usize, &str)] = &[
     ("addr", offset_of!(UnwindRow, addr), "u32"),
@@ -682,6 +725,10 @@ impl Strings {
     pub fn is_empty(&self) -> bool {
         self.data.is_empty()
     }
+    /// The offset of a string added before.
+    pub fn offset_of(&self, s: &str) -> Option<u32> {
+        self.index.get(s).copied()
+    }
 }
 
 /// Size in bytes of a table with these counts and string bytes.
@@ -696,32 +743,78 @@ pub fn unwind_offset(table_len: usize) -> usize {
 }
 
 /// Bytes of a site table followed by `rows` unwind rows and their block
-/// index of `blocks` entries.
-pub fn table_and_unwind_size(table_len: usize, rows: usize, blocks: usize) -> usize {
-    if rows == 0 { table_len } else { unwind_offset(table_len) + rows * UNWIND_ROW_SIZE + blocks * 4 }
+/// index of `blocks` entries, then the libraries' rows in `foreign`.
+pub fn table_and_unwind_size(table_len: usize, rows: usize, blocks: usize, foreign: &[ForeignRows]) -> usize {
+    if rows == 0 {
+        return table_len;
+    }
+    let own = unwind_offset(table_len) + rows * UNWIND_ROW_SIZE + blocks * 4;
+    if foreign.is_empty() { own } else { foreign_offset(own) + foreign_size(foreign) }
+}
+
+/// Where the directory of carried rows starts, after `own_end` bytes.
+pub fn foreign_offset(own_end: usize) -> usize {
+    own_end.next_multiple_of(8)
+}
+
+/// Bytes of the directory of carried rows and the rows.
+pub fn foreign_size(foreign: &[ForeignRows]) -> usize {
+    foreign.len() * size_of::<ForeignUnwind>()
+        + foreign.iter().map(|f| f.rows.len() * UNWIND_ROW_SIZE + unwind_block_index(&f.rows).len() * 4).sum::<usize>()
 }
 
 /// Serializes a site table followed by its unwind rows (`header`'s
-/// `unwind_addr` and `unwind_count` are filled in from `header.table_addr`).
+/// `unwind_addr` and `unwind_count` are filled in from `header.table_addr`)
+/// and the rows it carries for libraries (`foreign`, whose names
+/// `strings` holds; left out when the module has no rows of its own).
 pub fn encode_with_unwind(
     mut header: Header,
     sites: &[Site],
     entries: &[Entry],
     strings: &Strings,
     rows: &[UnwindRow],
+    foreign: &[ForeignRows],
 ) -> Vec<u8> {
     let len = table_size(sites.len(), entries.len(), strings.len());
+    let foreign = if rows.is_empty() { &[][..] } else { foreign };
     if !rows.is_empty() {
         header.unwind_addr = header.table_addr + unwind_offset(len) as u64;
         header.unwind_count = rows.len() as u32;
     }
     let index = unwind_block_index(rows);
     header.unwind_blocks = index.len() as u32;
+    header.foreign_count = foreign.len() as u32;
     let mut b = encode(header, sites, entries, strings);
     if !rows.is_empty() {
         b.resize(unwind_offset(len), 0);
         rows.iter().for_each(|r| b.extend_from_slice(pod::bytes_of(r)));
         index.iter().for_each(|i| b.extend_from_slice(&i.to_le_bytes()));
+    }
+    if !foreign.is_empty() {
+        let dir = foreign_offset(b.len());
+        b.resize(dir, 0);
+        let mut at = foreign.len() * size_of::<ForeignUnwind>();
+        let mut data = Vec::new();
+        for f in foreign {
+            let index = unwind_block_index(&f.rows);
+            let mut id = [0u8; 20];
+            let n = f.build_id.len().min(20);
+            id.iter_mut().zip(&f.build_id).for_each(|(a, &b)| *a = b);
+            let e = ForeignUnwind {
+                build_id: id,
+                build_id_len: n as u8,
+                reserved: [0; 3],
+                rows_offset: at as u32,
+                count: f.rows.len() as u32,
+                blocks: index.len() as u32,
+                name: strings.offset_of(&f.path).unwrap_or(0),
+            };
+            b.extend_from_slice(pod::bytes_of(&e));
+            f.rows.iter().for_each(|r| data.extend_from_slice(pod::bytes_of(r)));
+            index.iter().for_each(|i| data.extend_from_slice(&i.to_le_bytes()));
+            at += f.rows.len() * UNWIND_ROW_SIZE + index.len() * 4;
+        }
+        b.extend_from_slice(&data);
     }
     b
 }
@@ -1037,6 +1130,7 @@ pub(crate) mod tests {
         assert_eq!(documented(&doc, "Nursery slot (32 bytes)"), fields(NURSERY_SLOT_FIELDS));
         assert_eq!(documented(&doc, "## Counters"), fields(CELL_FIELDS));
         assert_eq!(documented(&doc, "Unwind rows (12 bytes each"), fields(UNWIND_FIELDS));
+        assert_eq!(documented(&doc, "Library rows entry (40 bytes each)"), fields(FOREIGN_FIELDS));
     }
 }
 

@@ -69,5 +69,5 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
             ..layout::Entry::default()
         })
         .collect();
-    layout::encode_with_unwind(header, &sites, &entries, &s.strings, &a.unwind)
+    layout::encode_with_unwind(header, &sites, &entries, &s.strings, &a.unwind, &plan.foreign_unwind)
 }
