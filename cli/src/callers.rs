@@ -7,61 +7,13 @@ use alloctramp_patcher::Location;
 use alloctramp_patcher::lines::{DebugSections, Lines};
 use alloctramp_patcher::plumbing::Plumbing;
 use alloctramp_patcher::symbols::{FunctionIndex, demangle};
+pub use alloctramp_report::chains::{ChainRow, Frame};
 use alloctramp_report::model::Row;
 use alloctramp_trampolines::addr::FileOffset;
 use alloctramp_trampolines::process::{Map, ProcessFile};
-use serde::Serialize;
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::path::Path;
-
-/// One frame of a chain.
-#[derive(Serialize, Clone, Debug)]
-pub struct Frame {
-    /// Run-time return address.
-    pub address: u64,
-    /// The file mapped there, and the address in it.
-    pub module: Option<String>,
-    pub module_address: Option<u64>,
-    pub function: Option<String>,
-    pub file: Option<String>,
-    pub line: Option<u32>,
-}
-
-impl Frame {
-    /// `function (file:line)`, what is known of it.
-    pub fn describe(&self) -> String {
-        let name = self.function.clone().unwrap_or_else(|| format!("{:#x}", self.address));
-        match (&self.file, self.line, &self.module) {
-            (Some(f), Some(l), _) => format!("{name} ({f}:{l})"),
-            (_, _, Some(m)) => format!("{name} ({})", base(m)),
-            _ => name,
-        }
-    }
-}
-
-fn base(p: &str) -> &str {
-    p.rsplit('/').next().unwrap_or(p)
-}
-
-/// One chain of one site.
-#[derive(Serialize, Clone, Debug)]
-pub struct ChainRow {
-    /// The site: its module's name and address, as the report's rows give
-    /// them.
-    #[serde(skip)]
-    pub site: (String, u64),
-    pub calls: u64,
-    pub bytes: u64,
-    /// Innermost first: the return address out of the site's function,
-    /// then its caller's, and so on.
-    pub frames: Vec<Frame>,
-    /// The first frame outside allocation plumbing (an index of
-    /// `frames`), when the site is in plumbing (by its function's name or
-    /// its source file); null when it is not (the site names the code) or
-    /// every frame is.
-    pub outside_plumbing: Option<usize>,
-}
 
 /// What a module file says of an address in it: its virtual address, the
 /// function, and `file:line`.

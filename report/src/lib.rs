@@ -13,6 +13,7 @@
 //! No I/O of its own: finding a process's file, reading it and printing are
 //! the caller's (the `alloctramp` command).
 
+pub mod chains;
 pub mod csv;
 pub mod json;
 pub mod model;
