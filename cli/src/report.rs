@@ -98,6 +98,11 @@ pub struct View {
     /// plumbing is attributed to its first frame outside it.
     #[arg(long = "plumbing", value_name = "PATTERN", requires = "callers")]
     pub plumbing: Vec<String>,
+    /// The text layout's version: 1 (`allocinfo - version: 1.0`), or 2, the
+    /// kernel's newer layout (`allocinfo - version: 2.0`; rows say
+    /// `accurate:no` when their figures are not exact live figures).
+    #[arg(long, value_name = "VERSION", value_parser = ["1", "2"], default_value = "1")]
+    pub allocinfo_version: String,
 }
 
 impl Default for View {
@@ -114,6 +119,7 @@ impl Default for View {
             quiet: false,
             callers: false,
             plumbing: Vec::new(),
+            allocinfo_version: "1".to_string(),
         }
     }
 }
@@ -132,8 +138,16 @@ impl View {
         }
     }
 
-    pub fn text_options(&self, diff: bool) -> text::Options {
-        text::Options { all_columns: self.all_columns, human: self.human, diff }
+    /// `inaccurate`: the size and calls columns are not exact live
+    /// figures (said with `--allocinfo-version 2`).
+    pub fn text_options(&self, diff: bool, inaccurate: bool) -> text::Options {
+        text::Options {
+            all_columns: self.all_columns,
+            human: self.human,
+            diff,
+            version2: self.allocinfo_version == "2",
+            inaccurate,
+        }
     }
 }
 
@@ -316,7 +330,7 @@ pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row
     };
     match view.format {
         Format::Text => {
-            text::write(w, rows, &view.text_options(false))?;
+            text::write(w, rows, &view.text_options(false, !figs.process.live || figs.process.incomplete))?;
             if view.callers {
                 crate::callers::write_text(w, rows, &chains, lost)?;
             }

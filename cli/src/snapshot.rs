@@ -108,7 +108,7 @@ pub fn run_diff(args: DiffArgs) -> Result<()> {
     let (opath, npath) = (old.path.display().to_string(), new.path.display().to_string());
     let (odoc, ndoc) = (old.doc(&opath, &ofig), new.doc(&npath, &nfig));
     emit(|w| match view.format {
-        Format::Text => text::write(w, &rows, &view.text_options(true)),
+        Format::Text => text::write(w, &rows, &view.text_options(true, !live)),
         Format::Csv => csv::write(w, &rows, view.group_by, true),
         Format::Json => json::write_diff(w, &odoc, &ndoc, live, &rows, view.group_by, view.sort),
     })

@@ -23,7 +23,8 @@ fuzz_target!(|data: &[u8]| {
         let sel = Selection { group_by, sort, top: Some(50), ..Selection::default() };
         let Ok(rows) = select(figs.sites.clone(), &figs.modules, &sel, false) else { return };
         let mut out = Vec::new();
-        text::write(&mut out, &rows, &text::Options { all_columns: true, human: true, diff: false }).unwrap();
+        let opts = text::Options { all_columns: true, human: true, version2: true, inaccurate: !live, diff: false };
+        text::write(&mut out, &rows, &opts).unwrap();
         csv::write(&mut out, &rows, group_by, false).unwrap();
         let doc = json::ProcessDoc::new("fuzz", false, &figs.process, &figs.modules);
         json::write_report(&mut out, &doc, &rows, group_by, sort).unwrap();
