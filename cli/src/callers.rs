@@ -204,3 +204,39 @@ pub fn write_json(w: &mut dyn Write, doc: &[u8], chains: &[ChainRow], lost: u64)
     serde_json::to_writer_pretty(&mut *w, &v).map_err(io::Error::other)?;
     writeln!(w)
 }
+
+/// The source lines of sites of one module file, inlined functions first,
+/// for the pprof profile: the sites whose innermost DWARF location is the
+/// site's own `file:line` (a site named after a caller outside inlined
+/// plumbing keeps the site table's one line).
+pub fn site_lines(
+    path: &Path,
+    sites: &[&alloctramp_report::SiteInfo],
+) -> Vec<(u64, Vec<alloctramp_report::pprof::SourceLine>)> {
+    use alloctramp_report::pprof::SourceLine;
+    let mut out = Vec::new();
+    let Ok(input) = Input::open(path) else { return out };
+    let Ok(elf) = Elf::parse(&input.map) else { return out };
+    let Some(sections) = DebugSections::load(&elf.file) else { return out };
+    let Some(lines) = Lines::new(&sections) else { return out };
+    for s in sites {
+        let frames = lines.inline_frames(s.address);
+        if frames.len() < 2 {
+            continue;
+        }
+        let innermost = frames[0].1.as_ref().map(|l| (l.file.as_str(), l.line));
+        if innermost.is_none() || innermost != s.file.zip(s.line) {
+            continue;
+        }
+        let named: Vec<SourceLine> = frames
+            .iter()
+            .map(|(name, loc)| SourceLine {
+                function: name.as_deref().map_or_else(|| "?".to_string(), demangle),
+                file: loc.as_ref().map(|l| l.file.clone()),
+                line: loc.as_ref().map_or(0, |l| l.line),
+            })
+            .collect();
+        out.push((s.address, named));
+    }
+    out
+}

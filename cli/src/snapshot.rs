@@ -78,6 +78,11 @@ pub struct DiffArgs {
 }
 
 pub fn run_diff(args: DiffArgs) -> Result<()> {
+    if args.view.format == Format::Pprof {
+        bail!(
+            "diff --format pprof: a profile holds one process's figures; compare two with `go tool pprof -diff_base OLD.pb.gz NEW.pb.gz`"
+        );
+    }
     let dir = counters_dir(args.dir.as_deref());
     let old = Source::open(&args.old, &dir)?;
     let new = Source::open(&args.new, &dir)?;
@@ -111,5 +116,6 @@ pub fn run_diff(args: DiffArgs) -> Result<()> {
         Format::Text => text::write(w, &rows, &view.text_options(true, !live)),
         Format::Csv => csv::write(w, &rows, view.group_by, true),
         Format::Json => json::write_diff(w, &odoc, &ndoc, live, &rows, view.group_by, view.sort),
+        Format::Pprof => Ok(()),
     })
 }

@@ -1,11 +1,11 @@
 //! Any bytes as a process counters file, through everything `alloctramp
 //! report` does with one: an error, or figures that group, sort, total,
-//! diff and write in every format without a panic, and the call chains and
+//! diff and write in every format (pprof too) without a panic, and the call chains and
 //! mappings of its callers region.
 #![no_main]
 
 use alloctramp_report::model::{GroupBy, Selection, SortKey, diff, select};
-use alloctramp_report::{csv, json, read, text};
+use alloctramp_report::{csv, json, pprof, read, text};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -31,4 +31,11 @@ fuzz_target!(|data: &[u8]| {
         let _ = alloctramp_report::model::totals(&rows, live);
     }
     let _ = diff(&figs, &figs, true);
+    // pprof.
+    let maps: Vec<pprof::Mapped> = pf
+        .maps()
+        .into_iter()
+        .map(|m| pprof::Mapped { start: m.start, end: m.end, offset: m.offset, path: m.path })
+        .collect();
+    let _ = pprof::write(&figs, &pprof::Extra { maps: &maps, ..pprof::Extra::default() });
 });

@@ -9,6 +9,8 @@
 //!   totals, and the difference of two sets of figures.
 //! - [`text`], [`json`], [`csv`]: one module per output format; each writes
 //!   to a `&mut dyn Write`.
+//! - [`pprof`]: a gzipped pprof heap profile (bytes out), with the call
+//!   chains of [`chains`] as stacks.
 //!
 //! No I/O of its own: finding a process's file, reading it and printing are
 //! the caller's (the `alloctramp` command).
@@ -17,6 +19,7 @@ pub mod chains;
 pub mod csv;
 pub mod json;
 pub mod model;
+pub mod pprof;
 pub mod read;
 pub mod text;
 
@@ -33,6 +36,8 @@ pub enum Format {
     Json,
     /// Comma-separated values with a header row ([`csv`]).
     Csv,
+    /// A gzipped pprof heap profile ([`pprof`]).
+    Pprof,
 }
 
 /// A name that is none of an enum's names (from `FromStr`).
@@ -86,7 +91,7 @@ macro_rules! named {
 }
 pub(crate) use named;
 
-named!(Format { Text => "text", Json => "json", Csv => "csv", });
+named!(Format { Text => "text", Json => "json", Csv => "csv", Pprof => "pprof", });
 
 #[cfg(test)]
 mod tests {

@@ -459,3 +459,25 @@ pub fn test_name() -> &'static str {
     let name = std::thread::current().name().unwrap_or("?").to_string();
     Box::leak(name.into_boxed_str())
 }
+
+/// Makes sure `tool` is installed: if it is missing, installs the Debian
+/// `package` that has it (apt-get update first; as root) and fails the
+/// test if it is still missing, so that a check never passes without
+/// running. One installation at a time.
+pub fn ensure_tool(tool: &str, package: &str) {
+    static APT: Mutex<()> = Mutex::new(());
+    let _guard = APT.lock().unwrap_or_else(|e| e.into_inner());
+    if have(tool) {
+        return;
+    }
+    eprintln!("{tool} is missing: installing {package}");
+    let script =
+        format!("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {package} >/dev/null");
+    let out = Command::new("sh").arg("-c").arg(&script).output().expect("run apt-get");
+    assert!(
+        have(tool),
+        "{tool} is missing and installing the {package} package failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
