@@ -439,6 +439,55 @@ pub fn proc_maps(pid: u32) -> Vec<alloctramp_report::pprof::Mapped> {
         .collect()
 }
 
+/// A counters file of the directory.
+pub enum Found {
+    /// Its header reads (whether its modules do is for the reader).
+    Readable(Source),
+    /// It cannot be read: its path and why.
+    Unreadable(PathBuf, String),
+}
+
+/// The counters files (`PID.counters`) of a directory that belong to
+/// this user (others are left alone), each copied into memory without
+/// stopping its process and its header parsed. A file removed meanwhile
+/// (its process exited without profiling) is left out.
+pub fn discover(entries: std::fs::ReadDir) -> Vec<Found> {
+    use std::os::unix::fs::MetadataExt;
+    let me = crate::control::euid();
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "counters") {
+            continue;
+        }
+        if p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok()).is_none() {
+            continue;
+        }
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.uid() == me || me == 0 => {}
+            _ => continue,
+        }
+        let input = match Snapshot::read(&p) {
+            Ok(i) => i,
+            Err(_) if !p.exists() => continue,
+            Err(e) => {
+                let why = e.chain().skip(1).map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+                out.push(Found::Unreadable(p, why));
+                continue;
+            }
+        };
+        let running = match ProcessFile::parse(&input.bytes) {
+            Ok(pf) => file_process_running(&pf),
+            Err(e) => {
+                out.push(Found::Unreadable(p, read::ReadError(e).to_string()));
+                continue;
+            }
+        };
+        out.push(Found::Readable(Source { path: p, input, by_pid: true, running }));
+    }
+    out
+}
+
 /// One line per process of this user that runs patched code.
 fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
     let entries = match std::fs::read_dir(dir) {
@@ -452,21 +501,15 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
         Err(e) => return Err(anyhow!("{}: {e}", dir.display())),
     };
     let mut found: Vec<(u32, String)> = Vec::new();
-    for e in entries.flatten() {
-        let p = e.path();
-        if p.extension().is_none_or(|x| x != "counters") {
-            continue;
-        }
-        let Some(pid) = p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(input) = Snapshot::read(&p) else { continue };
-        let Ok(pf) = ProcessFile::parse(&input.bytes) else { continue };
-        let running = file_process_running(&pf);
+    for f in discover(entries) {
+        let Found::Readable(src) = f else { continue };
+        let running = src.running;
         if !running && !all {
             continue;
         }
+        let Ok(pf) = src.parse() else { continue };
         let Ok(figs) = read::figures(&pf) else { continue };
+        let pid = pf.pid;
         let state = if running {
             if pf.on {
                 "on"

@@ -1,15 +1,20 @@
-//! Profiles in the formats people already collect, checked by the tools
-//! that read them: `go tool pprof` on `report --format pprof` files
-//! (golang-go is installed when missing), and the kernel's newer
-//! `/proc/allocinfo` layout.
+//! Profiles and metrics in the formats people already collect, checked by
+//! the tools that read them, run for real on loopback: `go tool pprof` on
+//! `report --format pprof` files and on `serve`'s `/debug/pprof/heap`,
+//! `promtool check metrics` on `/metrics`, and a Prometheus server that
+//! scrapes `serve` every second while a process exits and a counters file
+//! is corrupt. The tools are installed (golang-go, prometheus) when
+//! missing.
 
 use crate::patch::patch_to;
-use crate::runtime::{counters_dir, only_counters_file, report};
+use crate::runtime::{Server, counters_dir, only_counters_file, report};
 use crate::util::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// (source file name, line) -> a figure.
 type ByLine = BTreeMap<(String, u32), i128>;
@@ -173,6 +178,238 @@ fn pprof_stacks_are_the_recorded_call_chains() {
     for (frame, bytes) in [("a", 96), ("b", 160), ("main1", 48), ("main2", 160), ("main3", 48)] {
         assert_eq!(cum.get(&key(l[frame])).copied(), Some(bytes), "@frame {frame}: {cum:?}");
     }
+}
+
+/// A child process killed when the test ends, however it ends.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `alloctramp serve --listen 127.0.0.1:0` on `dir`: the process, its
+/// port, and the lines it logs (collected by a thread).
+fn start_serve(dir: &Path, extra: &[&str]) -> (Killed, u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let mut child = alloctramp()
+        .args(["serve", "--listen", "127.0.0.1:0", "--dir"])
+        .arg(dir)
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    let port: u16 = first
+        .split("http://127.0.0.1:")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("serve says where it listens: {first}"));
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let l = log.clone();
+    std::thread::spawn(move || {
+        for line in err.lines().map_while(Result::ok) {
+            l.lock().unwrap().push(line);
+        }
+    });
+    (Killed(child), port, log)
+}
+
+/// Runs `promtool check metrics` on a scrape.
+fn promtool_check(body: &[u8]) {
+    use std::io::Write;
+    let mut p = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    p.stdin.take().unwrap().write_all(body).unwrap();
+    let o = p.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "promtool check metrics: {}{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        String::from_utf8_lossy(body)
+    );
+}
+
+/// A PromQL query through Prometheus' HTTP API: its result vector.
+fn promql(port: u16, query: &str) -> Vec<Value> {
+    let (status, _, body) = http_get(port, &format!("/api/v1/query?query={}", url_encode(query)), None);
+    assert_eq!(status, 200, "{query}: {}", String::from_utf8_lossy(&body));
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    v["data"]["result"].as_array().cloned().unwrap_or_default()
+}
+
+/// Live bytes per (file, line) of one process, from a PromQL answer.
+fn series_by_line(result: &[Value]) -> ByLine {
+    let mut m = ByLine::new();
+    for r in result {
+        let file = base(r["metric"]["file"].as_str().unwrap_or("?")).to_string();
+        let line = r["metric"]["line"].as_str().and_then(|l| l.parse().ok()).unwrap_or(0);
+        let v: f64 = r["value"][1].as_str().unwrap().parse().unwrap();
+        *m.entry((file, line)).or_default() += v as i128;
+    }
+    m.retain(|_, v| *v != 0);
+    m
+}
+
+/// Waits until `f` gives Some, for up to `secs` seconds.
+fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `serve` for real, with a patched `server` (testbins/server.c) after two
+/// rounds, a second one that exits between scrapes, and a corrupt
+/// counters file in the directory:
+/// - `/metrics` passes `promtool check metrics` (both formats it offers);
+/// - `go tool pprof` over HTTP (`/debug/pprof/heap?pid=PID`) gives every
+///   site's line the report's live and total bytes;
+/// - a Prometheus server scraping every second answers a PromQL query for
+///   the process's live bytes with the report's figure at every site (and
+///   the marked malloc's 2 x 500 bytes), keeps scraping (`up` 1, no
+///   error) after the second process exits, and the corrupt file is
+///   logged once.
+#[test]
+fn serve_for_pprof_and_prometheus_through_exits_and_bad_files() {
+    ensure_tool("go", "golang-go");
+    ensure_tool("promtool", "prometheus");
+    ensure_tool("prometheus", "prometheus");
+    let mut a = Server::start("export-serve", &[("ALLOCTRAMP", "on")]);
+    let dir = a.dir.clone();
+    assert_eq!(a.cmd("round"), "done");
+    assert_eq!(a.cmd("round"), "done");
+    std::fs::write(dir.join("4000000.counters"), vec![0x5a; 8192]).unwrap();
+    let doc = report(&a.pid(), &dir);
+    let want_live = report_by_line(&doc, "live_bytes");
+    let malloc = program("server").markers.iter().find(|m| m.entry == "malloc").unwrap();
+    assert_eq!(want_live.get(&("server.c".to_string(), malloc.line)), Some(&1000), "5 x 100 bytes kept per round");
+
+    let (_serve, port, log) = start_serve(&dir, &[]);
+    // /metrics, as curl and promtool get it, and as OpenMetrics.
+    let (status, head, body) = http_get(port, "/metrics", None);
+    assert_eq!(status, 200);
+    assert!(head.contains("content-type: text/plain; version=0.0.4"), "{head}");
+    promtool_check(&body);
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("alloctramp_unreadable_files 1\n"), "{text}");
+    let (_, head, om) = http_get(port, "/metrics", Some("application/openmetrics-text;version=1.0.0"));
+    assert!(head.contains("content-type: application/openmetrics-text"), "{head}");
+    let om = String::from_utf8_lossy(&om);
+    assert!(om.ends_with("# EOF\n") && om.contains("# TYPE alloctramp_calls counter\n"), "{om}");
+    let marked =
+        format!("alloctramp_live_bytes{{pid=\"{}\",command=\"{}\",", a.pid(), doc["command"].as_str().unwrap());
+    let marked_line = format!(",line=\"{}\"}} 1000", malloc.line);
+    assert!(om.lines().any(|l| l.starts_with(&marked) && l.ends_with(&marked_line)), "{marked}..{marked_line}: {om}");
+
+    // The index links each process's profile.
+    let (_, _, index) = http_get(port, "/", None);
+    let index = String::from_utf8_lossy(&index);
+    assert!(index.contains(&format!("/debug/pprof/heap?pid={}", a.pid())), "{index}");
+
+    // go tool pprof over HTTP.
+    let home = scratch("export-serve-home");
+    let url = format!("http://127.0.0.1:{port}/debug/pprof/heap?pid={}", a.pid());
+    let by_command = format!("http://127.0.0.1:{port}/debug/pprof/heap?command=server.bin");
+    let (inuse, _) = pprof_top(&url, "inuse_space", &home);
+    assert_eq!(inuse, want_live, "inuse_space over HTTP");
+    let (alloc, _) = pprof_top(&by_command, "alloc_space", &home);
+    assert_eq!(alloc, report_by_line(&doc, "bytes"), "alloc_space over HTTP (by command, as scrapers ask)");
+    let (status, _, _) = http_get(port, "/debug/pprof/heap?pid=1", None);
+    assert_eq!(status, 404, "not a process of ours running patched code");
+
+    // Prometheus, scraping every second.
+    let pdir = scratch("export-prometheus");
+    let pport = free_port();
+    let config = format!(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: alloctramp\n    \
+         static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
+    );
+    std::fs::write(pdir.join("prometheus.yml"), config).unwrap();
+    let prom = Command::new("prometheus")
+        .arg(format!("--config.file={}", pdir.join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", pdir.join("data").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{pport}"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(pdir.join("prometheus.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let _prom = Killed(prom);
+    let pid = a.pid();
+    let query = format!("alloctramp_live_bytes{{job=\"alloctramp\",pid=\"{pid}\"}}");
+    let got = wait_for(60, "Prometheus to have scraped the live bytes", || {
+        let r = std::panic::catch_unwind(|| series_by_line(&promql(pport, &query))).ok()?;
+        (r == want_live).then_some(r)
+    });
+    assert_eq!(got.get(&("server.c".to_string(), malloc.line)), Some(&1000));
+
+    // A second process appears, then exits between scrapes.
+    let b_env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())];
+    let mut b = Server::start("export-serve-b", &b_env);
+    assert_eq!(b.cmd("round"), "done");
+    let bpid = b.pid();
+    let on_b = format!("alloctramp_profiling_on{{pid=\"{bpid}\"}}");
+    wait_for(30, "the second process in Prometheus", || (!promql(pport, &on_b).is_empty()).then_some(()));
+    b.quit();
+    let exited = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    // Scrapes after the exit succeed: `up` is 1 at a time after it.
+    wait_for(30, "a scrape after the exit", || {
+        let r = promql(pport, "timestamp(up{job=\"alloctramp\"}) and up{job=\"alloctramp\"} == 1");
+        let t: f64 = r.first()?["value"][1].as_str()?.parse().ok()?;
+        (t > exited + 1.0).then_some(())
+    });
+    let targets: Value = serde_json::from_slice(&http_get(pport, "/api/v1/targets", None).2).unwrap();
+    let t = &targets["data"]["activeTargets"][0];
+    assert_eq!((t["health"].as_str(), t["lastError"].as_str()), (Some("up"), Some("")), "{t}");
+    assert_eq!(series_by_line(&promql(pport, &query)), want_live, "the first process's series go on");
+    let (_, _, now) = http_get(port, "/metrics", None);
+    assert!(!String::from_utf8_lossy(&now).contains(&format!("pid=\"{bpid}\"")), "an exited process is gone");
+    let bad: Vec<String> = log.lock().unwrap().iter().filter(|l| l.contains("4000000.counters")).cloned().collect();
+    assert_eq!(bad.len(), 1, "the corrupt file is logged once: {bad:?}");
+    a.quit();
+}
+
+/// `serve --group-by function` bounds the series: no `file` or `line`
+/// label, one series per function of each process.
+#[test]
+fn serve_groups_series_by_function() {
+    ensure_tool("promtool", "prometheus");
+    let mut a = Server::start("export-serve-grouped", &[("ALLOCTRAMP", "on")]);
+    assert_eq!(a.cmd("round"), "done");
+    let (_serve, port, _) = start_serve(&a.dir, &["--group-by", "function"]);
+    let (_, _, body) = http_get(port, "/metrics", None);
+    promtool_check(&body);
+    let text = String::from_utf8_lossy(&body).into_owned();
+    let live: Vec<&str> = text.lines().filter(|l| l.starts_with("alloctramp_live_bytes{")).collect();
+    assert!(!live.is_empty() && live.iter().all(|l| !l.contains("line=") && !l.contains("file=")), "{text}");
+    let doc = report(&a.pid(), &a.dir);
+    let mut by_function: BTreeMap<String, i64> = BTreeMap::new();
+    for s in doc["sites"].as_array().unwrap().iter().filter(|s| s["kind"] != "free") {
+        *by_function.entry(s["function"].as_str().unwrap().to_string()).or_default() +=
+            s["live_bytes"].as_i64().unwrap();
+    }
+    assert_eq!(live.len(), by_function.len(), "one series per function: {live:?}");
+    for (f, v) in by_function {
+        assert!(
+            live.iter().any(|l| l.contains(&format!("function=\"{f}\"")) && l.ends_with(&format!(" {v}"))),
+            "{f} {v}: {live:?}"
+        );
+    }
+    a.quit();
 }
 
 /// The kernel's newer layout behind an option: `allocinfo - version:

@@ -10,7 +10,8 @@
 //! - [`text`], [`json`], [`csv`]: one module per output format; each writes
 //!   to a `&mut dyn Write`.
 //! - [`pprof`]: a gzipped pprof heap profile (bytes out), with the call
-//!   chains of [`chains`] as stacks.
+//!   chains of [`chains`] as stacks; [`openmetrics`]: the figures of
+//!   processes as OpenMetrics or Prometheus text, for `alloctramp serve`.
 //!
 //! No I/O of its own: finding a process's file, reading it and printing are
 //! the caller's (the `alloctramp` command).
@@ -19,6 +20,7 @@ pub mod chains;
 pub mod csv;
 pub mod json;
 pub mod model;
+pub mod openmetrics;
 pub mod pprof;
 pub mod read;
 pub mod text;
