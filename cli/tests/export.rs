@@ -518,3 +518,47 @@ fn pprof_locations_have_the_inlined_lines() {
     let grab = top.lines().find(|l| l.trim_end().ends_with(" grab (inline)")).unwrap_or_else(|| panic!("grab: {top}"));
     assert!(grab.trim_start().starts_with("406B "), "{grab}");
 }
+
+/// `run --format pprof` needs `-o FILE` (a binary profile is not for the
+/// terminal), refused in one line before the program runs; with it, the
+/// profile has every site (no default cut to 20 rows).
+#[test]
+fn run_writes_a_pprof_profile_only_to_a_file() {
+    ensure_tool("go", "golang-go");
+    let b = built(Config::default_o2());
+    let dir = scratch("export-run-pprof");
+    let marker = dir.join("ran");
+    let o = alloctramp()
+        .args(["run", "--on", "--format", "pprof", "--cache"])
+        .arg(dir.join("cache"))
+        .args(["--", "sh", "-c"])
+        .arg(format!("touch {}", marker.display()))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("give -o FILE"), "{err}");
+    assert!(!marker.exists(), "the program did not run");
+
+    let profile = dir.join("callers.pb.gz");
+    let counters = counters_dir("export-run-pprof");
+    let o = alloctramp()
+        .args(["run", "--on", "--format", "pprof", "-o"])
+        .arg(&profile)
+        .arg("--cache")
+        .arg(dir.join("cache"))
+        .arg("--")
+        .arg(b.path("callers"))
+        .env("ALLOCTRAMP_DIR", &counters)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (_, alloc) = pprof_top(profile.to_str().unwrap(), "alloc_space", &dir);
+    let doc = report(only_counters_file(&counters).to_str().unwrap(), &counters);
+    let want = report_by_line(&doc, "bytes");
+    assert!(!want.is_empty());
+    for (key, bytes) in &want {
+        assert_eq!(alloc.get(key), Some(bytes), "{key:?}: {alloc:?}");
+    }
+}
