@@ -15,7 +15,6 @@ use crate::control::counters_dir;
 use crate::report::{Found, Source, discover};
 use alloctramp_report::model::{Figures, GroupBy};
 use alloctramp_report::openmetrics::{self, Scrape, Variant};
-use alloctramp_report::read;
 use anyhow::{Context, Result};
 use std::collections::HashSet;
 use std::io::Write;
@@ -136,8 +135,9 @@ fn gzipped(data: &[u8]) -> Vec<u8> {
     gz.finish().unwrap_or_default()
 }
 
-/// The running processes' files, read now; the unreadable ones logged
-/// once and counted.
+/// The running processes' files, read now (their headers parsed; their
+/// modules are read by [`figures`]); the unreadable ones logged once and
+/// counted.
 fn processes(state: &State) -> (Vec<Source>, u64) {
     let entries = match std::fs::read_dir(&state.dir) {
         Ok(e) => e,
@@ -150,16 +150,7 @@ fn processes(state: &State) -> (Vec<Source>, u64) {
     let mut bad = 0;
     for f in discover(entries) {
         match f {
-            Found::Readable(src) if src.running => {
-                // Every module must read too.
-                match src.figures() {
-                    Ok(_) => out.push(src),
-                    Err(e) => {
-                        bad += 1;
-                        log_once(state, &src.path, &format!("{e:#}"));
-                    }
-                }
-            }
+            Found::Readable(src) if src.running => out.push(src),
             Found::Readable(_) => {}
             Found::Unreadable(path, why) => {
                 bad += 1;
@@ -171,6 +162,19 @@ fn processes(state: &State) -> (Vec<Source>, u64) {
     (out, bad)
 }
 
+/// The figures of a process's file; a file whose modules cannot be read
+/// is logged once and counted in `bad`.
+fn figures<'a>(state: &State, src: &'a Source, bad: &mut u64) -> Option<Figures<'a>> {
+    match src.figures() {
+        Ok(f) => Some(f),
+        Err(e) => {
+            *bad += 1;
+            log_once(state, &src.path, &format!("{e:#}"));
+            None
+        }
+    }
+}
+
 fn log_once(state: &State, path: &Path, why: &str) {
     let mut logged = state.logged.lock().unwrap_or_else(|e| e.into_inner());
     if logged.insert((path.to_path_buf(), why.to_string())) {
@@ -180,8 +184,8 @@ fn log_once(state: &State, path: &Path, why: &str) {
 }
 
 fn metrics(state: &State, accept: &str) -> Reply {
-    let (srcs, unreadable) = processes(state);
-    let processes: Vec<Figures> = srcs.iter().filter_map(|s| s.figures().ok()).collect();
+    let (srcs, mut unreadable) = processes(state);
+    let processes: Vec<Figures> = srcs.iter().filter_map(|s| figures(state, s, &mut unreadable)).collect();
     let scrape = Scrape { processes, unreadable };
     let (variant, content_type) = if accept.contains("application/openmetrics-text") {
         (Variant::OpenMetrics, openmetrics::OPENMETRICS_CONTENT_TYPE)
@@ -228,9 +232,9 @@ fn heap(state: &State, query: &str) -> Reply {
     let Some(src) = srcs.iter().find(|s| s.parse().is_ok_and(|p| p.pid == chosen)) else {
         return text(404, format!("process {chosen} runs no patched code of this user's\n"));
     };
-    match src.figures() {
-        Ok(figs) => (200, "application/octet-stream", crate::report::pprof(src, &figs, &[])),
-        Err(e) => text(500, format!("{e:#}\n")),
+    match figures(state, src, &mut 0) {
+        Some(figs) => (200, "application/octet-stream", crate::report::pprof(src, &figs, &[])),
+        None => text(500, format!("{}: cannot be read (see the server's log)\n", src.path.display())),
     }
 }
 
@@ -264,7 +268,7 @@ fn html(s: &str) -> String {
 }
 
 fn index(state: &State) -> Reply {
-    let (srcs, unreadable) = processes(state);
+    let (srcs, mut unreadable) = processes(state);
     let mut b = Vec::new();
     let _ = writeln!(
         b,
@@ -278,8 +282,7 @@ fn index(state: &State) -> Reply {
          <th>heap profile</th></tr>"
     );
     for s in &srcs {
-        let Ok(pf) = s.parse() else { continue };
-        let Ok(f) = read::figures(&pf) else { continue };
+        let Some(f) = figures(state, s, &mut unreadable) else { continue };
         let p = &f.process;
         let state = if p.on {
             "on"
