@@ -104,6 +104,9 @@ fn pprof_file_shows_the_report_figures_at_every_marked_site() {
     let o = alloctramp().arg("report").arg(&file).args(["--format", "pprof", "-o"]).arg(&profile).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(&std::fs::read(&profile).unwrap()[..2], b"\x1f\x8b", "gzipped");
+    // To stdout when it is not a terminal.
+    let piped = alloctramp().arg("report").arg(&file).args(["--format", "pprof"]).output().unwrap();
+    assert!(piped.status.success() && piped.stdout.starts_with(b"\x1f\x8b"), "a profile on a pipe");
 
     let markers = live_markers();
     let target = profile.to_str().unwrap();
@@ -381,6 +384,18 @@ fn serve_for_pprof_and_prometheus_through_exits_and_bad_files() {
     let bad: Vec<String> = log.lock().unwrap().iter().filter(|l| l.contains("4000000.counters")).cloned().collect();
     assert_eq!(bad.len(), 1, "the corrupt file is logged once: {bad:?}");
     a.quit();
+}
+
+/// `serve` with an address it cannot listen on: one line, status 2.
+#[test]
+fn serve_refuses_a_bad_address_in_one_line() {
+    for addr in ["nonsense", "127.0.0.1:99999"] {
+        let o = alloctramp().args(["serve", "--listen", addr]).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{addr}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.starts_with(&format!("alloctramp: --listen {addr}: cannot listen")), "{err}");
+    }
 }
 
 /// `serve --group-by function` bounds the series: no `file` or `line`
