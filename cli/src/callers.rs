@@ -240,3 +240,10 @@ pub fn site_lines(
     }
     out
 }
+
+/// The ELF file at `path` has the build id `hex`.
+pub fn has_build_id(path: &Path, hex: &str) -> bool {
+    let Ok(input) = Input::open(path) else { return false };
+    let Ok(elf) = Elf::parse(&input.map) else { return false };
+    elf.build_id().is_some_and(|b| b.iter().map(|x| format!("{x:02x}")).collect::<String>() == hex)
+}

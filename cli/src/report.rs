@@ -385,7 +385,9 @@ pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row
 /// The pprof heap profile of `figs` (read from `src`): its sites' source
 /// lines with inlined functions where the modules' files are found (the
 /// process's mappings: recorded in the file, else /proc/PID/maps of a
-/// running process), and their call chains where callers were captured.
+/// running process, else the program's command when it names a file of
+/// the module's build id), and their call chains where callers were
+/// captured.
 pub fn pprof(src: &Source, figs: &Figures, plumbing: &[String]) -> Vec<u8> {
     use alloctramp_report::pprof::{Extra, Mapped, module_files, write};
     let (chains, mut maps) = match src.parse() {
@@ -402,6 +404,25 @@ pub fn pprof(src: &Source, figs: &Figures, plumbing: &[String]) -> Vec<u8> {
     };
     if maps.is_empty() && src.running {
         maps = proc_maps(figs.process.pid);
+    }
+    // A module no mapping names (the file of a process that exited without
+    // callers capture): the program's own file, if its command names a
+    // file of the same build.
+    let named = module_files(figs, &maps);
+    let missing: Vec<&alloctramp_report::ModuleInfo> =
+        figs.modules.iter().filter(|m| !named.contains_key(&m.name)).collect();
+    drop(named);
+    for m in missing {
+        let Ok(path) = std::fs::canonicalize(&figs.process.command) else { break };
+        if m.build_id.is_empty() || !crate::callers::has_build_id(&path, &m.build_id) {
+            continue;
+        }
+        let addrs = figs.sites.iter().filter(|(s, _)| s.module == m.name).map(|(s, _)| s.address);
+        let (lo, hi) = addrs.fold((u64::MAX, 0), |(lo, hi), a| (lo.min(a), hi.max(a)));
+        if lo <= hi {
+            let (start, end) = (m.bias.wrapping_add(lo), m.bias.wrapping_add(hi).wrapping_add(1));
+            maps.push(Mapped { start, end, offset: 0, path: path.to_string_lossy().into_owned() });
+        }
     }
     let mut inlined = std::collections::HashMap::new();
     for (module, map) in module_files(figs, &maps) {

@@ -485,7 +485,8 @@ int main(void)
 /// the malloc's line the bytes (flat) and the line that calls the inlined
 /// function the same bytes (cumulative), and the function `grab` its
 /// flat bytes though it has no symbol of its own. The module's file is
-/// found from the running process's mappings.
+/// found from the running process's mappings, and, in the file the
+/// process left, from its command.
 #[test]
 fn pprof_locations_have_the_inlined_lines() {
     ensure_tool("go", "golang-go");
@@ -518,11 +519,19 @@ fn pprof_locations_have_the_inlined_lines() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     drop(t.child.stdin.take());
     assert_eq!(t.finish().1, Some(0));
+    // The file the process left: its module's file is found by its command
+    // (the same build id).
+    let left = dir.join("inlined-exited.pb.gz");
+    let file = only_counters_file(&counters);
+    let o = alloctramp().arg("report").arg(&file).args(["--format", "pprof", "-o"]).arg(&left).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 
-    let (flat, cum) = pprof_top(profile.to_str().unwrap(), "inuse_space", &dir);
     let key = |mark| ("inlined.c".to_string(), line(mark));
-    assert_eq!(flat.get(&key("@leaf")), Some(&406), "the malloc's line: {flat:?}");
-    assert_eq!(cum.get(&key("@caller")), Some(&406), "the inlined function's caller: {cum:?}");
+    for p in [&profile, &left] {
+        let (flat, cum) = pprof_top(p.to_str().unwrap(), "inuse_space", &dir);
+        assert_eq!(flat.get(&key("@leaf")), Some(&406), "{}: the malloc's line: {flat:?}", p.display());
+        assert_eq!(cum.get(&key("@caller")), Some(&406), "{}: the inlined function's caller: {cum:?}", p.display());
+    }
     let o = Command::new("go")
         .args(["tool", "pprof", "-top", "-unit=B", "-sample_index=alloc_space"])
         .arg(&profile)
