@@ -7,61 +7,13 @@ use alloctramp_patcher::Location;
 use alloctramp_patcher::lines::{DebugSections, Lines};
 use alloctramp_patcher::plumbing::Plumbing;
 use alloctramp_patcher::symbols::{FunctionIndex, demangle};
+pub use alloctramp_report::chains::{ChainRow, Frame};
 use alloctramp_report::model::Row;
 use alloctramp_trampolines::addr::FileOffset;
 use alloctramp_trampolines::process::{Map, ProcessFile};
-use serde::Serialize;
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::path::Path;
-
-/// One frame of a chain.
-#[derive(Serialize, Clone, Debug)]
-pub struct Frame {
-    /// Run-time return address.
-    pub address: u64,
-    /// The file mapped there, and the address in it.
-    pub module: Option<String>,
-    pub module_address: Option<u64>,
-    pub function: Option<String>,
-    pub file: Option<String>,
-    pub line: Option<u32>,
-}
-
-impl Frame {
-    /// `function (file:line)`, what is known of it.
-    pub fn describe(&self) -> String {
-        let name = self.function.clone().unwrap_or_else(|| format!("{:#x}", self.address));
-        match (&self.file, self.line, &self.module) {
-            (Some(f), Some(l), _) => format!("{name} ({f}:{l})"),
-            (_, _, Some(m)) => format!("{name} ({})", base(m)),
-            _ => name,
-        }
-    }
-}
-
-fn base(p: &str) -> &str {
-    p.rsplit('/').next().unwrap_or(p)
-}
-
-/// One chain of one site.
-#[derive(Serialize, Clone, Debug)]
-pub struct ChainRow {
-    /// The site: its module's name and address, as the report's rows give
-    /// them.
-    #[serde(skip)]
-    pub site: (String, u64),
-    pub calls: u64,
-    pub bytes: u64,
-    /// Innermost first: the return address out of the site's function,
-    /// then its caller's, and so on.
-    pub frames: Vec<Frame>,
-    /// The first frame outside allocation plumbing (an index of
-    /// `frames`), when the site is in plumbing (by its function's name or
-    /// its source file); null when it is not (the site names the code) or
-    /// every frame is.
-    pub outside_plumbing: Option<usize>,
-}
 
 /// What a module file says of an address in it: its virtual address, the
 /// function, and `file:line`.
@@ -251,4 +203,47 @@ pub fn write_json(w: &mut dyn Write, doc: &[u8], chains: &[ChainRow], lost: u64)
     v["callers_lost"] = lost.into();
     serde_json::to_writer_pretty(&mut *w, &v).map_err(io::Error::other)?;
     writeln!(w)
+}
+
+/// The source lines of sites of one module file, inlined functions first,
+/// for the pprof profile: the sites whose innermost DWARF location is the
+/// site's own `file:line` (a site named after a caller outside inlined
+/// plumbing keeps the site table's one line).
+pub fn site_lines(
+    path: &Path,
+    sites: &[&alloctramp_report::SiteInfo],
+) -> Vec<(u64, Vec<alloctramp_report::pprof::SourceLine>)> {
+    use alloctramp_report::pprof::SourceLine;
+    let mut out = Vec::new();
+    let Ok(input) = Input::open(path) else { return out };
+    let Ok(elf) = Elf::parse(&input.map) else { return out };
+    let Some(sections) = DebugSections::load(&elf.file) else { return out };
+    let Some(lines) = Lines::new(&sections) else { return out };
+    for s in sites {
+        let frames = lines.inline_frames(s.address);
+        if frames.len() < 2 {
+            continue;
+        }
+        let innermost = frames[0].1.as_ref().map(|l| (l.file.as_str(), l.line));
+        if innermost.is_none() || innermost != s.file.zip(s.line) {
+            continue;
+        }
+        let named: Vec<SourceLine> = frames
+            .iter()
+            .map(|(name, loc)| SourceLine {
+                function: name.as_deref().map_or_else(|| "?".to_string(), demangle),
+                file: loc.as_ref().map(|l| l.file.clone()),
+                line: loc.as_ref().map_or(0, |l| l.line),
+            })
+            .collect();
+        out.push((s.address, named));
+    }
+    out
+}
+
+/// The ELF file at `path` has the build id `hex`.
+pub fn has_build_id(path: &Path, hex: &str) -> bool {
+    let Ok(input) = Input::open(path) else { return false };
+    let Ok(elf) = Elf::parse(&input.map) else { return false };
+    elf.build_id().is_some_and(|b| b.iter().map(|x| format!("{x:02x}")).collect::<String>() == hex)
 }

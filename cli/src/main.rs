@@ -9,6 +9,7 @@ mod demo;
 mod patch;
 mod report;
 mod run;
+mod serve;
 mod sites;
 mod snapshot;
 mod util;
@@ -26,7 +27,8 @@ use std::process::ExitCode;
         alloctramp demo                       # a guided run on a bundled example\n  \
         alloctramp run --on -- PROGRAM ARGS   # profile a program, report when it exits\n  \
         alloctramp report                     # your processes running patched code\n  \
-        alloctramp report PID | sort -g -r | head"
+        alloctramp report PID | sort -g -r | head\n  \
+        alloctramp serve                      # /metrics and /debug/pprof/heap for Prometheus and pprof"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -39,6 +41,7 @@ enum Command {
     Patch(patch::Args),
     Run(run::Args),
     Report(report::Args),
+    Serve(serve::Args),
     Snapshot(snapshot::SnapshotArgs),
     Diff(snapshot::DiffArgs),
     /// Switch profiling on in a running process.
@@ -70,6 +73,7 @@ fn main() -> ExitCode {
         Command::Patch(args) => patch::run(args),
         Command::Run(args) => run::run(args),
         Command::Report(args) => report::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Snapshot(args) => snapshot::run_snapshot(args),
         Command::Diff(args) => snapshot::run_diff(args),
         Command::Enable(args) => control::run_switch(&args, Request::On),

@@ -14,7 +14,7 @@ use alloctramp_report::{Format, csv, json, read, text};
 use alloctramp_trampolines::process::ProcessFile;
 use anyhow::{Result, anyhow, bail};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -38,6 +38,7 @@ const FORMATS: &[(&str, &str)] = &[
     (Format::Text.as_str(), "The /proc/allocinfo layout"),
     (Format::Json.as_str(), "One JSON document (schema in docs/formats.md)"),
     (Format::Csv.as_str(), "Comma-separated values with a header row"),
+    (Format::Pprof.as_str(), "A gzipped pprof heap profile (go tool pprof, Pyroscope, Parca); binary: use -o FILE"),
 ];
 
 const SORT_KEYS: &[(&str, &str)] = &[
@@ -98,6 +99,11 @@ pub struct View {
     /// plumbing is attributed to its first frame outside it.
     #[arg(long = "plumbing", value_name = "PATTERN", requires = "callers")]
     pub plumbing: Vec<String>,
+    /// The text layout's version: 1 (`allocinfo - version: 1.0`), or 2, the
+    /// kernel's newer layout (`allocinfo - version: 2.0`; rows say
+    /// `accurate:no` when their figures are not exact live figures).
+    #[arg(long, value_name = "VERSION", value_parser = ["1", "2"], default_value = "1")]
+    pub allocinfo_version: String,
 }
 
 impl Default for View {
@@ -114,6 +120,7 @@ impl Default for View {
             quiet: false,
             callers: false,
             plumbing: Vec::new(),
+            allocinfo_version: "1".to_string(),
         }
     }
 }
@@ -132,8 +139,16 @@ impl View {
         }
     }
 
-    pub fn text_options(&self, diff: bool) -> text::Options {
-        text::Options { all_columns: self.all_columns, human: self.human, diff }
+    /// `inaccurate`: the size and calls columns are not exact live
+    /// figures (said with `--allocinfo-version 2`).
+    pub fn text_options(&self, diff: bool, inaccurate: bool) -> text::Options {
+        text::Options {
+            all_columns: self.all_columns,
+            human: self.human,
+            diff,
+            version2: self.allocinfo_version == "2",
+            inaccurate,
+        }
     }
 }
 
@@ -164,7 +179,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     alloctramp report 12345 | sort -g -r | head        # largest live sites first\n  \
     alloctramp report 12345 --top 10 --human --all-columns\n  \
     alloctramp report 12345 --group-by module\n  \
-    alloctramp report saved.snapshot --format csv > sites.csv\n\n\
+    alloctramp report saved.snapshot --format csv > sites.csv\n  \
+    alloctramp report 12345 --format pprof -o heap.pb.gz && go tool pprof -top heap.pb.gz\n\n\
 Without live tracking (ALLOCTRAMP_LIVE=0) <size> and <calls> are totals since profiling was switched on.")]
 pub struct Args {
     /// A process id, or a counters file (a snapshot, or the final file a
@@ -180,6 +196,10 @@ pub struct Args {
     /// $XDG_RUNTIME_DIR/alloctramp, else /tmp/alloctramp-UID].
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
+    /// Write the report to FILE (complete or not at all: written aside and
+    /// renamed into place) instead of stdout.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
 }
 
 /// An opened counters file (a live process's or a saved one).
@@ -295,14 +315,31 @@ pub fn print_notes(notes: &[String], quiet: bool) {
 pub fn run(args: Args) -> Result<()> {
     let dir = counters_dir(args.dir.as_deref());
     let Some(target) = &args.target else {
+        if args.output.is_some() {
+            bail!("-o FILE is for a report of one process: name it (PID or FILE)");
+        }
         return list(&dir, &args.view, args.all);
     };
+    let view = &args.view;
+    if view.format == Format::Pprof {
+        if view.group_by != GroupBy::Site {
+            bail!("--format pprof has one location per site: --group-by is for the other formats");
+        }
+        if args.output.is_none() && io::stdout().is_terminal() {
+            bail!("--format pprof writes a binary profile: give -o FILE, or redirect stdout");
+        }
+    }
+    if let Some(out) = &args.output {
+        crate::util::check_output_path(out)?;
+    }
     let src = Source::open(target, &dir)?;
     let mut figs = src.figures()?;
-    let view = &args.view;
     print_notes(&notes(&src, &figs), view.quiet);
     let rows = rows(&mut figs, view)?;
-    emit(|w| write_report(w, &src, &figs, &rows, view))
+    match &args.output {
+        Some(out) => crate::util::write_atomic_with(out, 0o644, |w| write_report(w, &src, &figs, &rows, view)),
+        None => emit(|w| write_report(w, &src, &figs, &rows, view)),
+    }
 }
 
 /// A report in the view's format.
@@ -316,7 +353,7 @@ pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row
     };
     match view.format {
         Format::Text => {
-            text::write(w, rows, &view.text_options(false))?;
+            text::write(w, rows, &view.text_options(false, !figs.process.live || figs.process.incomplete))?;
             if view.callers {
                 crate::callers::write_text(w, rows, &chains, lost)?;
             }
@@ -333,7 +370,143 @@ pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row
             let path = src.path.display().to_string();
             json::write_report(w, &src.doc(&path, figs), rows, view.group_by, view.selection().order())
         }
+        Format::Pprof => {
+            // The sites the view selects, with their figures.
+            let shown = Figures {
+                process: figs.process.clone(),
+                modules: figs.modules.clone(),
+                sites: rows.iter().filter(|r| r.sites == 1).map(|r| (r.site.clone(), r.fig)).collect(),
+            };
+            w.write_all(&pprof(src, &shown, &view.plumbing))
+        }
     }
+}
+
+/// The pprof heap profile of `figs` (read from `src`): its sites' source
+/// lines with inlined functions where the modules' files are found (the
+/// process's mappings: recorded in the file, else /proc/PID/maps of a
+/// running process, else the program's command when it names a file of
+/// the module's build id), and their call chains where callers were
+/// captured.
+pub fn pprof(src: &Source, figs: &Figures, plumbing: &[String]) -> Vec<u8> {
+    use alloctramp_report::pprof::{Extra, Mapped, module_files, write};
+    let (chains, mut maps) = match src.parse() {
+        Ok(pf) => {
+            let plumbing = alloctramp_patcher::plumbing::Plumbing::with(plumbing);
+            let maps: Vec<Mapped> = pf
+                .maps()
+                .into_iter()
+                .map(|m| Mapped { start: m.start, end: m.end, offset: m.offset, path: m.path })
+                .collect();
+            (crate::callers::chains(&pf, &plumbing), maps)
+        }
+        Err(_) => (Vec::new(), Vec::new()),
+    };
+    if maps.is_empty() && src.running {
+        maps = proc_maps(figs.process.pid);
+    }
+    // A module no mapping names (the file of a process that exited without
+    // callers capture): the program's own file, if its command names a
+    // file of the same build.
+    let named = module_files(figs, &maps);
+    let missing: Vec<&alloctramp_report::ModuleInfo> =
+        figs.modules.iter().filter(|m| !named.contains_key(&m.name)).collect();
+    drop(named);
+    for m in missing {
+        let Ok(path) = std::fs::canonicalize(&figs.process.command) else { break };
+        if m.build_id.is_empty() || !crate::callers::has_build_id(&path, &m.build_id) {
+            continue;
+        }
+        let addrs = figs.sites.iter().filter(|(s, _)| s.module == m.name).map(|(s, _)| s.address);
+        let (lo, hi) = addrs.fold((u64::MAX, 0), |(lo, hi), a| (lo.min(a), hi.max(a)));
+        if lo <= hi {
+            let (start, end) = (m.bias.wrapping_add(lo), m.bias.wrapping_add(hi).wrapping_add(1));
+            maps.push(Mapped { start, end, offset: 0, path: path.to_string_lossy().into_owned() });
+        }
+    }
+    let mut inlined = std::collections::HashMap::new();
+    for (module, map) in module_files(figs, &maps) {
+        let sites: Vec<&alloctramp_report::SiteInfo> =
+            figs.sites.iter().map(|(s, _)| s).filter(|s| s.module == module).collect();
+        for (address, lines) in crate::callers::site_lines(Path::new(&map.path), &sites) {
+            inlined.insert((module.clone(), address), lines);
+        }
+    }
+    let time_nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+    write(figs, &Extra { maps: &maps, inlined, chains: &chains, time_nanos, module: None })
+}
+
+/// The executable file mappings of a running process (`/proc/PID/maps`).
+pub fn proc_maps(pid: u32) -> Vec<alloctramp_report::pprof::Mapped> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (range, perms, offset) = (f.next()?, f.next()?, f.next()?);
+            let path = f.nth(2)?;
+            if !perms.contains('x') || !path.starts_with('/') {
+                return None;
+            }
+            let (a, b) = range.split_once('-')?;
+            Some(alloctramp_report::pprof::Mapped {
+                start: u64::from_str_radix(a, 16).ok()?,
+                end: u64::from_str_radix(b, 16).ok()?,
+                offset: u64::from_str_radix(offset, 16).ok()?,
+                path: path.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// A counters file of the directory.
+pub enum Found {
+    /// Its header reads (whether its modules do is for the reader).
+    Readable(Source),
+    /// It cannot be read: its path and why.
+    Unreadable(PathBuf, String),
+}
+
+/// The counters files (`PID.counters`) of a directory that belong to
+/// this user (others are left alone), each copied into memory without
+/// stopping its process and its header parsed. A file removed meanwhile
+/// (its process exited without profiling) is left out.
+pub fn discover(entries: std::fs::ReadDir) -> Vec<Found> {
+    use std::os::unix::fs::MetadataExt;
+    let me = crate::control::euid();
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "counters") {
+            continue;
+        }
+        if p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok()).is_none() {
+            continue;
+        }
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.uid() == me || me == 0 => {}
+            _ => continue,
+        }
+        let input = match Snapshot::read(&p) {
+            Ok(i) => i,
+            Err(_) if !p.exists() => continue,
+            Err(e) => {
+                let why = e.chain().skip(1).map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+                out.push(Found::Unreadable(p, why));
+                continue;
+            }
+        };
+        let running = match ProcessFile::parse(&input.bytes) {
+            Ok(pf) => file_process_running(&pf),
+            Err(e) => {
+                out.push(Found::Unreadable(p, read::ReadError(e).to_string()));
+                continue;
+            }
+        };
+        out.push(Found::Readable(Source { path: p, input, by_pid: true, running }));
+    }
+    out
 }
 
 /// One line per process of this user that runs patched code.
@@ -349,21 +522,15 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
         Err(e) => return Err(anyhow!("{}: {e}", dir.display())),
     };
     let mut found: Vec<(u32, String)> = Vec::new();
-    for e in entries.flatten() {
-        let p = e.path();
-        if p.extension().is_none_or(|x| x != "counters") {
-            continue;
-        }
-        let Some(pid) = p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(input) = Snapshot::read(&p) else { continue };
-        let Ok(pf) = ProcessFile::parse(&input.bytes) else { continue };
-        let running = file_process_running(&pf);
+    for f in discover(entries) {
+        let Found::Readable(src) = f else { continue };
+        let running = src.running;
         if !running && !all {
             continue;
         }
+        let Ok(pf) = src.parse() else { continue };
         let Ok(figs) = read::figures(&pf) else { continue };
+        let pid = pf.pid;
         let state = if running {
             if pf.on {
                 "on"

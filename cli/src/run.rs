@@ -143,6 +143,14 @@ pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<
 }
 
 pub fn run(mut args: Args) -> Result<()> {
+    if args.view.format == alloctramp_report::Format::Pprof {
+        if args.output.is_none() {
+            bail!("--format pprof writes a binary profile: give -o FILE");
+        }
+        if args.view.group_by != GroupBy::Site {
+            bail!("--format pprof has one location per site: --group-by is for the other formats");
+        }
+    }
     let program_arg = args.command.remove(0);
     let program = find_program(&program_arg)?;
     let cache = cache_dir(args.cache.as_deref());
@@ -191,7 +199,12 @@ pub fn run(mut args: Args) -> Result<()> {
     let mut figs = src.figures()?;
     let notes = report::notes(&src, &figs);
     let mut view = args.view.clone();
-    if view.sort.is_none() && view.top.is_none() && view.group_by == GroupBy::Site {
+    // The text's default cut (a profile has every site).
+    if view.sort.is_none()
+        && view.top.is_none()
+        && view.group_by == GroupBy::Site
+        && view.format != alloctramp_report::Format::Pprof
+    {
         view.sort = Some(SortKey::LiveBytes);
         view.top = Some(20);
     }

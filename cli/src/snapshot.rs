@@ -78,6 +78,11 @@ pub struct DiffArgs {
 }
 
 pub fn run_diff(args: DiffArgs) -> Result<()> {
+    if args.view.format == Format::Pprof {
+        bail!(
+            "diff --format pprof: a profile holds one process's figures; compare two with `go tool pprof -diff_base OLD.pb.gz NEW.pb.gz`"
+        );
+    }
     let dir = counters_dir(args.dir.as_deref());
     let old = Source::open(&args.old, &dir)?;
     let new = Source::open(&args.new, &dir)?;
@@ -108,8 +113,9 @@ pub fn run_diff(args: DiffArgs) -> Result<()> {
     let (opath, npath) = (old.path.display().to_string(), new.path.display().to_string());
     let (odoc, ndoc) = (old.doc(&opath, &ofig), new.doc(&npath, &nfig));
     emit(|w| match view.format {
-        Format::Text => text::write(w, &rows, &view.text_options(true)),
+        Format::Text => text::write(w, &rows, &view.text_options(true, !live)),
         Format::Csv => csv::write(w, &rows, view.group_by, true),
         Format::Json => json::write_diff(w, &odoc, &ndoc, live, &rows, view.group_by, view.sort),
+        Format::Pprof => Ok(()),
     })
 }

@@ -8,6 +8,7 @@ mod bad_input;
 mod callers;
 mod charge;
 mod debuginfod;
+mod export;
 mod live;
 mod malformed;
 mod patch;

@@ -1,11 +1,12 @@
 //! Any bytes as a process counters file, through everything `alloctramp
 //! report` does with one: an error, or figures that group, sort, total,
-//! diff and write in every format without a panic, and the call chains and
+//! diff and write in every format (pprof and OpenMetrics too) without a panic, and the call chains and
 //! mappings of its callers region.
 #![no_main]
 
 use alloctramp_report::model::{GroupBy, Selection, SortKey, diff, select};
-use alloctramp_report::{csv, json, read, text};
+use alloctramp_report::openmetrics::{self, Scrape, Variant};
+use alloctramp_report::{csv, json, pprof, read, text};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -23,11 +24,23 @@ fuzz_target!(|data: &[u8]| {
         let sel = Selection { group_by, sort, top: Some(50), ..Selection::default() };
         let Ok(rows) = select(figs.sites.clone(), &figs.modules, &sel, false) else { return };
         let mut out = Vec::new();
-        text::write(&mut out, &rows, &text::Options { all_columns: true, human: true, diff: false }).unwrap();
+        let opts = text::Options { all_columns: true, human: true, version2: true, inaccurate: !live, diff: false };
+        text::write(&mut out, &rows, &opts).unwrap();
         csv::write(&mut out, &rows, group_by, false).unwrap();
         let doc = json::ProcessDoc::new("fuzz", false, &figs.process, &figs.modules);
         json::write_report(&mut out, &doc, &rows, group_by, sort).unwrap();
         let _ = alloctramp_report::model::totals(&rows, live);
     }
     let _ = diff(&figs, &figs, true);
+    // pprof and the metrics of a scrape.
+    let maps: Vec<pprof::Mapped> = pf
+        .maps()
+        .into_iter()
+        .map(|m| pprof::Mapped { start: m.start, end: m.end, offset: m.offset, path: m.path })
+        .collect();
+    let _ = pprof::write(&figs, &pprof::Extra { maps: &maps, ..pprof::Extra::default() });
+    for (group_by, variant) in [(GroupBy::Site, Variant::OpenMetrics), (GroupBy::Function, Variant::Text)] {
+        let scrape = Scrape { processes: vec![figs.clone()], unreadable: 1 };
+        openmetrics::write(&mut Vec::new(), &scrape, group_by, variant).unwrap();
+    }
 });

@@ -9,13 +9,19 @@
 //!   totals, and the difference of two sets of figures.
 //! - [`text`], [`json`], [`csv`]: one module per output format; each writes
 //!   to a `&mut dyn Write`.
+//! - [`pprof`]: a gzipped pprof heap profile (bytes out), with the call
+//!   chains of [`chains`] as stacks; [`openmetrics`]: the figures of
+//!   processes as OpenMetrics or Prometheus text, for `alloctramp serve`.
 //!
 //! No I/O of its own: finding a process's file, reading it and printing are
 //! the caller's (the `alloctramp` command).
 
+pub mod chains;
 pub mod csv;
 pub mod json;
 pub mod model;
+pub mod openmetrics;
+pub mod pprof;
 pub mod read;
 pub mod text;
 
@@ -32,6 +38,8 @@ pub enum Format {
     Json,
     /// Comma-separated values with a header row ([`csv`]).
     Csv,
+    /// A gzipped pprof heap profile ([`pprof`]).
+    Pprof,
 }
 
 /// A name that is none of an enum's names (from `FromStr`).
@@ -85,7 +93,7 @@ macro_rules! named {
 }
 pub(crate) use named;
 
-named!(Format { Text => "text", Json => "json", Csv => "csv", });
+named!(Format { Text => "text", Json => "json", Csv => "csv", Pprof => "pprof", });
 
 #[cfg(test)]
 mod tests {

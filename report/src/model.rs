@@ -155,6 +155,10 @@ pub struct ModuleInfo {
     /// process file.
     pub table_size: u64,
     pub counters_size: u64,
+    /// Where the module is loaded (run-time address minus file address;
+    /// not in the JSON document).
+    #[serde(skip)]
+    pub bias: u64,
 }
 
 /// The process a file describes, and its state when the file was read.
@@ -532,6 +536,7 @@ pub(crate) mod tests {
             unloaded: false,
             table_size: 4096,
             counters_size: 4096,
+            bias: 0,
         }
     }
 

@@ -81,6 +81,7 @@ pub fn figures<'a>(pf: &ProcessFile<'a>) -> Result<Figures<'a>, ProcessFileError
             unloaded: m.unloaded,
             table_size: t.bytes().len() as u64,
             counters_size: h.counters_size,
+            bias: m.bias,
         });
         // Entry names and kinds, once per module.
         let entries: Vec<(&str, Kind)> = (0..h.entry_count as usize)

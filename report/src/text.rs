@@ -14,6 +14,13 @@ pub struct Options {
     pub human: bool,
     /// The figures are differences: increases get a `+`.
     pub diff: bool,
+    /// The kernel's newer layout: `allocinfo - version: 2.0`, and
+    /// `key:value` pairs after the tag (`accurate:no` when `inaccurate`).
+    pub version2: bool,
+    /// The size and calls columns are not exact live figures (no live
+    /// tracking, or live figures that may overstate): with `version2`,
+    /// every row says `accurate:no`.
+    pub inaccurate: bool,
 }
 
 /// A size as `sort -h` reads it: 1023, 1.0KiB, 12.5MiB.
@@ -48,8 +55,9 @@ pub fn write(w: &mut dyn Write, rows: &[Row], opts: &Options) -> io::Result<()> 
         let s = if bytes && opts.human { human(v) } else { v.to_string() };
         if opts.diff && v > 0 { format!("+{s}") } else { s }
     };
-    writeln!(w, "allocinfo - version: 1.0")?;
+    writeln!(w, "allocinfo - version: {}", if opts.version2 { "2.0" } else { "1.0" })?;
     writeln!(w, "{}", header(opts.all_columns))?;
+    let pairs = if opts.version2 && opts.inaccurate { " accurate:no" } else { "" };
     for r in rows {
         let f = &r.fig;
         if opts.all_columns {
@@ -57,7 +65,7 @@ pub fn write(w: &mut dyn Write, rows: &[Row], opts: &Options) -> io::Result<()> 
             let entry = if r.sites == 1 { format!(" entry:{}", r.site.entry) } else { String::new() };
             writeln!(
                 w,
-                "{:>12} {:>8} {:>13} {:>14} {:>8} {:>8} {:>11} {kind:>7} {}{entry}",
+                "{:>12} {:>8} {:>13} {:>14} {:>8} {:>8} {:>11} {kind:>7} {}{entry}{pairs}",
                 num(f.size(), true),
                 num(f.count(), false),
                 num(f.calls + f.free_calls, false),
@@ -70,9 +78,9 @@ pub fn write(w: &mut dyn Write, rows: &[Row], opts: &Options) -> io::Result<()> 
         } else if !opts.diff && !opts.human {
             write!(w, "{:>12} {:>8} ", f.size(), f.count())?;
             r.write_tag(w)?;
-            writeln!(w)?;
+            writeln!(w, "{pairs}")?;
         } else {
-            writeln!(w, "{:>12} {:>8} {}", num(f.size(), true), num(f.count(), false), r.tag())?;
+            writeln!(w, "{:>12} {:>8} {}{pairs}", num(f.size(), true), num(f.count(), false), r.tag())?;
         }
     }
     Ok(())
@@ -100,7 +108,7 @@ mod tests {
              \x20          0        0 main.c:16 module:prog func:main\n\
              \x20       2000        2 main.c:32 module:prog func:main\n"
         );
-        let opts = Options { all_columns: true, human: true, diff: false };
+        let opts = Options { all_columns: true, human: true, ..Options::default() };
         assert_eq!(
             text(&rows[1..3], opts),
             "allocinfo - version: 1.0\n\
@@ -113,7 +121,7 @@ mod tests {
     #[test]
     fn groups_and_differences() {
         let rows = group(figures().sites, GroupBy::Module);
-        let opts = Options { all_columns: true, human: false, diff: false };
+        let opts = Options { all_columns: true, ..Options::default() };
         assert_eq!(
             text(&rows, opts),
             "allocinfo - version: 1.0\n\
@@ -131,15 +139,38 @@ mod tests {
         new.sites[4].1.live_bytes = Some(0);
         let rows = diff(&old, &new, false).select(&Default::default()).unwrap();
         assert_eq!(
-            text(&rows, Options { all_columns: false, human: false, diff: true }),
+            text(&rows, Options { diff: true, ..Options::default() }),
             "allocinfo - version: 1.0\n\
              #     <size>  <calls> <tag info>\n\
              \x20      +1000       +1 main.c:32 module:prog func:main\n\
              \x20       -448       -7 lib.c:80 module:lib.so func:lib_new\n"
         );
         // Below 1 KiB a human size is the number.
-        let human = text(&rows, Options { all_columns: false, human: true, diff: true });
-        assert_eq!(human, text(&rows, Options { all_columns: false, human: false, diff: true }));
+        let human = text(&rows, Options { human: true, diff: true, ..Options::default() });
+        assert_eq!(human, text(&rows, Options { diff: true, ..Options::default() }));
+    }
+
+    /// The kernel's version 2.0 layout: the header says so, and rows whose
+    /// figures are not exact live figures say `accurate:no` after the tag.
+    #[test]
+    fn allocinfo_version_2_with_accurate_no() {
+        let rows = group(figures().sites, GroupBy::Site);
+        let v2 = Options { version2: true, ..Options::default() };
+        assert_eq!(
+            text(&rows[1..2], v2),
+            "allocinfo - version: 2.0\n\
+             #     <size>  <calls> <tag info>\n\
+             \x20       2000        2 main.c:32 module:prog func:main\n"
+        );
+        assert_eq!(
+            text(&rows[1..2], Options { inaccurate: true, ..v2 }),
+            "allocinfo - version: 2.0\n\
+             #     <size>  <calls> <tag info>\n\
+             \x20       2000        2 main.c:32 module:prog func:main accurate:no\n"
+        );
+        let human = text(&rows[1..2], Options { inaccurate: true, human: true, ..v2 });
+        assert!(human.ends_with(" 2 main.c:32 module:prog func:main accurate:no\n"), "{human}");
+        assert!(text(&rows[1..2], Options { inaccurate: true, ..Options::default() }).ends_with("func:main\n"));
     }
 
     #[test]

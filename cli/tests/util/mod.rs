@@ -459,3 +459,55 @@ pub fn test_name() -> &'static str {
     let name = std::thread::current().name().unwrap_or("?").to_string();
     Box::leak(name.into_boxed_str())
 }
+
+/// Makes sure `tool` is installed: if it is missing, installs the Debian
+/// `package` that has it (apt-get update first; as root) and fails the
+/// test if it is still missing, so that a check never passes without
+/// running. One installation at a time.
+pub fn ensure_tool(tool: &str, package: &str) {
+    static APT: Mutex<()> = Mutex::new(());
+    let _guard = APT.lock().unwrap_or_else(|e| e.into_inner());
+    if have(tool) {
+        return;
+    }
+    eprintln!("{tool} is missing: installing {package}");
+    let script =
+        format!("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {package} >/dev/null");
+    let out = Command::new("sh").arg("-c").arg(&script).output().expect("run apt-get");
+    assert!(
+        have(tool),
+        "{tool} is missing and installing the {package} package failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// An HTTP GET on loopback: (status, headers in lower case, body).
+pub fn http_get(port: u16, path: &str, accept: Option<&str>) -> (u16, String, Vec<u8>) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    let accept = accept.map_or(String::new(), |a| format!("Accept: {a}\r\n"));
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{accept}Connection: close\r\n\r\n").unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("an HTTP answer");
+    let head = String::from_utf8_lossy(&raw[..end]).to_lowercase();
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, head, raw[end + 4..].to_vec())
+}
+
+/// A URL query value, percent-encoded.
+pub fn url_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
