@@ -265,9 +265,17 @@ fn switching_a_live_process_by_command_signal_and_file() {
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(s.figures(), zero(), "off by default: nothing counted");
 
+    let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     let o = s.switch("enable");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stderr).contains("profiling on"));
+    // The report says when the switch completed, how long it took and
+    // what it rewrote.
+    let o = alloctramp().args(["report", "--format", "json", "--dir"]).arg(&s.dir).arg(s.pid()).output().unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let when = doc["last_switch_time"].as_u64().unwrap();
+    assert!(when >= before && when <= before + 60, "last_switch_time {when}, switched at {before}");
+    assert!(doc["last_switch_sites"].as_u64().unwrap() > 0 && doc["last_switch_ns"].as_u64().unwrap() > 0, "{doc}");
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(s.figures(), round_figures(2));

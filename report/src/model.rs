@@ -183,6 +183,7 @@ pub struct ProcessInfo {
     pub reset_time: u64,
     pub last_switch_ns: u64,
     pub last_switch_sites: u64,
+    pub last_switch_time: u64,
     pub last_error: String,
     pub untracked_allocs: u64,
     pub table_bytes: u64,

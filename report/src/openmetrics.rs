@@ -163,6 +163,15 @@ const PROCESS_FAMILIES: &[(Family, ProcessValue)] = &[
     (family("alloctramp_last_switch_sites", Type::Gauge, "", "Sites rewritten by the last switch."), |f| {
         Value::Int(f.process.last_switch_sites.into())
     }),
+    (
+        family(
+            "alloctramp_last_switch_time_seconds",
+            Type::Gauge,
+            "seconds",
+            "When the last switch of profiling on or off completed (Unix time; 0: none yet).",
+        ),
+        |f| Value::Seconds(f.process.last_switch_time, 0),
+    ),
     (family("alloctramp_start_time_seconds", Type::Gauge, "seconds", "When the process started (Unix time)."), |f| {
         Value::Seconds(f.process.start_time, 0)
     }),
@@ -335,6 +344,7 @@ mod tests {
         let mut f = figures();
         f.process.command = "a \"quoted\"\\name".into();
         f.process.last_switch_ns = 1_500_000;
+        f.process.last_switch_time = 1_700_000_000;
         let scrape = Scrape { processes: vec![f], unreadable: 1 };
         let t = text(&scrape, GroupBy::Site, Variant::OpenMetrics);
         let p = r#"pid="42",command="a \"quoted\"\\name""#;
@@ -350,6 +360,7 @@ mod tests {
             format!("alloctramp_frees_total{{{p},module=\"prog\",function=\"main\",file=\"main.c\",line=\"48\"}} 11\n"),
             format!("alloctramp_untracked_frees_total{{{p}}} 2\n"),
             format!("alloctramp_last_switch_duration_seconds{{{p}}} 0.001500000\n"),
+            format!("alloctramp_last_switch_time_seconds{{{p}}} 1700000000\n"),
             format!("alloctramp_profiling_on{{{p}}} 1\n"),
             "alloctramp_unreadable_files 1\n# EOF\n".to_string(),
         ] {

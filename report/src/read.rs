@@ -47,6 +47,7 @@ pub fn process_info(pf: &ProcessFile) -> ProcessInfo {
         reset_time: pf.reset_time,
         last_switch_ns: pf.last_switch_ns,
         last_switch_sites: pf.last_switch_sites,
+        last_switch_time: pf.last_switch_time,
         last_error: pf.last_error.clone(),
         untracked_allocs: pf.untracked_allocs,
         table_bytes: pf.table_bytes,

@@ -197,6 +197,7 @@ pub fn apply(cmd: Command) {
     if let Some(h) = header() {
         h.last_switch_ns.store(monotonic_ns().saturating_sub(start), Ordering::Relaxed);
         h.last_switch_sites.store(registry::site_count(), Ordering::Relaxed);
+        h.last_switch_time.store(sys::now_secs(), Ordering::Relaxed);
     }
     state::publish_state();
     live::publish_objects();

@@ -147,7 +147,10 @@ pub struct ProcHeader {
     /// `callers_request_sites` of them; 0: every site.
     pub callers_request_sites: AtomicU32,
     pub callers_sites: [AtomicU64; MAX_CALLERS_SITES],
-    pub reserved: [u8; 40],
+    /// When the last switch completed (seconds since the epoch; 0: none
+    /// yet, or a file written before the field).
+    pub last_switch_time: AtomicU64,
+    pub reserved: [u8; 32],
     /// The modules, [`module_count`](Self::module_count) of them published.
     pub modules: [ModuleSlot; 248],
 }
@@ -209,6 +212,7 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("callers_request_depth", offset_of!(ProcHeader, callers_request_depth), "u32"),
     ("callers_request_sites", offset_of!(ProcHeader, callers_request_sites), "u32"),
     ("callers_sites", offset_of!(ProcHeader, callers_sites), "[u64; 16]"),
+    ("last_switch_time", offset_of!(ProcHeader, last_switch_time), "u64"),
     ("modules", offset_of!(ProcHeader, modules), "[slot; 248]"),
 ];
 
@@ -469,6 +473,7 @@ pub struct ProcessFile<'a> {
     pub module_count: u32,
     pub last_switch_ns: u64,
     pub last_switch_sites: u64,
+    pub last_switch_time: u64,
     /// [`flags`] bits.
     pub flags: u32,
     pub untracked_allocs: u64,
@@ -510,6 +515,7 @@ impl<'a> ProcessFile<'a> {
             command: ProcHeader::text(&h.command),
             last_switch_ns: get64(&h.last_switch_ns),
             last_switch_sites: get64(&h.last_switch_sites),
+            last_switch_time: get64(&h.last_switch_time),
             last_error: ProcHeader::text(&h.last_error),
             module_count: h.published().len() as u32,
             flags: get32(&h.flags),
