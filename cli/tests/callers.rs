@@ -173,6 +173,46 @@ fn check_threaded_chains(config: Config) {
     }
 }
 
+/// A chain through the C library's qsort (`testbins/callers_qsort.c`):
+/// the comparison function's allocations are charged, through qsort's own
+/// frames, to the call of qsort in sort_them; without the library's rows
+/// the chains end at qsort's first frame.
+#[test]
+fn chains_go_on_through_the_c_library() {
+    let b = built(Config::default_o2());
+    let dir = b.dir.join("patched-callers-qsort");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = std::fs::read_to_string(testbins_dir().join("callers_qsort.c")).unwrap();
+    let line = src.lines().position(|l| l.contains("@frame qsort")).unwrap() as u64 + 1;
+    for (flags, through) in [(&[][..], true), (&["--no-library-unwind"][..], false)] {
+        let bin = dir.join(format!("callers_qsort-{through}"));
+        patch_to(&b.path("callers_qsort"), &bin, flags);
+        let counters = counters_dir(&format!("callers-qsort-{through}"));
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+        assert_eq!(run_program(&bin, &[], &env), run_program(&b.path("callers_qsort"), &[], &[]));
+        let (_, site) = chains_of(&only_counters_file(&counters), &counters);
+        let chains = site["callers"].as_array().unwrap();
+        let calls: u64 = chains.iter().map(|c| c["calls"].as_u64().unwrap()).sum();
+        assert_eq!(calls, 3, "{site}");
+        for c in chains {
+            let frames = c["frames"].as_array().unwrap();
+            let first = &frames[0];
+            assert!(first["module"].as_str().unwrap().ends_with("/libc.so.6"), "qsort calls cmp: {c}");
+            let at = frames.iter().position(|f| {
+                f["function"].as_str().is_some_and(|n| n.starts_with("sort_them")) && f["line"].as_u64() == Some(line)
+            });
+            if through {
+                let at = at.unwrap_or_else(|| panic!("the chain reaches sort_them's call of qsort: {c}"));
+                assert!(frames[1..at].iter().all(|f| f["module"].as_str().unwrap().ends_with("/libc.so.6")), "{c}");
+                assert_eq!(frames[at + 1]["function"], "main", "{c}");
+            } else {
+                assert_eq!(frames.len(), 1, "the chain ends in the C library: {c}");
+            }
+        }
+    }
+}
+
 mod threaded_chains {
     #[test]
     fn o0_pie() {
