@@ -730,28 +730,36 @@ impl State {
     /// Joins `o` into `self`; whether `self` changed.
     fn join(&mut self, o: &State) -> bool {
         let mut changed = false;
+        // (Most registers and slots hold the same on both sides, which
+        // their join keeps.)
         for (a, b) in self.regs.iter_mut().zip(&o.regs) {
-            let j = a.join(*b);
-            changed |= j != *a;
-            *a = j;
+            if a != b {
+                let j = a.join(*b);
+                changed |= j != *a;
+                *a = j;
+            }
         }
-        // A slot stays where both states know it (both are sorted: one
-        // walk over `o` as `self` is walked).
-        let mut theirs = o.stack.0.iter().peekable();
-        self.stack.retain(|k, v| {
-            while theirs.next_if(|(t, _)| *t < k).is_some() {}
-            let keep = match theirs.peek() {
-                Some(&&(t, w)) if t == k => {
-                    let j = v.join(w);
-                    changed |= j != *v;
-                    *v = j;
-                    j != Val::Unknown
-                }
-                _ => false,
-            };
-            changed |= !keep;
-            keep
-        });
+        // A slot stays where the join of what the two states know of it
+        // is not `Unknown`. Both are sorted: one walk over `o` as `self`
+        // is walked.
+        let same = self.stack == o.stack && !self.stack.0.iter().any(|&(_, v)| v == Val::Unknown);
+        if !same {
+            let mut theirs = o.stack.0.iter().peekable();
+            self.stack.retain(|k, v| {
+                while theirs.next_if(|(t, _)| *t < k).is_some() {}
+                let keep = match theirs.peek() {
+                    Some(&&(t, w)) if t == k => {
+                        let j = v.join(w);
+                        changed |= j != *v;
+                        *v = j;
+                        j != Val::Unknown
+                    }
+                    _ => false,
+                };
+                changed |= !keep;
+                keep
+            });
+        }
         if self.zero_test != o.zero_test && self.zero_test.is_some() {
             self.zero_test = None;
             changed = true;
@@ -812,7 +820,7 @@ struct Ends {
 
 /// Decides whether one function is a wrapper.
 fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<Found> {
-    let ends = flow(d, f, resolve)?;
+    let ends = flow(d, f, resolve, Follow::UntilNoWrapper)?;
     if ends.lost {
         return None;
     }
@@ -916,6 +924,17 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     Some(Found { role: Callee::Free { ptr: n }, why, frees: Frees::default(), chargeable: !ends.throws, offsets })
 }
 
+/// How far [`flow`] follows a function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Follow {
+    /// Every path (to tell whether it reads arguments on the stack).
+    All,
+    /// Until a path shows that the function is no wrapper (one that
+    /// [`Ends::lost`] or [`Ends::escapes`]: [`analyze`] refuses it
+    /// whatever the other paths add, or whether it would settle).
+    UntilNoWrapper,
+}
+
 /// Runs the data-flow over a function; `None` if it does not settle.
 ///
 /// One state per instruction (what holds before it), joined where paths
@@ -924,8 +943,8 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
 /// order of the steps is part of the result: what `Ends` records comes in
 /// the order the paths are followed (the first call, the first free), and
 /// a function that uses up the budget is no wrapper.
-fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<Ends> {
-    // The instructions come in address order: found by binary search.
+fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>, follow: Follow) -> Option<Ends> {
+    // Any other instruction by address (they come in address order).
     let index = |a: u64| d.instructions.binary_search_by_key(&a, Instruction::ip).ok();
     let mut states: Vec<Option<State>> = vec![None; d.instructions.len()];
     *states.first_mut()? = Some(State::entry());
@@ -940,6 +959,9 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
     let mut s = State::entry();
     let mut t = State::entry();
     while let Some(i) = work.pop() {
+        if follow == Follow::UntilNoWrapper && (ends.lost || ends.escapes) {
+            break;
+        }
         budget = budget.checked_sub(1)?;
         let (Some(ins), Some(Some(state))) = (d.instructions.get(i), states.get(i)) else { continue };
         s.clone_from(state);
@@ -1017,7 +1039,9 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
                 // Falling off the end: code after a call that never returns.
                 continue;
             }
-            let Some(j) = index(a) else {
+            // Where this instruction ends, the next one decoded starts.
+            let next_one = d.instructions.get(i + 1).filter(|n| n.ip() == a).map(|_| i + 1);
+            let Some(j) = next_one.or_else(|| index(a)) else {
                 ends.lost = true;
                 continue;
             };
@@ -1041,7 +1065,7 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
 /// Whether a function reads arguments passed on the stack (or cannot be
 /// followed far enough to tell).
 fn reads_stack_args(code: &Code, f: Function) -> bool {
-    match flow(&Decoded::new(code, f, true), f, &|_| None) {
+    match flow(&Decoded::new(code, f, true), f, &|_| None, Follow::All) {
         Some(ends) => ends.stack_args || f.end <= f.start,
         None => true,
     }
