@@ -88,6 +88,7 @@ impl WrapperArgs {
             refused: self.not_wrappers.clone(),
             charge: self.charge(),
             plumbing: self.plumbing.clone(),
+            found: None,
         })
     }
 }

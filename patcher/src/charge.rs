@@ -180,10 +180,54 @@ pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
     decide(scan, charged, &stored);
 }
 
+/// The code ranges of the charged wrappers, to find which holds an
+/// address without a pass over all of them.
+struct CodeIndex {
+    /// (start, end, index in the charged wrappers), by start.
+    ranges: Vec<(u64, u64, usize)>,
+    /// The largest end among `ranges[..=i]`, at `i`: where a walk back
+    /// from an address can stop (ranges may overlap).
+    reach: Vec<u64>,
+}
+
+impl CodeIndex {
+    fn new(charged: &[Charged]) -> CodeIndex {
+        let mut ranges: Vec<(u64, u64, usize)> =
+            charged.iter().enumerate().filter_map(|(k, c)| c.code.map(|(s, e)| (s, e, k))).collect();
+        ranges.sort_unstable();
+        let reach = ranges
+            .iter()
+            .scan(0, |max, &(_, e, _)| {
+                *max = e.max(*max);
+                Some(*max)
+            })
+            .collect();
+        CodeIndex { ranges, reach }
+    }
+
+    /// The first charged wrapper (in their order) whose code holds `addr`.
+    fn first_holding(&self, addr: u64) -> Option<usize> {
+        let below = self.ranges.partition_point(|&(s, _, _)| s <= addr);
+        let mut first: Option<usize> = None;
+        for i in (0..below).rev() {
+            if self.reach.get(i).is_none_or(|&r| r <= addr) {
+                break;
+            }
+            if let Some(&(_, e, k)) = self.ranges.get(i)
+                && addr < e
+            {
+                first = Some(first.map_or(k, |f| f.min(k)));
+            }
+        }
+        first
+    }
+}
+
 /// [`assign`] given the wrapper addresses the file's data holds.
 fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
     let by_entry: HashMap<usize, usize> = charged.iter().enumerate().map(|(k, c)| (c.entry, k)).collect();
-    let inside = |addr: u64| charged.iter().position(|c| c.code.is_some_and(|(s, e)| (s..e).contains(&addr)));
+    let code = CodeIndex::new(charged);
+    let inside = |addr: u64| code.first_holding(addr);
     let mut open: Vec<bool> = charged.iter().map(|c| c.open).collect();
     for r in &scan.unpatchable {
         if let Some(&k) = by_entry.get(&r.entry) {
@@ -203,14 +247,17 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
     // (size 0): anything else is an object of the wrapper's own, which its
     // callers' counts would miss. A result freed is the one returned only
     // when a single allocation call inside could have made it.
-    let allocations = |k: usize| {
-        within.iter().filter(|&&(w, i)| w == k && scan.entries[scan.sites[i].entry].sig.kind != Kind::Free).count()
-    };
+    let mut allocations = vec![0usize; charged.len()];
+    for &(k, i) in &within {
+        if scan.entries[scan.sites[i].entry].sig.kind != Kind::Free {
+            allocations[k] += 1;
+        }
+    }
     let fits = |k: usize, inner: Kind| {
         let c = &charged[k];
         match c.kind {
             Kind::Alloc | Kind::Realloc => {
-                inner != Kind::Free || !(c.frees.other || (c.frees.result && allocations(k) > 1))
+                inner != Kind::Free || !(c.frees.other || (c.frees.result && allocations[k] > 1))
             }
             Kind::Free => inner == Kind::Free,
         }

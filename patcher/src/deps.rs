@@ -190,10 +190,15 @@ pub fn imported_wrappers(
         }
         let Ok(data) = std::fs::read(&lib) else { continue };
         let Ok(lib_elf) = Elf::parse(&data) else { continue };
-        let exported = crate::wrappers::exported(&lib_elf, entries, &roles);
+        let search = crate::wrappers::Options { imported: roles.clone(), ..Default::default() };
+        let (wrappers, _) = crate::wrappers::discover(&lib_elf, entries, &search);
+        let exported = crate::wrappers::exported(&lib_elf, entries, &wrappers);
         if charge && !exported.is_empty() {
-            let opts =
-                crate::wrappers::Options { search: true, imported: roles.clone(), charge: true, ..Default::default() };
+            // The library analyzed as `patch` would, with the default entry
+            // points: the search just made is the one it would make when
+            // those are the entry points here too.
+            let found = (entries == crate::entry_set(&[]).0.as_slice()).then_some(wrappers);
+            let opts = crate::wrappers::Options { search: true, charge: true, found, ..search };
             if let Ok(a) = crate::analyze_with(&data, &name, None, &[], &opts) {
                 for (symbol, _) in &exported {
                     let function = crate::symbols::demangle(symbol);

@@ -116,8 +116,11 @@ pub fn analyze_with(
     let elf = Elf::parse(data)?;
     let (mut entries, first_user) = entry_set(user);
     let user_entries = first_user..entries.len();
-    let (found, _) =
-        if wrapper_opts.search { wrappers::discover(&elf, &entries, wrapper_opts) } else { Default::default() };
+    let found = match (wrapper_opts.search, &wrapper_opts.found) {
+        (false, _) => Vec::new(),
+        (true, Some(found)) if user.is_empty() => found.clone(),
+        (true, _) => wrappers::discover(&elf, &entries, wrapper_opts).0,
+    };
     let module = elf.soname().map(str::to_string).unwrap_or_else(|| base_name(file_name).to_string());
     let functions = symbols::FunctionIndex::new(&elf);
     let mut wrappers: Vec<WrapperInfo> = found

@@ -313,9 +313,15 @@ pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -
     }
 
     // Addresses of entry points stored in data through relocations.
+    let mut by_symbol: HashMap<&str, usize> = HashMap::new();
+    for (i, e) in out.entries.iter().enumerate() {
+        if let Target::Symbol(name) = &e.target {
+            by_symbol.entry(name.as_str()).or_insert(i);
+        }
+    }
     for r in elf.dynamic_relocations() {
         let entry = match (r.r_type, r.symbol) {
-            (1, Some(name)) => out.entries.iter().position(|e| e.target == Target::Symbol(name.to_string())),
+            (1, Some(name)) => by_symbol.get(name).copied(),
             // A GOT slot is read by calls (sites) or loads (references).
             (8, _) if targets.got.contains_key(&r.offset.0) => None,
             (8, _) => u64::try_from(r.addend).ok().and_then(|a| targets.code_target(a)).map(|(i, _)| i),

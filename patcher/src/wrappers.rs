@@ -26,7 +26,7 @@ use iced_x86::{
     ConditionCode, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
     OpKind, Register, RflagsBits,
 };
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 
 /// What a call reaches, as far as wrappers are concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -227,7 +227,7 @@ const MAX_FUNCTION: u64 = 8192;
 pub fn find(
     code: &Code,
     functions: &[Function],
-    known: &dyn Callees,
+    known: &(dyn Callees + Sync),
     refused: &dyn Fn(u64) -> bool,
 ) -> (Vec<Wrapper>, Vec<u64>) {
     // A first pass keeps only what each function calls and how it ends; the
@@ -289,17 +289,26 @@ pub fn find(
     let mut depth = 1;
     while !todo.is_empty() {
         let mut next = HashSet::new();
+        // What to analyze at this depth, with whether it is a free wrapper
+        // analyzed again: a free wrapper found before its callees were
+        // known may reallocate (`zrealloc` frees on size 0, and returns
+        // what a wrapper found later returns).
+        let analyzed: Vec<(Function, bool)> = todo
+            .iter()
+            .map(|&i| functions[i])
+            .filter_map(|f| {
+                let again = matches!(found.get(&f.start), Some((Callee::Free { .. }, _)));
+                let skip = (found.contains_key(&f.start) && !again) || refused(f.start);
+                (!skip).then_some((f, again))
+            })
+            .collect();
+        // The analyses of one depth read only what earlier depths found:
+        // they are independent, and run in parallel.
+        let results =
+            map_parallel(&analyzed, |&(f, _)| analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t)));
         let mut new = Vec::new();
-        for &i in &todo {
-            let f = functions[i];
-            // A free wrapper found before its callees were known may
-            // reallocate (`zrealloc` frees on size 0, and returns what a
-            // wrapper found later returns): analyzed again.
-            let again = matches!(found.get(&f.start), Some((Callee::Free { .. }, _)));
-            if (found.contains_key(&f.start) && !again) || refused(f.start) {
-                continue;
-            }
-            if let Some(a) = analyze(&Decoded::new(code, f, true), f, &|t| resolve(&found, t))
+        for (&(f, again), a) in analyzed.iter().zip(results) {
+            if let Some(a) = a
                 && !(again && matches!(a.role, Callee::Free { .. }))
             {
                 let Found { role, why, frees, chargeable, offsets } = a;
@@ -323,6 +332,39 @@ pub fn find(
         found.iter().filter(|(_, (c, _))| matches!(c, Callee::NoReturn | Callee::Throws)).map(|(&a, _)| a).collect();
     noreturn.sort_unstable();
     (wrappers, noreturn)
+}
+
+/// `f` of each of `items`, in their order, computed on the available
+/// cores (the calling thread alone for a few items).
+fn map_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    /// Items taken at a time by a thread.
+    const CHUNK: usize = 16;
+    let chunks = items.len().div_ceil(CHUNK);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(chunks);
+    if threads <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, Vec<R>)> = std::thread::scope(|scope| {
+        let work = || {
+            let mut mine = Vec::new();
+            loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(chunk) = items.chunks(CHUNK).nth(k) else { break };
+                mine.push((k, chunk.iter().map(&f).collect()));
+            }
+            mine
+        };
+        let workers: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+        let mut all = work();
+        for w in workers {
+            // A worker that panicked: its panic goes on in this thread.
+            all.extend(w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+        }
+        all
+    });
+    done.sort_unstable_by_key(|&(k, _)| k);
+    done.into_iter().flat_map(|(_, r)| r).collect()
 }
 
 /// A function's instructions and what a linear pass over them shows.
@@ -593,17 +635,70 @@ fn gpr(r: Register) -> Option<usize> {
     GPRS.iter().position(|&g| g == full)
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Stack slots (8 bytes each) by offset from the stack pointer at entry.
+///
+/// Invariant: sorted by offset, no offset twice (a map). A frame holds a
+/// few slots, and the data-flow copies a state at every instruction it
+/// follows: a sorted vector is copied with one `memcpy`, and into a state
+/// that already has room (`clone_from`) without allocating.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Slots(Vec<(i64, Val)>);
+
+impl Clone for Slots {
+    fn clone(&self) -> Slots {
+        Slots(self.0.clone())
+    }
+    fn clone_from(&mut self, o: &Slots) {
+        self.0.clone_from(&o.0);
+    }
+}
+
+impl Slots {
+    fn find(&self, at: i64) -> Result<usize, usize> {
+        self.0.binary_search_by_key(&at, |&(k, _)| k)
+    }
+    fn get(&self, at: i64) -> Option<Val> {
+        self.find(at).ok().and_then(|i| self.0.get(i)).map(|&(_, v)| v)
+    }
+    /// Sets slot `at`; what it held before.
+    fn insert(&mut self, at: i64, v: Val) -> Option<Val> {
+        match self.find(at) {
+            Ok(i) => self.0.get_mut(i).map(|(_, old)| std::mem::replace(old, v)),
+            Err(i) => {
+                self.0.insert(i, (at, v));
+                None
+            }
+        }
+    }
+    /// Keeps the slots `keep` says to keep (in offset order; it may change
+    /// their values).
+    fn retain(&mut self, mut keep: impl FnMut(i64, &mut Val) -> bool) {
+        self.0.retain_mut(|(k, v)| keep(*k, v));
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
 struct State {
     regs: [Val; 16],
-    /// Stack slots (8 bytes) by offset from the stack pointer at entry.
-    stack: BTreeMap<i64, Val>,
+    stack: Slots,
     /// What the flags say: the zero flag is set exactly when this location
     /// is NULL (after `test r, r`, `cmp r, 0` or `cmp [slot], 0`).
     zero_test: Option<Loc>,
     /// Arguments (bit n: argument n) that every path to here freed or
     /// found NULL.
     settled: u8,
+}
+
+impl Clone for State {
+    fn clone(&self) -> State {
+        State { regs: self.regs, stack: self.stack.clone(), zero_test: self.zero_test, settled: self.settled }
+    }
+    fn clone_from(&mut self, o: &State) {
+        self.regs = o.regs;
+        self.stack.clone_from(&o.stack);
+        self.zero_test = o.zero_test;
+        self.settled = o.settled;
+    }
 }
 
 /// A register (by index) or a stack slot.
@@ -620,7 +715,7 @@ impl State {
             regs[gpr(r).unwrap_or(0)] = Val::Arg(n as u8, 0);
         }
         regs[4] = Val::Stack(0);
-        State { regs, stack: BTreeMap::new(), zero_test: None, settled: 0 }
+        State { regs, stack: Slots::default(), zero_test: None, settled: 0 }
     }
     fn get(&self, r: Register) -> Val {
         gpr(r).map_or(Val::Unknown, |i| self.regs[i])
@@ -634,22 +729,44 @@ impl State {
     }
     /// Joins `o` into `self`; whether `self` changed.
     fn join(&mut self, o: &State) -> bool {
-        let before = self.clone();
+        let mut changed = false;
+        // (Most registers and slots hold the same on both sides, which
+        // their join keeps.)
         for (a, b) in self.regs.iter_mut().zip(&o.regs) {
-            *a = a.join(*b);
-        }
-        self.stack.retain(|k, v| match o.stack.get(k) {
-            Some(w) => {
-                *v = v.join(*w);
-                *v != Val::Unknown
+            if a != b {
+                let j = a.join(*b);
+                changed |= j != *a;
+                *a = j;
             }
-            None => false,
-        });
-        if self.zero_test != o.zero_test {
-            self.zero_test = None;
         }
+        // A slot stays where the join of what the two states know of it
+        // is not `Unknown`. Both are sorted: one walk over `o` as `self`
+        // is walked.
+        let same = self.stack == o.stack && !self.stack.0.iter().any(|&(_, v)| v == Val::Unknown);
+        if !same {
+            let mut theirs = o.stack.0.iter().peekable();
+            self.stack.retain(|k, v| {
+                while theirs.next_if(|(t, _)| *t < k).is_some() {}
+                let keep = match theirs.peek() {
+                    Some(&&(t, w)) if t == k => {
+                        let j = v.join(w);
+                        changed |= j != *v;
+                        *v = j;
+                        j != Val::Unknown
+                    }
+                    _ => false,
+                };
+                changed |= !keep;
+                keep
+            });
+        }
+        if self.zero_test != o.zero_test && self.zero_test.is_some() {
+            self.zero_test = None;
+            changed = true;
+        }
+        changed |= self.settled & o.settled != self.settled;
         self.settled &= o.settled;
-        *self != before
+        changed
     }
     /// The stack slot a memory operand names, if its base is known to point
     /// into the stack.
@@ -668,7 +785,7 @@ impl State {
     fn clobber_memory(&mut self, ins: &Instruction) {
         if let Some(at) = self.slot(ins) {
             let size = (ins.memory_size().size() as i64).max(8);
-            self.stack.retain(|&k, _| k + 8 <= at || k >= at + size);
+            self.stack.retain(|k, _| k + 8 <= at || k >= at + size);
         }
     }
 }
@@ -703,7 +820,7 @@ struct Ends {
 
 /// Decides whether one function is a wrapper.
 fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<Found> {
-    let ends = flow(d, f, resolve)?;
+    let ends = flow(d, f, resolve, Follow::UntilNoWrapper)?;
     if ends.lost {
         return None;
     }
@@ -807,9 +924,28 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     Some(Found { role: Callee::Free { ptr: n }, why, frees: Frees::default(), chargeable: !ends.throws, offsets })
 }
 
+/// How far [`flow`] follows a function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Follow {
+    /// Every path (to tell whether it reads arguments on the stack).
+    All,
+    /// Until a path shows that the function is no wrapper (one that
+    /// [`Ends::lost`] or [`Ends::escapes`]: [`analyze`] refuses it
+    /// whatever the other paths add, or whether it would settle).
+    UntilNoWrapper,
+}
+
 /// Runs the data-flow over a function; `None` if it does not settle.
-fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) -> Option<Ends> {
-    let index: HashMap<u64, usize> = d.instructions.iter().enumerate().map(|(i, ins)| (ins.ip(), i)).collect();
+///
+/// One state per instruction (what holds before it), joined where paths
+/// meet; a work stack of instructions whose state changed, each followed
+/// again when popped, within a budget of steps (64 per instruction). The
+/// order of the steps is part of the result: what `Ends` records comes in
+/// the order the paths are followed (the first call, the first free), and
+/// a function that uses up the budget is no wrapper.
+fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>, follow: Follow) -> Option<Ends> {
+    // Any other instruction by address (they come in address order).
+    let index = |a: u64| d.instructions.binary_search_by_key(&a, Instruction::ip).ok();
     let mut states: Vec<Option<State>> = vec![None; d.instructions.len()];
     *states.first_mut()? = Some(State::entry());
     let mut work = vec![0usize];
@@ -817,13 +953,22 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
     let mut info = InstructionInfoFactory::new();
     let mut budget = d.instructions.len() * 64;
     let inside = |a: u64| (f.start..f.end).contains(&a);
+    // The state after the instruction followed, and on a conditional
+    // branch's taken edge where it differs (`taken`): reused from step to
+    // step, so that a step allocates nothing.
+    let mut s = State::entry();
+    let mut t = State::entry();
     while let Some(i) = work.pop() {
+        if follow == Follow::UntilNoWrapper && (ends.lost || ends.escapes) {
+            break;
+        }
         budget = budget.checked_sub(1)?;
         let (Some(ins), Some(Some(state))) = (d.instructions.get(i), states.get(i)) else { continue };
-        let mut s = state.clone();
-        let mut next: Vec<u64> = Vec::new();
-        // The state on a conditional branch's taken edge, where it differs.
-        let mut taken: Option<State> = None;
+        s.clone_from(state);
+        // Where the path goes on: the next instruction, then a jump's
+        // target (the order the work stack receives them).
+        let mut next: [Option<u64>; 2] = [None, None];
+        let mut taken = false;
         let after = ins.next_ip();
         match ins.flow_control() {
             FlowControl::Return => {
@@ -837,29 +982,34 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
                     Some(Callee::Throws) => ends.throws = true,
                     _ => {
                         call(&mut s, ins, callee, &mut ends);
-                        next.push(after);
+                        next[0] = Some(after);
                     }
                 }
             }
             FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch | FlowControl::IndirectBranch => {
                 if ins.flow_control() == FlowControl::ConditionalBranch {
-                    next.push(after);
+                    next[0] = Some(after);
                     // After a NULL test, the edge where the pointer is NULL
                     // knows it is.
                     if let Some(at) = s.zero_test {
                         match ins.condition_code() {
-                            ConditionCode::e => taken = Some(s.with_zero(at)),
+                            ConditionCode::e => {
+                                t.clone_from(&s);
+                                t.set_zero(at);
+                                taken = true;
+                            }
                             ConditionCode::ne => {
-                                taken = Some(s.clone());
-                                s = s.with_zero(at);
+                                t.clone_from(&s);
+                                s.set_zero(at);
+                                taken = true;
                             }
                             _ => {}
                         }
                     }
                 }
                 match target_of(ins) {
-                    Some(Target::Code(a)) if inside(a) => next.push(a),
-                    Some(t) => tail_call(&s, ins, resolve(t), &mut ends),
+                    Some(Target::Code(a)) if inside(a) => next[1] = Some(a),
+                    Some(tc) => tail_call(&s, ins, resolve(tc), &mut ends),
                     None => ends.lost = true,
                 }
             }
@@ -879,20 +1029,19 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
                     ends.escapes = true;
                 }
                 step(&mut s, ins, &mut info);
-                next.push(after);
+                next[0] = Some(after);
             }
         }
         let branch = ins.flow_control() == FlowControl::ConditionalBranch;
-        for a in next {
-            let s = match (&taken, branch && a != after) {
-                (Some(t), true) => t,
-                _ => &s,
-            };
+        for a in next.into_iter().flatten() {
+            let s = if taken && branch && a != after { &t } else { &s };
             if !inside(a) {
                 // Falling off the end: code after a call that never returns.
                 continue;
             }
-            let Some(&j) = index.get(&a) else {
+            // Where this instruction ends, the next one decoded starts.
+            let next_one = d.instructions.get(i + 1).filter(|n| n.ip() == a).map(|_| i + 1);
+            let Some(j) = next_one.or_else(|| index(a)) else {
                 ends.lost = true;
                 continue;
             };
@@ -916,7 +1065,7 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>) ->
 /// Whether a function reads arguments passed on the stack (or cannot be
 /// followed far enough to tell).
 fn reads_stack_args(code: &Code, f: Function) -> bool {
-    match flow(&Decoded::new(code, f, true), f, &|_| None) {
+    match flow(&Decoded::new(code, f, true), f, &|_| None, Follow::All) {
         Some(ends) => ends.stack_args || f.end <= f.start,
         None => true,
     }
@@ -1034,17 +1183,15 @@ fn zero_test(s: &State, ins: &Instruction) -> Option<Loc> {
 }
 
 impl State {
-    /// This state where `at` holds NULL.
-    fn with_zero(&self, at: Loc) -> State {
-        let mut s = self.clone();
+    /// Makes `at` hold NULL.
+    fn set_zero(&mut self, at: Loc) {
         let was = match at {
-            Loc::Reg(i) => s.regs.get_mut(i).map(|r| std::mem::replace(r, Val::Zero)),
-            Loc::Slot(o) => s.stack.insert(o, Val::Zero),
+            Loc::Reg(i) => self.regs.get_mut(i).map(|r| std::mem::replace(r, Val::Zero)),
+            Loc::Slot(o) => self.stack.insert(o, Val::Zero),
         };
         if let Some(Val::Arg(n, 0)) = was {
-            s.settled |= 1u8.checked_shl(u32::from(n)).unwrap_or(0);
+            self.settled |= 1u8.checked_shl(u32::from(n)).unwrap_or(0);
         }
-        s
     }
 }
 
@@ -1070,7 +1217,7 @@ fn transfer(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory)
             (OpKind::Register, OpKind::Memory) => {
                 let d = ins.op0_register();
                 let v = match s.slot(ins) {
-                    Some(at) if wide(d) => s.stack.get(&at).copied().unwrap_or(Val::Unknown),
+                    Some(at) if wide(d) => s.stack.get(at).unwrap_or(Val::Unknown),
                     _ => Val::Unknown,
                 };
                 s.set(d, v);
@@ -1135,7 +1282,7 @@ fn transfer(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory)
         Mnemonic::Pop => {
             let sp = s.get(Register::RSP);
             let v = match sp {
-                Val::Stack(at) => s.stack.get(&at).copied().unwrap_or(Val::Unknown),
+                Val::Stack(at) => s.stack.get(at).unwrap_or(Val::Unknown),
                 _ => Val::Unknown,
             };
             s.set(Register::RSP, sp.plus(8));
@@ -1146,7 +1293,7 @@ fn transfer(s: &mut State, ins: &Instruction, info: &mut InstructionInfoFactory)
         Mnemonic::Leave => {
             let bp = s.get(Register::RBP);
             let v = match bp {
-                Val::Stack(at) => s.stack.get(&at).copied().unwrap_or(Val::Unknown),
+                Val::Stack(at) => s.stack.get(at).unwrap_or(Val::Unknown),
                 _ => Val::Unknown,
             };
             s.set(Register::RSP, bp.plus(8));
@@ -1349,6 +1496,9 @@ pub struct Options {
     /// ([`crate::plumbing`]): a site inside inlined plumbing is named
     /// after the first inlined caller outside it.
     pub plumbing: Vec<String>,
+    /// What [`discover`] finds in the file with these options and the
+    /// default entry points, when already known: not searched again.
+    pub found: Option<Vec<Wrapper>>,
 }
 
 /// The wrappers in a file whose entry points `entries` are (the defaults
@@ -1466,11 +1616,10 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
     (wrappers, noreturn)
 }
 
-/// The wrappers a shared library exports: (symbol name, role) of each
-/// wrapper that a defined global dynamic symbol names.
-pub fn exported(elf: &Elf, entries: &[EntryPoint], imported: &HashMap<String, Callee>) -> Vec<(String, Callee)> {
-    let opts = Options { imported: imported.clone(), ..Options::default() };
-    let (wrappers, _) = discover(elf, entries, &opts);
+/// The wrappers a shared library exports: (symbol name, role) of each of
+/// `wrappers` (what [`discover`] found in it, sorted by address) that a
+/// defined global dynamic symbol names.
+pub fn exported(elf: &Elf, entries: &[EntryPoint], wrappers: &[Wrapper]) -> Vec<(String, Callee)> {
     let is_entry = |name: &str| entries.iter().any(|e| e.target == EntryTarget::Symbol(name.to_string()));
     let mut out = Vec::new();
     for sym in elf.symbols(true).iter().filter(|s| s.defined && s.is_func && s.global && !is_entry(s.name)) {
