@@ -150,11 +150,7 @@ impl History {
             .iter()
             .map(|&n| SiteSeries {
                 name: t.names[n as usize].clone(),
-                values: t
-                    .samples
-                    .iter()
-                    .map(|s| s.sites.iter().find(|x| x.0 == n).map_or(0, |x| clamp(x.1)))
-                    .collect(),
+                values: t.samples.iter().map(|s| s.sites.iter().find(|x| x.0 == n).map_or(0, |x| clamp(x.1))).collect(),
             })
             .collect();
         Some(Series {
