@@ -135,7 +135,7 @@ pub struct ViewRow {
 }
 
 /// The key of a site's group, and what the row of the group shows.
-fn group_of(s: &SiteNow, by: GroupBy) -> ((String, String), String, String) {
+fn group_of(s: &SiteNow, by: GroupBy) -> (Key, String, String) {
     let function = s.function.clone().unwrap_or_else(|| "?".to_string());
     let file = s.file.clone().unwrap_or_else(|| "?".to_string());
     let location = match (&s.file, s.line) {
@@ -150,10 +150,14 @@ fn group_of(s: &SiteNow, by: GroupBy) -> ((String, String), String, String) {
     }
 }
 
-/// Sums per group: key -> (row without rates, calls).
-fn sums(r: &Reading, by: GroupBy) -> (Vec<(String, String)>, HashMap<(String, String), (ViewRow, i128)>) {
+/// A group: its module and function, file or address.
+type Key = (String, String);
+
+/// Sums per group, and the groups in order of first appearance: key ->
+/// (row without rates, calls).
+fn sums(r: &Reading, by: GroupBy) -> (Vec<Key>, HashMap<Key, (ViewRow, i128)>) {
     let mut order = Vec::new();
-    let mut out: HashMap<(String, String), (ViewRow, i128)> = HashMap::new();
+    let mut out: HashMap<Key, (ViewRow, i128)> = HashMap::new();
     for s in r.sites.iter().filter(|s| s.allocates) {
         let (key, location, function) = group_of(s, by);
         let calls = s.fig.calls;
