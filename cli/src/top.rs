@@ -435,9 +435,13 @@ impl App {
 
         let size_title = if live { "LIVE BYTES" } else { "BYTES" };
         let header = Row::new([size_title, "Δ B/s", "CALLS/s", "OBJECTS", "SITE", "FUNCTION", "MODULE"]).style(bold());
+        // The fixed columns, their gaps, then the site (3/5 of the rest:
+        // a path cut from the left, keeping `file:line`) and the function.
+        let rest = f.area().width.saturating_sub(14 + 12 + 10 + 10 + 20 + 6);
+        let site_width = (rest * 3 / 5).max(12);
         let rows = self.rows.iter().map(|r| {
             let location = match self.opts.group {
-                GroupBy::Site | GroupBy::File => r.location.clone(),
+                GroupBy::Site | GroupBy::File => fit_left(&r.location, site_width as usize),
                 _ => format!("({} sites)", r.sites),
             };
             Row::new([
@@ -455,8 +459,8 @@ impl App {
             Constraint::Length(12),
             Constraint::Length(10),
             Constraint::Length(10),
-            Constraint::Min(20),
-            Constraint::Min(16),
+            Constraint::Length(site_width),
+            Constraint::Min(8),
             Constraint::Length(20),
         ];
         let sort = self.opts.sort.as_str();
@@ -480,6 +484,16 @@ impl App {
     }
 }
 
+/// `s`, or its end after `…` when it is longer than `width` characters.
+fn fit_left(s: &str, width: usize) -> String {
+    let n = s.chars().count();
+    if n <= width || width == 0 {
+        return s.to_string();
+    }
+    let tail: String = s.chars().skip(n - (width - 1)).collect();
+    format!("…{tail}")
+}
+
 /// A rectangle of `w`% by `h`% in the middle of `r`.
 fn centered(r: Rect, w: u16, h: u16) -> Rect {
     let [_, mid, _] = Layout::vertical([
@@ -495,4 +509,13 @@ fn centered(r: Rect, w: u16, h: u16) -> Rect {
     ])
     .areas(mid);
     c
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn long_paths_keep_their_end() {
+        assert_eq!(super::fit_left("/src/a.c:12", 20), "/src/a.c:12");
+        assert_eq!(super::fit_left("/work/src/server.c:101", 15), "…c/server.c:101");
+    }
 }

@@ -89,7 +89,8 @@ fn prompt_is_clean(screen: &str) -> bool {
 /// `alloctramp top PID` in tmux on a patched `server` (testbins/server.c):
 /// - its marked malloc's `server.c:LINE` is on the screen with exactly the
 ///   live bytes of the rounds done (500, then 1000 after another round:
-///   the screen follows the process), with its function and module;
+///   the screen follows the process), with its function and module, and
+///   again after the terminal is resized;
 /// - `e` switches profiling off and on again (as `report --format json`
 ///   says), `s` and `g` change the order and grouping, `/` filters, `c`
 ///   shows that no chains were recorded;
@@ -118,6 +119,19 @@ fn top_in_tmux_follows_a_process_and_switches_it() {
     assert_eq!(s.cmd("round"), "done");
     let screen = t.wait_for("1000 live bytes", |sc| site_line(sc, &location).is_some_and(|r| r[0] == "1000"));
     assert!(screen.contains("live 1000 B"), "the header's total: {screen}");
+
+    // A smaller terminal: drawn again to its size.
+    let o = t.cmd().args(["resize-window", "-t", "t", "-x", "120", "-y", "20"]).output().unwrap();
+    assert!(o.status.success(), "tmux resize-window: {}", String::from_utf8_lossy(&o.stderr));
+    let screen = t.wait_for("the view at 120 columns", |sc| {
+        site_line(sc, &location).is_some() && sc.contains("q quit") && sc.lines().all(|l| l.chars().count() <= 120)
+    });
+    assert!(screen.lines().count() <= 20, "{screen}");
+    let o = t.cmd().args(["resize-window", "-t", "t", "-x", "200", "-y", "40"]).output().unwrap();
+    assert!(o.status.success());
+    t.wait_for("the view at 200 columns", |sc| {
+        sc.lines().any(|l| l.starts_with(" sites by") && l.chars().count() > 190)
+    });
 
     // Profiling off and on again from the keyboard.
     t.keys(&["e"]);
