@@ -92,8 +92,9 @@ fn prompt_is_clean(screen: &str) -> bool {
 ///   the screen follows the process), with its function and module, and
 ///   again after the terminal is resized;
 /// - `e` switches profiling off and on again (as `report --format json`
-///   says), `s` and `g` change the order and grouping, `/` filters, `c`
-///   shows that no chains were recorded;
+///   says), `s` and `g` change the order and grouping, `/` filters, `p`
+///   pauses, `c` shows that no chains were recorded, `r` resets the
+///   counters (the report's `reset_time`);
 /// - when the process exits, the view says so and keeps the final figures;
 /// - `q` leaves the shell's prompt clean with the terminal's modes
 ///   restored, and so does Ctrl-C;
@@ -158,6 +159,10 @@ fn top_in_tmux_follows_a_process_and_switches_it() {
     assert!(site_line(&screen, &location).is_none(), "filtered out:\n{screen}");
     t.keys(&["Escape"]);
     t.wait_for("no filter", |sc| site_line(sc, &location).is_some() && !sc.contains("filter:"));
+    t.keys(&["p"]);
+    t.wait_for("paused", |sc| sc.contains("PAUSED"));
+    t.keys(&["p"]);
+    t.wait_for("going on", |sc| !sc.contains("PAUSED"));
     t.keys(&["c"]);
     t.wait_for("no chains", |sc| sc.contains("No call chains recorded"));
     t.keys(&["x"]);
@@ -174,7 +179,7 @@ fn top_in_tmux_follows_a_process_and_switches_it() {
     t.type_line("stty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e -icanon -e echo -e -echo | tr '\\n' ,; echo");
     t.wait_for("the terminal's modes", |sc| sc.contains("icanon,echo,"));
 
-    // Ctrl-C, in the chooser this time.
+    // The chooser, a reset, and Ctrl-C.
     let mut other = Server::start("view-top-2", &[("ALLOCTRAMP", "on")]);
     assert_eq!(other.cmd("round"), "done");
     t.type_line("clear");
@@ -183,6 +188,10 @@ fn top_in_tmux_follows_a_process_and_switches_it() {
     t.wait_for("the chooser", |sc| sc.contains("choose a process") && sc.contains(&other.pid()));
     t.keys(&["Enter"]);
     t.wait_for("the process's view", |sc| site_line(sc, &location).is_some_and(|r| r[0] == "500"));
+    assert_eq!(report(&other.pid(), &other.dir)["reset_time"].as_u64(), Some(0), "never reset");
+    t.keys(&["r"]);
+    t.wait_for("the reset", |sc| sc.contains("counters reset (profiling on)"));
+    assert!(report(&other.pid(), &other.dir)["reset_time"].as_u64().unwrap() > 0, "r reset the counters");
     t.keys(&["C-c"]);
     t.wait_for("the prompt after Ctrl-C", prompt_is_clean);
     other.quit();
