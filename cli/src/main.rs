@@ -12,6 +12,7 @@ mod run;
 mod serve;
 mod sites;
 mod snapshot;
+mod top;
 mod util;
 
 use alloctramp_trampolines::process::Request;
@@ -28,6 +29,7 @@ use std::process::ExitCode;
         alloctramp run --on -- PROGRAM ARGS   # profile a program, report when it exits\n  \
         alloctramp report                     # your processes running patched code\n  \
         alloctramp report PID | sort -g -r | head\n  \
+        alloctramp top PID                    # a live view of a process's sites\n  \
         alloctramp serve                      # /metrics and /debug/pprof/heap for Prometheus and pprof"
 )]
 struct Cli {
@@ -42,6 +44,7 @@ enum Command {
     Run(run::Args),
     Report(report::Args),
     Serve(serve::Args),
+    Top(top::Args),
     Snapshot(snapshot::SnapshotArgs),
     Diff(snapshot::DiffArgs),
     /// Switch profiling on in a running process.
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Report(args) => report::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Top(args) => top::run(args),
         Command::Snapshot(args) => snapshot::run_snapshot(args),
         Command::Diff(args) => snapshot::run_diff(args),
         Command::Enable(args) => control::run_switch(&args, Request::On),

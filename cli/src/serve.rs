@@ -2,10 +2,15 @@
 //! servers people already run: `/metrics` (OpenMetrics, or Prometheus
 //! text for clients that do not ask for it) for Prometheus,
 //! `/debug/pprof/heap?pid=PID` or `?command=NAME` (a pprof heap profile,
-//! where Go servers expose theirs) for `go tool pprof`, Parca and Grafana Alloy, and `/`,
-//! an index of the processes.
+//! where Go servers expose theirs) for `go tool pprof`, Parca and Grafana Alloy, `/`,
+//! an index of the processes, and `/process?pid=PID`, a page of charts of
+//! a process (its script and data: `/page.js`, `/api/history?pid=PID`,
+//! `/api/icicle?pid=PID`).
 //!
-//! Every request reads the counters directory afresh: the processes are
+//! The charts' history is sampled by a thread of the server every
+//! `--sample-interval` (the last [`HISTORY`] samples of each running
+//! process, [`alloctramp_report::history`]). Every other request reads
+//! the counters directory afresh: the processes are
 //! found as `alloctramp report` lists them, their files copied without
 //! stopping them. A file that cannot be read is skipped (one log line the
 //! first time, and a count in the metrics); a process exiting meanwhile
@@ -13,6 +18,7 @@
 
 use crate::control::counters_dir;
 use crate::report::{Found, Source, discover};
+use alloctramp_report::history::History;
 use alloctramp_report::model::{Figures, GroupBy};
 use alloctramp_report::openmetrics::{self, Scrape, Variant};
 use anyhow::{Context, Result};
@@ -46,17 +52,31 @@ pub struct Args {
     /// Requests answered at once.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: u32,
+    /// Seconds between the samples of live bytes that the pages chart.
+    #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+    pub sample_interval: f64,
 }
+
+/// Samples kept per process for the charts.
+pub const HISTORY: usize = 600;
+
+/// The page of a process, its script, and its stylesheet.
+const PAGE_HTML: &str = include_str!("../assets/page.html");
+const PAGE_JS: &str = include_str!("../assets/page.js");
 
 struct State {
     dir: PathBuf,
     group_by: GroupBy,
     /// Files already reported as unreadable (one log line each).
     logged: Mutex<HashSet<(PathBuf, String)>>,
+    history: Mutex<History>,
 }
 
 pub fn run(args: Args) -> Result<()> {
     let group_by: GroupBy = args.group_by.parse().map_err(|e| anyhow::anyhow!("--group-by {e}"))?;
+    if !(args.sample_interval >= 0.05 && args.sample_interval <= 3600.0) {
+        anyhow::bail!("--sample-interval {}: expected seconds from 0.05 to 3600", args.sample_interval);
+    }
     let dir = counters_dir(args.dir.as_deref());
     let server = tiny_http::Server::http(&args.listen)
         .map_err(|e| anyhow::anyhow!("--listen {}: cannot listen: {e}", args.listen))?;
@@ -69,7 +89,17 @@ pub fn run(args: Args) -> Result<()> {
     }
     eprintln!("alloctramp: serving http://{addr}/ (/metrics, /debug/pprof/heap?pid=PID) for {}", dir.display());
     let server = Arc::new(server);
-    let state = Arc::new(State { dir, group_by, logged: Mutex::default() });
+    let state = Arc::new(State { dir, group_by, logged: Mutex::default(), history: Mutex::new(History::new(HISTORY)) });
+    {
+        let state = state.clone();
+        let every = std::time::Duration::from_secs_f64(args.sample_interval);
+        std::thread::spawn(move || {
+            loop {
+                sample(&state);
+                std::thread::sleep(every);
+            }
+        });
+    }
     let workers: Vec<_> = (0..args.threads)
         .map(|_| {
             let (server, state) = (server.clone(), state.clone());
@@ -104,6 +134,12 @@ fn handle(state: &State, req: tiny_http::Request) {
         (tiny_http::Method::Get | tiny_http::Method::Head, "/metrics") => metrics(state, &accept),
         (tiny_http::Method::Get | tiny_http::Method::Head, "/debug/pprof/heap") => heap(state, query),
         (tiny_http::Method::Get | tiny_http::Method::Head, "/") => index(state),
+        (tiny_http::Method::Get | tiny_http::Method::Head, "/process") => page(state, query),
+        (tiny_http::Method::Get | tiny_http::Method::Head, "/page.js") => {
+            (200, "text/javascript; charset=utf-8", PAGE_JS.as_bytes().to_vec())
+        }
+        (tiny_http::Method::Get | tiny_http::Method::Head, "/api/history") => history(state, query),
+        (tiny_http::Method::Get | tiny_http::Method::Head, "/api/icicle") => icicle(state, query),
         (tiny_http::Method::Get | tiny_http::Method::Head, _) => text(404, format!("no page {path}: try /\n")),
         _ => text(405, "only GET and HEAD\n".to_string()),
     };
@@ -279,7 +315,7 @@ fn index(state: &State) -> Reply {
     let _ = writeln!(
         b,
         "<table>\n<tr><th>pid</th><th>command</th><th>state</th><th>live bytes</th><th>sites</th>\
-         <th>heap profile</th></tr>"
+         <th>heap profile</th><th>page</th></tr>"
     );
     for s in &srcs {
         let Some(f) = figures(state, s, &mut unreadable) else { continue };
@@ -296,7 +332,8 @@ fn index(state: &State) -> Reply {
         let _ = writeln!(
             b,
             "<tr><td>{pid}</td><td>{}</td><td>{state}</td><td>{live}</td><td>{sites}</td>\
-             <td><a href=\"/debug/pprof/heap?pid={pid}\">/debug/pprof/heap?pid={pid}</a></td></tr>",
+             <td><a href=\"/debug/pprof/heap?pid={pid}\">/debug/pprof/heap?pid={pid}</a></td>\
+             <td><a href=\"/process?pid={pid}\">charts</a></td></tr>",
             html(&p.command),
             pid = p.pid
         );
@@ -310,6 +347,99 @@ fn index(state: &State) -> Reply {
     }
     let _ = writeln!(b, "</body></html>");
     (200, "text/html; charset=utf-8", b)
+}
+
+/// A sample of every running process's live bytes for the charts.
+fn sample(state: &State) {
+    let (srcs, _) = processes(state);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    let mut pids = Vec::new();
+    let mut history = state.history.lock().unwrap_or_else(|e| e.into_inner());
+    for src in &srcs {
+        if let Some(figs) = figures(state, src, &mut 0) {
+            history.record(now, &figs);
+            pids.push(figs.process.pid);
+        }
+    }
+    history.retain(&pids);
+}
+
+/// The `pid=` of a query, as a running process's source.
+fn chosen(state: &State, query: &str) -> Result<Source, Reply> {
+    let p = query.split('&').find_map(|kv| kv.strip_prefix("pid=")).unwrap_or("");
+    let Ok(pid) = p.parse::<u32>() else {
+        return Err(text(400, format!("pid={p}: not a process id\n")));
+    };
+    let (srcs, _) = processes(state);
+    srcs.into_iter()
+        .find(|s| s.parse().is_ok_and(|p| p.pid == pid))
+        .ok_or_else(|| text(404, format!("process {pid} runs no patched code of this user's\n")))
+}
+
+fn json(value: &impl serde::Serialize) -> Reply {
+    match serde_json::to_vec(value) {
+        Ok(b) => (200, "application/json", b),
+        Err(e) => text(500, format!("{e}\n")),
+    }
+}
+
+/// `/process?pid=PID`: the page (its script draws it).
+fn page(state: &State, query: &str) -> Reply {
+    match chosen(state, query) {
+        Ok(src) => {
+            let title = src.parse().map_or(String::new(), |p| format!("{} {}", p.pid, p.command));
+            (200, "text/html; charset=utf-8", PAGE_HTML.replace("{title}", &html(&title)).into_bytes())
+        }
+        Err(r) => r,
+    }
+}
+
+/// `/api/history?pid=PID[&top=N]`: the samples of a process (see
+/// docs/formats.md).
+fn history(state: &State, query: &str) -> Reply {
+    let src = match chosen(state, query) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let top = query.split('&').find_map(|kv| kv.strip_prefix("top=")?.parse().ok()).unwrap_or(5usize).min(20);
+    let pid = src.parse().map_or(0, |p| p.pid);
+    // A process found before the sampler saw it: sampled now.
+    let mut h = state.history.lock().unwrap_or_else(|e| e.into_inner());
+    if h.series(pid, top).is_none()
+        && let Some(figs) = figures(state, &src, &mut 0)
+    {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        h.record(now, &figs);
+    }
+    match h.series(pid, top) {
+        Some(s) => json(&s),
+        None => text(500, format!("{}: cannot be read (see the server's log)\n", src.path.display())),
+    }
+}
+
+/// `/api/icicle?pid=PID`: bytes allocated by recorded call chain, as a
+/// tree (see docs/formats.md).
+fn icicle(state: &State, query: &str) -> Reply {
+    let src = match chosen(state, query) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let Some(figs) = figures(state, &src, &mut 0) else {
+        return text(500, format!("{}: cannot be read (see the server's log)\n", src.path.display()));
+    };
+    let chains = match src.parse() {
+        Ok(pf) => crate::callers::chains(&pf, &alloctramp_patcher::plumbing::Plumbing::with(&[])),
+        Err(_) => Vec::new(),
+    };
+    let names: std::collections::HashMap<(&str, u64), String> = figs
+        .sites
+        .iter()
+        .map(|(s, _)| ((s.module, s.address), format!("{} ({})", s.function.unwrap_or("?"), s.location())))
+        .collect();
+    let root = alloctramp_report::chains::icicle("all chains", &chains, |site| {
+        names.get(&(site.0.as_str(), site.1)).cloned().unwrap_or_else(|| format!("{:#x} ({})", site.1, site.0))
+    });
+    json(&serde_json::json!({ "pid": figs.process.pid, "chains": chains.len(), "root": root }))
 }
 
 #[cfg(test)]

@@ -184,7 +184,7 @@ fn pprof_stacks_are_the_recorded_call_chains() {
 }
 
 /// A child process killed when the test ends, however it ends.
-struct Killed(Child);
+pub struct Killed(Child);
 
 impl Drop for Killed {
     fn drop(&mut self) {
@@ -195,7 +195,7 @@ impl Drop for Killed {
 
 /// `alloctramp serve --listen 127.0.0.1:0` on `dir`: the process, its
 /// port, and the lines it logs (collected by a thread).
-fn start_serve(dir: &Path, extra: &[&str]) -> (Killed, u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+pub fn start_serve(dir: &Path, extra: &[&str]) -> (Killed, u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     let mut child = alloctramp()
         .args(["serve", "--listen", "127.0.0.1:0", "--dir"])
         .arg(dir)

@@ -16,3 +16,4 @@ mod reliability;
 mod report;
 mod runtime;
 mod sites;
+mod view;

@@ -18,12 +18,14 @@
 
 pub mod chains;
 pub mod csv;
+pub mod history;
 pub mod json;
 pub mod model;
 pub mod openmetrics;
 pub mod pprof;
 pub mod read;
 pub mod text;
+pub mod watch;
 
 pub use model::{Diff, Fig, Figures, GroupBy, ModuleInfo, ProcessInfo, Row, Selection, SiteInfo, SortKey};
 
