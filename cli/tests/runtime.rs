@@ -378,6 +378,25 @@ fn stress_eight_threads_while_the_watcher_switches_ten_thousand_times() {
     stress("thread");
 }
 
+/// Waits until no instance of signal `sig` sent to process `pid` is still
+/// queued (its bit clear in /proc/PID/status's ShdPnd).
+fn wait_until_no_signal_pending(pid: u32, sig: i32) {
+    let start = Instant::now();
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let pending = status
+            .lines()
+            .find_map(|l| l.strip_prefix("ShdPnd:"))
+            .map(|h| u64::from_str_radix(h.trim(), 16).unwrap())
+            .unwrap();
+        if pending & (1 << (sig - 1)) == 0 {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "signal {sig} still queued after 60 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn stress(mode: &str) {
     let b = built(Config::default_o2());
     let dir = counters_dir(&format!("stress-{mode}"));
@@ -413,6 +432,12 @@ fn stress(mode: &str) {
             assert!(c >= last, "calls went down: {last} -> {c}");
             last = c;
         }
+    }
+    // The control signal is a real-time one: each of those sent is queued
+    // and toggles when it is taken, so a toggle still queued would turn
+    // profiling on again after the disable below. Wait until none is.
+    if mode == "signal" {
+        wait_until_no_signal_pending(pid, sig);
     }
     // Switch off for good and wait until it is done.
     let o = alloctramp().arg("disable").arg("--dir").arg(&dir).arg(pid.to_string()).output().unwrap();
