@@ -348,31 +348,38 @@ pub fn prune(dir: &str, keep: usize) {
     use std::os::unix::fs::MetadataExt;
     use std::os::unix::fs::OpenOptionsExt;
     // Within the bound whatever the files say: no file needs reading.
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    let count = entries.flatten().filter(|e| e.file_name().as_encoded_bytes().ends_with(b".counters")).count();
+    // (Directories are read with getdents64, not std's read_dir: see
+    // `sys::for_each_dir_entry`.)
+    let mut names: Vec<String> = Vec::new();
+    if !sys::for_each_dir_entry(dir, |n| {
+        if let Ok(n) = std::str::from_utf8(n) {
+            names.push(n.to_string());
+        }
+    }) {
+        return;
+    }
+    let count = names.iter().filter(|n| n.ends_with(".counters")).count();
     if count <= keep {
         return;
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
     let mut found: Vec<(u32, process::FileState)> = Vec::new();
     let mut strays: Vec<std::path::PathBuf> = Vec::new();
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
+    for name in &names {
+        let path = std::path::Path::new(dir).join(name);
         let Some((pid, kind)) = name.split_once('.') else { continue };
         let Ok(pid) = pid.parse::<u32>() else { continue };
         match kind {
             "counters" => {}
             "counters.new" | "control" => {
                 if !runs(pid, (0, 0)) {
-                    strays.push(e.path());
+                    strays.push(path);
                 }
                 continue;
             }
             _ => continue,
         }
         let Ok(f) =
-            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(e.path())
+            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(&path)
         else {
             continue;
         };

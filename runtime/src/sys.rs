@@ -251,6 +251,52 @@ pub fn for_each_mapping(mut f: impl FnMut(u64, u64, i32) -> bool) -> bool {
     })
 }
 
+/// The name of every entry of directory `dir` (not `.` and `..`), read
+/// with getdents64 on a descriptor of its own. Unlike `std::fs::read_dir`,
+/// whose `closedir` aborts the process when the descriptor was closed
+/// underneath it, it tolerates a program that closes every descriptor
+/// (as daemons do) while it reads: the listing then just ends. Returns
+/// false if the directory could not be opened.
+pub fn for_each_dir_entry(dir: &str, mut f: impl FnMut(&[u8])) -> bool {
+    let mut path = Buf::<4096>::new();
+    path.str(dir);
+    // SAFETY: a NUL-terminated path.
+    let fd = unsafe { libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    let mut buf = [0u8; 4096];
+    loop {
+        // SAFETY: getdents64 fills at most the buffer's length.
+        let n = unsafe { libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len()) };
+        if n < 0 && errno() == libc::EINTR {
+            continue;
+        }
+        if n <= 0 {
+            break;
+        }
+        let mut at = 0usize;
+        // struct linux_dirent64: d_ino u64, d_off i64, d_reclen u16,
+        // d_type u8, then the NUL-terminated name.
+        while let Some(rec) = buf.get(at..n as usize) {
+            let (Some(&lo), Some(&hi)) = (rec.get(16), rec.get(17)) else { break };
+            let len = usize::from(u16::from_ne_bytes([lo, hi]));
+            let Some(name) = rec.get(19..len.max(19)) else { break };
+            if len == 0 {
+                break;
+            }
+            let name = name.split(|&c| c == 0).next().unwrap_or_default();
+            if name != b"." && name != b".." {
+                f(name);
+            }
+            at += len;
+        }
+    }
+    // SAFETY: our descriptor (an error, if the program closed it, is fine).
+    unsafe { libc::close(fd) };
+    true
+}
+
 /// Every line of `/proc/self/maps` (without its newline; a line longer
 /// than the buffer is cut), as [`for_each_mapping`] reads them.
 pub fn for_each_maps_line(mut f: impl FnMut(&[u8]) -> bool) -> bool {
@@ -357,6 +403,25 @@ fn parse_maps_line(line: &[u8]) -> Option<(u64, u64, i32)> {
 #[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn directory_entries_are_every_name_but_the_dots() {
+        let dir = std::env::temp_dir().join(format!("alloctramp-dirents-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut want: Vec<String> =
+            (0..300).map(|i| format!("{i}.counters-with-a-long-name-{}", "x".repeat(i % 40))).collect();
+        for n in &want {
+            std::fs::write(dir.join(n), b"").unwrap();
+        }
+        let mut got = Vec::new();
+        assert!(for_each_dir_entry(dir.to_str().unwrap(), |n| got.push(String::from_utf8(n.to_vec()).unwrap())));
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "more than one getdents64 buffer's worth");
+        assert!(!for_each_dir_entry(dir.join("none").to_str().unwrap(), |_| {}));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn maps_lines_give_offset_and_path() {
