@@ -237,8 +237,9 @@ fn switching_fifty_times_interrupts_no_system_call() {
     patch_to(&bin, &patched, &[]);
     let d = dir.to_str().unwrap();
 
-    // pause() with an alarm pending: returns once, when the alarm fires.
-    let alarm = 6;
+    // pause() with an alarm pending: returns once, when the alarm fires
+    // (late enough that 100 switches finish first on a loaded machine).
+    let alarm = 15;
     let expect = "pause returned -1 (Interrupted system call), alarms handled 1\n";
     let mut t = Talk::start(&patched, &["pause", &alarm.to_string()], &[("ALLOCTRAMP_DIR", d)]);
     assert_eq!(t.line(), "ready\n");
