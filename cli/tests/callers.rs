@@ -28,11 +28,16 @@ fn frame_lines() -> BTreeMap<String, u32> {
 /// chains, from `report --callers --format json`.
 type Chains = Vec<(Vec<String>, u64, u64)>;
 
-fn chains_of(file: &Path, dir: &Path) -> (Chains, Value) {
+/// `report --callers --format json` of a counters file.
+fn callers_report(file: &Path, dir: &Path) -> Value {
     let o =
         alloctramp().args(["report", "--callers", "--format", "json", "--dir"]).arg(dir).arg(file).output().unwrap();
     assert!(o.status.success(), "report --callers: {}", String::from_utf8_lossy(&o.stderr));
-    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn chains_of(file: &Path, dir: &Path) -> (Chains, Value) {
+    let doc = callers_report(file, dir);
     let site =
         doc["sites"].as_array().unwrap().iter().find(|s| s["entry"] == "malloc").expect("the malloc site").clone();
     let mut chains: Chains = site["callers"]
@@ -141,15 +146,7 @@ fn check_threaded_chains(config: Config) {
         let counters = counters_dir(&format!("{}-callers-threads-{depth}", config.name()));
         let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", depth), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
         assert_eq!(run_program(&bin, &[], &env), original, "{}: the program behaves as the original", config.name());
-        let file = only_counters_file(&counters);
-        let o = alloctramp()
-            .args(["report", "--callers", "--format", "json", "--dir"])
-            .arg(&counters)
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let doc = callers_report(&only_counters_file(&counters), &counters);
         assert_eq!(doc["callers_lost"], 0, "{}: no chain lost", config.name());
         let site = doc["sites"].as_array().unwrap().iter().find(|s| s["entry"] == "malloc").unwrap();
         let mut got: BTreeMap<String, (u64, u64)> = BTreeMap::new();
@@ -359,15 +356,7 @@ fn redis_busiest_site_callers_add_up_to_its_calls() {
     let status = server.wait().unwrap();
     assert!(status.success(), "redis-server exits cleanly: {status:?}");
 
-    let file = only_counters_file(&counters);
-    let o = alloctramp()
-        .args(["report", "--callers", "--format", "json", "--dir"])
-        .arg(&counters)
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let doc = callers_report(&only_counters_file(&counters), &counters);
     assert_eq!(doc["callers_lost"], 0, "every chain found a slot");
     let busiest = doc["sites"]
         .as_array()

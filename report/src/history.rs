@@ -84,23 +84,18 @@ impl History {
     /// epoch).
     pub fn record(&mut self, time: f64, figs: &Figures) {
         let p = &figs.process;
-        let track = self.processes.entry(p.pid).or_insert_with(|| Track {
+        let fresh = || Track {
             start_time: p.start_time,
             command: p.command.clone(),
             live: p.live,
             names: Vec::new(),
             index: HashMap::new(),
             samples: VecDeque::new(),
-        });
+        };
+        let track = self.processes.entry(p.pid).or_insert_with(fresh);
+        // A pid reused by another process starts a new track.
         if track.start_time != p.start_time {
-            *track = Track {
-                start_time: p.start_time,
-                command: p.command.clone(),
-                live: p.live,
-                names: Vec::new(),
-                index: HashMap::new(),
-                samples: VecDeque::new(),
-            };
+            *track = fresh();
         }
         track.live = p.live;
         let mut sites: Vec<(&crate::SiteInfo, i128)> =
