@@ -91,7 +91,7 @@ __attribute__((noinline, noclone, noipa, noreturn)) static void die(const char *
 
 __attribute__((noinline, noclone, noipa)) static char *read_request(unsigned long r) /* @wrapper read_request alloc */
 {
-    char *buf = malloc(request_size); /* @site malloc calls=100 bytes=409600 */
+    char *buf = malloc(request_size); /* @site malloc calls=100 bytes=409600 under=0,0 */
     if (buf == NULL)
         die("out of memory");
     fill(buf, request_size, (unsigned)r);
@@ -150,7 +150,7 @@ __attribute__((noinline, noclone, noipa)) static char *render(const char *key) /
 __attribute__((noinline, noclone, noipa)) static void handle(void)
 {
     unsigned long r = requests++;
-    char *buf = read_request(r);
+    char *buf = read_request(r); /* @hook read_request calls=100 bytes=409600 */
     char *key = parse_key(r); /* @charged parse_key calls=100 bytes=1000 */
     cache_store(r);
     if (r % 10 == 0)

@@ -143,6 +143,85 @@ mod exact_charged_counts {
     crate::matrix!(super::check_charge);
 }
 
+/// A site of `sites --json`: (file, line, entry, form, charge, inside a
+/// hooked function).
+type HookSite = (String, u32, String, String, String, bool);
+
+/// Hooks: calls to wrappers whose size is not an argument (`hooks`) take
+/// what the sites inside allocate, the outermost call on each thread,
+/// through nesting, a function pointer (no hook: the inner site counts)
+/// and a `longjmp` out of a hook's call. Exact in every build
+/// configuration, counting and tracking live objects.
+fn check_hooks(config: Config) {
+    let b = built(config);
+    let p = program("hooks");
+    let path = b.path(&p.name);
+    let key = |m: &Marker, direct: bool, charge: &str| -> HookSite {
+        let form = expected_form(config, m.tail, direct);
+        (m.file.clone(), m.line, m.entry.clone(), form, charge.to_string(), m.under.is_some())
+    };
+    let mut expected: Vec<HookSite> = p
+        .markers
+        .iter()
+        .map(|m| key(m, false, if m.inside { "inside" } else { "own" }))
+        .chain(p.charged_markers.iter().map(|m| key(m, is_local(p, &m.entry), "caller")))
+        .chain(p.hook_markers.iter().map(|m| key(m, true, "hook")))
+        .collect();
+    expected.sort();
+    let doc = sites_json(&path, &[]);
+    let mut actual: Vec<HookSite> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                base(s["file"].as_str().unwrap()).to_string(),
+                s["line"].as_u64().unwrap() as u32,
+                s["entry_display"].as_str().unwrap().to_string(),
+                s["form"].as_str().unwrap().to_string(),
+                s["charge"].as_str().unwrap().to_string(),
+                s["under_hook"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    actual.sort();
+    assert_eq!(actual, expected, "{}: sites, charges and hooks differ from the markers", config.name());
+
+    let (mut counts, mut live) = (Figures::new(), Figures::new());
+    for m in p.markers.iter().chain(&p.charged_markers).chain(&p.hook_markers) {
+        let k = (m.file.clone(), m.line, display(&m.entry));
+        let (calls, bytes) = match (m.under, m.inside) {
+            (Some(u), _) => u,
+            (None, true) => (0, 0),
+            (None, false) => (m.calls, m.bytes),
+        };
+        counts.insert(k.clone(), (calls, bytes, 0));
+        let l = if m.inside || m.under.is_some() { (0, 0) } else { m.live.unwrap_or((0, 0)) };
+        live.insert(k, (l.0, l.1, 0));
+    }
+    let pdir = b.dir.join("patched-hooks");
+    let _ = std::fs::remove_dir_all(&pdir);
+    std::fs::create_dir_all(&pdir).unwrap();
+    patch_to(&path, &pdir.join(&p.output), &[]);
+    let original = run_program(&path, &p.run, &[]);
+    for (mode, live_on) in [("live", "1"), ("count", "0")] {
+        let dir = counters_dir(&format!("{}-hooks-{mode}", config.name()));
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_LIVE", live_on), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())];
+        let out = run_program(&pdir.join(&p.output), &p.run, &env);
+        assert_eq!(out, original, "{} {mode}: the program behaves as the original", config.name());
+        let file = only_counters_file(&dir);
+        let doc = report(file.to_str().unwrap(), &dir);
+        assert_eq!(figures(&doc), counts, "{} {mode}: hooks' counts differ from the markers", config.name());
+        if live_on == "1" {
+            assert_eq!(live_figures(&file), live, "{} {mode}: live figures differ from the markers", config.name());
+        }
+    }
+}
+
+mod hooks_matrix {
+    crate::matrix!(super::check_hooks);
+}
+
 /// Calls through a GOT slot that a relative relocation fills with an entry
 /// point the file defines (`call *f@GOTPCREL(%rip)` that the linker did not
 /// relax, as Rust calls `__rust_alloc`) are sites, not addresses in data.
@@ -256,9 +335,11 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
     assert!(totals[0].0 > 1000, "the program allocates: {totals:?}");
     assert_eq!(totals[0], totals[1], "calls, bytes, live objects and frees are the same charged or not");
 
-    // With call chains: the allocations made in the standard library's
-    // plumbing (RawVec growth, hashbrown's rehash, format) are charged to
-    // their first caller outside it, the program's main, at its lines.
+    // The allocations made in the standard library's plumbing (RawVec
+    // growth, hashbrown's rehash, format) are charged to their first caller
+    // outside it, the program's main, at its lines: by the rows themselves
+    // (calls into plumbing that was not inlined are hooks), and with call
+    // chains for what is left.
     let patched = dir.join("collections-charged");
     let counters = counters_dir("rust-charge-callers");
     let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
@@ -269,18 +350,30 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
     let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
     let (mut total, mut in_main) = (0u64, 0u64);
     let mut lines = std::collections::BTreeSet::new();
+    let in_main_source = |f: &Value| {
+        f["function"] == "collections::main" && f["file"].as_str().is_some_and(|p| p.ends_with("collections.rs"))
+    };
+    let mut rows_in_main = 0u64;
     for s in doc["sites"].as_array().unwrap().iter().filter(|s| s["kind"] != "free") {
         total += s["bytes"].as_u64().unwrap();
+        if in_main_source(s) {
+            // A hook (a call into plumbing that was not inlined) in main's
+            // code: its row is main's line.
+            rows_in_main += s["bytes"].as_u64().unwrap();
+            in_main += s["bytes"].as_u64().unwrap();
+            lines.insert(s["line"].as_u64().unwrap());
+            continue;
+        }
         for c in s["callers"].as_array().unwrap() {
             let Some(i) = c["outside_plumbing"].as_u64() else { continue };
             let f = &c["frames"][i as usize];
-            if f["function"] == "collections::main" && f["file"].as_str().is_some_and(|p| p.ends_with("collections.rs"))
-            {
+            if in_main_source(f) {
                 in_main += c["bytes"].as_u64().unwrap();
                 lines.insert(f["line"].as_u64().unwrap());
             }
         }
     }
     assert!(in_main * 10 >= total * 9, "at least 90% of the bytes charged to main's lines: {in_main} of {total}");
+    assert!(rows_in_main * 10 >= total * 9, "at least 90% of the bytes at rows of main: {rows_in_main} of {total}");
     assert!(lines.len() >= 3, "format!, the map's growth and collect are lines of their own: {lines:?}");
 }

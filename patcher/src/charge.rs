@@ -21,18 +21,21 @@
 
 use crate::WrapperInfo;
 use crate::elf::Elf;
+use crate::plumbing::Plumbing;
 use crate::scan::{Charge, Keys, Scan, Via};
 use crate::wrappers::{Frees, Offsets};
 use alloctramp_trampolines::entry::{EntryPoint, Kind, Signature, Size, Target};
 use std::collections::{HashMap, HashSet};
 
-/// A wrapper whose calls are entry points of the scan.
+/// A wrapper (or a function of allocation plumbing) whose calls are entry
+/// points of the scan.
 #[derive(Clone, Debug)]
 pub struct Charged {
     /// Its entry point's index.
     pub entry: usize,
-    /// Its index in the analysis's wrappers.
-    pub wrapper: usize,
+    /// Its index in the analysis's wrappers (None: a function of allocation
+    /// plumbing, never counted at its callers, maybe a hook).
+    pub wrapper: Option<usize>,
     /// Its code (None: imported).
     pub code: Option<(u64, u64)>,
     /// Reachable other than through the file's call sites.
@@ -52,7 +55,16 @@ pub struct Charged {
 /// them. A wrapper whose calls cannot be counted (its size is none of its
 /// arguments) gets one too, so that a wrapper calling it is seen to, and
 /// is not charged either.
-pub fn entries(elf: &Elf, entries: &mut Vec<EntryPoint>, wrappers: &[WrapperInfo]) -> Vec<Charged> {
+///
+/// Functions of allocation plumbing (`plumbing`, matched on demangled
+/// symbol names) that are neither get one as well: calls to those that
+/// allocate become hooks.
+pub fn entries(
+    elf: &Elf,
+    entries: &mut Vec<EntryPoint>,
+    wrappers: &[WrapperInfo],
+    plumbing: &Plumbing,
+) -> Vec<Charged> {
     // What the entry points already reach, by address and name.
     let mut taken: HashSet<u64> = HashSet::new();
     let mut names: HashSet<String> = HashSet::new();
@@ -95,7 +107,7 @@ pub fn entries(elf: &Elf, entries: &mut Vec<EntryPoint>, wrappers: &[WrapperInfo
         let sig = countable.unwrap_or(Signature::alloc(Size::None));
         out.push(Charged {
             entry: entries.len(),
-            wrapper: i,
+            wrapper: Some(i),
             code,
             open,
             kind: sig.kind,
@@ -105,6 +117,37 @@ pub fn entries(elf: &Elf, entries: &mut Vec<EntryPoint>, wrappers: &[WrapperInfo
             offsets: w.offsets,
         });
         entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6 });
+    }
+    // Plumbing that was not inlined (Rust's `finish_grow`, hashbrown's
+    // `reserve_rehash`): its own calls are not allocations its callers
+    // asked for by size, but its callers decided them.
+    let mut seen: HashSet<u64> = taken;
+    seen.extend(wrappers.iter().filter_map(|w| w.addr.map(|a| a.0)));
+    for s in &symbols {
+        if s.size == 0 || !seen.insert(s.value) {
+            continue;
+        }
+        let name = crate::symbols::demangle(s.name);
+        if !plumbing.matches(&name) {
+            continue;
+        }
+        out.push(Charged {
+            entry: entries.len(),
+            wrapper: None,
+            code: Some((s.value, s.value.saturating_add(s.size))),
+            open: true,
+            kind: Kind::Alloc,
+            countable: false,
+            frees: Frees::default(),
+            at: None,
+            offsets: Offsets::default(),
+        });
+        entries.push(EntryPoint {
+            target: Target::Address(s.value),
+            display: name,
+            sig: Signature::alloc(Size::None),
+            args: 6,
+        });
     }
     out
 }
@@ -341,21 +384,57 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
             break;
         }
     }
-    let dropped = |entry: usize| by_entry.get(&entry).is_some_and(|&j| !ok[j]);
+    // Hooks: functions that are not charged but allocate, directly, through
+    // charged wrappers, or through other hooks (found from below); none
+    // that may throw, since an exception cannot unwind through a
+    // trampoline. Free wrappers are left alone: a free finds its object
+    // wherever it was charged.
+    let mut hook: Vec<bool> = vec![false; charged.len()];
+    let mut throws: Vec<bool> = vec![false; charged.len()];
+    for &(k, i) in &within {
+        if may_throw(&scan.entries[scan.sites[i].entry]) {
+            throws[k] = true;
+        }
+    }
+    let hookable = |k: usize| !ok[k] && !throws[k] && charged[k].kind != Kind::Free && charged[k].code.is_some();
+    loop {
+        let mut changed = false;
+        for &(k, i) in &within {
+            let s = &scan.sites[i];
+            if hook[k] || !hookable(k) || scan.entries[s.entry].sig.kind == Kind::Free {
+                continue;
+            }
+            let allocates = by_entry.get(&s.entry).is_none_or(|&j| ok[j] || (hook[j] && !s.form.is_tail()));
+            if allocates {
+                hook[k] = true;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    let dropped =
+        |s: &crate::scan::Site| by_entry.get(&s.entry).is_some_and(|&j| !ok[j] && (!hook[j] || s.form.is_tail()));
     for s in scan.sites.iter_mut() {
         let callee = by_entry.get(&s.entry).copied();
-        s.charge = match inside(s.vaddr.0).filter(|&k| ok[k]) {
+        let holder = inside(s.vaddr.0);
+        s.charge = match holder.filter(|&k| ok[k]) {
             Some(k) => Charge::Inside {
-                wrapper: charged[k].wrapper,
+                wrapper: charged[k].wrapper.unwrap_or(usize::MAX),
                 checked: open[k],
                 bump: callee.is_some_and(|j| bump[j]),
                 external: callee.is_some_and(|j| external[j]),
             },
             None => match callee {
-                Some(j) => Charge::Caller { bump: bump[j], external: external[j] },
+                Some(j) if ok[j] => Charge::Caller { bump: bump[j], external: external[j] },
+                Some(_) => Charge::Hook,
                 None => Charge::Own,
             },
         };
+        s.under_hook = holder.is_some_and(|k| hook[k])
+            && matches!(s.charge, Charge::Own | Charge::Caller { .. })
+            && scan.entries[s.entry].sig.kind != Kind::Free;
     }
     for (k, c) in charged.iter().enumerate() {
         if let (true, Some(key)) = (ok[k], keys[k])
@@ -364,8 +443,8 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
             scan.keys.insert(c.entry, key);
         }
     }
-    scan.sites.retain(|s| !dropped(s.entry));
-    scan.unpatchable.retain(|r| !dropped(r.entry));
+    scan.sites.retain(|s| !dropped(s));
+    scan.unpatchable.retain(|r| by_entry.get(&r.entry).is_none_or(|&j| ok[j]));
 }
 
 #[cfg(test)]
@@ -390,7 +469,7 @@ mod tests {
             let start = 0x1000 * (k as u64 + 1);
             charged.push(Charged {
                 entry: entries.len(),
-                wrapper: k,
+                wrapper: Some(k),
                 code: Some((start, start + 0x100)),
                 open: false,
                 kind: Kind::Alloc,
@@ -419,6 +498,7 @@ mod tests {
             via,
             target: Vaddr(0),
             charge: Charge::Own,
+            under_hook: false,
         });
     }
 
@@ -461,16 +541,68 @@ mod tests {
         site(&mut scan, 0x9010, 2, Via::Direct);
         site(&mut scan, 0x9020, 3, Via::Direct);
         decide(&mut scan, &charged, &HashSet::new());
-        // Calls to w0 and w1 are no sites; w2 is charged but keeps preserve
+        // w0 and w1 are not charged, but they allocate: calls to them are
+        // hooks (w1's call of w0 too, which nests), and w0's malloc counts
+        // into the outermost hook's cell. w2 is charged but keeps preserve
         // mode (nothing in it calls out).
         assert_eq!(
             charges(&scan),
             [
                 (0x1010, Charge::Own),
+                (0x2010, Charge::Hook),
                 (0x3010, Charge::Inside { wrapper: 2, checked: false, bump: false, external: false }),
+                (0x9000, Charge::Hook),
+                (0x9010, Charge::Hook),
                 (0x9020, Charge::Caller { bump: false, external: false }),
             ]
         );
+        let under: Vec<u64> = scan.sites.iter().filter(|s| s.under_hook).map(|s| s.vaddr.0).collect();
+        assert_eq!(under, [0x1010]);
+    }
+
+    #[test]
+    fn what_makes_a_hook() {
+        // w0 (not countable) calls malloc; w1 (not countable) calls
+        // operator new, which may throw; w2 (a free wrapper, not charged)
+        // calls free; w3 (plumbing, no wrapper) tail-calls w0 and calls
+        // nothing else.
+        let (mut scan, mut charged) = setup(4);
+        for c in &mut charged {
+            c.countable = false;
+        }
+        charged[2].kind = Kind::Free;
+        charged[3].wrapper = None;
+        scan.entries.push(EntryPoint {
+            target: Target::Symbol("_Znwm".into()),
+            display: "operator new".into(),
+            sig: Signature::alloc(Size::Arg(0)),
+            args: 1,
+        });
+        scan.entries.push(EntryPoint {
+            target: Target::Symbol("free".into()),
+            display: "free".into(),
+            sig: Signature::free(0),
+            args: 1,
+        });
+        site(&mut scan, 0x1010, 0, Via::Plt);
+        site(&mut scan, 0x2010, 5, Via::Plt);
+        site(&mut scan, 0x3010, 6, Via::Plt);
+        site(&mut scan, 0x4010, 1, Via::Direct);
+        if let Some(tail) = scan.sites.last_mut() {
+            tail.form = SiteForm::JmpRel32;
+        }
+        for (k, at) in [(1, 0x9000), (2, 0x9010), (3, 0x9020), (4, 0x9030)] {
+            site(&mut scan, at, k, Via::Direct);
+        }
+        decide(&mut scan, &charged, &HashSet::new());
+        // Only w0 is a hook: w1 may throw, w2 frees, and w3 reaches w0 by a
+        // tail jump only (a hook's trampoline must return to it).
+        assert_eq!(
+            charges(&scan),
+            [(0x1010, Charge::Own), (0x2010, Charge::Own), (0x3010, Charge::Own), (0x9000, Charge::Hook)]
+        );
+        let under: Vec<u64> = scan.sites.iter().filter(|s| s.under_hook).map(|s| s.vaddr.0).collect();
+        assert_eq!(under, [0x1010]);
     }
 
     #[test]

@@ -165,7 +165,9 @@ pub fn analyze_with(
         }
     }
     wrappers[found.len()..].sort_by(|a, b| a.function.cmp(&b.function));
-    let charged = if wrapper_opts.charge { charge::entries(&elf, &mut entries, &wrappers) } else { Vec::new() };
+    let plumbing = plumbing::Plumbing::with(&wrapper_opts.plumbing);
+    let charged =
+        if wrapper_opts.charge { charge::entries(&elf, &mut entries, &wrappers, &plumbing) } else { Vec::new() };
     let mut scan = scan::scan(&elf, entries, user_entries)?;
     charge::assign(&elf, &mut scan, &charged);
 
@@ -181,7 +183,6 @@ pub fn analyze_with(
     };
     let lines = sections.as_ref().and_then(lines::Lines::new);
 
-    let plumbing = plumbing::Plumbing::with(&wrapper_opts.plumbing);
     let info = scan
         .sites
         .iter()

@@ -64,8 +64,12 @@ pub struct SiteDoc<'a> {
     /// How its count nests with allocation wrappers (charging callers,
     /// the default): `own`, `caller` (a call to a wrapper, counted
     /// for what it allocates), `inside` (in a wrapper: never counted) or
-    /// `inside-checked` (counted when the wrapper is reached otherwise).
+    /// `inside-checked` (counted when the wrapper is reached otherwise),
+    /// `hook` (a call to a function whose allocations it takes: an
+    /// allocation wrapper whose size is not an argument, or plumbing).
     pub charge: &'static str,
+    /// Inside a hooked function: counts for the outermost hook's call.
+    pub under_hook: bool,
     /// A caller's call raises the thread's wrapper depth; a site inside
     /// counts with it raised.
     pub raises_depth: bool,
@@ -131,7 +135,9 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                     Charge::Caller { .. } => "caller",
                     Charge::Inside { checked: false, .. } => "inside",
                     Charge::Inside { checked: true, .. } => "inside-checked",
+                    Charge::Hook => "hook",
                 },
+                under_hook: s.under_hook,
                 raises_depth: matches!(s.charge, Charge::Caller { bump: true, .. } | Charge::Inside { bump: true, .. }),
                 wrapper: match s.charge {
                     Charge::Inside { wrapper, .. } => a.wrappers.get(wrapper).map(|w| w.function.as_str()),
@@ -232,12 +238,20 @@ pub fn write_text(w: &mut (impl Write + ?Sized), doc: &SitesDoc) -> io::Result<(
     for (form, n) in &sum.by_form {
         writeln!(w, "#   form {form}: {n}")?;
     }
-    let callers = doc.sites.iter().filter(|s| s.charge == "caller").count();
+    let count = |charge: &str| doc.sites.iter().filter(|s| s.charge == charge).count();
+    let (callers, hooks) = (count("caller"), count("hook"));
     if callers > 0 {
-        let inside = doc.sites.len() - callers - doc.sites.iter().filter(|s| s.charge == "own").count();
+        let inside = count("inside") + count("inside-checked");
         writeln!(
             w,
             "# {callers} calls to allocation wrappers count what they allocate; {inside} sites are inside them"
+        )?;
+    }
+    if hooks > 0 {
+        let under = doc.sites.iter().filter(|s| s.under_hook).count();
+        writeln!(
+            w,
+            "# {hooks} calls to functions that allocate for their callers take what {under} sites inside them allocate"
         )?;
     }
     writeln!(w, "# {} references that cannot be patched", sum.unpatchable)?;

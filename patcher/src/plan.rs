@@ -206,6 +206,8 @@ pub struct Trampoline {
     pub count: u16,
     /// The callers entry (0: none).
     pub callers: u16,
+    /// `layout::site_flags`.
+    pub flags: u8,
 }
 
 /// What becomes of a site.
@@ -742,7 +744,7 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
         let at = text.offset.wrapping_add(text.delta);
         let entry = &a.scan.entries[site.entry];
         let (depth_check, depth_bump, external) = match site.charge {
-            Charge::Own => (false, false, false),
+            Charge::Own | Charge::Hook => (false, false, false),
             Charge::Caller { bump, external } => (false, bump, external),
             Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
         };
@@ -766,14 +768,16 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
             key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
             key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
             capture: ctx.capture,
+            hook: site.charge == Charge::Hook,
+            charge_check: site.under_hook,
         };
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)
         } else {
             match trampoline(&spec, at) {
                 Ok(t) => {
-                    let (drain, count, callers) = (t.drain, t.count, t.callers);
-                    Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count, callers })
+                    let (drain, count, callers, flags) = (t.drain, t.count, t.callers, t.flags);
+                    Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count, callers, flags })
                 }
                 Err(reason) => Decision::Skipped(reason),
             }

@@ -37,6 +37,10 @@ pub struct Site {
     pub target: Vaddr,
     /// How its count nests with allocation wrappers.
     pub charge: Charge,
+    /// The site (an allocation or realloc, counted here or for a charged
+    /// wrapper) is inside a hooked function (see [`Charge::Hook`]): during
+    /// a hook's call it counts into the hook's cell instead.
+    pub under_hook: bool,
 }
 
 /// How a site's count nests with the allocation wrappers whose callers
@@ -62,6 +66,13 @@ pub enum Charge {
     /// raises it around the call if `bump`); otherwise it is never patched.
     /// `external` as for a caller, when it calls a wrapper.
     Inside { wrapper: usize, checked: bool, bump: bool, external: bool },
+    /// A call to a function whose allocations its callers take but whose
+    /// calls cannot be counted as one allocation (an allocation wrapper
+    /// whose size is not one of its arguments, or allocation plumbing that
+    /// was not inlined): as the kernel's `alloc_hooks()`, the outermost
+    /// such call on a thread has what the sites inside the function
+    /// allocate during it counted in its own cell.
+    Hook,
 }
 
 /// Why a reference to an entry point cannot be patched.
@@ -438,6 +449,7 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
             via,
             target: Vaddr(target),
             charge: Charge::Own,
+            under_hook: false,
         });
     };
     let unpatchable = |entry: usize, reason: Reason, out: &mut Found| {

@@ -18,7 +18,7 @@ use crate::registry::{self, PROC};
 use crate::state::{self, LIVE};
 use crate::sys;
 use alloctramp_trampolines::layout::capture::{Frame, MAX_DEPTH};
-use alloctramp_trampolines::layout::{self, ControlBlock, ENTRY_SIZE, Entry, Header, SITE_SIZE, Site};
+use alloctramp_trampolines::layout::{self, ControlBlock, ENTRY_SIZE, Entry, Header, SITE_SIZE, Site, site_flags};
 use alloctramp_trampolines::pod;
 use alloctramp_trampolines::process::{CALLERS_SLOTS, ChainSlot, MAX_MAPS, MapEntry, ProcHeader};
 use std::mem::offset_of;
@@ -70,8 +70,12 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
         (bias, t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64)))
     };
     // Before anything else: where the stub goes back to. SAFETY: as above.
-    let (trampoline, count) = unsafe {
-        (read::<u64>(site + offset_of!(Site, trampoline) as u64), read::<u16>(site + offset_of!(Site, count) as u64))
+    let (trampoline, count, flags) = unsafe {
+        (
+            read::<u64>(site + offset_of!(Site, trampoline) as u64),
+            read::<u16>(site + offset_of!(Site, count) as u64),
+            read::<u8>(site + offset_of!(Site, flags) as u64),
+        )
     };
     let entry = if LIVE.load(Ordering::Relaxed) { 0 } else { count };
     f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
@@ -81,8 +85,27 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
         return;
     }
     let sp = frame as u64 + size_of::<Frame>() as u64;
+    let hook = flags & site_flags::HOOK != 0;
+    if flags & site_flags::DEPTH_CHECK != 0 && crate::tls::get(crate::tls::DEPTH) != 0 {
+        // A wrapper's call that a caller's site counted: not counted here.
+        return;
+    }
+    if (hook || flags & site_flags::UNDER_HOOK != 0) && crate::tls::in_hook_call(sp) {
+        // Inside a hook's call: a site under a hook counts into the hook's
+        // cell (and its chain), and its own chains stay those of its own
+        // calls; a hook only makes its call.
+        return;
+    }
+    if hook {
+        // The hook takes the charge: no chain until one is recorded below.
+        crate::tls::set(crate::tls::CHAIN_SP, 0);
+    }
     if let Some((chain, rule)) = memo_of(index).replay(site, sp, rbp, epoch) {
-        add(chain, size_of_call(rule, f));
+        if hook {
+            charge_chain(chain, sp);
+        } else {
+            add(chain, 1, size_of_call(rule, f));
+        }
         return;
     }
     // SAFETY: forwarded from the caller.
@@ -145,9 +168,15 @@ unsafe fn capture_walk(f: &Frame, rbp: u64, t: u64, index: u64) {
         key = mix(key, ra);
     }
     let frames = frames.get(..depth).unwrap_or_default();
-    let Some(chain) = record(region, module, index as u32, frames, finish(key), size_of_call(rule, f)) else {
+    // SAFETY: the site's flags, as for its fields above.
+    let hook = unsafe { read::<u8>(site + offset_of!(Site, flags) as u64) } & site_flags::HOOK != 0;
+    let figures = if hook { (0, 0) } else { (1, size_of_call(rule, f)) };
+    let Some(chain) = record(region, module, index as u32, frames, finish(key), figures) else {
         return;
     };
+    if hook {
+        charge_chain(chain, sp);
+    }
     // A memo is kept where a replay finds what the walk would: see
     // `Memo::replay`.
     let mode = match walked {
@@ -508,7 +537,8 @@ fn same(s: &ChainSlot, module: u32, site: u32, frames: &[u64]) -> bool {
 /// 0 in every slot (a slot's depth is the capture's at the time; a chain
 /// recorded at another depth is another chain).
 #[inline(always)]
-fn record(region: u64, module: u32, site: u32, frames: &[u64], key: u64, bytes: u64) -> Option<u64> {
+fn record(region: u64, module: u32, site: u32, frames: &[u64], key: u64, figures: (u64, u64)) -> Option<u64> {
+    let (calls, bytes) = figures;
     let slots = SLOTS.load(Ordering::Relaxed);
     let base = region + MAX_MAPS * size_of::<MapEntry>() as u64;
     for probe in 0..PROBES.min(slots) {
@@ -518,7 +548,7 @@ fn record(region: u64, module: u32, site: u32, frames: &[u64], key: u64, bytes: 
         let s: &ChainSlot = unsafe { pod::at(at as usize) };
         let mut k = s.key.load(Ordering::Acquire);
         if k == key && same(s, module, site, frames) {
-            add(at, bytes);
+            add(at, calls, bytes);
             return Some(at);
         }
         if k == 0 && s.key.compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
@@ -527,7 +557,7 @@ fn record(region: u64, module: u32, site: u32, frames: &[u64], key: u64, bytes: 
             for (a, &b) in s.frames.iter().zip(frames) {
                 a.store(b, Ordering::Relaxed);
             }
-            s.calls.fetch_add(1, Ordering::Relaxed);
+            s.calls.fetch_add(calls, Ordering::Relaxed);
             s.bytes.fetch_add(bytes, Ordering::Relaxed);
             s.key.store(key, Ordering::Release);
             return Some(at);
@@ -536,7 +566,7 @@ fn record(region: u64, module: u32, site: u32, frames: &[u64], key: u64, bytes: 
             k = s.key.load(Ordering::Acquire);
             // Claimed and published by another thread meanwhile.
             if k == key && same(s, module, site, frames) {
-                add(at, bytes);
+                add(at, calls, bytes);
                 return Some(at);
             }
         }
@@ -547,13 +577,22 @@ fn record(region: u64, module: u32, site: u32, frames: &[u64], key: u64, bytes: 
     None
 }
 
-/// Adds a call of `bytes` to the chain slot at `chain`.
+/// Adds `calls` calls of `bytes` in all to the chain slot at `chain`.
 #[inline(always)]
-fn add(chain: u64, bytes: u64) {
+fn add(chain: u64, calls: u64, bytes: u64) {
     // SAFETY: a slot of the region, mapped while the process runs.
     let s: &ChainSlot = unsafe { pod::at(chain as usize) };
-    s.calls.fetch_add(1, Ordering::Relaxed);
+    s.calls.fetch_add(calls, Ordering::Relaxed);
     s.bytes.fetch_add(bytes, Ordering::Relaxed);
+}
+
+/// A hook whose call chain is `chain` is about to take the thread's
+/// charge at stack pointer `sp`: the sites charged to it add their calls
+/// and bytes to the chain (the trampolines do, while the hook's stack
+/// pointer is `sp`).
+fn charge_chain(chain: u64, sp: u64) {
+    crate::tls::set(crate::tls::CHAIN, chain);
+    crate::tls::set(crate::tls::CHAIN_SP, sp);
 }
 
 #[cold]

@@ -852,6 +852,27 @@ pub fn after_fork_in_child() {
         }
     }
     forget_all();
+    // A fork inside a hooked call: the hook's cell is in the parent's view
+    // of the counters, which the child drops. The child's allocations
+    // until the hook returns count at their own sites.
+    crate::tls::set(crate::tls::CHARGE_SP, 0);
+}
+
+/// The cell a trampoline's runtime call names: site `index` of the module
+/// of `control`, or with `control` 0 (a site inside a hooked function
+/// counting for the hook) `index` is the hook's cell, which a trampoline
+/// computed as it computes the cells it stores in nurseries.
+///
+/// # Safety
+/// `control` is 0 or a registered module's control block.
+#[inline(always)]
+unsafe fn cell_of(index: u64, control: *const u8) -> u64 {
+    if control.is_null() {
+        return if index != 0 && index.is_multiple_of(CELL_SIZE as u64) { index } else { SPARE_CELL.0.as_ptr() as u64 };
+    }
+    // SAFETY: forwarded from the caller.
+    let slot = unsafe { slot_of(control) };
+    cell_at(slot, index)
 }
 
 /// The current CPU's shard of module `slot`'s cell `index`.
@@ -919,23 +940,22 @@ fn untracked_alloc(cell: u64, size: u64) {
 
 /// A trampoline's allocation succeeded and its thread's nursery could not
 /// take it inline: `ptr` (non-null) holds `size` requested bytes from site
-/// `index` of the module of `control`. Returns `ptr`.
+/// `index` of the module of `control` (or for the hook's cell `index`, with
+/// `control` 0: see [`cell_of`]). Returns `ptr`.
 ///
 /// # Safety
-/// Called by trampolines with their module's control block.
+/// Called by trampolines with their module's control block (or 0).
 pub unsafe extern "C" fn track_alloc(ptr: u64, size: u64, index: u64, control: *const u8) -> u64 {
     // SAFETY: forwarded from the caller.
-    let slot = unsafe { slot_of(control) };
-    track(ptr, cell_at(slot, index), size);
+    track(ptr, unsafe { cell_of(index, control) }, size);
     ptr
 }
 
 #[cold]
 #[inline(never)]
 fn untracked_free(index: u64, control: *const u8) {
-    // SAFETY: the trampoline's control block.
-    let slot = unsafe { slot_of(control) };
-    add(cell_at(slot, index), cell::UNTRACKED_FREES, 1);
+    // SAFETY: the trampoline's control block, or 0 with a hook's cell.
+    add(unsafe { cell_of(index, control) }, cell::UNTRACKED_FREES, 1);
 }
 
 /// A free while profiling is off and the free sites stay on for tracked
@@ -1038,8 +1058,7 @@ pub unsafe extern "C" fn track_realloc_end(
     // SAFETY: the token the trampoline passed to track_realloc_begin.
     let old = unsafe { Entry { key: token.read(), value: token.add(1).read() } };
     // SAFETY: forwarded from the caller.
-    let slot = unsafe { slot_of(control) };
-    let cell = cell_at(slot, index);
+    let cell = unsafe { cell_of(index, control) };
     if result == 0 {
         add(cell, cell::FAILED_BYTES, size);
     }

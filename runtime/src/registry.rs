@@ -231,6 +231,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
     let control = unsafe { control_block(bias, h) };
     control.rseq_offset.store(crate::sys::rseq_offset(), Ordering::Relaxed);
     control.depth_tls.store(crate::tls::offset() + 8 * crate::tls::DEPTH as i64, Ordering::Relaxed);
+    control.charge_tls.store(crate::tls::offset() + 8 * crate::tls::CHARGE as i64, Ordering::Relaxed);
     control.capture.store(CAPTURE.load(Ordering::Relaxed), Ordering::Relaxed);
     // A module registers twice (the runtime finds it loaded, then its init
     // stub runs): the second time must keep the runtime's mapping.

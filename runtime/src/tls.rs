@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence three words of
+//! `__tls_get_addr`, which a trampoline cannot call; hence eight words of
 //! `.tbss` declared here and read with `fs:`-relative moves. A library with
-//! static TLS loaded by `dlopen` takes its 24 bytes from the surplus glibc
+//! static TLS loaded by `dlopen` takes its 64 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,24",
+    ".size alloctramp_rt_tls,64",
     "alloctramp_rt_tls:",
-    ".zero 24",
+    ".zero 64",
     ".popsection",
 );
 
@@ -33,6 +33,21 @@ pub const STATE: usize = 1;
 /// a counted call to an allocation wrapper and read at the sites inside
 /// one (see the patcher's `charge`).
 pub const DEPTH: usize = 2;
+/// Words 3 to 5: the thread's charge, which a hook site's trampoline sets
+/// around its call when no other hook's call is under way: the hook's
+/// counter cell, the stack pointer at the hook (0: no hook) and the hook
+/// call's return address. Sites inside hooked functions count into that
+/// cell while the stack pointer is below the hook's and the word below the
+/// hook's is still its return address (see the patcher's `charge`).
+pub const CHARGE: usize = 3;
+pub const CHARGE_SP: usize = 4;
+pub const CHARGE_RET: usize = 5;
+/// Words 6 and 7: the call chain of the hook's call, when callers capture
+/// recorded one at the hook (a chain slot), and the hook's stack pointer
+/// it belongs to: the sites charged to the hook add their calls and bytes
+/// to it while the two stack pointers agree.
+pub const CHAIN: usize = 6;
+pub const CHAIN_SP: usize = 7;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]
@@ -68,4 +83,20 @@ pub fn set(w: usize, v: u64) {
         asm!("mov qword ptr fs:[{}], {}", in(reg) offset() + 8 * w as i64, in(reg) v,
             options(nostack, preserves_flags));
     }
+}
+
+/// Whether code running with stack pointer `sp` is inside the call of the
+/// thread's hook, as a trampoline's charge gate decides: `sp` is below the
+/// hook's and the word below the hook's stack pointer is still the return
+/// address its call pushed.
+pub fn in_hook_call(sp: u64) -> bool {
+    let hook_sp = get(CHARGE_SP);
+    if sp >= hook_sp {
+        return false;
+    }
+    // SAFETY: `hook_sp` is a stack pointer of this thread that a hook
+    // recorded, above `sp`: the word below it lies in the thread's stack
+    // (the trampolines read it the same way).
+    let below = unsafe { (hook_sp.wrapping_sub(8) as *const u64).read_volatile() };
+    below == get(CHARGE_RET)
 }

@@ -58,6 +58,18 @@ pub struct TrampolineSpec {
     /// gets a callers entry that records the call chain through it first.
     /// 0: no callers entry.
     pub capture: u64,
+    /// A hook: the site calls a function whose allocations its callers
+    /// take (an allocation wrapper whose size is not one of its arguments,
+    /// or allocation plumbing). The trampoline counts nothing itself; it
+    /// makes the call with the thread's charge set to this site's cell,
+    /// unless an outer hook's call is under way (the outermost takes the
+    /// charge, as the kernel's nested `alloc_hooks()` do). Every entry is
+    /// the start.
+    pub hook: bool,
+    /// The site is inside a hooked function: every counting entry first
+    /// checks for an active hook (the stack pointer below the hook's) and
+    /// then counts, with its own size and result, into the hook's cell.
+    pub charge_check: bool,
 }
 
 /// Why a trampoline or stub could not be generated.
@@ -109,6 +121,9 @@ struct Gen<'a> {
     s: &'a TrampolineSpec,
     /// Bytes pushed since the live path's frame was set up.
     depth: i32,
+    /// Generating the charged paths: the cell is the active hook's, read
+    /// from the thread's charge, not this site's.
+    charged: bool,
 }
 
 impl Gen<'_> {
@@ -117,9 +132,15 @@ impl Gen<'_> {
         Ok(())
     }
 
-    /// r11 = address of this site's counter cell in the current CPU's shard.
+    /// r11 = where [`Self::field`] finds the cell: the current CPU's shard
+    /// (the site's cell is at its index in it); on a charged path, the
+    /// active hook's cell itself.
     fn cell_address(&mut self) -> R<()> {
         let s = self.s;
+        if self.charged {
+            self.charge_word(r11)?;
+            return Ok(self.a.mov(r11, qword_ptr(r11).fs())?);
+        }
         self.add(Instruction::with2(
             Code::Mov_r64_rm64,
             Register::R11,
@@ -134,8 +155,92 @@ impl Gen<'_> {
         Ok(())
     }
 
+    /// The offset of the cell from what [`Self::cell_address`] loads.
+    fn cell_offset(&self) -> i32 {
+        if self.charged { 0 } else { (self.s.index as i64 * crate::layout::CELL_SIZE as i64) as i32 }
+    }
+
     fn field(&self, f: u32) -> AsmMemoryOperand {
-        qword_ptr(r11 + (self.s.index as i64 * crate::layout::CELL_SIZE as i64 + i64::from(f)) as i32)
+        qword_ptr(r11 + (self.cell_offset() + f as i32))
+    }
+
+    /// `reg` = the thread-pointer offset of the thread's charge (the
+    /// hook's cell; the hook's stack pointer is the next word).
+    fn charge_word(&mut self, reg: AsmRegister64) -> R<()> {
+        let control = self.s.control;
+        self.add(Instruction::with2(
+            Code::Mov_r64_rm64,
+            Register::from(reg),
+            rip(control + u64::from(control::CHARGE_TLS)),
+        ))
+    }
+
+    /// An entry's check at a site inside a hooked function: to `charged`
+    /// if a hook's call is under way on the thread: the stack pointer is
+    /// below the one the hook recorded (0 when there is none), and the word
+    /// below that is still the hook's return address. A hook's call left
+    /// without returning (`longjmp`) fails the second test once the stack
+    /// is reused; the gate then clears the charge.
+    fn charge_gate(&mut self, charged: CodeLabel) -> R<()> {
+        if !self.s.charge_check {
+            return Ok(());
+        }
+        let preserve = self.s.preserve;
+        let mut cont = self.a.create_label();
+        let mut restore = self.a.create_label();
+        if preserve {
+            self.a.push(r11)?;
+            self.a.push(r10)?;
+            self.a.lea(r10, qword_ptr(rsp + 16))?;
+            self.charge_word(r11)?;
+            self.a.cmp(r10, qword_ptr(r11 + 8).fs())?;
+            self.a.jae(restore)?;
+        } else {
+            self.charge_word(r11)?;
+            self.a.cmp(rsp, qword_ptr(r11 + 8).fs())?;
+            self.a.jae(cont)?;
+        }
+        let mut stale = self.a.create_label();
+        self.hook_returns_to(stale)?;
+        if preserve {
+            self.a.pop(r10)?;
+            self.a.pop(r11)?;
+        }
+        self.a.jmp(charged)?;
+        self.a.set_label(&mut stale)?;
+        self.a.mov(qword_ptr(r11 + 8).fs(), 0)?;
+        if preserve {
+            self.a.set_label(&mut restore)?;
+            self.a.pop(r10)?;
+            self.a.pop(r11)?;
+        }
+        Ok(self.a.set_label(&mut cont)?)
+    }
+
+    /// With r11 the thread's charge offset and a hook's stack pointer
+    /// recorded: to `stale` unless the word below it is the hook's return
+    /// address. Clobbers r10.
+    fn hook_returns_to(&mut self, stale: CodeLabel) -> R<()> {
+        self.a.mov(r10, qword_ptr(r11 + 8).fs())?;
+        self.a.mov(r10, qword_ptr(r10 - 8))?;
+        self.a.cmp(r10, qword_ptr(r11 + 16).fs())?;
+        Ok(self.a.jne(stale)?)
+    }
+
+    /// Loads the arguments that name the counted cell for a runtime call:
+    /// `index` = the site's index and `control` = the control block, or on
+    /// a charged path `index` = the hook's cell and `control` = 0.
+    fn cell_args(&mut self, index: AsmRegister64, control: AsmRegister64) -> R<()> {
+        if self.charged {
+            self.charge_word(index)?;
+            self.a.mov(index, qword_ptr(index).fs())?;
+            self.a.xor(control, control)?;
+        } else {
+            let index32 = Register::from(index).full_register32();
+            self.add(Instruction::with2(Code::Mov_r32_imm32, index32, self.s.index))?;
+            self.add(Instruction::with2(Code::Lea_r64_m, Register::from(control), rip(self.s.control)))?;
+        }
+        Ok(())
     }
 
     fn count_one(&mut self, f: u32) -> R<()> {
@@ -186,6 +291,40 @@ impl Gen<'_> {
             }
             Size::None | Size::ResultStrlen => {}
         }
+        let bytes = match sig.size {
+            Size::Arg(a) => Some(ARG_REGS[a as usize]),
+            Size::Product(..) => Some(rax),
+            Size::None | Size::ResultStrlen => None,
+        };
+        self.chain_add(true, bytes)?;
+        self.pop_all(save)
+    }
+
+    /// On a charged path, when callers capture recorded the hook's call
+    /// chain: adds this call (if `call`) and the bytes in `bytes` to it.
+    /// Keeps r11 (the hook's cell) and every register but r10 (that too in
+    /// preserve mode).
+    fn chain_add(&mut self, call: bool, bytes: Option<AsmRegister64>) -> R<()> {
+        use crate::process::ChainSlot;
+        if !self.charged {
+            return Ok(());
+        }
+        let save = self.saved(&[r10]);
+        self.push_all(save)?;
+        let mut skip = self.a.create_label();
+        self.charge_word(r11)?;
+        self.a.mov(r10, qword_ptr(r11 + 32).fs())?;
+        self.a.cmp(r10, qword_ptr(r11 + 8).fs())?;
+        self.a.jne(skip)?;
+        self.a.mov(r10, qword_ptr(r11 + 24).fs())?;
+        if call {
+            self.a.lock().add(qword_ptr(r10 + std::mem::offset_of!(ChainSlot, calls) as i32), 1)?;
+        }
+        if let Some(b) = bytes {
+            self.a.lock().add(qword_ptr(r10 + std::mem::offset_of!(ChainSlot, bytes) as i32), b)?;
+        }
+        self.a.set_label(&mut skip)?;
+        self.cell_address()?;
         self.pop_all(save)
     }
 
@@ -293,16 +432,36 @@ impl Gen<'_> {
     /// only counts. Returns the label of the latter.
     fn alloc_like(&mut self) -> R<CodeLabel> {
         let plain = self.a.create_label();
+        let (mut charged_start, mut charged_count) = (self.a.create_label(), self.a.create_label());
         self.depth_gate(plain)?;
-        self.count_before()?;
-        if self.s.sig.kind == Kind::Realloc {
-            self.realloc_live()?
-        } else {
-            self.alloc_live()?
-        }
+        self.charge_gate(charged_start)?;
+        self.alloc_start()?;
         let mut count = self.a.create_label();
         self.a.set_label(&mut count)?;
         self.depth_gate(plain)?;
+        self.charge_gate(charged_count)?;
+        self.alloc_count()?;
+        self.plain(plain)?;
+        if self.s.charge_check {
+            // The same two bodies again, counting into the hook's cell.
+            self.charged = true;
+            self.a.set_label(&mut charged_start)?;
+            self.alloc_start()?;
+            self.a.set_label(&mut charged_count)?;
+            self.alloc_count()?;
+            self.charged = false;
+        }
+        Ok(count)
+    }
+
+    /// The body of an allocation's start entry: counts, then tracks.
+    fn alloc_start(&mut self) -> R<()> {
+        self.count_before()?;
+        if self.s.sig.kind == Kind::Realloc { self.realloc_live() } else { self.alloc_live() }
+    }
+
+    /// The body of an allocation's count entry.
+    fn alloc_count(&mut self) -> R<()> {
         self.count_before()?;
         self.call_target()?;
         let mut fail = self.a.create_label();
@@ -316,9 +475,7 @@ impl Gen<'_> {
         self.leave()?;
         self.a.set_label(&mut fail)?;
         self.count_failed()?;
-        self.leave()?;
-        self.plain(plain)?;
-        Ok(count)
+        self.leave()
     }
 
     /// Jumps to `fail` if the call failed (NULL, or non-zero for out-arg
@@ -356,7 +513,8 @@ impl Gen<'_> {
         self.a.not(rcx)?;
         self.a.mov(rax, rdx)?;
         self.cell_address()?;
-        self.count_reg(cell::BYTES, rcx)
+        self.count_reg(cell::BYTES, rcx)?;
+        self.chain_add(false, Some(rcx))
     }
 
     /// Stack bytes for `slots` saved u64s such that rsp is 16-byte aligned
@@ -496,6 +654,78 @@ impl Gen<'_> {
         Ok(())
     }
 
+    /// A hook's trampoline: with no hook active on the thread, records this
+    /// site's cell and the stack pointer at the site as the thread's
+    /// charge, makes the call, and clears the charge; inside an active
+    /// hook's call, only makes the call. Keeps every register but r10 and
+    /// r11 (all of them in preserve mode). Returns the label of the count
+    /// entry: the start.
+    fn hook(&mut self) -> R<CodeLabel> {
+        let mut start = self.a.create_label();
+        self.a.set_label(&mut start)?;
+        let preserve = self.s.preserve;
+        // Bytes pushed below the site's stack pointer.
+        let pushed = if preserve { 16 } else { 0 };
+        if preserve {
+            self.a.push(r11)?;
+            self.a.push(r10)?;
+        }
+        self.charge_word(r11)?;
+        let site_sp = if preserve {
+            self.a.lea(r10, qword_ptr(rsp + pushed))?;
+            r10
+        } else {
+            rsp
+        };
+        let (mut take, mut plain) = (self.a.create_label(), self.a.create_label());
+        self.a.cmp(site_sp, qword_ptr(r11 + 8).fs())?;
+        self.a.jae(take)?;
+        // Below a recorded hook: inside its call, unless that call was
+        // left without returning.
+        self.hook_returns_to(take)?;
+        self.a.jmp(plain)?;
+        self.a.set_label(&mut take)?;
+        // The cell and the return address first, the stack pointer (which
+        // makes the charge active) last: a signal handler that allocates at
+        // a site inside a hooked function between the stores must find the
+        // charge whole or not at all.
+        let mut after = self.a.create_label();
+        self.a.mov(r10, r11)?;
+        self.cell_address()?;
+        self.a.add(r11, self.cell_offset())?;
+        self.a.mov(qword_ptr(r10).fs(), r11)?;
+        self.a.lea(r11, ptr(after))?;
+        self.a.mov(qword_ptr(r10 + 16).fs(), r11)?;
+        if preserve {
+            self.a.lea(r11, qword_ptr(rsp + pushed))?;
+            self.a.mov(qword_ptr(r10 + 8).fs(), r11)?;
+            self.a.pop(r10)?;
+            self.a.pop(r11)?;
+        } else {
+            self.a.mov(qword_ptr(r10 + 8).fs(), rsp)?;
+        }
+        self.call_target_plain()?;
+        self.a.set_label(&mut after)?;
+        if preserve {
+            self.a.push(r11)?;
+        }
+        self.charge_word(r11)?;
+        self.a.mov(qword_ptr(r11 + 8).fs(), 0)?;
+        self.a.mov(qword_ptr(r11 + 32).fs(), 0)?;
+        if preserve {
+            self.a.pop(r11)?;
+        }
+        self.leave()?;
+        self.a.set_label(&mut plain)?;
+        if preserve {
+            self.a.pop(r10)?;
+            self.a.pop(r11)?;
+        }
+        self.call_target_plain()?;
+        self.leave()?;
+        Ok(start)
+    }
+
     /// Live path of an allocation: keeps the size (and out pointer) in a
     /// frame across the call, then records the new object: inline in the
     /// thread's nursery when its slot is free, else through the runtime.
@@ -511,7 +741,9 @@ impl Gen<'_> {
         let f = self.open_frame(&keep, usize::from(inline))?;
         if inline {
             // r11 (the counting shard) + the site's offset: the cell.
-            self.a.add(r11, (s.index as i64 * crate::layout::CELL_SIZE as i64) as i32)?;
+            if self.cell_offset() != 0 {
+                self.a.add(r11, self.cell_offset())?;
+            }
             let m = self.slot(cell_at);
             self.a.mov(m, r11)?;
         }
@@ -541,8 +773,6 @@ impl Gen<'_> {
             self.leave()?;
             self.a.set_label(&mut slow)?;
         }
-        let index = s.index;
-        let control = s.control;
         self.runtime_call(control::TRACK_ALLOC, |g| {
             if g.s.sig.size == Size::ResultStrlen {
                 g.strlen_bytes()?;
@@ -557,9 +787,7 @@ impl Gen<'_> {
                 _ if g.s.key_result != 0 => g.a.lea(rdi, qword_ptr(rax - g.s.key_result))?,
                 _ => g.a.mov(rdi, rax)?,
             }
-            g.a.mov(edx, index as i32)?;
-            g.add(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(control)))?;
-            Ok(())
+            g.cell_args(rdx, rcx)
         })?;
         // The runtime returned the key it was given: the wrapper's pointer again.
         self.key_of_pointer(rax, self.s.key_result)?;
@@ -603,7 +831,6 @@ impl Gen<'_> {
         let token = keep.len();
         let f = self.open_frame(&keep, 2)?;
         let freed = ARG_REGS[s.sig.freed.unwrap_or(0) as usize];
-        let (index, control) = (s.index, s.control);
         self.runtime_call(control::TRACK_REALLOC_BEGIN, |g| {
             if freed != rdi {
                 g.a.mov(rdi, freed)?;
@@ -611,9 +838,7 @@ impl Gen<'_> {
             g.key_of_pointer(rdi, g.s.key_ptr)?;
             let t = g.slot(token);
             g.a.lea(rsi, t)?;
-            g.a.mov(edx, index as i32)?;
-            g.add(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(control)))?;
-            Ok(())
+            g.cell_args(rdx, rcx)
         })?;
         for (k, &r) in keep.iter().enumerate() {
             let m = self.slot(k);
@@ -631,9 +856,7 @@ impl Gen<'_> {
             g.key_of_pointer(rdi, g.s.key_result.wrapping_neg())?;
             let t = g.slot(token);
             g.a.lea(rsi, t)?;
-            g.a.mov(ecx, index as i32)?;
-            g.add(Instruction::with2(Code::Lea_r64_m, Register::R8, rip(control)))?;
-            Ok(())
+            g.cell_args(rcx, r8)
         })?;
         // The runtime returned the key it was given: the wrapper's pointer again.
         self.key_of_pointer(rax, self.s.key_result)?;
@@ -802,12 +1025,15 @@ pub struct Trampoline {
     pub count: u16,
     /// Offset of the callers entry (0: none).
     pub callers: u16,
+    /// The site's [`site_flags`](crate::layout::site_flags).
+    pub flags: u8,
 }
 
 /// Generates the trampoline for one site, to be placed at address `at`.
 pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
-    let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0 };
+    let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0, charged: false };
     let (drain, count) = match spec.sig.kind {
+        _ if spec.hook => (None, g.hook()?),
         Kind::Alloc | Kind::Realloc => (None, g.alloc_like()?),
         Kind::Free => {
             let (d, c) = g.free_like()?;
@@ -815,9 +1041,11 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
         }
     };
     // The callers entry, last: the site's index for the stub, which comes
-    // back to the start or the count entry (the runtime says which).
+    // back to the start or the count entry (the runtime says which). A
+    // hook's records the chain that the sites charged to it add to.
+    let capture = spec.capture != 0;
     let mut callers = g.a.create_label();
-    if spec.capture != 0 {
+    if capture {
         g.a.set_label(&mut callers)?;
         g.a.push(i32::try_from(spec.index).map_err(|_| CodegenError::TooLong)?)?;
         g.a.jmp(spec.capture)?;
@@ -829,8 +1057,12 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
         None => 0,
     };
     let count = offset(&count)?;
-    let callers = if spec.capture != 0 { offset(&callers)? } else { 0 };
-    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers })
+    let callers = if capture { offset(&callers)? } else { 0 };
+    use crate::layout::site_flags;
+    let flags = if spec.hook { site_flags::HOOK } else { 0 }
+        | if spec.charge_check { site_flags::UNDER_HOOK } else { 0 }
+        | if spec.depth_check { site_flags::DEPTH_CHECK } else { 0 };
+    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers, flags })
 }
 
 pub use crate::layout::site_jump;
@@ -965,6 +1197,8 @@ mod golden {
             key_result: 0,
             key_ptr: 0,
             capture: 0,
+            hook: false,
+            charge_check: false,
         }
     }
 
@@ -1035,6 +1269,34 @@ mod golden {
                     key_ptr: -16,
                     ..charged("realloc", SiteForm::CallRel32, false, false, false)
                 },
+            ),
+        ] {
+            v.push((file, listing(&s)));
+        }
+        // Hooks (calls to functions whose allocations their callers take)
+        // and the sites inside such functions, which count into the
+        // active hook's cell.
+        let hook = |form: SiteForm, preserve: bool| TrampolineSpec {
+            hook: true,
+            sig: entry::Signature::alloc(entry::Size::None),
+            capture: AT - 0x40,
+            ..spec("malloc", form, preserve)
+        };
+        let under = |name: &str, preserve: bool| TrampolineSpec {
+            charge_check: true,
+            ..spec(name, SiteForm::CallRel32, preserve)
+        };
+        for (file, s) in [
+            ("hook-call-rel32", hook(SiteForm::CallRel32, false)),
+            ("hook-call-rel32-direct", hook(SiteForm::CallRel32, true)),
+            ("hook-call-rip", hook(SiteForm::CallRipMem, false)),
+            ("under-hook-malloc", under("malloc", false)),
+            ("under-hook-calloc-direct", under("calloc", true)),
+            ("under-hook-realloc", under("realloc", false)),
+            ("under-hook-strdup", under("strdup", false)),
+            (
+                "under-hook-wrapper-caller-checked-bump",
+                TrampolineSpec { depth_check: true, depth_bump: true, key_result: 16, ..under("malloc", false) },
             ),
         ] {
             v.push((file, listing(&s)));

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 7;
+pub const VERSION: u32 = 8;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -96,6 +96,7 @@ pub mod control {
     pub const NURSERY_TLS: u32 = offset_of!(ControlBlock, nursery_tls) as u32;
     pub const NURSERIES: u32 = offset_of!(ControlBlock, nurseries) as u32;
     pub const DEPTH_TLS: u32 = offset_of!(ControlBlock, depth_tls) as u32;
+    pub const CHARGE_TLS: u32 = offset_of!(ControlBlock, charge_tls) as u32;
     pub const CAPTURE: u32 = offset_of!(ControlBlock, capture) as u32;
 }
 
@@ -142,6 +143,21 @@ pub mod flags {
     /// Trampolines keep every register but rax (sites call functions
     /// defined in the module, whose callers may rely on fewer clobbers).
     pub const PRESERVE_DIRECT: u32 = 1;
+}
+
+/// Flags of a site.
+pub mod site_flags {
+    /// The site calls a function whose allocations its callers take (a
+    /// hook): its cell counts what the sites inside the function allocate
+    /// during its calls, and the site counts nothing of its own.
+    pub const HOOK: u8 = 1;
+    /// The site is inside such a function: during a hook's call it counts
+    /// into the hook's cell (and records no call chain of its own).
+    pub const UNDER_HOOK: u8 = 2;
+    /// The site is inside an allocation wrapper charged to its callers,
+    /// and counts only when the thread's wrapper depth is 0 (and records
+    /// no call chain otherwise).
+    pub const DEPTH_CHECK: u8 = 4;
 }
 
 /// How a site's instruction reaches its entry point.
@@ -290,7 +306,9 @@ pub struct Site {
     /// chain (callers capture), then continues at the start or the count
     /// entry; 0: none.
     pub callers: u16,
-    pub reserved: [u8; 2],
+    /// [`site_flags`].
+    pub flags: u8,
+    pub reserved: [u8; 1],
 }
 
 impl Site {
@@ -359,7 +377,18 @@ pub struct ControlBlock {
     /// site whose callers are captured (see [`capture`]); the module's
     /// capture stub calls it. Written at registration.
     pub capture: AtomicU64,
-    pub reserved: [u64; 3],
+    /// Offset from the thread pointer (fs) of the runtime's per-thread
+    /// charge: five words, the counter cell of the outermost active hook
+    /// site (a call to a function whose allocations its callers take), the
+    /// stack pointer at that site (0: none), its call's return address, and
+    /// the chain slot callers capture recorded for the call with the hook
+    /// stack pointer it belongs to.
+    /// A site inside such a function counts into the hook's cell while the
+    /// stack pointer is below the hook's and the word below the hook's
+    /// still holds the return address. Written at registration, before any
+    /// site is switched.
+    pub charge_tls: AtomicI64,
+    pub reserved: [u64; 2],
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -614,7 +643,8 @@ pub const SITE_FIELDS: &[(&str, usize, &str)] = &[
     ("drain", offset_of!(Site, drain), "u16"),
     ("count", offset_of!(Site, count), "u16"),
     ("callers", offset_of!(Site, callers), "u16"),
-    ("reserved", offset_of!(Site, reserved), "[u8; 2]"),
+    ("flags", offset_of!(Site, flags), "u8"),
+    ("reserved", offset_of!(Site, reserved), "[u8; 1]"),
 ];
 pub const ENTRY_FIELDS: &[(&str, usize, &str)] = &[
     ("name", offset_of!(Entry, name), "u32"),
@@ -636,7 +666,8 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("nurseries", offset_of!(ControlBlock, nurseries), "u64"),
     ("depth_tls", offset_of!(ControlBlock, depth_tls), "i64"),
     ("capture", offset_of!(ControlBlock, capture), "fn"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 3]"),
+    ("charge_tls", offset_of!(ControlBlock, charge_tls), "i64"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 2]"),
 ];
 pub const CELL_FIELDS: &[(&str, usize, &str)] = &[
     ("calls", offset_of!(Cell, calls), "u64"),

@@ -133,6 +133,10 @@ pub struct Marker {
     /// In a library: what it counts charging callers when only the
     /// library is patched (`alone=CALLS,BYTES`).
     pub alone: Option<(u64, u64)>,
+    /// Inside a function whose callers take its allocations (a hook): what
+    /// it counts charging callers, reached without a hook
+    /// (`under=CALLS,BYTES`).
+    pub under: Option<(u64, u64)>,
 }
 
 impl Program {
@@ -146,7 +150,20 @@ impl Program {
             let (calls, bytes) = m.charged.unwrap_or((0, 0));
             Marker { calls, bytes, failed: 0, live: None, untracked: None, ..m.clone() }
         });
-        self.markers.iter().filter(|m| !m.inside).chain(&self.charged_markers).cloned().chain(inside).collect()
+        // A site inside a hooked function counts what reaches it without
+        // a hook; the hooks count the rest.
+        let under = |m: &Marker| match m.under {
+            Some((calls, bytes)) => Marker { calls, bytes, failed: 0, live: None, untracked: None, ..m.clone() },
+            None => m.clone(),
+        };
+        self.markers
+            .iter()
+            .filter(|m| !m.inside)
+            .chain(&self.charged_markers)
+            .map(under)
+            .chain(self.hook_markers.iter().cloned())
+            .chain(inside)
+            .collect()
     }
 }
 
@@ -166,6 +183,8 @@ pub struct Program {
     /// Sites that only charging callers makes: calls to wrappers
     /// (`@charged`).
     pub charged_markers: Vec<Marker>,
+    /// Calls to functions whose callers take what they allocate (`@hook`).
+    pub hook_markers: Vec<Marker>,
     pub is_library: bool,
     /// Counts depend on timing (`// counts: variable`): not compared.
     pub variable_counts: bool,
@@ -196,18 +215,19 @@ fn parse_marker(tag: &str, file: &str, line: u32, text: &str) -> Option<Marker> 
         inside: false,
         charged: None,
         alone: None,
+        under: None,
     };
     for w in words {
         match w.split_once('=') {
             None if w == "tail" => m.tail = true,
             None if w == "inside" => m.inside = true,
-            Some((k @ ("charged" | "alone"), v)) => {
+            Some((k @ ("charged" | "alone" | "under"), v)) => {
                 let (c, b) = v.split_once(',').unwrap_or_else(|| panic!("{file}:{line}: {k}=CALLS,BYTES"));
                 let pair = Some((c.parse().unwrap(), b.parse().unwrap()));
-                if k == "charged" {
-                    m.charged = pair;
-                } else {
-                    m.alone = pair;
+                match k {
+                    "charged" => m.charged = pair,
+                    "alone" => m.alone = pair,
+                    _ => m.under = pair,
                 }
             }
             Some(("calls", v)) => m.calls = v.parse().unwrap(),
@@ -246,6 +266,7 @@ pub fn programs() -> &'static [Program] {
                 markers: vec![],
                 user_markers: vec![],
                 charged_markers: vec![],
+                hook_markers: vec![],
                 is_library: false,
                 variable_counts: false,
                 wrappers: vec![],
@@ -271,6 +292,9 @@ pub fn programs() -> &'static [Program] {
                 }
                 if let Some(m) = parse_marker("@charged", &file, i as u32 + 1, line) {
                     p.charged_markers.push(m);
+                }
+                if let Some(m) = parse_marker("@hook", &file, i as u32 + 1, line) {
+                    p.hook_markers.push(m);
                 }
                 let words = |tag: &str| {
                     let body = line.split_once(&format!("/* {tag} "))?.1.split_once("*/")?.0;
