@@ -37,7 +37,8 @@
  *                               (zfree through a function pointer: its
  *                               inner free finds y by the allocator's
  *                               pointer, where live tracking keys it)
- *   lw_free(g), lw_free(d)      (in libwraps.so)
+ *   o = lw_node()               (in libwraps.so: a hook)
+ *   lw_free(g), lw_free(d), lw_free(o)  (in libwraps.so)
  * then free(buf.p) once.
  *
  * `@site` markers count calls where they are made (`--no-charge-callers`).
@@ -56,6 +57,7 @@
 
 void *lw_alloc(size_t n);
 void *lw_dup(const void *p, size_t n);
+void *lw_node(void);
 void lw_free(void *p);
 
 static volatile int iterations = 5;
@@ -208,6 +210,8 @@ int main(void)
         fill(g, 12, 9);
         char *d = lw_dup(g, 12); /* @charged lw_dup calls=5 bytes=60 */
         sum(d, 12);
+        char *o = lw_node(); /* @hook lw_node calls=5 bytes=120 */
+        sum(o, 24);
         grow(&buf, 64 * ((size_t)i + 1));
         fill(buf.p, buf.cap, (unsigned)i);
         sum(a, 32 + (size_t)i);
@@ -221,6 +225,7 @@ int main(void)
         free_fn(y);
         lw_free(g); /* @charged lw_free calls=5 bytes=0 */
         lw_free(d); /* @charged lw_free calls=5 bytes=0 */
+        lw_free(o); /* @charged lw_free calls=5 bytes=0 */
     }
     for (int i = 0; i < n; i++)
         sum(kept[i % 5], 8 + (size_t)i);

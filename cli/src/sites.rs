@@ -82,6 +82,7 @@ impl WrapperArgs {
             search: !self.no_wrappers,
             imported: imported.roles,
             imported_charged: imported.charged,
+            imported_hooks: imported.hooks,
             imported_keys: imported.keys,
             libraries: imported.from,
             named,

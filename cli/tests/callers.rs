@@ -210,6 +210,43 @@ fn chains_go_on_through_the_c_library() {
     }
 }
 
+/// A chain through two unpatched libraries, one needed only by the other
+/// (`callers_deep`): the program carries both libraries' rows, so the chain
+/// goes from the callback's malloc through libcbinner.so and libcbouter.so
+/// back to main's call; without them it ends in libcbinner.so.
+#[test]
+fn chains_go_on_through_a_library_that_a_library_needs() {
+    let b = built(Config::default_o2());
+    let dir = b.dir.join("patched-callers-deep");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = std::fs::read_to_string(testbins_dir().join("callers_deep.c")).unwrap();
+    let line = src.lines().position(|l| l.contains("@frame outer_apply")).unwrap() as u64 + 1;
+    for (flags, through) in [(&[][..], true), (&["--no-library-unwind"][..], false)] {
+        let bin = dir.join(format!("callers_deep-{through}"));
+        patch_to(&b.path("callers_deep"), &bin, flags);
+        let counters = counters_dir(&format!("callers-deep-{through}"));
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+        assert_eq!(run_program(&bin, &[], &env), run_program(&b.path("callers_deep"), &[], &[]));
+        let (_, site) = chains_of(&only_counters_file(&counters), &counters);
+        let chains = site["callers"].as_array().unwrap();
+        let calls: u64 = chains.iter().map(|c| c["calls"].as_u64().unwrap()).sum();
+        assert_eq!(calls, 3, "{site}");
+        for c in chains {
+            let frames = c["frames"].as_array().unwrap();
+            let module = |i: usize| frames[i]["module"].as_str().unwrap().rsplit('/').next().unwrap().to_string();
+            assert_eq!(module(0), "libcbinner.so", "inner_apply calls grow: {c}");
+            if through {
+                assert_eq!(module(1), "libcbouter.so", "{c}");
+                assert_eq!(frames[2]["function"], "main", "{c}");
+                assert_eq!(frames[2]["line"].as_u64(), Some(line), "{c}");
+            } else {
+                assert_eq!(frames.len(), 1, "the chain ends in libcbinner.so: {c}");
+            }
+        }
+    }
+}
+
 mod threaded_chains {
     #[test]
     fn o0_pie() {

@@ -33,11 +33,16 @@ fn expected_sites(p: &Program, config: Config, exported: bool) -> Vec<SiteKey> {
     let key = |m: &Marker, direct: bool, caller: bool| {
         (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail, direct), charge(m, caller).to_string())
     };
+    let hook = |m: &Marker| {
+        let form = expected_form(config, m.tail, is_local(p, &m.entry));
+        (m.file.clone(), m.line, m.entry.clone(), form, "hook".to_string())
+    };
     let mut v: Vec<SiteKey> = p
         .markers
         .iter()
         .map(|m| key(m, false, false))
         .chain(p.charged_markers.iter().map(|m| key(m, is_local(p, &m.entry), true)))
+        .chain(p.hook_markers.iter().map(hook))
         .collect();
     v.sort();
     v
@@ -71,9 +76,14 @@ type Figures = BTreeMap<(String, u32, String), (u64, u64, u64)>;
 fn charged_figures(progs: &[&Program]) -> (Figures, Figures) {
     let (mut counts, mut live) = (Figures::new(), Figures::new());
     for p in progs {
-        for m in p.markers.iter().chain(&p.charged_markers) {
+        for m in p.markers.iter().chain(&p.charged_markers).chain(&p.hook_markers) {
             let key = (m.file.clone(), m.line, display(&m.entry));
             let (c, l) = match (m.inside, m.charged) {
+                // Inside a hooked function: what reaches it without a hook.
+                (false, _) if m.under.is_some() => {
+                    let (calls, bytes) = m.under.unwrap_or_default();
+                    ((calls, bytes, 0), (0, 0))
+                }
                 (false, _) => ((m.calls, m.bytes, m.failed), m.live.unwrap_or((0, 0))),
                 (true, Some((calls, bytes))) => ((calls, bytes, 0), (0, 0)),
                 (true, None) => ((0, 0, 0), (0, 0)),
@@ -131,6 +141,7 @@ fn check_charge(config: Config) {
         .markers
         .iter()
         .chain(&lib.charged_markers)
+        .chain(&lib.hook_markers)
         .map(|m| {
             let (calls, bytes) = m.alone.unwrap_or(if m.inside { (0, 0) } else { (m.calls, m.bytes) });
             ((m.file.clone(), m.line, display(&m.entry)), (calls, bytes, 0))

@@ -43,6 +43,8 @@ pub struct Charged {
     pub kind: Kind,
     /// Calls to it carry what it allocates.
     pub countable: bool,
+    /// Imported, and a hook in its library.
+    pub imported_hook: bool,
     /// What it frees besides what it reallocates.
     pub frees: Frees,
     /// The call its result or free comes from, and its pointers relative
@@ -112,6 +114,7 @@ pub fn entries(
             open,
             kind: sig.kind,
             countable: countable.is_some(),
+            imported_hook: w.hook && w.addr.is_none(),
             frees: w.frees,
             at: w.why.and_then(|why| why.at()),
             offsets: w.offsets,
@@ -138,6 +141,7 @@ pub fn entries(
             open: true,
             kind: Kind::Alloc,
             countable: false,
+            imported_hook: false,
             frees: Frees::default(),
             at: None,
             offsets: Offsets::default(),
@@ -389,7 +393,9 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
     // that may throw, since an exception cannot unwind through a
     // trampoline. Free wrappers are left alone: a free finds its object
     // wherever it was charged.
-    let mut hook: Vec<bool> = vec![false; charged.len()];
+    // A library's wrapper is one when its library's analysis says so (the
+    // sites inside are the library's).
+    let mut hook: Vec<bool> = charged.iter().map(|c| c.imported_hook && c.kind != Kind::Free).collect();
     let mut throws: Vec<bool> = vec![false; charged.len()];
     for &(k, i) in &within {
         if may_throw(&scan.entries[scan.sites[i].entry]) {
@@ -414,6 +420,28 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
             break;
         }
     }
+    // Hooks that call out of the file (through the PLT or the GOT, a
+    // charged wrapper that does, or another such hook): clobbering every
+    // caller-saved register, as for charged wrappers.
+    let mut hook_external: Vec<bool> = charged.iter().map(|c| c.code.is_none()).collect();
+    loop {
+        let mut changed = false;
+        for &(k, i) in &within {
+            let s = &scan.sites[i];
+            let out = match by_entry.get(&s.entry) {
+                Some(&j) if ok[j] => external[j],
+                Some(&j) => hook[j] && hook_external[j],
+                None => s.via != Via::Direct,
+            };
+            if hook[k] && out && !hook_external[k] {
+                hook_external[k] = true;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
     let dropped =
         |s: &crate::scan::Site| by_entry.get(&s.entry).is_some_and(|&j| !ok[j] && (!hook[j] || s.form.is_tail()));
     for s in scan.sites.iter_mut() {
@@ -428,7 +456,7 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
             },
             None => match callee {
                 Some(j) if ok[j] => Charge::Caller { bump: bump[j], external: external[j] },
-                Some(_) => Charge::Hook,
+                Some(j) => Charge::Hook { external: hook_external[j] },
                 None => Charge::Own,
             },
         };
@@ -474,6 +502,7 @@ mod tests {
                 open: false,
                 kind: Kind::Alloc,
                 countable: true,
+                imported_hook: false,
                 frees: Frees::default(),
                 at: None,
                 offsets: Offsets::default(),
@@ -549,10 +578,10 @@ mod tests {
             charges(&scan),
             [
                 (0x1010, Charge::Own),
-                (0x2010, Charge::Hook),
+                (0x2010, Charge::Hook { external: true }),
                 (0x3010, Charge::Inside { wrapper: 2, checked: false, bump: false, external: false }),
-                (0x9000, Charge::Hook),
-                (0x9010, Charge::Hook),
+                (0x9000, Charge::Hook { external: true }),
+                (0x9010, Charge::Hook { external: true }),
                 (0x9020, Charge::Caller { bump: false, external: false }),
             ]
         );
@@ -599,7 +628,12 @@ mod tests {
         // tail jump only (a hook's trampoline must return to it).
         assert_eq!(
             charges(&scan),
-            [(0x1010, Charge::Own), (0x2010, Charge::Own), (0x3010, Charge::Own), (0x9000, Charge::Hook)]
+            [
+                (0x1010, Charge::Own),
+                (0x2010, Charge::Own),
+                (0x3010, Charge::Own),
+                (0x9000, Charge::Hook { external: true })
+            ]
         );
         let under: Vec<u64> = scan.sites.iter().filter(|s| s.under_hook).map(|s| s.vaddr.0).collect();
         assert_eq!(under, [0x1010]);

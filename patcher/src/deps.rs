@@ -102,8 +102,9 @@ pub fn libraries(path: &Path, elf: &Elf) -> Vec<PathBuf> {
 /// it are left out.
 const MAX_FOREIGN_ROWS: usize = 1 << 20;
 
-/// The unwind rows of the libraries `path` names in `DT_NEEDED` (found as
-/// the dynamic linker finds them), for the patched file to carry: a chain
+/// The unwind rows of the libraries `path` needs, named in its
+/// `DT_NEEDED` or in theirs (found as the dynamic linker finds them), for
+/// the patched file to carry: a chain
 /// that reaches their code goes on through it (the runtime uses them for
 /// the loaded library with the same build-id). Libraries without a
 /// build-id or `.eh_frame`, and patched ones (they carry rows of their
@@ -114,14 +115,9 @@ pub fn foreign_unwind(path: &Path, elf: &Elf) -> Vec<alloctramp_trampolines::lay
     if !matches!(elf.file_type, crate::elf::FileType::Exec | crate::elf::FileType::Pie) {
         return Vec::new();
     }
-    let direct = needs(&elf.file).needed;
     let mut out = Vec::new();
     let mut total = 0;
     for lib in libraries(path, elf) {
-        let name = lib.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if !direct.iter().any(|d| d.rsplit('/').next() == Some(name.as_str())) {
-            continue;
-        }
         let Ok(data) = std::fs::read(&lib) else { continue };
         let Ok(lib_elf) = Elf::parse(&data) else { continue };
         let Some(build_id) = lib_elf.build_id().filter(|b| !b.is_empty()) else { continue };
@@ -160,6 +156,9 @@ pub struct Imported {
     /// wrapper depth): the only ones a program may charge to its own
     /// calls. Filled when asked for.
     pub charged: std::collections::HashSet<String>,
+    /// The wrappers whose calls are hooks in the library patched charging
+    /// callers (the sites inside take the charge of an active hook).
+    pub hooks: std::collections::HashSet<String>,
     /// Where the allocator's pointers are relative to those of the charged
     /// wrappers with a size header.
     pub keys: std::collections::HashMap<String, crate::scan::Keys>,
@@ -179,6 +178,7 @@ pub fn imported_wrappers(
     let mut roles = std::collections::HashMap::new();
     let mut from = std::collections::HashMap::new();
     let mut charged = std::collections::HashSet::new();
+    let mut hooks = std::collections::HashSet::new();
     let mut keys = std::collections::HashMap::new();
     let mut libs = libraries(path, elf);
     // Wrappers of wrappers across libraries: the ones needed last first.
@@ -206,6 +206,14 @@ pub fn imported_wrappers(
                         matches!(s.charge, crate::scan::Charge::Inside { wrapper, checked: true, .. }
                             if a.wrappers.get(wrapper).is_some_and(|w| w.function == function))
                     });
+                    let hooked = a.wrappers.iter().filter(|w| w.function == function).any(|w| {
+                        w.addr.is_some_and(|start| {
+                            a.scan.sites.iter().any(|s| s.under_hook && start.0 <= s.vaddr.0 && s.vaddr.0 < w.end.0)
+                        })
+                    });
+                    if hooked {
+                        hooks.insert(symbol.clone());
+                    }
                     if charges {
                         charged.insert(symbol.clone());
                         let target = alloctramp_trampolines::entry::Target::Symbol(symbol.clone());
@@ -223,7 +231,7 @@ pub fn imported_wrappers(
             roles.entry(symbol).or_insert(role);
         }
     }
-    Imported { roles, from, charged, keys }
+    Imported { roles, from, charged, hooks, keys }
 }
 
 /// Whether `p` is an x86-64 ELF shared object (the dynamic linker skips

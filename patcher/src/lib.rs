@@ -79,6 +79,8 @@ pub struct WrapperInfo {
     /// Its callers can be charged with what it allocates (see
     /// [`wrappers::Wrapper::chargeable`]).
     pub chargeable: bool,
+    /// Imported: its calls are hooks in its library, and here too.
+    pub hook: bool,
     /// Why it is one (the call its result or free comes from).
     pub why: Option<wrappers::Why>,
     /// Its pointers relative to that call's.
@@ -135,6 +137,7 @@ pub fn analyze_with(
             depth: w.depth,
             frees: w.frees,
             chargeable: w.chargeable,
+            hook: false,
             why: Some(w.why),
             offsets: w.offsets,
         })
@@ -156,6 +159,7 @@ pub fn analyze_with(
                 depth: 1,
                 frees: Default::default(),
                 chargeable: wrapper_opts.imported_charged.contains(name),
+                hook: wrapper_opts.imported_hooks.contains(name),
                 why: None,
                 offsets: wrapper_opts.imported_keys.get(name).map_or_else(Default::default, |k| wrappers::Offsets {
                     result: i64::from(k.result),

@@ -135,7 +135,7 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                     Charge::Caller { .. } => "caller",
                     Charge::Inside { checked: false, .. } => "inside",
                     Charge::Inside { checked: true, .. } => "inside-checked",
-                    Charge::Hook => "hook",
+                    Charge::Hook { .. } => "hook",
                 },
                 under_hook: s.under_hook,
                 raises_depth: matches!(s.charge, Charge::Caller { bump: true, .. } | Charge::Inside { bump: true, .. }),

@@ -744,7 +744,8 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
         let at = text.offset.wrapping_add(text.delta);
         let entry = &a.scan.entries[site.entry];
         let (depth_check, depth_bump, external) = match site.charge {
-            Charge::Own | Charge::Hook => (false, false, false),
+            Charge::Own => (false, false, false),
+            Charge::Hook { external } => (false, false, external),
             Charge::Caller { bump, external } => (false, bump, external),
             Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
         };
@@ -757,7 +758,8 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
             index: i as u32,
             // A free or realloc wrapper's trampoline calls the runtime
             // before the wrapper: preserve mode keeps its vector registers
-            // (arguments, for a wrapper that takes floating point ones).
+            // (arguments, for a wrapper that takes floating point ones). A
+            // hook's trampoline uses r10 and r11 only.
             preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
             args: entry.args,
             control: ctx.control,
@@ -768,7 +770,7 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
             key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
             key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
             capture: ctx.capture,
-            hook: site.charge == Charge::Hook,
+            hook: matches!(site.charge, Charge::Hook { .. }),
             charge_check: site.under_hook,
         };
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {

@@ -71,8 +71,9 @@ pub enum Charge {
     /// whose size is not one of its arguments, or allocation plumbing that
     /// was not inlined): as the kernel's `alloc_hooks()`, the outermost
     /// such call on a thread has what the sites inside the function
-    /// allocate during it counted in its own cell.
-    Hook,
+    /// allocate during it counted in its own cell. `external` as for a
+    /// caller: the function calls out of the file on some path.
+    Hook { external: bool },
 }
 
 /// Why a reference to an entry point cannot be patched.

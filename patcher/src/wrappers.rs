@@ -1480,6 +1480,10 @@ pub struct Options {
     /// Those of `imported` that their library charges to its callers: the
     /// only imported wrappers whose calls are charged.
     pub imported_charged: HashSet<String>,
+    /// Those of `imported` whose calls are hooks in their library (its
+    /// sites inside take the charge of an active hook): calls to them
+    /// from the file are hooks too.
+    pub imported_hooks: HashSet<String>,
     /// Where the allocator's pointers are relative to those of imported
     /// wrappers with a size header.
     pub imported_keys: HashMap<String, crate::scan::Keys>,

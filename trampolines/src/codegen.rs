@@ -201,12 +201,17 @@ impl Gen<'_> {
             self.a.jae(cont)?;
         }
         let mut stale = self.a.create_label();
-        self.hook_returns_to(stale)?;
         if preserve {
+            self.hook_returns_to(stale)?;
             self.a.pop(r10)?;
             self.a.pop(r11)?;
+            self.a.jmp(charged)?;
+        } else {
+            self.a.mov(r10, qword_ptr(r11 + 8).fs())?;
+            self.a.mov(r10, qword_ptr(r10 - 8))?;
+            self.a.cmp(r10, qword_ptr(r11 + 16).fs())?;
+            self.a.je(charged)?;
         }
-        self.a.jmp(charged)?;
         self.a.set_label(&mut stale)?;
         self.a.mov(qword_ptr(r11 + 8).fs(), 0)?;
         if preserve {
@@ -311,20 +316,25 @@ impl Gen<'_> {
         }
         let save = self.saved(&[r10]);
         self.push_all(save)?;
-        let mut skip = self.a.create_label();
-        self.charge_word(r11)?;
-        self.a.mov(r10, qword_ptr(r11 + 32).fs())?;
-        self.a.cmp(r10, qword_ptr(r11 + 8).fs())?;
-        self.a.jne(skip)?;
-        self.a.mov(r10, qword_ptr(r11 + 24).fs())?;
+        let (mut skip, mut other) = (self.a.create_label(), self.a.create_label());
+        // No chain (the common case): one compare.
+        self.charge_word(r10)?;
+        self.a.cmp(qword_ptr(r10 + 32).fs(), 0)?;
+        self.a.je(skip)?;
+        self.a.mov(r11, qword_ptr(r10 + 32).fs())?;
+        self.a.cmp(r11, qword_ptr(r10 + 8).fs())?;
+        self.a.jne(other)?;
+        self.a.mov(r10, qword_ptr(r10 + 24).fs())?;
         if call {
             self.a.lock().add(qword_ptr(r10 + std::mem::offset_of!(ChainSlot, calls) as i32), 1)?;
         }
         if let Some(b) = bytes {
             self.a.lock().add(qword_ptr(r10 + std::mem::offset_of!(ChainSlot, bytes) as i32), b)?;
         }
-        self.a.set_label(&mut skip)?;
+        // r11 was used: the hook's cell again.
+        self.a.set_label(&mut other)?;
         self.cell_address()?;
+        self.a.set_label(&mut skip)?;
         self.pop_all(save)
     }
 
