@@ -170,29 +170,42 @@ fn check_threaded_chains(config: Config) {
     }
 }
 
+/// `program` (default build) patched with and without the libraries'
+/// unwind rows, run with call chains recorded: for each (`true`: with
+/// them), the chains of its malloc site, which makes 3 calls, and the line
+/// of its `@frame MARK` marker.
+fn chains_with_and_without_library_rows(program: &str, mark: &str) -> (u64, Vec<(bool, Vec<Value>)>) {
+    let b = built(Config::default_o2());
+    let dir = b.dir.join(format!("patched-{program}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = std::fs::read_to_string(testbins_dir().join(format!("{program}.c"))).unwrap();
+    let line = src.lines().position(|l| l.contains(&format!("@frame {mark}"))).unwrap() as u64 + 1;
+    let mut out = Vec::new();
+    for (flags, through) in [(&[][..], true), (&["--no-library-unwind"][..], false)] {
+        let bin = dir.join(format!("{program}-{through}"));
+        patch_to(&b.path(program), &bin, flags);
+        let counters = counters_dir(&format!("{program}-{through}"));
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+        assert_eq!(run_program(&bin, &[], &env), run_program(&b.path(program), &[], &[]));
+        let (_, site) = chains_of(&only_counters_file(&counters), &counters);
+        let chains = site["callers"].as_array().unwrap().clone();
+        let calls: u64 = chains.iter().map(|c| c["calls"].as_u64().unwrap()).sum();
+        assert_eq!(calls, 3, "{site}");
+        out.push((through, chains));
+    }
+    (line, out)
+}
+
 /// A chain through the C library's qsort (`testbins/callers_qsort.c`):
 /// the comparison function's allocations are charged, through qsort's own
 /// frames, to the call of qsort in sort_them; without the library's rows
 /// the chains end at qsort's first frame.
 #[test]
 fn chains_go_on_through_the_c_library() {
-    let b = built(Config::default_o2());
-    let dir = b.dir.join("patched-callers-qsort");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = std::fs::read_to_string(testbins_dir().join("callers_qsort.c")).unwrap();
-    let line = src.lines().position(|l| l.contains("@frame qsort")).unwrap() as u64 + 1;
-    for (flags, through) in [(&[][..], true), (&["--no-library-unwind"][..], false)] {
-        let bin = dir.join(format!("callers_qsort-{through}"));
-        patch_to(&b.path("callers_qsort"), &bin, flags);
-        let counters = counters_dir(&format!("callers-qsort-{through}"));
-        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
-        assert_eq!(run_program(&bin, &[], &env), run_program(&b.path("callers_qsort"), &[], &[]));
-        let (_, site) = chains_of(&only_counters_file(&counters), &counters);
-        let chains = site["callers"].as_array().unwrap();
-        let calls: u64 = chains.iter().map(|c| c["calls"].as_u64().unwrap()).sum();
-        assert_eq!(calls, 3, "{site}");
-        for c in chains {
+    let (line, runs) = chains_with_and_without_library_rows("callers_qsort", "qsort");
+    for (through, chains) in runs {
+        for c in &chains {
             let frames = c["frames"].as_array().unwrap();
             let first = &frames[0];
             assert!(first["module"].as_str().unwrap().ends_with("/libc.so.6"), "qsort calls cmp: {c}");
@@ -216,23 +229,9 @@ fn chains_go_on_through_the_c_library() {
 /// back to main's call; without them it ends in libcbinner.so.
 #[test]
 fn chains_go_on_through_a_library_that_a_library_needs() {
-    let b = built(Config::default_o2());
-    let dir = b.dir.join("patched-callers-deep");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = std::fs::read_to_string(testbins_dir().join("callers_deep.c")).unwrap();
-    let line = src.lines().position(|l| l.contains("@frame outer_apply")).unwrap() as u64 + 1;
-    for (flags, through) in [(&[][..], true), (&["--no-library-unwind"][..], false)] {
-        let bin = dir.join(format!("callers_deep-{through}"));
-        patch_to(&b.path("callers_deep"), &bin, flags);
-        let counters = counters_dir(&format!("callers-deep-{through}"));
-        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
-        assert_eq!(run_program(&bin, &[], &env), run_program(&b.path("callers_deep"), &[], &[]));
-        let (_, site) = chains_of(&only_counters_file(&counters), &counters);
-        let chains = site["callers"].as_array().unwrap();
-        let calls: u64 = chains.iter().map(|c| c["calls"].as_u64().unwrap()).sum();
-        assert_eq!(calls, 3, "{site}");
-        for c in chains {
+    let (line, runs) = chains_with_and_without_library_rows("callers_deep", "outer_apply");
+    for (through, chains) in runs {
+        for c in &chains {
             let frames = c["frames"].as_array().unwrap();
             let module = |i: usize| frames[i]["module"].as_str().unwrap().rsplit('/').next().unwrap().to_string();
             assert_eq!(module(0), "libcbinner.so", "inner_apply calls grow: {c}");

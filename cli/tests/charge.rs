@@ -9,7 +9,9 @@ use crate::util::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-type SiteKey = (String, u32, String, String, String);
+/// A site of `sites --json`: (file, line, entry, form, charge, inside a
+/// hooked function).
+type SiteKey = (String, u32, String, String, String, bool);
 
 /// Whether a marker's entry is called directly: a function of the
 /// program, not an allocator or a library's wrapper (which a library calls
@@ -31,11 +33,12 @@ fn expected_sites(p: &Program, config: Config, exported: bool) -> Vec<SiteKey> {
         (true, false) => "inside",
     };
     let key = |m: &Marker, direct: bool, caller: bool| {
-        (m.file.clone(), m.line, m.entry.clone(), expected_form(config, m.tail, direct), charge(m, caller).to_string())
+        let form = expected_form(config, m.tail, direct);
+        (m.file.clone(), m.line, m.entry.clone(), form, charge(m, caller).to_string(), m.under.is_some())
     };
     let hook = |m: &Marker| {
         let form = expected_form(config, m.tail, is_local(p, &m.entry));
-        (m.file.clone(), m.line, m.entry.clone(), form, "hook".to_string())
+        (m.file.clone(), m.line, m.entry.clone(), form, "hook".to_string(), false)
     };
     let mut v: Vec<SiteKey> = p
         .markers
@@ -61,6 +64,7 @@ fn actual_sites(path: &std::path::Path) -> Vec<SiteKey> {
                 s["entry_display"].as_str().unwrap().to_string(),
                 s["form"].as_str().unwrap().to_string(),
                 s["charge"].as_str().unwrap().to_string(),
+                s["under_hook"].as_bool().unwrap(),
             )
         })
         .collect();
@@ -95,22 +99,24 @@ fn charged_figures(progs: &[&Program]) -> (Figures, Figures) {
     (counts, live)
 }
 
-fn check_charge(config: Config) {
+/// `progs` (a program, then the libraries it needs) patched with no option
+/// into a directory of their own (returned), the program run with
+/// profiling on from the start, tracking live objects and counting only:
+/// it behaves as the original, and every site counts what the markers say
+/// charging callers.
+fn charged_runs(config: Config, progs: &[&Program], tag: &str) -> std::path::PathBuf {
     let b = built(config);
-    let (prog, lib) = (program("wrappers"), program("libwraps"));
-    assert_eq!(actual_sites(&b.path(&prog.name)), expected_sites(prog, config, false), "{}", config.name());
-    assert_eq!(actual_sites(&b.path(&lib.name)), expected_sites(lib, config, true), "{}", config.name());
-
-    let pdir = b.dir.join("patched-charged");
+    let prog = progs[0];
+    let pdir = b.dir.join(format!("patched-{tag}"));
     let _ = std::fs::remove_dir_all(&pdir);
     std::fs::create_dir_all(&pdir).unwrap();
-    for p in [prog, lib] {
+    for p in progs {
         patch_to(&b.path(&p.name), &pdir.join(&p.output), &[]);
     }
     let original = run_program(&b.path(&prog.name), &prog.run, &[]);
-    let (counts, live) = charged_figures(&[prog, lib]);
+    let (counts, live) = charged_figures(progs);
     for (mode, live_on) in [("live", "1"), ("count", "0")] {
-        let dir = counters_dir(&format!("{}-charge-{mode}", config.name()));
+        let dir = counters_dir(&format!("{}-{tag}-{mode}", config.name()));
         let env = [
             ("ALLOCTRAMP", "on"),
             ("ALLOCTRAMP_LIVE", live_on),
@@ -126,7 +132,16 @@ fn check_charge(config: Config) {
             assert_eq!(live_figures(&file), live, "{} {mode}: live figures differ from the markers", config.name());
         }
     }
+    pdir
+}
 
+fn check_charge(config: Config) {
+    let b = built(config);
+    let (prog, lib) = (program("wrappers"), program("libwraps"));
+    assert_eq!(actual_sites(&b.path(&prog.name)), expected_sites(prog, config, false), "{}", config.name());
+    assert_eq!(actual_sites(&b.path(&lib.name)), expected_sites(lib, config, true), "{}", config.name());
+
+    let pdir = charged_runs(config, &[prog, lib], "charged");
     // The original program with the patched library: nothing raises the
     // depth, so the checked sites inside the library's wrappers count.
     let dir = counters_dir(&format!("{}-charge-lib-only", config.name()));
@@ -135,7 +150,7 @@ fn check_charge(config: Config) {
     let env =
         [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap()), ("LD_LIBRARY_PATH", pdir.to_str().unwrap())];
     let out = run_program(&copy, &prog.run, &env);
-    assert_eq!(out, original);
+    assert_eq!(out, run_program(&b.path(&prog.name), &prog.run, &[]));
     let doc = report(only_counters_file(&dir).to_str().unwrap(), &dir);
     let expected: Figures = lib
         .markers
@@ -154,10 +169,6 @@ mod exact_charged_counts {
     crate::matrix!(super::check_charge);
 }
 
-/// A site of `sites --json`: (file, line, entry, form, charge, inside a
-/// hooked function).
-type HookSite = (String, u32, String, String, String, bool);
-
 /// Hooks: calls to wrappers whose size is not an argument (`hooks`) take
 /// what the sites inside allocate, the outermost call on each thread,
 /// through nesting, a function pointer (no hook: the inner site counts)
@@ -167,66 +178,11 @@ fn check_hooks(config: Config) {
     let b = built(config);
     let p = program("hooks");
     let path = b.path(&p.name);
-    let key = |m: &Marker, direct: bool, charge: &str| -> HookSite {
-        let form = expected_form(config, m.tail, direct);
-        (m.file.clone(), m.line, m.entry.clone(), form, charge.to_string(), m.under.is_some())
-    };
-    let mut expected: Vec<HookSite> = p
-        .markers
-        .iter()
-        .map(|m| key(m, false, if m.inside { "inside" } else { "own" }))
-        .chain(p.charged_markers.iter().map(|m| key(m, is_local(p, &m.entry), "caller")))
-        .chain(p.hook_markers.iter().map(|m| key(m, true, "hook")))
-        .collect();
-    expected.sort();
-    let doc = sites_json(&path, &[]);
-    let mut actual: Vec<HookSite> = doc["sites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            (
-                base(s["file"].as_str().unwrap()).to_string(),
-                s["line"].as_u64().unwrap() as u32,
-                s["entry_display"].as_str().unwrap().to_string(),
-                s["form"].as_str().unwrap().to_string(),
-                s["charge"].as_str().unwrap().to_string(),
-                s["under_hook"].as_bool().unwrap(),
-            )
-        })
-        .collect();
-    actual.sort();
+    let expected = expected_sites(p, config, false);
+    let actual = actual_sites(&path);
     assert_eq!(actual, expected, "{}: sites, charges and hooks differ from the markers", config.name());
 
-    let (mut counts, mut live) = (Figures::new(), Figures::new());
-    for m in p.markers.iter().chain(&p.charged_markers).chain(&p.hook_markers) {
-        let k = (m.file.clone(), m.line, display(&m.entry));
-        let (calls, bytes) = match (m.under, m.inside) {
-            (Some(u), _) => u,
-            (None, true) => (0, 0),
-            (None, false) => (m.calls, m.bytes),
-        };
-        counts.insert(k.clone(), (calls, bytes, 0));
-        let l = if m.inside || m.under.is_some() { (0, 0) } else { m.live.unwrap_or((0, 0)) };
-        live.insert(k, (l.0, l.1, 0));
-    }
-    let pdir = b.dir.join("patched-hooks");
-    let _ = std::fs::remove_dir_all(&pdir);
-    std::fs::create_dir_all(&pdir).unwrap();
-    patch_to(&path, &pdir.join(&p.output), &[]);
-    let original = run_program(&path, &p.run, &[]);
-    for (mode, live_on) in [("live", "1"), ("count", "0")] {
-        let dir = counters_dir(&format!("{}-hooks-{mode}", config.name()));
-        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_LIVE", live_on), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())];
-        let out = run_program(&pdir.join(&p.output), &p.run, &env);
-        assert_eq!(out, original, "{} {mode}: the program behaves as the original", config.name());
-        let file = only_counters_file(&dir);
-        let doc = report(file.to_str().unwrap(), &dir);
-        assert_eq!(figures(&doc), counts, "{} {mode}: hooks' counts differ from the markers", config.name());
-        if live_on == "1" {
-            assert_eq!(live_figures(&file), live, "{} {mode}: live figures differ from the markers", config.name());
-        }
-    }
+    charged_runs(config, &[p], "hooks");
 }
 
 mod hooks_matrix {
