@@ -42,6 +42,11 @@ pub struct WrapperDoc<'a> {
     pub size: Option<String>,
     /// Calls to it can be charged (it frees, or its size is known).
     pub countable: bool,
+    /// How its allocations are charged: `callers` (its callers' sites
+    /// count what it allocates), `hook` (calls to it are hooks: they take
+    /// what the sites inside allocate), or `none` (its sites count where
+    /// they are).
+    pub charge: &'static str,
 }
 
 #[derive(Serialize)]
@@ -190,9 +195,29 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                     Size::None => None,
                 }),
                 countable: w.role.signature().is_some(),
+                charge: wrapper_charge(a, w),
             })
             .collect(),
         summary,
+    }
+}
+
+/// How the calls of wrapper `w` are charged (see [`WrapperDoc::charge`]):
+/// from the sites that call it, or those inside it.
+fn wrapper_charge(a: &Analysis, w: &crate::WrapperInfo) -> &'static str {
+    let calls = |s: &&crate::scan::Site| a.scan.entries.get(s.entry).is_some_and(|e| e.display == w.function);
+    let inside = |s: &&crate::scan::Site| w.addr.is_some_and(|start| start.0 <= s.vaddr.0 && s.vaddr.0 < w.end.0);
+    let sites = &a.scan.sites;
+    if sites.iter().filter(calls).any(|s| matches!(s.charge, Charge::Caller { .. }))
+        || sites.iter().any(|s| matches!(s.charge, Charge::Inside { .. }) && inside(&s))
+    {
+        "callers"
+    } else if sites.iter().filter(calls).any(|s| matches!(s.charge, Charge::Hook { .. }))
+        || sites.iter().filter(inside).any(|s| s.under_hook)
+    {
+        "hook"
+    } else {
+        "none"
     }
 }
 
@@ -265,7 +290,12 @@ pub fn write_text(w: &mut (impl Write + ?Sized), doc: &SitesDoc) -> io::Result<(
     writeln!(w, "# {} allocation wrappers", doc.wrappers.len())?;
     for x in &doc.wrappers {
         let at = x.address.map_or_else(|| "imported".to_string(), |a| format!("{a:#x}"));
-        writeln!(w, "#   {at}\t{}\t{}\t{}", x.kind, x.function, x.reason)?;
+        let charge = match x.charge {
+            "callers" => "\tcharged to its callers",
+            "hook" => "\tcalls are hooks",
+            _ => "",
+        };
+        writeln!(w, "#   {at}\t{}\t{}\t{}{charge}", x.kind, x.function, x.reason)?;
     }
     Ok(())
 }
