@@ -53,6 +53,21 @@ pub struct Charged {
     pub offsets: Offsets,
 }
 
+/// Functions of an unwinder or of exception handling: a file that names one
+/// (or has a `.gcc_except_table`) may unwind through any of its calls.
+const UNWINDING: &[&str] =
+    &["_Unwind_Resume", "_Unwind_RaiseException", "__cxa_throw", "__gxx_personality_v0", "rust_eh_personality"];
+
+/// Whether exceptions or panics may unwind through the file's calls (C++,
+/// Rust with unwinding panics): a hook's trampoline, which makes its call
+/// and has no unwind information, must not be in their way, so such a
+/// file gets no hooks. Programs in C (perl, git, redis) unwind only by
+/// `longjmp`, which hooks detect.
+pub fn unwinds(elf: &Elf) -> bool {
+    elf.section_by_name(".gcc_except_table").is_some()
+        || elf.symbols(true).iter().chain(elf.symbols(false)).any(|s| UNWINDING.contains(&s.name))
+}
+
 /// Adds an entry point for each wrapper that is not one already; returns
 /// them. A wrapper whose calls cannot be counted (its size is none of its
 /// arguments) gets one too, so that a wrapper calling it is seen to, and
@@ -123,7 +138,11 @@ pub fn entries(
     }
     // Plumbing that was not inlined (Rust's `finish_grow`, hashbrown's
     // `reserve_rehash`): its own calls are not allocations its callers
-    // asked for by size, but its callers decided them.
+    // asked for by size, but its callers decided them. Only where calls to
+    // it can be hooks.
+    if unwinds(elf) {
+        return out;
+    }
     let mut seen: HashSet<u64> = taken;
     seen.extend(wrappers.iter().filter_map(|w| w.addr.map(|a| a.0)));
     for s in &symbols {
@@ -224,7 +243,7 @@ fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
 /// stop being sites.
 pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
     let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
-    decide(scan, charged, &stored);
+    decide(scan, charged, &stored, !unwinds(elf));
 }
 
 /// The code ranges of the charged wrappers, to find which holds an
@@ -271,7 +290,7 @@ impl CodeIndex {
 }
 
 /// [`assign`] given the wrapper addresses the file's data holds.
-fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
+fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bool) {
     let by_entry: HashMap<usize, usize> = charged.iter().enumerate().map(|(k, c)| (c.entry, k)).collect();
     let code = CodeIndex::new(charged);
     let inside = |addr: u64| code.first_holding(addr);
@@ -395,14 +414,15 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>) {
     // wherever it was charged.
     // A library's wrapper is one when its library's analysis says so (the
     // sites inside are the library's).
-    let mut hook: Vec<bool> = charged.iter().map(|c| c.imported_hook && c.kind != Kind::Free).collect();
+    let mut hook: Vec<bool> = charged.iter().map(|c| hooks && c.imported_hook && c.kind != Kind::Free).collect();
     let mut throws: Vec<bool> = vec![false; charged.len()];
     for &(k, i) in &within {
         if may_throw(&scan.entries[scan.sites[i].entry]) {
             throws[k] = true;
         }
     }
-    let hookable = |k: usize| !ok[k] && !throws[k] && charged[k].kind != Kind::Free && charged[k].code.is_some();
+    let hookable =
+        |k: usize| hooks && !ok[k] && !throws[k] && charged[k].kind != Kind::Free && charged[k].code.is_some();
     loop {
         let mut changed = false;
         for &(k, i) in &within {
@@ -545,7 +565,7 @@ mod tests {
         site(&mut scan, 0x2010, 1, Via::Direct);
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 2, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new());
+        decide(&mut scan, &charged, &HashSet::new(), true);
         assert_eq!(
             charges(&scan),
             [
@@ -569,7 +589,7 @@ mod tests {
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 2, Via::Direct);
         site(&mut scan, 0x9020, 3, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new());
+        decide(&mut scan, &charged, &HashSet::new(), true);
         // w0 and w1 are not charged, but they allocate: calls to them are
         // hooks (w1's call of w0 too, which nests), and w0's malloc counts
         // into the outermost hook's cell. w2 is charged but keeps preserve
@@ -623,7 +643,7 @@ mod tests {
         for (k, at) in [(1, 0x9000), (2, 0x9010), (3, 0x9020), (4, 0x9030)] {
             site(&mut scan, at, k, Via::Direct);
         }
-        decide(&mut scan, &charged, &HashSet::new());
+        decide(&mut scan, &charged, &HashSet::new(), true);
         // Only w0 is a hook: w1 may throw, w2 frees, and w3 reaches w0 by a
         // tail jump only (a hook's trampoline must return to it).
         assert_eq!(
@@ -650,7 +670,7 @@ mod tests {
         site(&mut scan, 0x1010, 0, Via::Plt);
         site(&mut scan, 0x2010, 1, Via::Direct);
         site(&mut scan, 0x9000, 2, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::from([0x1000]));
+        decide(&mut scan, &charged, &HashSet::from([0x1000]), true);
         assert_eq!(scan.keys.get(&1), Some(&Keys { result: 16, ptr: 0 }));
         assert_eq!(scan.keys.get(&2), Some(&Keys { result: 24, ptr: 0 }));
         assert!(matches!(scan.sites[0].charge, Charge::Inside { checked: true, .. }));

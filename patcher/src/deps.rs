@@ -206,9 +206,14 @@ pub fn imported_wrappers(
                         matches!(s.charge, crate::scan::Charge::Inside { wrapper, checked: true, .. }
                             if a.wrappers.get(wrapper).is_some_and(|w| w.function == function))
                     });
+                    // Sites inside take a hook's charge, or it calls hooks.
                     let hooked = a.wrappers.iter().filter(|w| w.function == function).any(|w| {
                         w.addr.is_some_and(|start| {
-                            a.scan.sites.iter().any(|s| s.under_hook && start.0 <= s.vaddr.0 && s.vaddr.0 < w.end.0)
+                            a.scan.sites.iter().any(|s| {
+                                (s.under_hook || matches!(s.charge, crate::scan::Charge::Hook { .. }))
+                                    && start.0 <= s.vaddr.0
+                                    && s.vaddr.0 < w.end.0
+                            })
                         })
                     });
                     if hooked {

@@ -70,14 +70,23 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
         (bias, t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64)))
     };
     // Before anything else: where the stub goes back to. SAFETY: as above.
-    let (trampoline, count, flags) = unsafe {
+    let (trampoline, count, flags, drain) = unsafe {
         (
             read::<u64>(site + offset_of!(Site, trampoline) as u64),
             read::<u16>(site + offset_of!(Site, count) as u64),
             read::<u8>(site + offset_of!(Site, flags) as u64),
+            read::<u16>(site + offset_of!(Site, drain) as u64),
         )
     };
-    let entry = if LIVE.load(Ordering::Relaxed) { 0 } else { count };
+    // A hook comes back past its start's clearing of the chain recorded
+    // here.
+    let entry = if flags & site_flags::HOOK != 0 {
+        drain
+    } else if LIVE.load(Ordering::Relaxed) {
+        0
+    } else {
+        count
+    };
     f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
     // The epoch first: switching the depth raises it after the store.
     let epoch = epoch();

@@ -670,30 +670,40 @@ impl Gen<'_> {
     /// hook's call, only makes the call. Keeps every register but r10 and
     /// r11 (all of them in preserve mode). Returns the label of the count
     /// entry: the start.
-    fn hook(&mut self) -> R<CodeLabel> {
-        let mut start = self.a.create_label();
-        self.a.set_label(&mut start)?;
+    fn hook(&mut self) -> R<(CodeLabel, CodeLabel)> {
         let preserve = self.s.preserve;
         // Bytes pushed below the site's stack pointer.
         let pushed = if preserve { 16 } else { 0 };
-        if preserve {
-            self.a.push(r11)?;
-            self.a.push(r10)?;
+        let (mut start, mut keep) = (self.a.create_label(), self.a.create_label());
+        let (mut take_clear, mut take, mut plain) =
+            (self.a.create_label(), self.a.create_label(), self.a.create_label());
+        // Two entries: the start, whose call has no chain recorded, and
+        // the one callers capture comes back to with the chain it recorded
+        // (`keep`). Each leaves r11 = the charge's TLS offset.
+        for (entry, to) in [(&mut start, take_clear), (&mut keep, take)] {
+            self.a.set_label(entry)?;
+            if preserve {
+                self.a.push(r11)?;
+                self.a.push(r10)?;
+            }
+            self.charge_word(r11)?;
+            let site_sp = if preserve {
+                self.a.lea(r10, qword_ptr(rsp + pushed))?;
+                r10
+            } else {
+                rsp
+            };
+            self.a.cmp(site_sp, qword_ptr(r11 + 8).fs())?;
+            self.a.jae(to)?;
+            // Below a recorded hook: inside its call, unless that call was
+            // left without returning.
+            self.hook_returns_to(to)?;
+            self.a.jmp(plain)?;
         }
-        self.charge_word(r11)?;
-        let site_sp = if preserve {
-            self.a.lea(r10, qword_ptr(rsp + pushed))?;
-            r10
-        } else {
-            rsp
-        };
-        let (mut take, mut plain) = (self.a.create_label(), self.a.create_label());
-        self.a.cmp(site_sp, qword_ptr(r11 + 8).fs())?;
-        self.a.jae(take)?;
-        // Below a recorded hook: inside its call, unless that call was
-        // left without returning.
-        self.hook_returns_to(take)?;
-        self.a.jmp(plain)?;
+        // Taking the charge from the start: no chain for this call (one
+        // left by an earlier call must not take its figures).
+        self.a.set_label(&mut take_clear)?;
+        self.a.mov(qword_ptr(r11 + 32).fs(), 0)?;
         self.a.set_label(&mut take)?;
         // The cell and the return address first, the stack pointer (which
         // makes the charge active) last: a signal handler that allocates at
@@ -733,7 +743,7 @@ impl Gen<'_> {
         }
         self.call_target_plain()?;
         self.leave()?;
-        Ok(start)
+        Ok((start, keep))
     }
 
     /// Live path of an allocation: keeps the size (and out pointer) in a
@@ -1029,7 +1039,8 @@ impl Gen<'_> {
 pub struct Trampoline {
     pub code: Vec<u8>,
     /// Free sites: offset of the entry that tracks without counting (the
-    /// drain entry); 0 for other sites.
+    /// drain entry); hooks: of the entry the callers entry comes back to
+    /// (past the start's clearing of the chain); 0 for other sites.
     pub drain: u16,
     /// Offset of the entry that counts without tracking.
     pub count: u16,
@@ -1043,7 +1054,10 @@ pub struct Trampoline {
 pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
     let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0, charged: false };
     let (drain, count) = match spec.sig.kind {
-        _ if spec.hook => (None, g.hook()?),
+        _ if spec.hook => {
+            let (start, keep) = g.hook()?;
+            (Some(keep), start)
+        }
         Kind::Alloc | Kind::Realloc => (None, g.alloc_like()?),
         Kind::Free => {
             let (d, c) = g.free_like()?;
