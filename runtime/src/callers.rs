@@ -70,47 +70,76 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
         (bias, t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64)))
     };
     // Before anything else: where the stub goes back to. SAFETY: as above.
-    let (trampoline, count, flags, drain) = unsafe {
+    let (trampoline, count, flags) = unsafe {
         (
             read::<u64>(site + offset_of!(Site, trampoline) as u64),
             read::<u16>(site + offset_of!(Site, count) as u64),
             read::<u8>(site + offset_of!(Site, flags) as u64),
-            read::<u16>(site + offset_of!(Site, drain) as u64),
         )
     };
+    let special = flags & (site_flags::HOOK | site_flags::UNDER_HOOK | site_flags::DEPTH_CHECK);
+    if special != 0 {
+        // SAFETY: forwarded.
+        return unsafe { capture_special(f, rbp, site, bias.wrapping_add(trampoline), special, t, index) };
+    }
+    let entry = if LIVE.load(Ordering::Relaxed) { 0 } else { count };
+    f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
+    // SAFETY: forwarded.
+    unsafe { record_chain::<false>(f, rbp, site, t, index) }
+}
+
+/// [`capture`] for a hook, a site under a hook or one inside a charged
+/// wrapper (`special`: its flags), out of the common path.
+///
+/// # Safety
+/// As for [`capture`]; `site` is the site's record, `trampoline` its
+/// trampoline's run-time address.
+#[cold]
+#[inline(never)]
+unsafe fn capture_special(f: &mut Frame, rbp: u64, site: u64, trampoline: u64, special: u8, t: u64, index: u64) {
     // A hook comes back past its start's clearing of the chain recorded
-    // here.
-    let entry = if flags & site_flags::HOOK != 0 {
+    // here. SAFETY: the site's fields lie within its table (caller).
+    let (count, drain) = unsafe {
+        (read::<u16>(site + offset_of!(Site, count) as u64), read::<u16>(site + offset_of!(Site, drain) as u64))
+    };
+    let entry = if special & site_flags::HOOK != 0 {
         drain
     } else if LIVE.load(Ordering::Relaxed) {
         0
     } else {
         count
     };
-    f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
+    f.index = trampoline.wrapping_add(u64::from(entry));
+    let sp = f as *const Frame as u64 + size_of::<Frame>() as u64;
+    if state::CALLERS.load(Ordering::Acquire) == 0 || !records_here(special, sp) {
+        return;
+    }
+    // SAFETY: forwarded.
+    unsafe {
+        if special & site_flags::HOOK != 0 {
+            record_chain::<true>(f, rbp, site, t, index)
+        } else {
+            record_chain::<false>(f, rbp, site, t, index)
+        }
+    }
+}
+
+/// Records the call's chain at `site` (of table `t`), from the memo or by
+/// unwinding: one call and its bytes, or for a `HOOK` the chain the sites
+/// charged to it add to.
+///
+/// # Safety
+/// As for [`capture`], `f` the stub's frame and `index` the site's.
+#[inline(always)]
+unsafe fn record_chain<const HOOK: bool>(f: &Frame, rbp: u64, site: u64, t: u64, index: u64) {
     // The epoch first: switching the depth raises it after the store.
     let epoch = epoch();
     if state::CALLERS.load(Ordering::Acquire) == 0 {
         return;
     }
-    let sp = frame as u64 + size_of::<Frame>() as u64;
-    let hook = flags & site_flags::HOOK != 0;
-    if flags & site_flags::DEPTH_CHECK != 0 && crate::tls::get(crate::tls::DEPTH) != 0 {
-        // A wrapper's call that a caller's site counted: not counted here.
-        return;
-    }
-    if (hook || flags & site_flags::UNDER_HOOK != 0) && crate::tls::in_hook_call(sp) {
-        // Inside a hook's call: a site under a hook counts into the hook's
-        // cell (and its chain), and its own chains stay those of its own
-        // calls; a hook only makes its call.
-        return;
-    }
-    if hook {
-        // The hook takes the charge: no chain until one is recorded below.
-        crate::tls::set(crate::tls::CHAIN_SP, 0);
-    }
+    let sp = f as *const Frame as u64 + size_of::<Frame>() as u64;
     if let Some((chain, rule)) = memo_of(index).replay(site, sp, rbp, epoch) {
-        if hook {
+        if HOOK {
             charge_chain(chain, sp);
         } else {
             add(chain, 1, size_of_call(rule, f));
@@ -119,6 +148,27 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
     }
     // SAFETY: forwarded from the caller.
     unsafe { capture_walk(f, rbp, t, index) };
+}
+
+/// Whether a hook, a site under a hook or a site inside a charged wrapper
+/// (`special`, its site flags) records this call's chain: not when a
+/// caller's site counts the wrapper's call (the wrapper depth is raised),
+/// nor inside a hook's call (a site under a hook counts into the hook's
+/// cell and chain; a hook only makes its call). A hook that takes the
+/// charge has no chain until one is recorded.
+#[cold]
+#[inline(never)]
+fn records_here(special: u8, sp: u64) -> bool {
+    if special & site_flags::DEPTH_CHECK != 0 && crate::tls::get(crate::tls::DEPTH) != 0 {
+        return false;
+    }
+    if special & (site_flags::HOOK | site_flags::UNDER_HOOK) != 0 && crate::tls::in_hook_call(sp) {
+        return false;
+    }
+    if special & site_flags::HOOK != 0 {
+        crate::tls::set(crate::tls::CHAIN_SP, 0);
+    }
+    true
 }
 
 /// The chain of a call its site's memo did not know: unwound with the
