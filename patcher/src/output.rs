@@ -169,6 +169,7 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
         })
         .collect::<Vec<_>>();
     summary.unpatchable = unpatchable.len();
+    let charges = WrapperCharges::new(a);
     SitesDoc {
         format: "alloctramp-sites",
         version: SITES_JSON_VERSION,
@@ -195,29 +196,53 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
                     Size::None => None,
                 }),
                 countable: w.role.signature().is_some(),
-                charge: wrapper_charge(a, w),
+                charge: charges.of(w),
             })
             .collect(),
         summary,
     }
 }
 
-/// How the calls of wrapper `w` are charged (see [`WrapperDoc::charge`]):
-/// from the sites that call it, or those inside it.
-fn wrapper_charge(a: &Analysis, w: &crate::WrapperInfo) -> &'static str {
-    let calls = |s: &&crate::scan::Site| a.scan.entries.get(s.entry).is_some_and(|e| e.display == w.function);
-    let inside = |s: &&crate::scan::Site| w.addr.is_some_and(|start| start.0 <= s.vaddr.0 && s.vaddr.0 < w.end.0);
-    let sites = &a.scan.sites;
-    if sites.iter().filter(calls).any(|s| matches!(s.charge, Charge::Caller { .. }))
-        || sites.iter().any(|s| matches!(s.charge, Charge::Inside { .. }) && inside(&s))
-    {
-        "callers"
-    } else if sites.iter().filter(calls).any(|s| matches!(s.charge, Charge::Hook { .. }))
-        || sites.iter().filter(inside).any(|s| s.under_hook)
-    {
-        "hook"
-    } else {
-        "none"
+/// How the calls of each wrapper are charged (see [`WrapperDoc::charge`]),
+/// from the sites that call it or lie inside it; built once for the
+/// listing (a library has thousands of wrappers and sites).
+struct WrapperCharges<'a> {
+    /// Per entry display name: (some call is a caller site, some is a hook).
+    calls: std::collections::HashMap<&'a str, (bool, bool)>,
+    /// Sites by address: (address, inside a charged wrapper, under a hook).
+    by_addr: Vec<(u64, bool, bool)>,
+}
+
+impl<'a> WrapperCharges<'a> {
+    fn new(a: &'a Analysis) -> WrapperCharges<'a> {
+        let mut calls: std::collections::HashMap<&str, (bool, bool)> = std::collections::HashMap::new();
+        let mut by_addr = Vec::with_capacity(a.scan.sites.len());
+        for s in &a.scan.sites {
+            if let Some(e) = a.scan.entries.get(s.entry) {
+                let c = calls.entry(e.display.as_str()).or_default();
+                c.0 |= matches!(s.charge, Charge::Caller { .. });
+                c.1 |= matches!(s.charge, Charge::Hook { .. });
+            }
+            by_addr.push((s.vaddr.0, matches!(s.charge, Charge::Inside { .. }), s.under_hook));
+        }
+        by_addr.sort_unstable_by_key(|&(at, ..)| at);
+        WrapperCharges { calls, by_addr }
+    }
+
+    fn of(&self, w: &crate::WrapperInfo) -> &'static str {
+        let (caller, hook) = self.calls.get(w.function.as_str()).copied().unwrap_or_default();
+        let inside = w.addr.map_or(&[][..], |start| {
+            let lo = self.by_addr.partition_point(|&(at, ..)| at < start.0);
+            let hi = self.by_addr.partition_point(|&(at, ..)| at < w.end.0);
+            self.by_addr.get(lo..hi.max(lo)).unwrap_or_default()
+        });
+        if caller || inside.iter().any(|&(_, charged, _)| charged) {
+            "callers"
+        } else if hook || inside.iter().any(|&(.., under)| under) {
+            "hook"
+        } else {
+            "none"
+        }
     }
 }
 
