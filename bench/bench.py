@@ -1248,9 +1248,9 @@ def rust_attribution(sec):
              "library's allocation plumbing (`alloc::`, `__rdl_`, `__rust_`, hashbrown), and the share that "
              "`report --callers` charges outside it (a row in plumbing passes its bytes to each chain's first frame "
              "outside it). Rows inside plumbing that was inlined are named after the first caller outside it; "
-             "plumbing that was not inlined (hashbrown's `reserve_rehash`, `RawVec`'s `finish_grow`) keeps its rows, "
-             "since a Rust program's panics unwind and its calls get no hooks (a hook's trampoline has no unwind "
-             "information yet), and only the chains name the code that called it.")
+             "a call to plumbing that was not inlined (hashbrown's `reserve_rehash`, `RawVec`'s `finish_grow`, "
+             "`format!`'s `format_inner`) is a hook, which charges what it allocates to the code that called it "
+             "(trampolines carry unwind entries, so panics unwind through them as in the original).")
     sec.table(["program", "bytes (--no-charge-callers)", "rows outside plumbing", "with --callers", "top rows",
                "bytes (default)", "rows outside plumbing", "with --callers", "top rows"],
               [["rust collections", f"{tb:,}", f"{rb:.1%}", f"{cb:.1%}", shown(topb), f"{ta:,}", f"{ra:.1%}",

@@ -346,31 +346,100 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
 /// `format!` and `collect`, caught with `catch_unwind`) unwind as in the
 /// original with profiling on: a file that may unwind through its calls
 /// gets no hooks, whose trampolines have no unwind information.
+/// Exceptions and panics thrown by a function a trampoline calls unwind
+/// through the trampoline (its unwind entry) into the site's function, as
+/// in the original, with profiling on: past hooks (which C++ and Rust
+/// files get since trampolines carry unwind entries), past counting
+/// trampolines (`operator new` throwing `std::bad_alloc`). The runtime's
+/// personality routine undoes what the trampoline did before the call: a
+/// call that threw counts as failed, a hook's charge is cleared, so later
+/// calls are charged exactly. A thread cancelled inside a hooked call
+/// (a forced unwind) runs its cleanup handlers.
 #[test]
-fn exceptions_and_panics_unwind_as_in_the_original() {
+fn exceptions_and_panics_unwind_through_trampolines_as_in_the_original() {
     let dir = scratch("unwind-charge");
     let src = testbins_dir().join("unwind");
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let builds: [(&str, Vec<std::ffi::OsString>); 2] = [
+    let builds: [(&str, Vec<std::ffi::OsString>); 4] = [
         ("panics", vec![rustc, "-O".into(), "-g".into(), src.join("panics.rs").into()]),
         ("throws", vec!["g++".into(), "-O2".into(), "-g".into(), src.join("throws.cpp").into()]),
+        ("badalloc", vec!["g++".into(), "-O2".into(), "-g".into(), src.join("badalloc.cpp").into()]),
+        ("cancel", vec!["gcc".into(), "-O2".into(), "-g".into(), "-pthread".into(), src.join("cancel.c").into()]),
     ];
+    // Panic messages carry no backtrace, whatever the caller's setting.
+    let quiet = [("RUST_BACKTRACE", "0")];
+    let mut totals: BTreeMap<&str, u64> = BTreeMap::new();
     for (name, argv) in builds {
         let exe = dir.join(name);
         let o = std::process::Command::new(&argv[0]).args(&argv[1..]).arg("-o").arg(&exe).output().unwrap();
         assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
         let doc = sites_json(&exe, &[]);
         let hooks = doc["sites"].as_array().unwrap().iter().filter(|s| s["charge"] == "hook").count();
-        assert_eq!(hooks, 0, "{name}: a file that unwinds through its calls gets no hooks");
-        let patched = dir.join(format!("{name}-patched"));
-        patch_to(&exe, &patched, &[]);
-        let original = run_program(&exe, &[], &[]);
+        assert!(hooks > 0, "{name}: a file that unwinds through its calls gets hooks");
+        let original = run_program(&exe, &[], &quiet);
         assert_eq!(original.2, 0, "{name}: {original:?}");
-        let counters = counters_dir(&format!("unwind-{name}"));
-        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
-        let got = run_program(&patched, &[], &env);
-        // stderr names the panicking thread by its id: stdout and the
-        // status are compared.
-        assert_eq!((&got.0, got.2), (&original.0, original.2), "{name}: the patched program unwinds as the original");
+        for variant in ["", "--no-wrappers"] {
+            let patched = dir.join(format!("{name}-patched{variant}"));
+            let extra: Vec<&str> = Some(variant).filter(|v| !v.is_empty()).into_iter().collect();
+            patch_to(&exe, &patched, &extra);
+            let counters = counters_dir(&format!("unwind-{name}{variant}"));
+            let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap()), quiet[0]];
+            let got = run_program(&patched, &[], &env);
+            // stderr names the panicking thread by its id: stdout and the
+            // status are compared.
+            assert_eq!(
+                (&got.0, got.2),
+                (&original.0, original.2),
+                "{name}{variant}: the patched program unwinds as the original"
+            );
+            let file = only_counters_file(&counters);
+            let doc = report(file.to_str().unwrap(), &counters);
+            let f = figures(&doc);
+            let sites = doc["sites"].as_array().unwrap().iter();
+            let allocs: u64 = sites.filter(|s| s["kind"] != "free").map(|s| s["calls"].as_u64().unwrap()).sum();
+            if variant.is_empty() {
+                totals.insert(name, allocs);
+            } else {
+                // Hooks move charges and lose none: with no wrappers every
+                // allocation is counted at the allocator's own call.
+                assert_eq!(totals[name], allocs, "{name}: allocation calls with hooks and without wrappers");
+            }
+            match (name, variant) {
+                ("throws", "") => {
+                    // make_name's malloc is charged to main's call, also
+                    // after the call that threw (i == 3).
+                    assert_eq!(f[&("throws.cpp".to_string(), 18, "make_name".to_string())], (6, 192, 0));
+                    assert_eq!(f[&("throws.cpp".to_string(), 9, "malloc".to_string())], (0, 0, 0));
+                }
+                ("panics", "") => {
+                    let mk = f.iter().find(|(k, _)| k.0 == "panics.rs" && k.1 == 12).map(|(_, v)| v.0);
+                    assert!(mk.is_some_and(|calls| calls >= 9), "panics: format! is charged to mk: {f:?}");
+                }
+                ("cancel", "") => {
+                    // The worker's call to make_and_wait takes its malloc
+                    // (strlen("hello") + 16 bytes, never freed); the forced
+                    // unwind of the cancellation passed the hook.
+                    assert_eq!(f[&("cancel.c".to_string(), 20, "make_and_wait".to_string())], (1, 21, 0));
+                    assert_eq!(f[&("cancel.c".to_string(), 11, "malloc".to_string())], (0, 0, 0));
+                }
+                ("badalloc", _) => {
+                    // Two of eight calls throw std::bad_alloc: the runtime's
+                    // personality routine counts them as failed, with their
+                    // bytes, so nothing stays live.
+                    let row = doc["sites"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter(|s| s["kind"] == "alloc")
+                        .max_by_key(|s| s["calls"].as_u64());
+                    let row = row.expect("badalloc: an allocation row");
+                    let requested = 2 * (1u64 << 62) + 64 * (1 + 2 + 3 + 5 + 6 + 7);
+                    let got = ["calls", "bytes", "failed", "live_calls", "live_bytes", "freed_objects"]
+                        .map(|k| row[k].as_u64().unwrap());
+                    assert_eq!(got, [8, requested, 2, 0, 0, 6], "badalloc{variant}: {row}");
+                }
+                _ => {}
+            }
+        }
     }
 }

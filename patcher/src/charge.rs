@@ -59,13 +59,19 @@ const UNWINDING: &[&str] =
     &["_Unwind_Resume", "_Unwind_RaiseException", "__cxa_throw", "__gxx_personality_v0", "rust_eh_personality"];
 
 /// Whether exceptions or panics may unwind through the file's calls (C++,
-/// Rust with unwinding panics): a hook's trampoline, which makes its call
-/// and has no unwind information, must not be in their way, so such a
-/// file gets no hooks. Programs in C (perl, git, redis) unwind only by
-/// `longjmp`, which hooks detect.
+/// Rust with unwinding panics): a hook's trampoline makes its call, so in
+/// such a file it needs an unwind entry (`ehframe`), and the file gets
+/// hooks only if its `.eh_frame_hdr` can be extended with them. Programs
+/// in C (perl, git, redis) unwind only by `longjmp`, which hooks detect.
 pub fn unwinds(elf: &Elf) -> bool {
     elf.section_by_name(".gcc_except_table").is_some()
         || elf.symbols(true).iter().chain(elf.symbols(false)).any(|s| UNWINDING.contains(&s.name))
+}
+
+/// Whether the file's trampolines get unwind entries (`ehframe`), which
+/// let exceptions and panics pass hooks.
+pub fn unwind_entries(elf: &Elf) -> bool {
+    crate::ehframe::Sources::new(elf).is_ok()
 }
 
 /// Adds an entry point for each wrapper that is not one already; returns
@@ -140,7 +146,7 @@ pub fn entries(
     // `reserve_rehash`): its own calls are not allocations its callers
     // asked for by size, but its callers decided them. Only where calls to
     // it can be hooks.
-    if unwinds(elf) {
+    if unwinds(elf) && !unwind_entries(elf) {
         return out;
     }
     let mut seen: HashSet<u64> = taken;
@@ -243,7 +249,10 @@ fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
 /// stop being sites.
 pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
     let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
-    decide(scan, charged, &stored, !unwinds(elf));
+    // With unwind entries for the trampolines, an exception passes a
+    // hook's call as it passed the original call.
+    let entries = unwind_entries(elf);
+    decide(scan, charged, &stored, !unwinds(elf) || entries, entries);
 }
 
 /// The code ranges of the charged wrappers, to find which holds an
@@ -290,7 +299,7 @@ impl CodeIndex {
 }
 
 /// [`assign`] given the wrapper addresses the file's data holds.
-fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bool) {
+fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bool, throwing_hooks: bool) {
     let by_entry: HashMap<usize, usize> = charged.iter().enumerate().map(|(k, c)| (c.entry, k)).collect();
     let code = CodeIndex::new(charged);
     let inside = |addr: u64| code.first_holding(addr);
@@ -409,15 +418,15 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
     }
     // Hooks: functions that are not charged but allocate, directly, through
     // charged wrappers, or through other hooks (found from below); none
-    // that may throw, since an exception cannot unwind through a
-    // trampoline. Free wrappers are left alone: a free finds its object
-    // wherever it was charged.
+    // that may throw unless the trampolines get unwind entries. Free
+    // wrappers are left alone: a free finds its object wherever it was
+    // charged.
     // A library's wrapper is one when its library's analysis says so (the
     // sites inside are the library's).
     let mut hook: Vec<bool> = charged.iter().map(|c| hooks && c.imported_hook && c.kind != Kind::Free).collect();
     let mut throws: Vec<bool> = vec![false; charged.len()];
     for &(k, i) in &within {
-        if may_throw(&scan.entries[scan.sites[i].entry]) {
+        if !throwing_hooks && may_throw(&scan.entries[scan.sites[i].entry]) {
             throws[k] = true;
         }
     }
@@ -565,7 +574,7 @@ mod tests {
         site(&mut scan, 0x2010, 1, Via::Direct);
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 2, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new(), true);
+        decide(&mut scan, &charged, &HashSet::new(), true, false);
         assert_eq!(
             charges(&scan),
             [
@@ -589,7 +598,7 @@ mod tests {
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 2, Via::Direct);
         site(&mut scan, 0x9020, 3, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new(), true);
+        decide(&mut scan, &charged, &HashSet::new(), true, false);
         // w0 and w1 are not charged, but they allocate: calls to them are
         // hooks (w1's call of w0 too, which nests), and w0's malloc counts
         // into the outermost hook's cell. w2 is charged but keeps preserve
@@ -643,7 +652,7 @@ mod tests {
         for (k, at) in [(1, 0x9000), (2, 0x9010), (3, 0x9020), (4, 0x9030)] {
             site(&mut scan, at, k, Via::Direct);
         }
-        decide(&mut scan, &charged, &HashSet::new(), true);
+        decide(&mut scan, &charged, &HashSet::new(), true, false);
         // Only w0 is a hook: w1 may throw, w2 frees, and w3 reaches w0 by a
         // tail jump only (a hook's trampoline must return to it).
         assert_eq!(
@@ -670,7 +679,7 @@ mod tests {
         site(&mut scan, 0x1010, 0, Via::Plt);
         site(&mut scan, 0x2010, 1, Via::Direct);
         site(&mut scan, 0x9000, 2, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::from([0x1000]), true);
+        decide(&mut scan, &charged, &HashSet::from([0x1000]), true, false);
         assert_eq!(scan.keys.get(&1), Some(&Keys { result: 16, ptr: 0 }));
         assert_eq!(scan.keys.get(&2), Some(&Keys { result: 24, ptr: 0 }));
         assert!(matches!(scan.sites[0].charge, Charge::Inside { checked: true, .. }));

@@ -10,6 +10,7 @@ mod bytes;
 pub mod charge;
 pub mod debugfile;
 pub mod deps;
+pub mod ehframe;
 pub mod elf;
 mod emit;
 pub mod error;

@@ -17,6 +17,7 @@
 //! double the patcher's main cost. The plan keeps their code.
 
 use crate::bytes::align;
+use crate::ehframe;
 use crate::elf::Elf;
 use crate::error::{Error, ErrorKind, Location, Result};
 use crate::scan::Charge;
@@ -25,6 +26,7 @@ use crate::{Analysis, SiteInfo, Via};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
 use alloctramp_trampolines::codegen::{self, CodegenError, TrampolineSpec};
 use alloctramp_trampolines::entry::Kind;
+use alloctramp_trampolines::frames;
 use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
 use object::LittleEndian as LE;
 use object::elf;
@@ -124,6 +126,9 @@ pub enum Table {
     Rela,
     Jmprel,
     Dynamic,
+    /// The search table header, replaced by one that lists the
+    /// trampolines' unwind entries too.
+    EhFrameHdr,
 }
 
 impl Table {
@@ -137,6 +142,7 @@ impl Table {
             Table::Rela => ".rela.dyn",
             Table::Jmprel => ".rela.plt",
             Table::Dynamic => ".dynamic",
+            Table::EhFrameHdr => ".eh_frame_hdr",
         }
     }
 }
@@ -168,6 +174,9 @@ pub enum SkipReason {
     /// A call inside an allocation wrapper that only sites reach: the
     /// wrapper's callers count what it allocates.
     InsideWrapper,
+    /// A hook in a file that unwinds through its calls, whose trampoline
+    /// cannot get an unwind entry (`ehframe`).
+    NoUnwind(&'static str),
 }
 
 impl SkipReason {
@@ -184,8 +193,20 @@ impl fmt::Display for SkipReason {
             SkipReason::OutOfRange => f.write_str("trampoline out of rel32 range"),
             SkipReason::Codegen(e) => write!(f, "trampoline: {e}"),
             SkipReason::InsideWrapper => f.write_str("inside an allocation wrapper whose callers are counted"),
+            SkipReason::NoUnwind(why) => write!(f, "hook without an unwind entry for its trampoline ({why})"),
         }
     }
+}
+
+/// The trampolines' unwind information: its bytes, where they go, and
+/// where the new search table header is among them.
+#[derive(Clone, Debug)]
+pub struct EhFramePlan {
+    pub region: Region,
+    pub bytes: Vec<u8>,
+    /// The entries (.alloctramp.eh_frame) and the header after them.
+    pub entries: Region,
+    pub hdr: Region,
 }
 
 /// Generated code and where it goes.
@@ -294,8 +315,8 @@ pub struct Shstrtab {
     pub section: Option<usize>,
     pub range: FileRange,
     /// Offsets of the new sections' names: `layout::SEC_SITES`,
-    /// `SEC_DATA`, `SEC_COUNTERS`, `SEC_TEXT`.
-    pub names: [u32; 4],
+    /// `SEC_DATA`, `SEC_COUNTERS`, `SEC_TEXT`, `SEC_EH_FRAME`.
+    pub names: [u32; 5],
 }
 
 /// Everything about the patched file but its bytes.
@@ -332,6 +353,9 @@ pub struct Plan<'a> {
     pub capture: Code,
     /// All of the executable segment's code (.alloctramp.text).
     pub text: Region,
+    /// The trampolines' unwind entries and the new .eh_frame_hdr that
+    /// PT_GNU_EH_FRAME points at, in the executable segment (`ehframe`).
+    pub eh_frame: Option<EhFramePlan>,
     /// The new .dynamic: the input's entries, the runtime's DT_NEEDED after
     /// the last DT_NEEDED, DT_INIT and DT_FINI if the input had none, and
     /// DT_NULL.
@@ -419,7 +443,9 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     if !a.unwind.is_empty() {
         ctx.capture = capture.addr.0;
     }
-    let sites = plan_sites(&mut cursor, &ctx, a);
+    let sources = ehframe::Sources::new(elf).ok();
+    let unwinds = crate::charge::unwinds(elf);
+    let (sites, programs) = plan_sites(&mut cursor, &ctx, a, sources.as_ref(), unwinds);
     // A call to a wrapper that counts for what the wrapper allocates must
     // be patched: the calls inside the wrapper may count nothing.
     for (p, site) in sites.iter().zip(&a.scan.sites) {
@@ -435,15 +461,27 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         }
     }
     let text = Region { offset: FileOffset(text_start), addr: Vaddr(mem.text), size: cursor.offset - text_start };
-    let rw = ReadWrite::place(align(text.end_offset().0, PAGE), &mem);
+    let eh_frame = match &sources {
+        Some(src) => place_eh_frame(&mut cursor, mem.control, src, &sites, &programs, unwinds)?,
+        None => None,
+    };
+    let exec_end = eh_frame.as_ref().map_or(text.end_offset(), |e| e.region.end_offset());
+    let rw = ReadWrite::place(align(exec_end.0, PAGE), &mem);
     // The original file follows at a multiple of the largest alignment, so
     // that every original segment keeps its address and the new segments'
     // file ranges, counters included, never overlap an original one.
     let shift = align(rw.file_end.max(rw.counters.region.offset.0 + 1), max_align);
-    let segments = [ro.segment(max_align), rw.segment(), exec_segment(text)];
-    let repoints = plan_repoints(elf, &tables, &ro.copies, rw.dynamic);
+    let segments = [ro.segment(max_align), rw.segment(), exec_segment(text, exec_end)];
+    let mut repoints = plan_repoints(elf, &tables, &ro.copies, rw.dynamic);
+    // The section header of the search table the new one replaces.
+    if let (Some(eh), Some(old)) = (&eh_frame, sources.as_ref().map(|s| s.hdr_addr())) {
+        let at = elf.sections.iter().find(|s| s.index != 0 && s.addr.0 == old && s.name == ".eh_frame_hdr");
+        if let Some(section) = at.map(|s| s.index) {
+            repoints.push(Repoint { section, table: Table::EhFrameHdr, to: eh.hdr, old_addr: Vaddr(old) });
+        }
+    }
     let input_size = elf.data.len() as u64;
-    let (shstrtab, shdrs, shnum) = plan_section_headers(elf, shift + input_size)?;
+    let (shstrtab, shdrs, shnum) = plan_section_headers(elf, shift + input_size, eh_frame.is_some())?;
     Ok(Plan {
         module: a.module.clone(),
         tables,
@@ -459,6 +497,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         fini,
         capture,
         text,
+        eh_frame,
         dynamic: rw.dynamic,
         control: rw.control,
         counters: rw.counters,
@@ -560,8 +599,10 @@ impl ReadWrite {
     }
 }
 
-fn exec_segment(text: Region) -> Segment {
-    let (offset, addr, size) = (text.offset, text.addr, text.size);
+/// The executable segment: the code, then the unwind information up to
+/// `end`.
+fn exec_segment(text: Region, end: FileOffset) -> Segment {
+    let (offset, addr, size) = (text.offset, text.addr, end.0 - text.offset.0);
     Segment { flags: elf::PF_R.0 | elf::PF_X.0, offset, addr, file_size: size, mem_size: size, align: PAGE }
 }
 
@@ -738,8 +779,18 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code,
 
 /// Every site's decision; patched sites get their trampolines one after
 /// another.
-fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePlan> {
+/// Every site's decision, and for each patched one that its file's unwind
+/// information covers, its trampoline's unwind entry (to be placed).
+fn plan_sites(
+    text: &mut Cursor,
+    ctx: &TextContext,
+    a: &Analysis,
+    sources: Option<&ehframe::Sources<'_>>,
+    unwinds: bool,
+) -> (Vec<SitePlan>, Vec<ehframe::Program>) {
     let mut sites = Vec::with_capacity(a.scan.sites.len());
+    let mut programs = Vec::new();
+    let mut ctx_cfi = gimli::UnwindContext::new();
     for (i, site) in a.scan.sites.iter().enumerate() {
         let at = text.offset.wrapping_add(text.delta);
         let entry = &a.scan.entries[site.entry];
@@ -773,20 +824,94 @@ fn plan_sites(text: &mut Cursor, ctx: &TextContext, a: &Analysis) -> Vec<SitePla
             hook: matches!(site.charge, Charge::Hook { .. }),
             charge_check: site.under_hook,
         };
+        let mut unwind = None;
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)
         } else {
             match trampoline(&spec, at) {
                 Ok(t) => {
-                    let (drain, count, callers, flags) = (t.drain, t.count, t.callers, t.flags);
-                    Decision::Patched(Trampoline { code: place_code(text, t.code), drain, count, callers, flags })
+                    let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+                    let found: std::result::Result<_, &'static str> = match sources {
+                        None => Err("the file has no .eh_frame_hdr to extend"),
+                        Some(src) => frames::frames(&t.code, at, &entries, spec.target)
+                            .map_err(|_| "the trampoline's stack cannot be followed")
+                            .and_then(|frames| {
+                                ehframe::Entry {
+                                    addr: at,
+                                    len: t.code.len() as u64,
+                                    frames: &frames,
+                                    ret: site.vaddr.0 + u64::from(site.len),
+                                    tail: site.form.is_tail(),
+                                    site: src.site(site.vaddr.0, &mut ctx_cfi).ok(),
+                                    index: i as u32,
+                                    undo: &t.undo,
+                                }
+                                .program()
+                            }),
+                    };
+                    match found {
+                        // An exception through a hook's call must find an
+                        // entry: without one the site stays as it is.
+                        Err(why) if spec.hook && unwinds => Decision::Skipped(SkipReason::NoUnwind(why)),
+                        found => {
+                            unwind = found.ok();
+                            let (drain, count, callers, flags) = (t.drain, t.count, t.callers, t.flags);
+                            Decision::Patched(Trampoline {
+                                code: place_code(text, t.code),
+                                drain,
+                                count,
+                                callers,
+                                flags,
+                            })
+                        }
+                    }
                 }
                 Err(reason) => Decision::Skipped(reason),
             }
         };
         sites.push(SitePlan { addr: site.vaddr, len: site.len, form: site.form, entry: site.entry, decision });
+        programs.extend(unwind);
     }
-    sites
+    (sites, programs)
+}
+
+/// Places the trampolines' unwind information after them. In a file that
+/// unwinds through its calls, hooks were planned on the promise of their
+/// entries, so failing to place them is an error; elsewhere the patched
+/// file simply has none.
+fn place_eh_frame(
+    cursor: &mut Cursor,
+    control: u64,
+    src: &ehframe::Sources<'_>,
+    sites: &[SitePlan],
+    entries: &[ehframe::Program],
+    unwinds: bool,
+) -> Result<Option<EhFramePlan>> {
+    if entries.is_empty() {
+        return Ok(None);
+    }
+    let start = align(cursor.offset, 8);
+    let at = start.wrapping_add(cursor.delta);
+    match src.region(entries, at, control) {
+        Ok((bytes, hdr_off)) => {
+            let region = cursor.place(bytes.len() as u64, 8);
+            debug_assert_eq!(region.addr.0, at);
+            let hdr = Region {
+                offset: region.offset.offset_by(hdr_off),
+                addr: region.addr.offset_by(hdr_off),
+                size: bytes.len() as u64 - hdr_off,
+            };
+            let entries = Region { size: hdr_off, ..region };
+            Ok(Some(EhFramePlan { region, bytes, entries, hdr }))
+        }
+        Err(why)
+            if unwinds
+                && sites.iter().any(|s| s.trampoline().is_some_and(|t| t.flags & layout::site_flags::HOOK != 0)) =>
+        {
+            Err(refuse(format!("the trampolines' unwind entries: {why}")))
+        }
+        Err(_) => Ok(None),
+    }
 }
 
 /// A site's trampoline at `at`, if every entry of it is in reach of the
@@ -840,7 +965,7 @@ fn plan_repoints(elf: &Elf, t: &Tables, c: &Copies, dynamic: Region) -> Vec<Repo
 
 /// The grown section name table at `end` (the end of the output's copy of
 /// the input) and the section header table after it.
-fn plan_section_headers(elf: &Elf, end: u64) -> Result<(Shstrtab, FileRange, usize)> {
+fn plan_section_headers(elf: &Elf, end: u64, eh_frame: bool) -> Result<(Shstrtab, FileRange, usize)> {
     let e = LE;
     let header = elf.file.elf_header();
     let shstrndx = usize::from(header.e_shstrndx.get(e).0);
@@ -864,18 +989,19 @@ fn plan_section_headers(elf: &Elf, end: u64) -> Result<(Shstrtab, FileRange, usi
         }
     }
     let mut size = section.map_or(0, |s| s.data.len() as u64);
-    let names = [layout::SEC_SITES, layout::SEC_DATA, layout::SEC_COUNTERS, layout::SEC_TEXT].map(|n| {
-        let at = size as u32;
-        size += n.len() as u64 + 1;
-        at
-    });
+    let names = [layout::SEC_SITES, layout::SEC_DATA, layout::SEC_COUNTERS, layout::SEC_TEXT, layout::SEC_EH_FRAME]
+        .map(|n| {
+            let at = size as u32;
+            size += n.len() as u64 + 1;
+            at
+        });
     if let Some(s) = section.filter(|s| s.index != 0 && s.addr.0.checked_add(size).is_none()) {
         return Err(bad(format!(
             "{:?}, whose address {} leaves no room for its {size} bytes once grown",
             s.name, s.addr
         )));
     }
-    let shnum = elf.sections.len() + names.len();
+    let shnum = elf.sections.len() + names.len() - usize::from(!eh_frame);
     if shnum >= 0xff00 {
         return Err(refuse("too many sections"));
     }

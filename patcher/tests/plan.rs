@@ -425,3 +425,86 @@ fn a_plt_section_without_contents_has_no_stubs() {
         );
     }
 }
+
+/// Every trampoline has an unwind entry that the new search table finds,
+/// the input's entries are all still listed (by the same address), and
+/// inside each call of a trampoline's target the entry makes the
+/// trampoline a frame of its own: CFA 8 above the site's stack pointer,
+/// rsp = CFA - 8, the return address computed from the call's own.
+#[test]
+fn every_trampoline_has_an_unwind_entry_and_the_input_keeps_its_own() {
+    use gimli::{
+        BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, Pointer, RegisterRule, UnwindContext, UnwindSection,
+        X86_64,
+    };
+    use object::read::elf::ProgramHeader as _;
+    each_plan(|name, data, a, plan| {
+        let eh = plan.eh_frame.as_ref().unwrap_or_else(|| panic!("{name}: no unwind entries"));
+        let out = patch(data, a, &opts()).unwrap().to_vec();
+        let elf = Elf::parse(&out).unwrap();
+        let e = object::LittleEndian;
+        let ph = elf.file.elf_program_headers().iter().find(|p| p.p_type(e) == object::elf::PT_GNU_EH_FRAME).unwrap();
+        assert_eq!((ph.p_vaddr(e), ph.p_filesz(e)), (eh.hdr.addr.0, eh.hdr.size), "{name}: PT_GNU_EH_FRAME");
+        let at = |addr: u64, len: usize| {
+            let off = elf.offset_of(alloctramp_trampolines::addr::Vaddr(addr)).unwrap().0 as usize;
+            &out[off..off + len]
+        };
+        let bases = BaseAddresses::default().set_eh_frame_hdr(eh.hdr.addr.0);
+        let hdr = EhFrameHdr::new(at(eh.hdr.addr.0, eh.hdr.size as usize), LittleEndian).parse(&bases, 8).unwrap();
+        let Pointer::Direct(old_eh) = hdr.eh_frame_ptr() else { panic!("{name}: eh_frame_ptr") };
+        // Every FDE the table names lies in the input's .eh_frame or in the
+        // new entries: read them all from one slice spanning the lowest to
+        // the end of the new ones.
+        let end = eh.entries.addr.0 + eh.entries.size;
+        let whole: Vec<u8> = (old_eh..end)
+            .map(|a| elf.offset_of(alloctramp_trampolines::addr::Vaddr(a)).map_or(0, |o| out[o.0 as usize]))
+            .collect();
+        let frame = EhFrame::new(&whole, LittleEndian);
+        let bases = bases.set_eh_frame(old_eh);
+        let table = hdr.table().unwrap();
+        let mut listed = Vec::new();
+        let mut it = table.iter(&bases);
+        while let Some((Pointer::Direct(pc), _)) = it.next().unwrap() {
+            listed.push(pc);
+        }
+        assert!(listed.is_sorted(), "{name}: the search table is sorted");
+        let input = Elf::parse(data).unwrap();
+        let ph = input.file.elf_program_headers().iter().find(|p| p.p_type(e) == object::elf::PT_GNU_EH_FRAME).unwrap();
+        let old_bases = BaseAddresses::default().set_eh_frame_hdr(ph.p_vaddr(e));
+        let old_hdr = EhFrameHdr::new(input.bytes_at(ph.p_vaddr(e), ph.p_filesz(e) as usize).unwrap(), LittleEndian)
+            .parse(&old_bases, 8)
+            .unwrap();
+        let old_table = old_hdr.table().unwrap();
+        let mut it = old_table.iter(&old_bases);
+        while let Some((Pointer::Direct(pc), _)) = it.next().unwrap() {
+            assert!(listed.binary_search(&pc).is_ok(), "{name}: the input's entry at {pc:#x} is listed");
+        }
+        let mut ctx = Box::new(UnwindContext::new());
+        let mut calls = 0;
+        for s in &plan.sites {
+            let Some(t) = s.trampoline() else { continue };
+            let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+            let target = a.scan.sites.iter().find(|x| x.vaddr == s.addr).unwrap().target.0;
+            let f = alloctramp_trampolines::frames::frames(&t.code.bytes, t.code.addr.0, &entries, target).unwrap();
+            for c in f.calls.iter().filter(|c| c.target && !s.form.is_tail()) {
+                let ret = t.code.addr.0 + u64::from(c.offset + c.len);
+                let row = table
+                    .unwind_info_for_address(&frame, &bases, &mut ctx, ret - 1, |s, b, o| s.cie_from_offset(b, o))
+                    .unwrap_or_else(|e| panic!("{name}: no entry for {ret:#x}: {e}"));
+                let d = match f.rows.iter().rev().find(|r| r.offset <= c.offset).unwrap().stack {
+                    alloctramp_trampolines::frames::Stack::Below(d) => i64::from(d),
+                    other => panic!("{name}: {other:?} at a call of the target"),
+                };
+                assert_eq!(
+                    *row.cfa(),
+                    CfaRule::RegisterAndOffset { register: X86_64::RSP, offset: d + 8 },
+                    "{name} {ret:#x}"
+                );
+                assert_eq!(row.register(X86_64::RSP), Some(RegisterRule::ValOffset(-8)), "{name} {ret:#x}");
+                assert!(matches!(row.register(X86_64::RA), Some(RegisterRule::ValExpression(_))), "{name} {ret:#x}");
+                calls += 1;
+            }
+        }
+        assert!(calls > 0, "{name}: calls of targets checked");
+    });
+}

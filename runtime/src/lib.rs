@@ -2,7 +2,8 @@
 //! DT_NEEDED entry of the module). It is a guest in someone else's process:
 //! it holds no file descriptor while the program runs, does nothing on a
 //! trampoline path, runs only async-signal-safe code in signal handlers, and
-//! a panic aborts (it never unwinds into C).
+//! a panic aborts (it never unwinds into C). Its personality routine
+//! (`unwinding`) lets exceptions pass trampolines.
 //!
 //! At start-up it creates the process's counters file, starts the watcher
 //! thread that waits for requests (or installs the control signal's
@@ -32,6 +33,7 @@ mod registry;
 mod state;
 mod sys;
 mod tls;
+mod unwinding;
 
 use alloctramp_trampolines::layout::{self, API_VERSION};
 use alloctramp_trampolines::process;
@@ -487,6 +489,7 @@ const LAYERS: &[&[&str]] = &[
     &["procfile"],
     &["state"],
     &["patching", "live", "foreign"],
+    &["unwinding"],
     &["registry"],
     &["callers"],
     &["control"],

@@ -908,6 +908,22 @@ fn add(cell: u64, field: u32, v: u64) {
     unsafe { &*((cell + u64::from(field)) as *const AtomicU64) }.fetch_add(v, Ordering::Relaxed);
 }
 
+/// A counted call that an exception or a forced unwind left (see
+/// `unwinding`): a failure, with its requested bytes on the live path, in
+/// site `index`'s cell of the module whose control block is `control` (in
+/// the current CPU's shard), or with `control` null in the cell at `index`.
+///
+/// # Safety
+/// As for [`cell_of`].
+pub unsafe fn count_unwound(index: u64, control: *const u8, size: Option<u64>) {
+    // SAFETY: forwarded from the caller.
+    let cell = unsafe { cell_of(index, control) };
+    add(cell, cell::FAILED, 1);
+    if let Some(size) = size {
+        add(cell, cell::FAILED_BYTES, size);
+    }
+}
+
 /// Counts an object as freed on the site that allocated it.
 #[inline(always)]
 fn charge_free(cell: u64, size: u64) {

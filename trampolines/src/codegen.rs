@@ -14,7 +14,7 @@
 //! callers may rely on fewer clobbers) every register they use is saved.
 
 use crate::entry::{Kind, Returns, Signature, Size};
-use crate::layout::{SiteForm, cell, control, nursery};
+use crate::layout::{SiteForm, cell, control, nursery, undo};
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
@@ -124,6 +124,12 @@ struct Gen<'a> {
     /// Generating the charged paths: the cell is the active hook's, read
     /// from the thread's charge, not this site's.
     charged: bool,
+    /// What an unwind through each call of the target undoes (`undo`
+    /// flags, size position), in the order the calls are emitted (their
+    /// address order).
+    undo: Vec<(u8, i32)>,
+    /// The flags for the next call of the target.
+    undo_next: u8,
 }
 
 impl Gen<'_> {
@@ -394,12 +400,25 @@ impl Gen<'_> {
     /// depth around it at a bumping site).
     fn call_target(&mut self) -> R<()> {
         self.add_depth(1)?;
+        self.undo_next = self.counted_undo();
         self.call_target_plain()?;
         self.add_depth(-1)
     }
 
+    /// What an unwind through a counted call undoes: an allocation that
+    /// throws counts as failed, and a raised depth goes down.
+    fn counted_undo(&self) -> u8 {
+        let failed = match self.s.sig.kind {
+            Kind::Alloc if !self.s.hook => undo::FAILED | if self.charged { undo::CHARGED } else { 0 },
+            _ => 0,
+        };
+        failed | if self.s.depth_bump { undo::DEPTH } else { 0 }
+    }
+
     fn call_target_plain(&mut self) -> R<()> {
         let s = self.s;
+        let what = std::mem::take(&mut self.undo_next);
+        self.undo.push((what, 0));
         if s.form.is_tail() {
             // At a tail jump the stack holds the caller's return address:
             // realign for the call, and return to the caller's caller.
@@ -596,6 +615,15 @@ impl Gen<'_> {
     fn call_in_frame(&mut self) -> R<()> {
         let s = self.s;
         self.add_depth(1)?;
+        let mut what = self.counted_undo();
+        if what & undo::FAILED != 0 {
+            what |= match s.sig.size {
+                Size::Arg(_) => undo::LIVE_SIZE,
+                Size::Product(_, _) => undo::LIVE_SIZE | undo::LIVE_PRODUCT,
+                _ => 0,
+            };
+        }
+        self.undo.push((what, self.depth));
         if s.form.through_got() {
             self.add(Instruction::with1(Code::Call_rm64, rip(s.target)))?;
         } else {
@@ -724,6 +752,7 @@ impl Gen<'_> {
         } else {
             self.a.mov(qword_ptr(r10 + 8).fs(), rsp)?;
         }
+        self.undo_next = undo::HOOK;
         self.call_target_plain()?;
         self.a.set_label(&mut after)?;
         if preserve {
@@ -1048,11 +1077,15 @@ pub struct Trampoline {
     pub callers: u16,
     /// The site's [`site_flags`](crate::layout::site_flags).
     pub flags: u8,
+    /// For each call of the target, in address order: what an unwind
+    /// through it undoes ([`undo`] flags) and where the size is from the
+    /// stack pointer at the call.
+    pub undo: Vec<(u8, i32)>,
 }
 
 /// Generates the trampoline for one site, to be placed at address `at`.
 pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
-    let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0, charged: false };
+    let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0, charged: false, undo: Vec::new(), undo_next: 0 };
     let (drain, count) = match spec.sig.kind {
         _ if spec.hook => {
             let (start, keep) = g.hook()?;
@@ -1086,7 +1119,7 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
     let flags = if spec.hook { site_flags::HOOK } else { 0 }
         | if spec.charge_check { site_flags::UNDER_HOOK } else { 0 }
         | if spec.depth_check { site_flags::DEPTH_CHECK } else { 0 };
-    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers, flags })
+    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers, flags, undo: g.undo })
 }
 
 pub use crate::layout::site_jump;
@@ -1184,7 +1217,7 @@ pub fn disassemble(code: &[u8], at: u64) -> String {
 }
 
 #[cfg(test)]
-mod golden {
+pub(crate) mod golden {
     //! The disassembly of every trampoline form, compared with the files in
     //! `trampolines/golden/`. After an intended change, regenerate them with
     //! `ALLOCTRAMP_BLESS=1 cargo test -p alloctramp-trampolines --features codegen golden`.
@@ -1237,10 +1270,42 @@ mod golden {
         if t.callers != 0 {
             text.push_str(&format!("callers entry: {:08x}\n", AT + u64::from(t.callers)));
         }
+        // The unwind rows the patcher derives from the code.
+        let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+        let f = crate::frames::frames(&t.code, AT, &entries, spec.target).unwrap();
+        for row in &f.rows {
+            let at = AT + u64::from(row.offset);
+            let saved = if row.rbx_saved { ", site rbx at [rbx]" } else { "" };
+            match row.stack {
+                crate::frames::Stack::Below(d) => {
+                    text.push_str(&format!("stack from {at:08x}: site rsp - {d}{saved}\n"))
+                }
+                crate::frames::Stack::ThroughRbx(d) => {
+                    text.push_str(&format!("stack from {at:08x}: realigned, rbx = site rsp - {d}{saved}\n"))
+                }
+            }
+        }
+        let mut undo = t.undo.iter();
+        for c in &f.calls {
+            let at = AT + u64::from(c.offset);
+            if c.target {
+                let (what, size_at) = undo.next().expect("an undo entry for every call of the target");
+                let size = if what & crate::layout::undo::LIVE_SIZE != 0 {
+                    format!(", size at rsp+{size_at}")
+                } else {
+                    String::new()
+                };
+                text.push_str(&format!("call of the target: {at:08x}, {} bytes, undo {what:#04x}{size}\n", c.len));
+            } else {
+                text.push_str(&format!("call of the runtime: {at:08x}, {} bytes\n", c.len));
+            }
+        }
+        assert!(undo.next().is_none(), "an undo entry for a call the code does not make");
         text
     }
 
-    fn cases() -> Vec<(&'static str, String)> {
+    /// Every trampoline shape the goldens show, by golden file name.
+    pub(crate) fn specs() -> Vec<(&'static str, TrampolineSpec)> {
         let mut v = Vec::new();
         for (file, name, form, preserve) in [
             ("malloc-call-rel32", "malloc", SiteForm::CallRel32, false),
@@ -1263,7 +1328,7 @@ mod golden {
             ("strdup-call-rel32", "strdup", SiteForm::CallRel32, false),
             ("strdup-call-rel32-direct", "strdup", SiteForm::CallRel32, true),
         ] {
-            v.push((file, listing(&spec(name, form, preserve))));
+            v.push((file, spec(name, form, preserve)));
         }
         // Sites of allocation wrappers (see the patcher's `charge`): a call
         // to an open wrapper raises the depth; a site inside one checks it.
@@ -1295,7 +1360,7 @@ mod golden {
                 },
             ),
         ] {
-            v.push((file, listing(&s)));
+            v.push((file, s));
         }
         // Hooks (calls to functions whose allocations their callers take)
         // and the sites inside such functions, which count into the
@@ -1323,19 +1388,25 @@ mod golden {
                 TrampolineSpec { depth_check: true, depth_bump: true, key_result: 16, ..under("malloc", false) },
             ),
         ] {
-            v.push((file, listing(&s)));
+            v.push((file, s));
         }
+        // Callers capture: the entry that goes through the module's stub.
+        for (file, name, form) in
+            [("callers-malloc-plt", "malloc", SiteForm::CallRel32), ("callers-free-tail", "free", SiteForm::JmpRel32)]
+        {
+            v.push((file, TrampolineSpec { capture: STUB, ..spec(name, form, false) }));
+        }
+        v
+    }
+
+    const STUB: u64 = AT - 0x40;
+
+    fn cases() -> Vec<(&'static str, String)> {
+        let mut v: Vec<(&'static str, String)> = specs().into_iter().map(|(file, s)| (file, listing(&s))).collect();
         let init = init_stub(AT, CONTROL, 0x415040, crate::layout::api::REGISTER, Some(0x401000)).unwrap();
         v.push(("init-stub", disassemble(&init, AT)));
         let fini = init_stub(AT, CONTROL, 0x415040, crate::layout::api::UNREGISTER, None).unwrap();
         v.push(("fini-stub-no-original", disassemble(&fini, AT)));
-        // Callers capture: the entry that goes through the module's stub.
-        const STUB: u64 = AT - 0x40;
-        for (file, name, form) in
-            [("callers-malloc-plt", "malloc", SiteForm::CallRel32), ("callers-free-tail", "free", SiteForm::JmpRel32)]
-        {
-            v.push((file, listing(&TrampolineSpec { capture: STUB, ..spec(name, form, false) })));
-        }
         v.push(("capture-stub", disassemble(&capture_stub(STUB, CONTROL, 0x415040).unwrap(), STUB)));
         v
     }

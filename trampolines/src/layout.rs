@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 8;
+pub const VERSION: u32 = 9;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -57,6 +57,11 @@ pub const SEC_TEXT: &str = ".alloctramp.text";
 pub const SEC_SITES: &str = ".alloctramp.sites";
 pub const SEC_DATA: &str = ".alloctramp.data";
 pub const SEC_COUNTERS: &str = ".alloctramp.counters";
+/// The trampolines' unwind entries (the new `.eh_frame_hdr` follows them).
+pub const SEC_EH_FRAME: &str = ".alloctramp.eh_frame";
+/// The sections a patched file adds, in the order of their headers (the
+/// last only when the file has unwind entries for its trampolines).
+pub const NEW_SECTIONS: [&str; 5] = [SEC_SITES, SEC_DATA, SEC_COUNTERS, SEC_TEXT, SEC_EH_FRAME];
 
 /// Name of the data symbol the runtime exports and every patched module
 /// imports (through a GOT slot in its control block).
@@ -98,6 +103,56 @@ pub mod control {
     pub const DEPTH_TLS: u32 = offset_of!(ControlBlock, depth_tls) as u32;
     pub const CHARGE_TLS: u32 = offset_of!(ControlBlock, charge_tls) as u32;
     pub const CAPTURE: u32 = offset_of!(ControlBlock, capture) as u32;
+    pub const PERSONALITY: u32 = offset_of!(ControlBlock, personality) as u32;
+}
+
+/// What an exception or a forced unwind (thread cancellation) that passes
+/// a trampoline's call undoes of what the trampoline did before the call,
+/// as the code after the call would have. A trampoline's unwind entry
+/// names the runtime's personality routine (through the control block's
+/// `personality`) and an LSDA of this form: an [`UndoHeader`], then
+/// `count` [`UndoCall`]s, one per call of the site's target that has
+/// something to undo.
+pub mod undo {
+    /// The call counted as failed (as a NULL result would), into the
+    /// site's cell in the current CPU's shard, or with [`CHARGED`] into the
+    /// active hook's cell.
+    pub const FAILED: u8 = 1;
+    /// With [`FAILED`], on the live path: its requested bytes are failed
+    /// bytes too; the size is the word at `size_at` from the stack pointer
+    /// at the call (the CFA of the called function).
+    pub const LIVE_SIZE: u8 = 2;
+    /// The size is the product of that word and the next.
+    pub const LIVE_PRODUCT: u8 = 4;
+    /// The thread's wrapper depth goes down by one.
+    pub const DEPTH: u8 = 8;
+    /// The thread's charge is cleared (the hook's call took it).
+    pub const HOOK: u8 = 16;
+    /// The failure counts into the active hook's cell.
+    pub const CHARGED: u8 = 32;
+
+    /// The start of a trampoline's LSDA.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct UndoHeader {
+        /// The module's control block, relative to this field.
+        pub control: i32,
+        /// The site's index (its cell).
+        pub index: u32,
+        pub count: u32,
+    }
+
+    /// One call of a trampoline and what to undo when an unwind passes it.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct UndoCall {
+        /// The call's return address, from the trampoline's start.
+        pub ret: u32,
+        pub what: u8,
+        pub pad: u8,
+        /// Where the size is, from the stack pointer at the call.
+        pub size_at: i16,
+    }
 }
 
 /// A thread's nursery: a direct-mapped table of the objects the thread
@@ -388,7 +443,11 @@ pub struct ControlBlock {
     /// still holds the return address. Written at registration, before any
     /// site is switched.
     pub charge_tls: AtomicI64,
-    pub reserved: [u64; 2],
+    /// The runtime's personality routine (see [`undo`]), which the
+    /// trampolines' unwind entries name through this slot. Written at
+    /// registration, before any site is switched.
+    pub personality: AtomicU64,
+    pub reserved: [u64; 1],
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -667,7 +726,19 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("depth_tls", offset_of!(ControlBlock, depth_tls), "i64"),
     ("capture", offset_of!(ControlBlock, capture), "fn"),
     ("charge_tls", offset_of!(ControlBlock, charge_tls), "i64"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 2]"),
+    ("personality", offset_of!(ControlBlock, personality), "fn"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 1]"),
+];
+pub const UNDO_HEADER_FIELDS: &[(&str, usize, &str)] = &[
+    ("control", offset_of!(undo::UndoHeader, control), "i32"),
+    ("index", offset_of!(undo::UndoHeader, index), "u32"),
+    ("count", offset_of!(undo::UndoHeader, count), "u32"),
+];
+pub const UNDO_CALL_FIELDS: &[(&str, usize, &str)] = &[
+    ("ret", offset_of!(undo::UndoCall, ret), "u32"),
+    ("what", offset_of!(undo::UndoCall, what), "u8"),
+    ("pad", offset_of!(undo::UndoCall, pad), "u8"),
+    ("size_at", offset_of!(undo::UndoCall, size_at), "i16"),
 ];
 pub const CELL_FIELDS: &[(&str, usize, &str)] = &[
     ("calls", offset_of!(Cell, calls), "u64"),
@@ -1099,9 +1170,9 @@ pub(crate) mod tests {
         assert!(t.entry(1).is_none());
 
         let mut bad = bytes.clone();
-        bad[8] = 9;
-        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Version { found: 9 });
-        assert!(Table::parse(&bad).unwrap_err().to_string().contains("version 9"));
+        bad[8] = 10;
+        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Version { found: 10 });
+        assert!(Table::parse(&bad).unwrap_err().to_string().contains("version 10"));
         assert_eq!(Table::parse(&bytes[..bytes.len() - 1]).unwrap_err(), TableError::InconsistentSizes);
         bad = bytes.clone();
         bad[0] = b'X';
@@ -1162,6 +1233,8 @@ pub(crate) mod tests {
         assert_eq!(documented(&doc, "## Counters"), fields(CELL_FIELDS));
         assert_eq!(documented(&doc, "Unwind rows (12 bytes each"), fields(UNWIND_FIELDS));
         assert_eq!(documented(&doc, "Library rows entry (40 bytes each)"), fields(FOREIGN_FIELDS));
+        assert_eq!(documented(&doc, "Undo header (12 bytes)"), fields(UNDO_HEADER_FIELDS));
+        assert_eq!(documented(&doc, "Undo call (8 bytes each)"), fields(UNDO_CALL_FIELDS));
     }
 }
 

@@ -6,11 +6,15 @@
 //! * [`process`]: the per-process counters file the runtime shares.
 //! * [`pod`]: plain-data views, the one place bytes become structs.
 //! * `codegen` (feature `codegen`): the trampolines and stubs.
+//! * `frames` (feature `codegen`): where a trampoline keeps the stack, for
+//!   its unwind rows.
 
 pub mod addr;
 #[cfg(feature = "codegen")]
 pub mod codegen;
 pub mod entry;
+#[cfg(feature = "codegen")]
+pub mod frames;
 pub mod layout;
 pub mod pod;
 pub mod process;

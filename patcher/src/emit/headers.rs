@@ -58,6 +58,8 @@ pub(super) fn program_headers(elf: &Elf, plan: &Plan) -> Vec<u8> {
             p = phdr(elf::PT_PHDR, elf::PF_R.0, plan.phdrs, 8);
         } else if t == elf::PT_DYNAMIC {
             p = phdr(elf::PT_DYNAMIC, elf::PF_R.0 | elf::PF_W.0, plan.dynamic, 8);
+        } else if let (elf::PT_GNU_EH_FRAME, Some(eh)) = (t, &plan.eh_frame) {
+            p = phdr(elf::PT_GNU_EH_FRAME, elf::PF_R.0, eh.hdr, 4);
         } else if p.p_filesz(e) > 0 || p.p_offset(e) > 0 {
             p.p_offset.set(e, p.p_offset(e) + plan.shift);
         }
@@ -86,7 +88,7 @@ pub(super) fn tail(elf: &Elf, plan: &Plan) -> Vec<u8> {
 fn shstrtab(elf: &Elf, plan: &Plan) -> Vec<u8> {
     let old = plan.shstrtab.section.and_then(|i| elf.sections.get(i)).map_or(&[][..], |s| s.data);
     let mut v = old.to_vec();
-    for name in [layout::SEC_SITES, layout::SEC_DATA, layout::SEC_COUNTERS, layout::SEC_TEXT] {
+    for name in layout::NEW_SECTIONS {
         v.extend_from_slice(name.as_bytes());
         v.push(0);
     }
@@ -123,6 +125,9 @@ fn section_headers(elf: &Elf, plan: &Plan) -> Vec<Shdr> {
     shdrs.push(section(names[1], elf::SHT_PROGBITS, a | w, plan.control, 64));
     shdrs.push(section(names[2], elf::SHT_NOBITS, a | w, plan.counters.region, PAGE));
     shdrs.push(section(names[3], elf::SHT_PROGBITS, a | x, plan.text, 16));
+    if let Some(eh) = &plan.eh_frame {
+        shdrs.push(section(names[4], elf::SHT_PROGBITS, a, eh.entries, 8));
+    }
     debug_assert_eq!(shdrs.len(), plan.shnum);
     debug_assert_eq!(align(plan.shstrtab.range.offset.0 + plan.shstrtab.range.size, 8), plan.shdrs.offset.0);
     shdrs

@@ -4,7 +4,8 @@
 //!
 //! * [`dynamic`]: the copies of the dynamic tables and the new .dynamic;
 //! * [`sites`]: the site table;
-//! * [`text`]: the stubs and trampolines;
+//! * [`text`]: the stubs and trampolines (their unwind information,
+//!   built by the plan, follows them);
 //! * [`headers`]: the ELF header, the program headers, and (after the
 //!   original file) the section name table and section headers;
 //! * [`symbols`]: symbols that name a moved table follow it.
@@ -54,5 +55,8 @@ pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
     head.put(plan.site_table, &sites::table(elf, a, plan));
     dynamic::emit(&mut head, plan, &follow);
     head.put(plan.text, &text::text(plan));
+    if let Some(eh) = &plan.eh_frame {
+        head.put(eh.region, &eh.bytes);
+    }
     Emitted { head: head.0, fixups: follow.symtab_fixups(elf), tail: headers::tail(elf, plan) }
 }

@@ -1,11 +1,12 @@
 //! Symbols that name a moved table follow it: the linker's `_DYNAMIC` (its
 //! address, and its size where the linker gave one, as gold does) and the
-//! section symbols of the repointed sections, in .symtab (fixups of the
-//! original bytes) and in the new .dynsym.
+//! section symbols of the repointed sections (and every symbol of the
+//! replaced `.eh_frame_hdr`: the linker's `__GNU_EH_FRAME_HDR`), in .symtab
+//! (fixups of the original bytes) and in the new .dynsym.
 
 use crate::bytes::c_str;
 use crate::elf::Elf;
-use crate::plan::{Plan, Region};
+use crate::plan::{Plan, Region, Table};
 use crate::tables::Sym;
 use object::LittleEndian as LE;
 use object::elf;
@@ -14,8 +15,9 @@ use object::pod::slice_from_all_bytes;
 pub(super) struct Follow {
     old_dynamic: u64,
     new_dynamic: Region,
-    /// Sections now elsewhere in memory: (index, old address, new address).
-    moved: Vec<(usize, u64, u64)>,
+    /// Sections now elsewhere in memory: (index, old address, new address,
+    /// whether every symbol in it follows, not only its section symbol).
+    moved: Vec<(usize, u64, u64, bool)>,
 }
 
 impl Follow {
@@ -24,7 +26,7 @@ impl Follow {
             .repoints
             .iter()
             .filter(|r| r.old_addr != r.to.addr)
-            .map(|r| (r.section, r.old_addr.0, r.to.addr.0))
+            .map(|r| (r.section, r.old_addr.0, r.to.addr.0, r.table == Table::EhFrameHdr))
             .collect();
         Follow { old_dynamic: plan.tables.dynamic_addr.0, new_dynamic: plan.dynamic, moved }
     }
@@ -36,11 +38,11 @@ impl Follow {
             let size = (sym.st_size.get(e) != 0).then_some(self.new_dynamic.size);
             return Some((self.new_dynamic.addr.0, size));
         }
-        if sym.st_type() == elf::STT_SECTION {
-            let shndx = usize::from(sym.st_shndx.get(e).0);
-            if let Some(&(_, old, new)) = self.moved.iter().find(|m| m.0 == shndx) {
-                return Some((new.wrapping_add(sym.st_value.get(e).wrapping_sub(old)), None));
-            }
+        let shndx = usize::from(sym.st_shndx.get(e).0);
+        if let Some(&(_, old, new, all)) = self.moved.iter().find(|m| m.0 == shndx)
+            && (all || sym.st_type() == elf::STT_SECTION)
+        {
+            return Some((new.wrapping_add(sym.st_value.get(e).wrapping_sub(old)), None));
         }
         None
     }

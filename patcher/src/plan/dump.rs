@@ -62,6 +62,14 @@ impl Plan<'_> {
         parts.push(Part::loaded(".alloctramp.text", self.text, format!("stubs and {patched} trampolines")));
         parts.push(code("  init stub", &self.init));
         parts.push(code("  fini stub", &self.fini));
+        if let Some(eh) = &self.eh_frame {
+            parts.push(Part::loaded(
+                ".alloctramp.eh_frame",
+                eh.entries,
+                format!("unwind entries of {patched} trampolines"),
+            ));
+            parts.push(Part::loaded(".eh_frame_hdr", eh.hdr, "the input's search table and the new entries"));
+        }
         parts.push(Part::loaded(".dynamic", self.dynamic, format!("{} entries", self.dynamic_count())));
         parts.push(Part::loaded(".alloctramp.data", self.control, "control block"));
         let k = &self.counters;
@@ -69,7 +77,8 @@ impl Plan<'_> {
         parts.push(Part::loaded(".alloctramp.counters", k.region, note));
         let input = FileRange { offset: alloctramp_trampolines::addr::FileOffset(self.shift), size: self.input_size };
         parts.push(Part::unloaded("input", input, "the input file"));
-        parts.push(Part::unloaded(".shstrtab", self.shstrtab.range, "the input's names, then 4"));
+        let new = if self.eh_frame.is_some() { 5 } else { 4 };
+        parts.push(Part::unloaded(".shstrtab", self.shstrtab.range, format!("the input's names, then {new}")));
         parts.push(Part::unloaded("section headers", self.shdrs, format!("{} entries", self.shnum)));
         parts
     }
