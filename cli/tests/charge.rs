@@ -417,8 +417,9 @@ fn exceptions_and_panics_unwind_through_trampolines_as_in_the_original() {
                 }
                 ("cancel", "") => {
                     // The worker's call to make_and_wait takes its malloc
-                    // (strlen("hello") + 16 bytes, never freed); the forced
-                    // unwind of the cancellation passed the hook.
+                    // (strlen("hello") + 16 bytes, never freed). The
+                    // cancellation's forced unwind walked through the
+                    // hook's trampoline to the cleanup handler's frame.
                     assert_eq!(f[&("cancel.c".to_string(), 20, "make_and_wait".to_string())], (1, 21, 0));
                     assert_eq!(f[&("cancel.c".to_string(), 11, "malloc".to_string())], (0, 0, 0));
                 }

@@ -351,8 +351,9 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             ok[k] = false;
         }
     }
-    // An allocator that throws (`operator new`) would unwind through the
-    // caller's trampoline, which has no unwind information.
+    // A wrapper of an allocator that throws (`operator new`) is not
+    // charged: calls to it are hooks where the file's trampolines get
+    // unwind entries.
     for &(k, i) in &within {
         if may_throw(&scan.entries[scan.sites[i].entry]) {
             ok[k] = false;

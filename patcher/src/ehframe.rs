@@ -163,6 +163,17 @@ impl<'a> Sources<'a> {
                 bases = set(bases, s.addr.0);
             }
         }
+        // Every entry of the table must name an FDE inside .eh_frame (gimli
+        // computes offsets from it without checking).
+        let end = eh_frame.saturating_add(data.len() as u64);
+        let table = hdr.table().ok_or(".eh_frame_hdr without a search table")?;
+        let mut it = table.iter(&bases);
+        while let Some(pair) = it.next().map_err(|_| "unreadable .eh_frame_hdr")? {
+            match pair {
+                (Pointer::Direct(_), Pointer::Direct(fde)) if fde >= eh_frame && fde < end => {}
+                _ => return Err("a search table entry outside .eh_frame"),
+            }
+        }
         let eh = EhFrame::new(data, LittleEndian);
         Ok(Sources { eh, bases, hdr, hdr_addr, eh_frame })
     }
@@ -372,7 +383,7 @@ fn segment_rest<'a>(elf: &Elf<'a>, addr: u64) -> Option<&'a [u8]> {
         .file
         .elf_program_headers()
         .iter()
-        .find(|p| p.p_type(e) == elf::PT_LOAD && addr >= p.p_vaddr(e) && addr < p.p_vaddr(e) + p.p_filesz(e))?;
+        .find(|p| p.p_type(e) == elf::PT_LOAD && addr >= p.p_vaddr(e) && addr - p.p_vaddr(e) < p.p_filesz(e))?;
     let start = ph.p_offset(e).checked_add(addr - ph.p_vaddr(e))?;
     let end = ph.p_offset(e).checked_add(ph.p_filesz(e))?;
     elf.data.get(usize::try_from(start).ok()?..usize::try_from(end).ok()?)
@@ -503,8 +514,11 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
     let calls: Vec<Call> =
         if e.tail { Vec::new() } else { e.frames.calls.iter().copied().filter(|c| c.target).collect() };
     let mut points: Vec<u32> = e.frames.rows.iter().map(|r| r.offset).collect();
+    // A call's state starts after its first byte: an unwinder looks up a
+    // return address less one, and a walk from a signal taken at the call
+    // itself (nothing pushed yet) needs the row outside.
     for c in &calls {
-        points.push(c.offset);
+        points.push(c.offset + 1);
         points.push(c.offset + c.len);
     }
     points.sort_unstable();
@@ -517,7 +531,7 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
     let mut outside_cfa = cfa;
     for &p in &points {
         let row = e.frames.rows.iter().rev().find(|r| r.offset <= p).copied().ok_or("no row at the start")?;
-        let call = calls.iter().find(|c| c.offset <= p && p < c.offset + c.len);
+        let call = calls.iter().find(|c| c.offset < p && p < c.offset + c.len);
         advance(out, p - last);
         last = p;
         if in_call {
@@ -537,9 +551,10 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
             cfa.stack(out, row.stack, 8);
             out.extend_from_slice(&[0x15, 7, 1]); // DW_CFA_val_offset_sf rsp, CFA - 8
             // Every register is the site's: the trampoline changed none
-            // but rbx, whose own rule follows.
+            // but rbx, whose own rule follows (rsp's and the return
+            // address's are set here).
             for &r in e.site.iter().flat_map(|s| &s.regs) {
-                if r != 16 && r != 3 {
+                if ![3, 7, 16].contains(&r) {
                     out.push(0x08);
                     uleb(out, u64::from(r));
                 }

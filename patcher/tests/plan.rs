@@ -508,3 +508,23 @@ fn every_trampoline_has_an_unwind_entry_and_the_input_keeps_its_own() {
         assert!(calls > 0, "{name}: calls of targets checked");
     });
 }
+
+/// A search table entry naming an FDE before `.eh_frame` (a damaged
+/// `.eh_frame_hdr`): the file is patched without unwind entries for its
+/// trampolines, never with a panic (gimli computes offsets from
+/// `.eh_frame` unchecked).
+#[test]
+fn a_search_table_entry_outside_eh_frame_gives_no_unwind_entries() {
+    use object::read::elf::ProgramHeader as _;
+    let mut d = fixture("every_c");
+    let elf = Elf::parse(&d).unwrap();
+    let e = object::LittleEndian;
+    let ph = elf.file.elf_program_headers().iter().find(|p| p.p_type(e) == object::elf::PT_GNU_EH_FRAME).unwrap();
+    let at = ph.p_offset(e) as usize;
+    // The first entry's FDE field: 12 bytes of header, then (pc, fde) pairs.
+    d[at + 16..at + 20].copy_from_slice(&(-0x800i32).to_le_bytes());
+    let a = analysis(&d, "every_c");
+    let p = plan_of(&d, &a, &opts()).unwrap();
+    assert!(p.eh_frame.is_none(), "no unwind entries from a damaged table");
+    assert!(patch(&d, &a, &opts()).is_ok());
+}
