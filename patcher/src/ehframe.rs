@@ -274,7 +274,9 @@ impl<'a> Sources<'a> {
     /// The region holding the trampolines' entries, their LSDAs and the
     /// new header, placed at `at`, for the module whose control block is
     /// at `control_block`; and the header's offset in it.
-    pub fn region(&self, entries: &[Program], at: u64, control_block: u64) -> Result<(Vec<u8>, u64), Why> {
+    /// The programs are consumed as they are copied, so that the patcher
+    /// does not hold both at their full size.
+    pub fn region(&self, entries: Vec<Program>, at: u64, control_block: u64) -> Result<(Vec<u8>, u64), Why> {
         let mut out: Vec<u8> =
             Vec::with_capacity(entries.iter().map(|e| e.instructions.len() + 28).sum::<usize>() + 64);
         cie(&mut out, at, None)?;
@@ -289,8 +291,8 @@ impl<'a> Sources<'a> {
         };
         let mut fdes: Vec<(u64, u64)> = Vec::with_capacity(entries.len());
         // (position of an FDE's LSDA pointer, its entry): LSDAs follow.
-        let mut lsdas: Vec<(usize, &Program)> = Vec::new();
-        for e in entries {
+        let mut lsdas: Vec<(usize, Program)> = Vec::new();
+        for mut e in entries {
             let pos = out.len();
             let fde_addr = at + pos as u64;
             out.extend_from_slice(&[0; 4]);
@@ -303,16 +305,15 @@ impl<'a> Sources<'a> {
             let field = at + out.len() as u64;
             out.extend_from_slice(&rel32(e.addr, field)?.to_le_bytes());
             out.extend_from_slice(&u32::try_from(e.len).map_err(|_| "trampoline too long")?.to_le_bytes());
-            if e.undo.is_empty() {
-                out.push(0);
-            } else {
-                out.push(4);
-                lsdas.push((out.len(), e));
-                out.extend_from_slice(&[0; 4]);
-            }
-            out.extend_from_slice(&e.instructions);
+            let lsda_field = (!e.undo.is_empty()).then_some(out.len() + 1);
+            out.push(if lsda_field.is_some() { 4 } else { 0 });
+            out.extend_from_slice(if lsda_field.is_some() { &[0; 4] } else { &[] });
+            out.extend_from_slice(&std::mem::take(&mut e.instructions));
             pad_entry(&mut out, pos);
             fdes.push((e.addr, fde_addr));
+            if let Some(field) = lsda_field {
+                lsdas.push((field, e));
+            }
         }
         out.extend_from_slice(&[0; 4]);
         for (field, e) in lsdas {

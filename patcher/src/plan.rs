@@ -462,7 +462,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     }
     let text = Region { offset: FileOffset(text_start), addr: Vaddr(mem.text), size: cursor.offset - text_start };
     let eh_frame = match &sources {
-        Some(src) => place_eh_frame(&mut cursor, mem.control, src, &sites, &programs, unwinds)?,
+        Some(src) => place_eh_frame(&mut cursor, mem.control, src, &sites, programs, unwinds)?,
         None => None,
     };
     let exec_end = eh_frame.as_ref().map_or(text.end_offset(), |e| e.region.end_offset());
@@ -884,7 +884,7 @@ fn place_eh_frame(
     control: u64,
     src: &ehframe::Sources<'_>,
     sites: &[SitePlan],
-    entries: &[ehframe::Program],
+    entries: Vec<ehframe::Program>,
     unwinds: bool,
 ) -> Result<Option<EhFramePlan>> {
     if entries.is_empty() {
