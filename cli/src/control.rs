@@ -314,8 +314,11 @@ fn switch_with(args: &SwitchArgs, request: Request, depth: u32, sites: &[u64]) -
     }
     post_request(&path, request, before.watcher, depth, sites)?;
     if !before.watcher {
-        // SAFETY: kill(2) with a pid and a signal number.
-        if unsafe { libc::kill(pid as i32, before.signal as i32) } != 0 {
+        // The value marks the signal as a request's: it never toggles.
+        let value =
+            libc::sigval { sival_ptr: alloctramp_trampolines::process::REQUEST_SIGNAL_VALUE as *mut libc::c_void };
+        // SAFETY: sigqueue(3) with a pid, a signal number and a value.
+        if unsafe { libc::sigqueue(pid as i32, before.signal as i32, value) } != 0 {
             bail!("cannot signal process {pid}: {}", std::io::Error::last_os_error());
         }
     }

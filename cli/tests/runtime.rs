@@ -315,6 +315,31 @@ fn switching_a_live_process_by_command_signal_and_file() {
         assert!(Instant::now() < deadline, "the control file's `off` did not switch off");
         std::thread::sleep(Duration::from_millis(5));
     }
+
+    // A signal queued as `alloctramp` queues its requests' (whose request
+    // another signal's handling may have taken already) never toggles, and
+    // reads no control file.
+    std::fs::remove_file(s.dir.join(format!("{}.control", s.pid()))).unwrap();
+    let generation = report(&s.pid(), &s.dir)["generation"].as_u64().unwrap();
+    let value = libc::sigval { sival_ptr: alloctramp_trampolines::process::REQUEST_SIGNAL_VALUE as *mut libc::c_void };
+    // SAFETY: sigqueue(3) with the server's pid, its control signal and a value.
+    assert_eq!(unsafe { libc::sigqueue(s.pid().parse().unwrap(), sig, value) }, 0);
+    std::thread::sleep(Duration::from_millis(200));
+    let doc = report(&s.pid(), &s.dir);
+    assert_eq!(
+        (doc["on"].as_bool(), doc["generation"].as_u64()),
+        (Some(false), Some(generation)),
+        "a request's signal without a request"
+    );
+    // The same signal with any other value is a bare one: it toggles.
+    let other = libc::sigval { sival_ptr: 7 as *mut libc::c_void };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::sigqueue(s.pid().parse().unwrap(), sig, other) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !report(&s.pid(), &s.dir)["on"].as_bool().unwrap() {
+        assert!(Instant::now() < deadline, "a bare queued signal did not toggle on");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     s.quit();
 }
 

@@ -247,10 +247,20 @@ fn reset_counters() {
     }
 }
 
-/// The control signal's handler.
-pub extern "C" fn on_signal(_sig: i32, _info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+/// The control signal's handler. A signal that `alloctramp` queued with
+/// its request's value only carries out the header's request (it may find
+/// it taken already by the handling of another signal); any other is a
+/// bare control signal.
+pub extern "C" fn on_signal(_sig: i32, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
     let _errno = sys::ErrnoGuard::new();
-    handle_request(true);
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler;
+    // si_value is meaningful for SI_QUEUE.
+    let request = !info.is_null()
+        && unsafe {
+            (*info).si_code == libc::SI_QUEUE
+                && (*info).si_value().sival_ptr as usize == alloctramp_trampolines::process::REQUEST_SIGNAL_VALUE
+        };
+    handle_request(!request);
 }
 
 /// The previous SIGTRAP disposition, to chain to for traps that are not

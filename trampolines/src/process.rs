@@ -63,6 +63,14 @@ use crate::pod::{self, Pod};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 
+/// The value `alloctramp enable|disable|reset` sends with the control
+/// signal (`sigqueue`, `si_code` SI_QUEUE): a signal carrying it only
+/// carries out the request in the header, and never toggles, so that it
+/// cannot turn into a toggle when another signal's handling took its
+/// request first. A bare signal (`kill`) toggles, or does what the
+/// control file says.
+pub const REQUEST_SIGNAL_VALUE: usize = 0x6174_7271; // "atrq"
+
 pub const PROC_MAGIC: [u8; 8] = *b"ATPROC\x00\x01";
 pub const PROC_VERSION: u32 = 4;
 pub const PROC_HEADER_SIZE: u64 = size_of::<ProcHeader>() as u64;
