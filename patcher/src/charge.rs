@@ -351,11 +351,12 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             ok[k] = false;
         }
     }
-    // A wrapper of an allocator that throws (`operator new`) is not
-    // charged: calls to it are hooks where the file's trampolines get
-    // unwind entries.
+    // A wrapper of an allocator that throws (`operator new`) is charged
+    // only where the trampolines get unwind entries (an exception through
+    // the caller's trampoline then counts the call as failed and lowers
+    // the depth again).
     for &(k, i) in &within {
-        if may_throw(&scan.entries[scan.sites[i].entry]) {
+        if !throwing_hooks && may_throw(&scan.entries[scan.sites[i].entry]) {
             ok[k] = false;
         }
     }

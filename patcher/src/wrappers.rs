@@ -162,10 +162,10 @@ pub struct Wrapper {
     /// What an allocation or realloc wrapper frees besides what it
     /// reallocates.
     pub frees: Frees,
-    /// Its callers can be charged with what it allocates: it hands over
-    /// the allocator's own pointer (no header in front), it throws no C++
-    /// exception (which cannot unwind through a trampoline), and it takes
-    /// no argument on the stack (a trampoline's frame would move them).
+    /// Its callers can be charged with what it allocates: it throws no C++
+    /// exception unless the file's trampolines carry unwind entries, and
+    /// it takes no argument on the stack (a trampoline's frame would move
+    /// them).
     pub chargeable: bool,
     /// Its pointers relative to those of the call at `why`'s address.
     pub offsets: Offsets,
@@ -1614,6 +1614,14 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
         Target::Slot(a) => slots.get(&a).copied(),
     };
     let (mut wrappers, noreturn) = find(&text, &functions, &known, &|a| refused.contains(&a));
+    // A wrapper that may throw can be charged where the trampolines carry
+    // unwind entries: an exception through its caller's trampoline counts
+    // the call as failed and lowers the depth again (`runtime::unwinding`).
+    if crate::charge::unwind_entries(elf) {
+        for w in &mut wrappers {
+            w.chargeable = true;
+        }
+    }
     named.retain(|n| !wrappers.iter().any(|w| w.start == n.start));
     wrappers.extend(named);
     wrappers.sort_by_key(|w| w.start);

@@ -1,6 +1,8 @@
 // operator new throwing std::bad_alloc through its site's trampoline, caught
 // by the caller: a patched program behaves as the original with profiling on,
-// and every call is counted (cli/tests/charge.rs).
+// and every call is counted (cli/tests/charge.rs): take() is charged to its
+// caller, and an exception through the caller's trampoline counts the call
+// as failed and lowers the wrapper depth again.
 #include <cstdio>
 #include <cstdlib>
 #include <new>
@@ -18,5 +20,10 @@ int main(int argc, char**) {
             failed++;
         }
     }
+    // A call that no site makes: the sites inside take() count it (the
+    // wrapper depth that the throws raised went down again).
+    char* (*volatile indirect)(size_t) = take;
+    char* q = indirect(100);
+    delete[] q;
     printf("failed %d got %zu\n", failed, got);
 }
