@@ -304,9 +304,9 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
 
     // With call chains: the allocations made in the standard library's
     // plumbing (RawVec growth, hashbrown's rehash, format) are charged to
-    // their first caller outside it, the program's main, at its lines (a
-    // Rust program's panics unwind: no hooks there; rows in main's own
-    // code count as they are).
+    // their first caller outside it, the program's main, at its lines
+    // (rows of main's own code count as they are: plumbing inlined into
+    // it, and its calls of plumbing that was not inlined, which are hooks).
     let patched = dir.join("collections-charged");
     let counters = counters_dir("rust-charge-callers");
     let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
@@ -341,11 +341,6 @@ fn a_rust_program_is_charged_to_the_code_that_allocates() {
     assert!(lines.len() >= 3, "format!, the map's growth and collect are lines of their own: {lines:?}");
 }
 
-/// Exceptions and panics that pass through calls a patched program makes
-/// (a C++ function that allocates and throws; a Rust panic inside
-/// `format!` and `collect`, caught with `catch_unwind`) unwind as in the
-/// original with profiling on: a file that may unwind through its calls
-/// gets no hooks, whose trampolines have no unwind information.
 /// Exceptions and panics thrown by a function a trampoline calls unwind
 /// through the trampoline (its unwind entry) into the site's function, as
 /// in the original, with profiling on: past hooks (which C++ and Rust
