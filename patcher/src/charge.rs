@@ -74,6 +74,27 @@ pub fn unwind_entries(elf: &Elf) -> bool {
     crate::ehframe::Sources::new(elf).is_ok()
 }
 
+/// What exceptions mean for a file's charges, found once per analysis.
+#[derive(Clone, Copy, Debug)]
+pub struct Unwinding {
+    /// Exceptions or panics may unwind through its calls ([`unwinds`]).
+    pub unwinds: bool,
+    /// Its trampolines get unwind entries ([`unwind_entries`]).
+    pub entries: bool,
+}
+
+impl Unwinding {
+    pub fn of(elf: &Elf) -> Unwinding {
+        Unwinding { unwinds: unwinds(elf), entries: unwind_entries(elf) }
+    }
+
+    /// Whether calls can be hooks: nothing unwinds through them, or an
+    /// unwind passes their trampolines.
+    pub fn hooks(self) -> bool {
+        !self.unwinds || self.entries
+    }
+}
+
 /// Adds an entry point for each wrapper that is not one already; returns
 /// them. A wrapper whose calls cannot be counted (its size is none of its
 /// arguments) gets one too, so that a wrapper calling it is seen to, and
@@ -87,6 +108,7 @@ pub fn entries(
     entries: &mut Vec<EntryPoint>,
     wrappers: &[WrapperInfo],
     plumbing: &Plumbing,
+    unwinding: Unwinding,
 ) -> Vec<Charged> {
     // What the entry points already reach, by address and name.
     let mut taken: HashSet<u64> = HashSet::new();
@@ -146,7 +168,7 @@ pub fn entries(
     // `reserve_rehash`): its own calls are not allocations its callers
     // asked for by size, but its callers decided them. Only where calls to
     // it can be hooks.
-    if unwinds(elf) && !unwind_entries(elf) {
+    if !unwinding.hooks() {
         return out;
     }
     let mut seen: HashSet<u64> = taken;
@@ -247,12 +269,11 @@ fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
 /// Decides which wrappers are charged and how each site of `scan` nests
 /// (see the module's description). Calls to wrappers that are not charged
 /// stop being sites.
-pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged]) {
+pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged], unwinding: Unwinding) {
     let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
     // With unwind entries for the trampolines, an exception passes a
     // hook's call as it passed the original call.
-    let entries = unwind_entries(elf);
-    decide(scan, charged, &stored, !unwinds(elf) || entries, entries);
+    decide(scan, charged, &stored, unwinding.hooks(), unwinding.entries);
 }
 
 /// The code ranges of the charged wrappers, to find which holds an

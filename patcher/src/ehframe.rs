@@ -27,6 +27,7 @@
 use crate::elf::Elf;
 use alloctramp_trampolines::frames::{Call, Frames, Stack};
 use alloctramp_trampolines::layout::{control, undo::UndoCall, undo::UndoHeader};
+use alloctramp_trampolines::pod;
 use gimli::{
     BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, ParsedEhFrameHdr, Pointer, Register,
     RegisterRule, UnwindContext, UnwindSection, X86_64,
@@ -322,13 +323,9 @@ impl<'a> Sources<'a> {
             out[field..field + 4].copy_from_slice(&v.to_le_bytes());
             let header =
                 UndoHeader { control: rel32(control_block, lsda)?, index: e.index, count: e.undo.len() as u32 };
-            out.extend_from_slice(&header.control.to_le_bytes());
-            out.extend_from_slice(&header.index.to_le_bytes());
-            out.extend_from_slice(&header.count.to_le_bytes());
+            out.extend_from_slice(pod::bytes_of(&header));
             for u in &e.undo {
-                out.extend_from_slice(&u.ret.to_le_bytes());
-                out.extend_from_slice(&[u.what, u.pad]);
-                out.extend_from_slice(&u.size_at.to_le_bytes());
+                out.extend_from_slice(pod::bytes_of(u));
             }
         }
         // The header: the input's search table with the new entries merged.

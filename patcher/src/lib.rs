@@ -171,10 +171,14 @@ pub fn analyze_with(
     }
     wrappers[found.len()..].sort_by(|a, b| a.function.cmp(&b.function));
     let plumbing = plumbing::Plumbing::with(&wrapper_opts.plumbing);
-    let charged =
-        if wrapper_opts.charge { charge::entries(&elf, &mut entries, &wrappers, &plumbing) } else { Vec::new() };
+    let unwinding = charge::Unwinding::of(&elf);
+    let charged = if wrapper_opts.charge {
+        charge::entries(&elf, &mut entries, &wrappers, &plumbing, unwinding)
+    } else {
+        Vec::new()
+    };
     let mut scan = scan::scan(&elf, entries, user_entries)?;
-    charge::assign(&elf, &mut scan, &charged);
+    charge::assign(&elf, &mut scan, &charged, unwinding);
 
     let embedded = elf.has_dwarf_lines().then(|| lines::DebugSections::load(&elf.file));
     let debug_parsed = match (&embedded, &debug) {

@@ -777,10 +777,9 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code,
     Ok((init, fini, place_code(text, capture)))
 }
 
-/// Every site's decision; patched sites get their trampolines one after
-/// another.
-/// Every site's decision, and for each patched one that its file's unwind
-/// information covers, its trampoline's unwind entry (to be placed).
+/// Every site's decision (patched sites get their trampolines one after
+/// another), and for each patched one that its file's unwind information
+/// covers, its trampoline's unwind entry (to be placed).
 fn plan_sites(
     text: &mut Cursor,
     ctx: &TextContext,

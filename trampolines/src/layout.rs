@@ -545,6 +545,11 @@ unsafe impl Pod for Cell {}
 unsafe impl Pod for UnwindRow {}
 // SAFETY: repr(C) integers and byte arrays, no padding (size asserted).
 unsafe impl Pod for ForeignUnwind {}
+// SAFETY: repr(C) integers, no padding (sizes asserted below).
+unsafe impl Pod for undo::UndoHeader {}
+// SAFETY: as above.
+unsafe impl Pod for undo::UndoCall {}
+const _: () = assert!(size_of::<undo::UndoHeader>() == 12 && size_of::<undo::UndoCall>() == 8);
 
 /// One row of a module's unwind table, built from `.eh_frame` at patch
 /// time (as objtool builds ORC tables for the kernel): from `addr` (a file
