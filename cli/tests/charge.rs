@@ -189,6 +189,53 @@ mod hooks_matrix {
     crate::matrix!(super::check_hooks);
 }
 
+/// A hook's call left on a stack the program then unmaps (a fiber destroyed
+/// while suspended inside it): the next checks below it, a hook's and a
+/// hooked function's site's, find the charge stale instead of faulting.
+/// Exact in every build configuration, counting, tracking live objects and
+/// recording call chains (whose capture makes the same check).
+fn check_fibers(config: Config) {
+    let b = built(config);
+    let p = program("fibers");
+    let path = b.path(&p.name);
+    assert_eq!(
+        actual_sites(&path),
+        expected_sites(p, config, false),
+        "{}: sites differ from the markers",
+        config.name()
+    );
+    let pdir = charged_runs(config, &[p], "fibers");
+    let dir = counters_dir(&format!("{}-fibers-callers", config.name()));
+    let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())];
+    let out = run_program(&pdir.join(&p.output), &p.run, &env);
+    assert_eq!(
+        out,
+        run_program(&path, &p.run, &[]),
+        "{}: with call chains, the program behaves as the original",
+        config.name()
+    );
+    let file = only_counters_file(&dir);
+    let doc = report(file.to_str().unwrap(), &dir);
+    assert_eq!(
+        figures(&doc),
+        charged_figures(&[p]).0,
+        "{}: with call chains, counts differ from the markers",
+        config.name()
+    );
+
+    // A fault of the program's own still ends it by SIGSEGV.
+    use std::os::unix::process::ExitStatusExt;
+    for (exe, env) in [(path.clone(), vec![]), (pdir.join(&p.output), env.to_vec())] {
+        let o = std::process::Command::new(&exe).arg("crash").envs(env).output().unwrap();
+        assert_eq!(o.status.signal(), Some(libc::SIGSEGV), "{}: {} crash: {:?}", config.name(), exe.display(), o);
+        assert_eq!(o.stdout, out.0.as_bytes(), "{}: {} crash", config.name(), exe.display());
+    }
+}
+
+mod fibers_matrix {
+    crate::matrix!(super::check_fibers);
+}
+
 /// Calls through a GOT slot that a relative relocation fills with an entry
 /// point the file defines (`call *f@GOTPCREL(%rip)` that the linker did not
 /// relax, as Rust calls `__rust_alloc`) are sites, not addresses in data.

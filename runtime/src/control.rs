@@ -280,6 +280,43 @@ impl OldAction {
         self.handler.store(a.sa_sigaction, Ordering::Relaxed);
         self.flags.store(a.sa_flags as usize, Ordering::Release);
     }
+
+    /// Hands a signal that is not ours to this previous disposition: its
+    /// handler, or the default action. `refaults`: the signal is a fault
+    /// the kernel raised for the instruction the thread returns to, which
+    /// faults again once the default action is back (so the process ends
+    /// as it would have, at that instruction, with the kernel's siginfo);
+    /// an ignored disposition cannot ignore such a fault either.
+    fn forward(&self, sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void, refaults: bool) {
+        let h = self.handler.load(Ordering::Acquire);
+        let flags = self.flags.load(Ordering::Relaxed) as i32;
+        if h == libc::SIG_IGN && !refaults {
+            return;
+        }
+        if h == libc::SIG_DFL || h == libc::SIG_IGN {
+            // SAFETY: restoring the default action (and re-raising a signal
+            // that will not come again by itself): the process ends as it
+            // would have without us.
+            unsafe {
+                libc::signal(sig, libc::SIG_DFL);
+                if !refaults {
+                    libc::raise(sig);
+                }
+            }
+            return;
+        }
+        // SAFETY: calling the handler that was installed before ours, with
+        // the signature its flags declare.
+        unsafe {
+            if flags & libc::SA_SIGINFO != 0 {
+                let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(h);
+                f(sig, info, ctx);
+            } else {
+                let f: extern "C" fn(i32) = std::mem::transmute(h);
+                f(sig);
+            }
+        }
+    }
 }
 
 /// SIGTRAP: a thread reached a site while it held INT3 during a switch.
@@ -298,31 +335,46 @@ pub extern "C" fn on_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::
         *rip = t as i64;
         return;
     }
-    let h = OLD_TRAP.handler.load(Ordering::Acquire);
-    let flags = OLD_TRAP.flags.load(Ordering::Relaxed) as i32;
-    if h == libc::SIG_IGN {
-        return;
-    }
-    if h == libc::SIG_DFL {
-        // SAFETY: restoring the default action and re-raising: the process
-        // ends as it would have without us.
-        unsafe {
-            libc::signal(sig, libc::SIG_DFL);
-            libc::raise(sig);
+    OLD_TRAP.forward(sig, info, ctx, false);
+}
+
+/// The previous SIGSEGV and SIGBUS dispositions, to chain to for faults
+/// that are not a charge check's.
+pub static OLD_SEGV: OldAction = OldAction::new();
+pub static OLD_BUS: OldAction = OldAction::new();
+
+/// SIGSEGV and SIGBUS: a charge check read the word below a hook's stack
+/// pointer on a stack that is no longer mapped (a program that switches
+/// stacks left, or freed, the one a hook's call was made on). The read
+/// completes with 0, which is never the hook's return address: the check
+/// finds the charge stale and clears it, as after a `longjmp`. Any other
+/// fault goes to the previous handler, or takes the default action at the
+/// faulting instruction as it would have without us.
+pub extern "C" fn on_fault(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let _errno = sys::ErrnoGuard::new();
+    // SAFETY: the kernel passes a valid siginfo and ucontext to an
+    // SA_SIGINFO handler; si_code > 0 means the kernel raised it for the
+    // instruction at the saved rip.
+    let kernel = !info.is_null() && unsafe { (*info).si_code } > 0;
+    let uc = ctx as *mut libc::ucontext_t;
+    if kernel && !uc.is_null() {
+        // SAFETY: as above.
+        let gregs = unsafe { &mut (*uc).uc_mcontext.gregs };
+        let (r10, rip) = (libc::REG_R10 as usize, libc::REG_RIP as usize);
+        if let Some(&pc) = gregs.get(rip)
+            && (crate::tls::is_hook_word_load(pc as u64) || registry::is_check_load(pc as u64))
+        {
+            if let Some(v) = gregs.get_mut(r10) {
+                *v = 0;
+            }
+            if let Some(v) = gregs.get_mut(rip) {
+                *v += alloctramp_trampolines::layout::CHECK_LOAD.len() as i64;
+            }
+            return;
         }
-        return;
     }
-    // SAFETY: calling the handler that was installed before ours, with the
-    // signature its flags declare.
-    unsafe {
-        if flags & libc::SA_SIGINFO != 0 {
-            let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(h);
-            f(sig, info, ctx);
-        } else {
-            let f: extern "C" fn(i32) = std::mem::transmute(h);
-            f(sig);
-        }
-    }
+    let old = if sig == libc::SIGBUS { &OLD_BUS } else { &OLD_SEGV };
+    old.forward(sig, info, ctx, kernel);
 }
 
 /// The watcher thread: waits on the header's futex word and carries out

@@ -248,6 +248,20 @@ fn install_trap_handler() {
     }
 }
 
+/// The SIGSEGV and SIGBUS handlers that complete a charge check's read on
+/// an unmapped stack, installed before the first switch of a module with
+/// hooks (chaining to the handlers the program had). They may run on the
+/// alternate stack: a stack overflow of the program's reaches its own
+/// handler there, as it would have.
+fn install_fault_handlers() {
+    if let Some(old) = install(libc::SIGSEGV, control::on_fault, true) {
+        control::OLD_SEGV.set(&old);
+    }
+    if let Some(old) = install(libc::SIGBUS, control::on_fault, true) {
+        control::OLD_BUS.set(&old);
+    }
+}
+
 /// Start-up: runs as a constructor of the runtime, before the patched
 /// modules' initializers.
 fn init() {
@@ -263,7 +277,8 @@ fn init() {
     sys::register_barrier();
     let _ = CONFIG.set(Config { inert });
     live::ON_DRAINED.set(control::finish_drain);
-    patching::TRAP_INSTALLER.set(install_trap_handler);
+    patching::TRAP_HANDLER.set(install_trap_handler);
+    patching::FAULT_HANDLER.set(install_fault_handlers);
 
     let mode = switch_mode();
     let _ = MODE.set(mode);

@@ -22,28 +22,50 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 const INT3: u8 = 0xcc;
 
-/// What installs the SIGTRAP handler that sends a thread trapped on a
-/// site's INT3 to its trampoline (given at start-up by the layer that owns
-/// signal handling). It runs before the first INT3 is ever written, so a
-/// process that never switches has no handler of ours (a program that
-/// looks at its inherited dispositions, as gdb does, sees its own).
-pub static TRAP_INSTALLER: sys::Hook = sys::Hook::new();
-/// 0: not installed, 1: being installed, 2: installed.
-static TRAP: AtomicU8 = AtomicU8::new(0);
-
-/// Installs the SIGTRAP handler once. A caller that finds another one
-/// installing it does not wait (it may be a signal handler that interrupted
-/// the installer): its switch fails and is retried by the next request.
-fn ensure_trap_handler() -> Result<(), &'static str> {
-    if TRAP.load(Ordering::Acquire) == 2 {
-        return Ok(());
-    }
-    if TRAP.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-        TRAP_INSTALLER.call();
-        TRAP.store(2, Ordering::Release);
-    }
-    if TRAP.load(Ordering::Acquire) == 2 { Ok(()) } else { Err("the SIGTRAP handler is being installed") }
+/// A signal handler the runtime installs once, just before it is first
+/// needed, given at start-up by the layer that owns signal handling. It is
+/// installed before the first switch that needs it, so a process that never
+/// switches has no handler of ours (a program that looks at its inherited
+/// dispositions, as gdb does, sees its own).
+pub struct Installer {
+    install: sys::Hook,
+    /// 0: not installed, 1: being installed, 2: installed.
+    state: AtomicU8,
 }
+
+impl Installer {
+    const fn new() -> Self {
+        Installer { install: sys::Hook::new(), state: AtomicU8::new(0) }
+    }
+
+    pub fn set(&self, f: fn()) {
+        self.install.set(f);
+    }
+
+    /// Installs the handler once. A caller that finds another one
+    /// installing it does not wait (it may be a signal handler that
+    /// interrupted the installer): its switch fails and is retried by the
+    /// next request.
+    fn ensure(&self) -> Result<(), &'static str> {
+        if self.state.load(Ordering::Acquire) == 2 {
+            return Ok(());
+        }
+        if self.state.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            self.install.call();
+            self.state.store(2, Ordering::Release);
+        }
+        if self.state.load(Ordering::Acquire) == 2 { Ok(()) } else { Err("a signal handler is being installed") }
+    }
+}
+
+/// The SIGTRAP handler that sends a thread trapped on a site's INT3 to its
+/// trampoline: before the first switch.
+pub static TRAP_HANDLER: Installer = Installer::new();
+/// The SIGSEGV and SIGBUS handler that completes a charge check's read of
+/// a hook's word on a stack no longer mapped
+/// ([`CHECK_LOAD`](layout::CHECK_LOAD)): before the first switch of a
+/// module with hooks or sites inside hooked functions.
+pub static FAULT_HANDLER: Installer = Installer::new();
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
 /// (the callers entry while call chains are recorded, counting and
@@ -159,7 +181,11 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     if barrier == sys::Barrier::None {
         return Err("membarrier is not available: cannot switch safely");
     }
-    ensure_trap_handler()?;
+    TRAP_HANDLER.ensure()?;
+    let charges = layout::site_flags::HOOK | layout::site_flags::UNDER_HOOK;
+    if on != Sites::Off && table.sites().any(|s| active(&s) && s.flags & charges != 0) {
+        FAULT_HANDLER.ensure()?;
+    }
     let (lo, hi) = m.span;
     let unprotected = Unprotected::new(lo, hi)?;
     // The three passes of the protocol. SAFETY (every block below): the

@@ -654,6 +654,24 @@ pub fn trampoline_for(addr: u64) -> Option<u64> {
         .find_map(|s| unsafe { s.module() }.and_then(|m| patching::trampoline_in(&m, addr)))
 }
 
+/// Whether `rip` is a charge check's read of a hook's word
+/// ([`CHECK_LOAD`](alloctramp_trampolines::layout::CHECK_LOAD)) in the
+/// trampolines of an active module. Called from the fault handler.
+pub fn is_check_load(rip: u64) -> bool {
+    use alloctramp_trampolines::layout::CHECK_LOAD;
+    slots().filter(|s| s.is_active()).any(|s| {
+        // SAFETY: an active slot's module is mapped.
+        let Some(t) = (unsafe { s.table() }) else { return false };
+        let bias = s.bias.load(Ordering::Relaxed);
+        let lo = bias.wrapping_add(t.header.text_addr);
+        let hi = lo.wrapping_add(t.header.text_size);
+        rip >= lo
+            && rip.wrapping_add(CHECK_LOAD.len() as u64) <= hi
+            // SAFETY: within the module's trampolines (checked above).
+            && unsafe { (rip as *const [u8; 4]).read_unaligned() } == CHECK_LOAD
+    })
+}
+
 fn set_on(slot: &Slot, sites: Sites) {
     slot.sites.store(sites as u8, Ordering::Release);
     let idx = slot.file_index.load(Ordering::Relaxed);

@@ -91,12 +91,62 @@ pub fn set(w: usize, v: u64) {
 /// address its call pushed.
 pub fn in_hook_call(sp: u64) -> bool {
     let hook_sp = get(CHARGE_SP);
-    if sp >= hook_sp {
-        return false;
+    sp < hook_sp && hook_word(hook_sp) == get(CHARGE_RET)
+}
+
+global_asm!(
+    ".pushsection .text.alloctramp_hook_word,\"ax\",@progbits",
+    ".globl alloctramp_hook_word",
+    ".hidden alloctramp_hook_word",
+    ".type alloctramp_hook_word,@function",
+    "alloctramp_hook_word:",
+    ".cfi_startproc",
+    "mov r10, rdi",
+    ".globl alloctramp_hook_word_load",
+    ".hidden alloctramp_hook_word_load",
+    "alloctramp_hook_word_load:",
+    "mov r10, qword ptr [r10 - 8]",
+    "mov rax, r10",
+    "ret",
+    ".cfi_endproc",
+    ".size alloctramp_hook_word, . - alloctramp_hook_word",
+    ".popsection",
+);
+
+unsafe extern "C" {
+    fn alloctramp_hook_word(hook_sp: u64) -> u64;
+    static alloctramp_hook_word_load: u8;
+}
+
+/// The word below a hook's recorded stack pointer, read as the trampolines
+/// read it: with the instruction [`layout::CHECK_LOAD`], which the fault
+/// handler completes with 0 when the word is no longer mapped (the stack
+/// the hook's call was made on was switched away from and unmapped).
+///
+/// [`layout::CHECK_LOAD`]: alloctramp_trampolines::layout::CHECK_LOAD
+fn hook_word(hook_sp: u64) -> u64 {
+    // SAFETY: reads one word; a fault on it is completed by the fault
+    // handler, or (when the program replaced that handler) is the fault the
+    // trampolines' own check would take.
+    unsafe { alloctramp_hook_word(hook_sp) }
+}
+
+/// Whether `rip` is the runtime's own read of a hook's word.
+pub fn is_hook_word_load(rip: u64) -> bool {
+    rip == &raw const alloctramp_hook_word_load as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_reads_a_hook_word_with_the_trampolines_instruction() {
+        let at = &raw const alloctramp_hook_word_load as *const [u8; 4];
+        // SAFETY: four bytes of the function's code.
+        assert_eq!(unsafe { at.read() }, alloctramp_trampolines::layout::CHECK_LOAD);
+        let word = 0x1234_5678_u64;
+        let sp = (&raw const word) as u64 + 8;
+        assert_eq!(hook_word(sp), word);
     }
-    // SAFETY: `hook_sp` is a stack pointer of this thread that a hook
-    // recorded, above `sp`: the word below it lies in the thread's stack
-    // (the trampolines read it the same way).
-    let below = unsafe { (hook_sp.wrapping_sub(8) as *const u64).read_volatile() };
-    below == get(CHARGE_RET)
 }

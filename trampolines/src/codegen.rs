@@ -214,7 +214,7 @@ impl Gen<'_> {
             self.a.jmp(charged)?;
         } else {
             self.a.mov(r10, qword_ptr(r11 + 8).fs())?;
-            self.a.mov(r10, qword_ptr(r10 - 8))?;
+            self.load_hook_word()?;
             self.a.cmp(r10, qword_ptr(r11 + 16).fs())?;
             self.a.je(charged)?;
         }
@@ -233,9 +233,16 @@ impl Gen<'_> {
     /// address. Clobbers r10.
     fn hook_returns_to(&mut self, stale: CodeLabel) -> R<()> {
         self.a.mov(r10, qword_ptr(r11 + 8).fs())?;
-        self.a.mov(r10, qword_ptr(r10 - 8))?;
+        self.load_hook_word()?;
         self.a.cmp(r10, qword_ptr(r11 + 16).fs())?;
         Ok(self.a.jne(stale)?)
+    }
+
+    /// r10 = the word below the hook's stack pointer in r10, with the one
+    /// instruction the runtime's fault handler completes when that word is
+    /// no longer mapped ([`CHECK_LOAD`](crate::layout::CHECK_LOAD)).
+    fn load_hook_word(&mut self) -> R<()> {
+        Ok(self.a.mov(r10, qword_ptr(r10 - 8))?)
     }
 
     /// Loads the arguments that name the counted cell for a runtime call:
@@ -1423,6 +1430,28 @@ pub(crate) mod golden {
         let cases: Vec<(String, String)> =
             cases().into_iter().map(|(name, text)| (format!("{name}.txt"), text)).collect();
         goldens().check_all(cases.iter().map(|(n, t)| (n.as_str(), t.clone())));
+    }
+
+    /// Every read of the word below a hook's stack pointer is the one
+    /// instruction the runtime's fault handler completes, and only the
+    /// trampolines that check a charge make it.
+    #[test]
+    fn hook_words_are_read_by_the_instruction_the_fault_handler_knows() {
+        use iced_x86::{Decoder, DecoderOptions, Register};
+        for (name, spec) in specs() {
+            let t = trampoline(&spec, AT).unwrap();
+            let mut d = Decoder::with_ip(64, &t.code, AT, DecoderOptions::NONE);
+            let mut loads = 0;
+            for ins in &mut d {
+                let tls = ins.segment_prefix() == Register::FS;
+                if !tls && ins.memory_base() == Register::R10 && ins.op0_register() == Register::R10 {
+                    let at = (ins.ip() - AT) as usize;
+                    assert_eq!(&t.code[at..at + ins.len()], &crate::layout::CHECK_LOAD, "{name} at {:#x}", ins.ip());
+                    loads += 1;
+                }
+            }
+            assert_eq!(loads > 0, spec.hook || spec.charge_check, "{name}: {loads} reads of a hook's word");
+        }
     }
 
     #[test]

@@ -106,6 +106,15 @@ pub mod control {
     pub const PERSONALITY: u32 = offset_of!(ControlBlock, personality) as u32;
 }
 
+/// The instruction with which a trampoline's charge check reads the word
+/// below the active hook's stack pointer: `mov r10, [r10 - 8]`. The word
+/// lies on the stack the hook's call was made on; a program that switches
+/// stacks (fibers, coroutines) may have unmapped that stack since. The
+/// runtime's fault handler recognises this instruction in a module's
+/// trampolines and completes it with r10 = 0 (never a return address), so
+/// the check finds the charge stale and clears it.
+pub const CHECK_LOAD: [u8; 4] = [0x4d, 0x8b, 0x52, 0xf8];
+
 /// What an exception or a forced unwind (thread cancellation) that passes
 /// a trampoline's call undoes of what the trampoline did before the call,
 /// as the code after the call would have. A trampoline's unwind entry
