@@ -13,7 +13,12 @@ use std::path::Path;
 
 /// `@frame NAME` lines of callers.c.
 fn frame_lines() -> BTreeMap<String, u32> {
-    let src = std::fs::read_to_string(testbins_dir().join("callers.c")).unwrap();
+    frame_lines_of("callers.c")
+}
+
+/// `@frame NAME` lines of a test program's source.
+fn frame_lines_of(file: &str) -> BTreeMap<String, u32> {
+    let src = std::fs::read_to_string(testbins_dir().join(file)).unwrap();
     let mut m = BTreeMap::new();
     for (i, l) in src.lines().enumerate() {
         if let Some(at) = l.find("/* @frame ") {
@@ -244,6 +249,51 @@ fn chains_go_on_through_a_library_that_a_library_needs() {
             }
         }
     }
+}
+
+/// A callback that allocates while a hook's call is under way
+/// (`testbins/callers_hook.c`): its chains go on through the hook's
+/// trampoline as if the hook's site had made the call, to the hook's
+/// caller and on, exactly, in every build configuration.
+fn check_chains_through_a_hook(config: Config) {
+    let b = built(config);
+    let dir = b.dir.join("patched-callers-hook");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("callers_hook");
+    patch_to(&b.path("callers_hook"), &bin, &[]);
+    let original = run_program(&b.path("callers_hook"), &[], &[]);
+    let l = frame_lines_of("callers_hook.c");
+    let visit = program("callers_hook").markers.iter().find(|m| m.calls == 3 && m.bytes == 51).unwrap().line;
+    for depth in ["4", "8"] {
+        let what = format!("{} depth {depth}", config.name());
+        let counters = counters_dir(&format!("{}-callers-hook-{depth}", config.name()));
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", depth), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+        assert_eq!(run_program(&bin, &[], &env), original, "{what}: the program behaves as the original");
+        let doc = callers_report(&only_counters_file(&counters), &counters);
+        let site = doc["sites"].as_array().unwrap().iter().find(|s| s["line"].as_u64() == Some(visit.into())).unwrap();
+        let chains = site["callers"].as_array().unwrap();
+        assert_eq!(chains.len(), 1, "{what}: one chain: {site}");
+        let c = &chains[0];
+        assert_eq!((c["calls"].as_u64(), c["bytes"].as_u64()), (Some(3), Some(51)), "{what}: {c}");
+        let frames: Vec<String> = c["frames"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| match (f["function"].as_str(), f["line"].as_u64()) {
+                (Some(func), Some(line)) => format!("{func}:{line}"),
+                _ => format!("[{}]", f["module"].as_str().unwrap_or("?").rsplit('/').next().unwrap()),
+            })
+            .collect();
+        let want = [format!("build:{}", l["cb"]), format!("run:{}", l["hook"]), format!("main:{}", l["main"])];
+        assert_eq!(frames[..3], want, "{what}: {c}");
+        assert_eq!(frames[3], "[libc.so.6]", "{what}: {c}");
+        assert_eq!(frames.len(), if depth == "4" { 4 } else { 6 }, "{what}: through the C library to _start: {c}");
+    }
+}
+
+mod chains_through_a_hook {
+    crate::matrix!(super::check_chains_through_a_hook);
 }
 
 mod threaded_chains {

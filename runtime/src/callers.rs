@@ -226,7 +226,15 @@ unsafe fn capture_walk(f: &Frame, rbp: u64, t: u64, index: u64) {
     for &ra in frames.get(walked.found..depth).unwrap_or_default() {
         key = mix(key, ra);
     }
-    let frames = frames.get(..depth).unwrap_or_default();
+    // The chain names the frames as the original program has them; the
+    // memo keeps the words on the stack, which a replay compares.
+    let on_stack = frames;
+    for (k, (f, &n)) in frames.iter_mut().zip(&walked.named).enumerate() {
+        if walked.through_hooks & 1 << k != 0 {
+            *f = n;
+        }
+    }
+    let (frames, on_stack) = (frames.get(..depth).unwrap_or_default(), on_stack.get(..depth).unwrap_or_default());
     // SAFETY: the site's flags, as for its fields above.
     let hook = unsafe { read::<u8>(site + offset_of!(Site, flags) as u64) } & site_flags::HOOK != 0;
     let figures = if hook { (0, 0) } else { (1, size_of_call(rule, f)) };
@@ -244,7 +252,7 @@ unsafe fn capture_walk(f: &Frame, rbp: u64, t: u64, index: u64) {
         _ => None,
     };
     if let Some(mode) = mode {
-        let found = frames.get(..walked.found).unwrap_or_default();
+        let found = on_stack.get(..walked.found).unwrap_or_default();
         memo_of(index).fill(site, rule | mode, epoch, chain, found, &at);
     }
 }
@@ -309,6 +317,11 @@ struct Walked {
     from_sp: bool,
     packed: bool,
     end: End,
+    /// Frames (bit k: frame k) whose return address, read in a hook's
+    /// trampoline, stands for the site's own (see [`walk`]) ...
+    through_hooks: u8,
+    /// ... named with the address the site's call would have returned to.
+    named: [u64; MAX_DEPTH],
 }
 
 /// Why a walk stopped.
@@ -326,20 +339,39 @@ enum End {
 
 /// Fills `frames` with the return addresses above the site at `pc` (the
 /// thread's stack pointer `sp` and rbp there), innermost first (at most
-/// `depth`), and `at` with each one's distance from `sp` while every CFA
-/// came from the stack pointer, then with its packed step; mixes each
-/// into `key`.
+/// `depth`), as read from the stack, and `at` with each one's distance
+/// from `sp` while every CFA came from the stack pointer, then with its
+/// packed step. A return address inside a hook's trampoline (a callback
+/// running during a hook's call) has no row: the walk goes on from the
+/// hook's site as if it had made the call, which names the frame
+/// ([`Walked::through_hooks`]). Mixes each frame, as named, into `key`.
 #[inline(always)]
 fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u32], key: &mut u64) -> Walked {
     let (mut pc, mut cur, mut bp) = (pc, sp, bp);
-    let mut w = Walked { found: 0, from_sp: true, packed: true, end: End::Depth };
+    let mut w =
+        Walked { found: 0, from_sp: true, packed: true, end: End::Depth, through_hooks: 0, named: [0; MAX_DEPTH] };
     let mut steps = [0u32; MAX_DEPTH];
+    let mut before = *key;
     for ((slot, dist), packed) in frames.iter_mut().zip(at.iter_mut()).zip(steps.iter_mut()).take(depth) {
         // A return address is after its call: look the call up (the site's
         // own address is that of the call).
-        let Some(step) = registry::unwind_step(if w.found == 0 { pc } else { pc.wrapping_sub(1) }) else {
-            w.end = End::NoRow;
-            break;
+        let step = match registry::unwind_step(if w.found == 0 { pc } else { pc.wrapping_sub(1) }) {
+            Some(step) => step,
+            None => match through_hook(w.found, pc) {
+                Some((ret, step)) => {
+                    let k = w.found - 1;
+                    if let Some(n) = w.named.get_mut(k) {
+                        *n = ret;
+                    }
+                    w.through_hooks |= 1 << k;
+                    *key = mix(before, ret);
+                    step
+                }
+                None => {
+                    w.end = End::NoRow;
+                    break;
+                }
+            },
         };
         let cfa = (if step.from_rbp { bp } else { cur }).wrapping_add_signed(step.cfa);
         // (A stop here depends on rbp's value if the CFA came from it.)
@@ -371,6 +403,7 @@ fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u
         *slot = ra;
         // Within MAX_DEPTH frames of at most MAX_FRAME bytes each.
         *dist = (cfa - 8 - sp) as u32;
+        before = *key;
         *key = mix(*key, ra);
         w.found += 1;
         (pc, cur) = (ra, cfa);
@@ -381,6 +414,19 @@ fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u
         }
     }
     w
+}
+
+/// For frame `found` - 1's return address `ra`, found in no row: the
+/// address its hook's site would have returned to, and that address's
+/// row, when `ra` lies in a hook's trampoline.
+#[cold]
+#[inline(never)]
+fn through_hook(found: usize, ra: u64) -> Option<(u64, registry::Step)> {
+    if found == 0 {
+        return None;
+    }
+    let ret = registry::return_through_hook(ra)?;
+    Some((ret, registry::unwind_step(ret.wrapping_sub(1))?))
 }
 
 /// The last chain recorded at a site, kept so that the next call from the

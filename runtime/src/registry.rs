@@ -654,6 +654,53 @@ pub fn trampoline_for(addr: u64) -> Option<u64> {
         .find_map(|s| unsafe { s.module() }.and_then(|m| patching::trampoline_in(&m, addr)))
 }
 
+/// Where the call of a hook's site would have returned to (the site's
+/// address plus its length), when `ra` is a return address inside that
+/// site's trampoline: a hook's trampoline calls its target with the stack
+/// pointer the site had (a trampolines test checks it), so the caller's
+/// frame is unwound from there as if the site had made the call. Called
+/// by callers capture when `ra` has no unwind row.
+pub fn return_through_hook(ra: u64) -> Option<u64> {
+    slots().filter(|s| s.is_active()).find_map(|s| {
+        // SAFETY: an active slot's module is mapped.
+        let t = unsafe { s.table() }?;
+        let bias = s.bias.load(Ordering::Relaxed);
+        let want = ra.wrapping_sub(bias);
+        let (lo, size) = (t.header.text_addr, t.header.text_size);
+        if want <= lo || want.wrapping_sub(lo) >= size {
+            return None;
+        }
+        let site = t.get_site(last_trampoline_below(&t, want)?)?;
+        (site.flags & layout::site_flags::HOOK != 0)
+            .then(|| bias.wrapping_add(site.addr).wrapping_add(u64::from(site.len)))
+    })
+}
+
+/// The index of the site whose trampoline starts last before `addr` (a
+/// link-time address): trampolines follow one another in site order, and
+/// sites without one (0) are skipped.
+fn last_trampoline_below(t: &Table, addr: u64) -> Option<usize> {
+    let n = t.header.site_count as usize;
+    let (mut lo, mut hi, mut best) = (0usize, n, None);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        // The first site at or after `mid` (before `hi`) with a trampoline.
+        let Some((k, at)) =
+            (mid..hi).find_map(|k| t.get_site(k).filter(|s| s.trampoline != 0).map(|s| (k, s.trampoline)))
+        else {
+            hi = mid;
+            continue;
+        };
+        if at < addr {
+            best = Some(k);
+            lo = k + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    best
+}
+
 /// Whether `rip` is a charge check's read of a hook's word
 /// ([`CHECK_LOAD`](alloctramp_trampolines::layout::CHECK_LOAD)) in the
 /// trampolines of an active module. Called from the fault handler.

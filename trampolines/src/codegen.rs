@@ -1454,6 +1454,24 @@ pub(crate) mod golden {
         }
     }
 
+    /// A hook's trampoline calls its target with the stack pointer the site
+    /// had: callers capture unwinds a return address in it as the site's
+    /// own (`registry::return_through_hook` in the runtime).
+    #[test]
+    fn hooks_call_their_target_with_the_sites_stack_pointer() {
+        for (name, spec) in specs().into_iter().filter(|(_, s)| s.hook) {
+            let t = trampoline(&spec, AT).unwrap();
+            let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+            let f = crate::frames::frames(&t.code, AT, &entries, spec.target).unwrap();
+            let calls: Vec<_> = f.calls.iter().filter(|c| c.target).collect();
+            assert!(!calls.is_empty(), "{name}");
+            for c in calls {
+                let row = f.rows.iter().rev().find(|r| r.offset <= c.offset).unwrap();
+                assert_eq!(row.stack, crate::frames::Stack::Below(0), "{name}: call at {:#x}", c.offset);
+            }
+        }
+    }
+
     #[test]
     fn no_orphan_golden_files() {
         let names: Vec<String> = cases().into_iter().map(|(name, _)| format!("{name}.txt")).collect();
