@@ -18,7 +18,7 @@ struct node {
     long v[2];
 };
 
-static void *kept[3];
+static void *kept[6];
 
 __attribute__((noinline, noclone, noipa)) static void visit(long v)
 {
@@ -45,17 +45,17 @@ __attribute__((noinline, noclone, noipa)) static void run(void)
     for (long v = 0; v < 3; v++) {
         struct node *n = build(v, visit); /* @hook build calls=3 bytes=72 */ /* @frame hook */
         sum(n, sizeof *n);
-        free(n); /* @site free calls=3 bytes=0 */
+        kept[3 + v] = n;
     }
 }
 
 int main(void)
 {
     run(); /* @frame main */
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3; i++)
         sum(kept[i], 16 + (size_t)i);
-        free(kept[i]); /* @site free calls=3 bytes=0 */
-    }
+    for (int i = 0; i < 6; i++)
+        free(kept[i]); /* @site free calls=6 bytes=0 */
     printf("callers_hook: checksum %lu\n", checksum);
     return 0;
 }

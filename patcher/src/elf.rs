@@ -341,6 +341,22 @@ impl<'a> Elf<'a> {
         Ok(Elf { data, file, file_type, sections, symtab: Default::default(), dynsym: Default::default() })
     }
 
+    /// Whether the file is a program built by rustc with the standard
+    /// library's start-up: an executable whose `.comment` names rustc, or
+    /// that defines `rust_eh_personality` or Rust's `lang_start`.
+    pub fn is_rust_program(&self) -> bool {
+        if self.file_type == FileType::Shared {
+            return false;
+        }
+        let comment = self.section_by_name(".comment").is_some_and(|c| c.data.windows(6).any(|w| w == b"rustc "));
+        comment
+            || [false, true].iter().any(|&dynamic| {
+                self.symbols(dynamic).iter().any(|s| {
+                    s.defined && (s.name == "rust_eh_personality" || s.name.starts_with("_ZN3std2rt10lang_start"))
+                })
+            })
+    }
+
     pub fn section_by_name(&self, name: &str) -> Option<&Section<'a>> {
         self.sections.iter().find(|s| s.name == name)
     }

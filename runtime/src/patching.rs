@@ -18,7 +18,7 @@ use crate::state::{LIVE, Sites, records_chains};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, Table};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 const INT3: u8 = 0xcc;
 
@@ -66,6 +66,27 @@ pub static TRAP_HANDLER: Installer = Installer::new();
 /// ([`CHECK_LOAD`](layout::CHECK_LOAD)): before the first switch of a
 /// module with hooks or sites inside hooked functions.
 pub static FAULT_HANDLER: Installer = Installer::new();
+
+/// A switched module is a program whose start-up looks for the default
+/// SIGSEGV disposition ([`layout::flags::DEFAULT_SEGV_AT_START`]).
+static SEGV_LOOKED_AT: AtomicBool = AtomicBool::new(false);
+
+/// Whether the fault handler must wait: such a program's SIGSEGV
+/// disposition is still the default (its start-up has not installed its
+/// own handler yet, and must find none of ours when it does).
+fn fault_handler_waits(table: &Table) -> bool {
+    if table.header.flags & layout::flags::DEFAULT_SEGV_AT_START != 0 {
+        SEGV_LOOKED_AT.store(true, Ordering::Release);
+    }
+    if !SEGV_LOOKED_AT.load(Ordering::Acquire) {
+        return false;
+    }
+    // SAFETY: queries the disposition into a zeroed sigaction.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(libc::SIGSEGV, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_DFL
+    }
+}
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
 /// (the callers entry while call chains are recorded, counting and
@@ -183,7 +204,8 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     }
     TRAP_HANDLER.ensure()?;
     let charges = layout::site_flags::HOOK | layout::site_flags::UNDER_HOOK;
-    if on != Sites::Off && table.sites().any(|s| active(&s) && s.flags & charges != 0) {
+    let waits = fault_handler_waits(table);
+    if on != Sites::Off && !waits && table.sites().any(|s| active(&s) && s.flags & charges != 0) {
         FAULT_HANDLER.ensure()?;
     }
     let (lo, hi) = m.span;

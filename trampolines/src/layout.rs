@@ -207,6 +207,13 @@ pub mod flags {
     /// Trampolines keep every register but rax (sites call functions
     /// defined in the module, whose callers may rely on fewer clobbers).
     pub const PRESERVE_DIRECT: u32 = 1;
+    /// The module is a program whose own start-up installs a SIGSEGV
+    /// handler only where it finds the default disposition (Rust's
+    /// standard library, before `main`): the runtime does not install its
+    /// fault handler while the disposition is the default, so that the
+    /// program's start-up finds what it would have found; a switch after
+    /// that (the program's handler in place) installs it, chaining.
+    pub const DEFAULT_SEGV_AT_START: u32 = 2;
 }
 
 /// Flags of a site.

@@ -12,7 +12,8 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
     let mut id = [0u8; 20];
     id[..id_len].copy_from_slice(&build_id[..id_len]);
     let header = layout::Header {
-        flags: layout::flags::PRESERVE_DIRECT,
+        flags: layout::flags::PRESERVE_DIRECT
+            | if elf.is_rust_program() { layout::flags::DEFAULT_SEGV_AT_START } else { 0 },
         shard_count: plan.counters.shards,
         shard_stride: plan.counters.stride,
         table_addr: plan.site_table.addr.0,
