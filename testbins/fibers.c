@@ -11,13 +11,24 @@
  * longer mapped: the check finds the charge stale, as after a longjmp, and
  * the program runs as the original. Stacks, from the top of one mapping:
  * round 0 leaves its hook on the fourth and runs on the third, round 1 on
- * the second and the first. With an argument, the program then faults
- * (writing through NULL), and ends by SIGSEGV as the original does.
+ * the second and the first.
+ *
+ * Arguments: `crash`: the program then faults (writing through NULL) and
+ * ends by SIGSEGV, as the original does. `handler crash` and `handler
+ * kill`: it first installs a SIGSEGV handler of its own (SA_SIGINFO |
+ * SA_RESETHAND), says "ready" and waits for a line on stdin (the test
+ * switches profiling on meanwhile, so the runtime's handler comes after
+ * the program's), then runs the rounds, and faults (the handler reports
+ * the fault once; the fault comes again and ends the program) or sends
+ * itself SIGSEGV (the handler reports its code, and the program exits 0).
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -62,6 +73,15 @@ __attribute__((noinline, noclone, noipa)) static void back_to_main(void)
 
 static int round;
 
+static void caught(int sig, siginfo_t *info, void *ctx)
+{
+    (void)ctx;
+    char line[64];
+    int n = snprintf(line, sizeof line, "caught %d code %d\n", sig, info->si_code);
+    if (write(1, line, (size_t)n) != n)
+        _exit(3);
+}
+
 static void first(void)
 {
     struct node *n = make_node(1, back_to_main); /* @hook make_node calls=2 bytes=48 live=2 live_bytes=48 */
@@ -94,6 +114,21 @@ static void start(ucontext_t *ctx, char *stack, void (*f)(void))
 
 int main(int argc, char **argv)
 {
+    int handler = argc > 1 && strcmp(argv[1], "handler") == 0;
+    if (handler) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = caught;
+        sa.sa_flags = SA_SIGINFO | SA_RESETHAND;
+        sigemptyset(&sa.sa_mask);
+        if (sigaction(SIGSEGV, &sa, NULL) != 0)
+            die("sigaction");
+        printf("ready\n");
+        fflush(stdout);
+        char line[16];
+        if (fgets(line, sizeof line, stdin) == NULL)
+            die("reading stdin");
+    }
     char *stacks = mmap(NULL, 4 * STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (stacks == MAP_FAILED)
         die("mmap");
@@ -106,8 +141,10 @@ int main(int argc, char **argv)
     }
     printf("fibers: checksum %lu\n", checksum);
     fflush(stdout);
-    /* `fibers crash`: a fault of the program's own still ends it. */
-    if (argc > 1)
+    const char *what = argc > 1 ? argv[argc - 1] : "";
+    if (strcmp(what, "kill") == 0)
+        kill(getpid(), SIGSEGV);
+    else if (strcmp(what, "crash") == 0)
         *(volatile char *)argv[argc] = 0; /* argv[argc] is NULL */
     return 0;
 }

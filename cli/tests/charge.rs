@@ -230,6 +230,45 @@ fn check_fibers(config: Config) {
         assert_eq!(o.status.signal(), Some(libc::SIGSEGV), "{}: {} crash: {:?}", config.name(), exe.display(), o);
         assert_eq!(o.stdout, out.0.as_bytes(), "{}: {} crash", config.name(), exe.display());
     }
+
+    // The program's own SIGSEGV handler (SA_SIGINFO | SA_RESETHAND),
+    // installed before profiling is switched on, gets a fault and a
+    // SIGSEGV the program sends itself as it would have: once, with their
+    // codes, and the fault then ends the program.
+    for what in ["crash", "kill"] {
+        let original = run_with_handler(&path, what, None);
+        let dir = counters_dir(&format!("{}-fibers-handler-{what}", config.name()));
+        let patched = run_with_handler(&pdir.join(&p.output), what, Some(&dir));
+        assert_eq!(patched, original, "{}: handler {what}", config.name());
+        let code = if what == "crash" { 1 } else { 0 };
+        assert!(original.0.ends_with(&format!("caught 11 code {code}\n")), "{}: {original:?}", config.name());
+    }
+}
+
+/// `fibers handler WHAT`, switched on with `alloctramp enable` while it
+/// waits (`dir`: its counters directory; None: the original, not
+/// switched): its output and the signal that ended it.
+fn run_with_handler(exe: &std::path::Path, what: &str, dir: Option<&std::path::Path>) -> (String, Option<i32>) {
+    use std::io::{BufRead, Read, Write};
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["handler", what]).stdin(Stdio::piped()).stdout(Stdio::piped());
+    if let Some(d) = dir {
+        cmd.env("ALLOCTRAMP_DIR", d);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut text = String::new();
+    out.read_line(&mut text).unwrap();
+    assert_eq!(text, "ready\n");
+    if let Some(d) = dir {
+        let o = alloctramp().args(["enable", &child.id().to_string(), "--dir"]).arg(d).output().unwrap();
+        assert!(o.status.success(), "enable: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    out.read_to_string(&mut text).unwrap();
+    (text, child.wait().unwrap().signal())
 }
 
 mod fibers_matrix {

@@ -408,6 +408,20 @@ fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u
         w.found += 1;
         (pc, cur) = (ra, cfa);
     }
+    // The last frame at the depth limit is named as the next lookup would
+    // have named it.
+    if w.end == End::Depth
+        && w.found > 0
+        && registry::unwind_step(pc.wrapping_sub(1)).is_none()
+        && let Some((ret, _)) = through_hook(w.found, pc)
+    {
+        let k = w.found - 1;
+        if let Some(n) = w.named.get_mut(k) {
+            *n = ret;
+        }
+        w.through_hooks |= 1 << k;
+        *key = mix(before, ret);
+    }
     if !w.from_sp {
         for (a, &s) in at.iter_mut().zip(&steps) {
             *a = s;

@@ -276,32 +276,26 @@ impl OldAction {
     const fn new() -> Self {
         OldAction { handler: AtomicUsize::new(libc::SIG_DFL), flags: AtomicUsize::new(0) }
     }
+    /// The flags first: a reader that sees the handler sees its flags.
     pub fn set(&self, a: &libc::sigaction) {
-        self.handler.store(a.sa_sigaction, Ordering::Relaxed);
         self.flags.store(a.sa_flags as usize, Ordering::Release);
+        self.handler.store(a.sa_sigaction, Ordering::Release);
     }
 
-    /// Hands a signal that is not ours to this previous disposition: its
-    /// handler, or the default action. `refaults`: the signal is a fault
-    /// the kernel raised for the instruction the thread returns to, which
-    /// faults again once the default action is back (so the process ends
-    /// as it would have, at that instruction, with the kernel's siginfo);
-    /// an ignored disposition cannot ignore such a fault either.
-    fn forward(&self, sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void, refaults: bool) {
+    /// Hands a trap that is not ours to this previous disposition: its
+    /// handler, or the default action (restored, and the signal raised
+    /// again: the process ends as it would have without us).
+    fn forward(&self, sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
         let h = self.handler.load(Ordering::Acquire);
-        let flags = self.flags.load(Ordering::Relaxed) as i32;
-        if h == libc::SIG_IGN && !refaults {
+        let flags = self.flags.load(Ordering::Acquire) as i32;
+        if h == libc::SIG_IGN {
             return;
         }
-        if h == libc::SIG_DFL || h == libc::SIG_IGN {
-            // SAFETY: restoring the default action (and re-raising a signal
-            // that will not come again by itself): the process ends as it
-            // would have without us.
+        if h == libc::SIG_DFL {
+            // SAFETY: restoring the default action and re-raising.
             unsafe {
                 libc::signal(sig, libc::SIG_DFL);
-                if !refaults {
-                    libc::raise(sig);
-                }
+                libc::raise(sig);
             }
             return;
         }
@@ -316,6 +310,45 @@ impl OldAction {
                 f(sig);
             }
         }
+    }
+}
+
+/// A disposition saved whole (handler, flags, mask), to give back to the
+/// program: two buffers and the index of the one in use, so that a
+/// handler reading it while it is saved again reads one or the other.
+pub struct SavedAction {
+    buffers: [std::cell::UnsafeCell<std::mem::MaybeUninit<libc::sigaction>>; 2],
+    /// 0: none saved; 1 or 2: buffers[current - 1].
+    current: std::sync::atomic::AtomicU8,
+}
+
+// SAFETY: a buffer is written only while it is not the current one, and
+// published by a release store of `current` that readers acquire.
+unsafe impl Sync for SavedAction {}
+
+impl SavedAction {
+    pub const fn new() -> Self {
+        SavedAction {
+            buffers: [const { std::cell::UnsafeCell::new(std::mem::MaybeUninit::uninit()) }; 2],
+            current: std::sync::atomic::AtomicU8::new(0),
+        }
+    }
+
+    /// Saves `a`. Called by the one thread that installs the handler.
+    pub fn set(&self, a: &libc::sigaction) {
+        let next = if self.current.load(Ordering::Acquire) == 1 { 2 } else { 1 };
+        if let Some(b) = self.buffers.get(usize::from(next) - 1) {
+            // SAFETY: not the current buffer: no reader reads it.
+            unsafe { (*b.get()).write(*a) };
+            self.current.store(next, Ordering::Release);
+        }
+    }
+
+    fn get(&self) -> Option<libc::sigaction> {
+        let i = self.current.load(Ordering::Acquire);
+        let b = self.buffers.get(usize::from(i).checked_sub(1)?)?;
+        // SAFETY: the current buffer, written before it was published.
+        Some(unsafe { (*b.get()).assume_init() })
     }
 }
 
@@ -335,29 +368,47 @@ pub extern "C" fn on_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::
         *rip = t as i64;
         return;
     }
-    OLD_TRAP.forward(sig, info, ctx, false);
+    OLD_TRAP.forward(sig, info, ctx);
 }
 
-/// The previous SIGSEGV and SIGBUS dispositions, to chain to for faults
+/// The previous SIGSEGV and SIGBUS dispositions, given back for faults
 /// that are not a charge check's.
-pub static OLD_SEGV: OldAction = OldAction::new();
-pub static OLD_BUS: OldAction = OldAction::new();
+pub static OLD_SEGV: SavedAction = SavedAction::new();
+pub static OLD_BUS: SavedAction = SavedAction::new();
+
+/// Whether a fault with this code comes again when the thread returns to
+/// the faulting instruction (what the kernel raises for an access).
+fn repeats(sig: i32, code: i32) -> bool {
+    match sig {
+        // SEGV_MAPERR, SEGV_ACCERR, SEGV_BNDERR, SEGV_PKUERR; SI_KERNEL (a
+        // general protection fault).
+        libc::SIGSEGV => matches!(code, 1..=4 | 0x80),
+        // BUS_ADRALN, BUS_ADRERR, BUS_OBJERR, BUS_MCEERR_AR.
+        libc::SIGBUS => matches!(code, 1..=4),
+        _ => false,
+    }
+}
 
 /// SIGSEGV and SIGBUS: a charge check read the word below a hook's stack
 /// pointer on a stack that is no longer mapped (a program that switches
 /// stacks left, or freed, the one a hook's call was made on). The read
 /// completes with 0, which is never the hook's return address: the check
-/// finds the charge stale and clears it, as after a `longjmp`. Any other
-/// fault goes to the previous handler, or takes the default action at the
-/// faulting instruction as it would have without us.
+/// finds the charge stale and clears it, as after a `longjmp`.
+///
+/// Any other fault or signal is given back to the program exactly as the
+/// kernel would have delivered it: the disposition the program had is
+/// restored whole (handler, flags, mask, alternate stack), and a fault
+/// comes again from the same instruction while any other signal is queued
+/// again with its own siginfo. Our handler is installed again at the next
+/// switch.
 pub extern "C" fn on_fault(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     let _errno = sys::ErrnoGuard::new();
     // SAFETY: the kernel passes a valid siginfo and ucontext to an
-    // SA_SIGINFO handler; si_code > 0 means the kernel raised it for the
-    // instruction at the saved rip.
-    let kernel = !info.is_null() && unsafe { (*info).si_code } > 0;
+    // SA_SIGINFO handler.
+    let code = if info.is_null() { 0 } else { unsafe { (*info).si_code } };
+    let again = repeats(sig, code);
     let uc = ctx as *mut libc::ucontext_t;
-    if kernel && !uc.is_null() {
+    if again && !uc.is_null() {
         // SAFETY: as above.
         let gregs = unsafe { &mut (*uc).uc_mcontext.gregs };
         let (r10, rip) = (libc::REG_R10 as usize, libc::REG_RIP as usize);
@@ -373,8 +424,19 @@ pub extern "C" fn on_fault(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc:
             return;
         }
     }
-    let old = if sig == libc::SIGBUS { &OLD_BUS } else { &OLD_SEGV };
-    old.forward(sig, info, ctx, kernel);
+    let saved = if sig == libc::SIGBUS { &OLD_BUS } else { &OLD_SEGV };
+    // SAFETY: a zeroed sigaction is the default action.
+    let old = saved.get().unwrap_or_else(|| unsafe { std::mem::zeroed() });
+    // SAFETY: restores the program's disposition; queues the signal again,
+    // to this thread, with the siginfo it came with (a process may send
+    // itself any code). It is blocked until this handler returns.
+    unsafe {
+        libc::sigaction(sig, &old, std::ptr::null_mut());
+        crate::patching::FAULT_HANDLER.forget();
+        if !again && !info.is_null() {
+            libc::syscall(libc::SYS_rt_tgsigqueueinfo, libc::getpid(), libc::gettid(), sig, info);
+        }
+    }
 }
 
 /// The watcher thread: waits on the header's futex word and carries out

@@ -241,8 +241,12 @@ fn install(
 }
 
 /// The SIGTRAP handler of the patching protocol, installed before the first
-/// switch (chaining to the handler the program had).
+/// switch (chaining to the handler the program had, saved before ours is
+/// in place).
 fn install_trap_handler() {
+    if let Some(cur) = current_action(libc::SIGTRAP) {
+        control::OLD_TRAP.set(&cur);
+    }
     if let Some(old) = install(libc::SIGTRAP, control::on_trap, true) {
         control::OLD_TRAP.set(&old);
     }
@@ -250,15 +254,26 @@ fn install_trap_handler() {
 
 /// The SIGSEGV and SIGBUS handlers that complete a charge check's read on
 /// an unmapped stack, installed before the first switch of a module with
-/// hooks (chaining to the handlers the program had). They may run on the
+/// hooks. The program's dispositions are saved before ours are in place,
+/// and again as the installation found them. They may run on the
 /// alternate stack: a stack overflow of the program's reaches its own
 /// handler there, as it would have.
 fn install_fault_handlers() {
-    if let Some(old) = install(libc::SIGSEGV, control::on_fault, true) {
-        control::OLD_SEGV.set(&old);
+    for (sig, saved) in [(libc::SIGSEGV, &control::OLD_SEGV), (libc::SIGBUS, &control::OLD_BUS)] {
+        if let Some(cur) = current_action(sig) {
+            saved.set(&cur);
+        }
+        if let Some(old) = install(sig, control::on_fault, true) {
+            saved.set(&old);
+        }
     }
-    if let Some(old) = install(libc::SIGBUS, control::on_fault, true) {
-        control::OLD_BUS.set(&old);
+}
+
+fn current_action(sig: i32) -> Option<libc::sigaction> {
+    // SAFETY: queries the disposition into a zeroed sigaction.
+    unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        (libc::sigaction(sig, std::ptr::null(), &mut cur) == 0).then_some(cur)
     }
 }
 

@@ -56,6 +56,12 @@ impl Installer {
         }
         if self.state.load(Ordering::Acquire) == 2 { Ok(()) } else { Err("a signal handler is being installed") }
     }
+
+    /// The handler was removed (it gave the program's disposition back):
+    /// the next switch that needs it installs it again.
+    pub fn forget(&self) {
+        let _ = self.state.compare_exchange(2, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
 }
 
 /// The SIGTRAP handler that sends a thread trapped on a site's INT3 to its

@@ -29,6 +29,10 @@ pub struct Slot {
     /// Run-time addresses of the first and past the last site.
     lo: AtomicU64,
     hi: AtomicU64,
+    /// Run-time range of the module's trampolines (read by the fault
+    /// handler without reading the table).
+    text_lo: AtomicU64,
+    text_hi: AtomicU64,
     state: AtomicU8,
     /// Held while the module's code is being switched or it is unloading.
     pub busy: AtomicBool,
@@ -58,6 +62,8 @@ impl Slot {
             bias: AtomicU64::new(0),
             lo: AtomicU64::new(0),
             hi: AtomicU64::new(0),
+            text_lo: AtomicU64::new(0),
+            text_hi: AtomicU64::new(0),
             state: AtomicU8::new(FREE),
             busy: AtomicBool::new(false),
             sites: AtomicU8::new(Sites::Off as u8),
@@ -282,6 +288,8 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         };
         slot.lo.store(lo, Ordering::Relaxed);
         slot.hi.store(hi, Ordering::Relaxed);
+        slot.text_lo.store(bias.wrapping_add(h.text_addr), Ordering::Relaxed);
+        slot.text_hi.store(bias.wrapping_add(h.text_addr).wrapping_add(h.text_size), Ordering::Relaxed);
         slot.file_index.store(file_index, Ordering::Relaxed);
         set_unwind(slot, &t, table as u64, module.room);
         slot.busy.store(true, Ordering::Relaxed);
@@ -661,15 +669,12 @@ pub fn trampoline_for(addr: u64) -> Option<u64> {
 /// frame is unwound from there as if the site had made the call. Called
 /// by callers capture when `ra` has no unwind row.
 pub fn return_through_hook(ra: u64) -> Option<u64> {
-    slots().filter(|s| s.is_active()).find_map(|s| {
+    let within = |s: &Slot| ra > s.text_lo.load(Ordering::Relaxed) && ra < s.text_hi.load(Ordering::Relaxed);
+    slots().filter(|s| s.is_active() && within(s)).find_map(|s| {
         // SAFETY: an active slot's module is mapped.
         let t = unsafe { s.table() }?;
+        let want = ra.wrapping_sub(s.bias.load(Ordering::Relaxed));
         let bias = s.bias.load(Ordering::Relaxed);
-        let want = ra.wrapping_sub(bias);
-        let (lo, size) = (t.header.text_addr, t.header.text_size);
-        if want <= lo || want.wrapping_sub(lo) >= size {
-            return None;
-        }
         let site = t.get_site(last_trampoline_below(&t, want)?)?;
         (site.flags & layout::site_flags::HOOK != 0)
             .then(|| bias.wrapping_add(site.addr).wrapping_add(u64::from(site.len)))
@@ -706,15 +711,14 @@ fn last_trampoline_below(t: &Table, addr: u64) -> Option<usize> {
 /// trampolines of an active module. Called from the fault handler.
 pub fn is_check_load(rip: u64) -> bool {
     use alloctramp_trampolines::layout::CHECK_LOAD;
-    slots().filter(|s| s.is_active()).any(|s| {
-        // SAFETY: an active slot's module is mapped.
-        let Some(t) = (unsafe { s.table() }) else { return false };
-        let bias = s.bias.load(Ordering::Relaxed);
-        let lo = bias.wrapping_add(t.header.text_addr);
-        let hi = lo.wrapping_add(t.header.text_size);
-        rip >= lo
-            && rip.wrapping_add(CHECK_LOAD.len() as u64) <= hi
-            // SAFETY: within the module's trampolines (checked above).
+    let end = rip.wrapping_add(CHECK_LOAD.len() as u64);
+    slots().any(|s| {
+        s.is_active()
+            && rip >= s.text_lo.load(Ordering::Relaxed)
+            && end <= s.text_hi.load(Ordering::Relaxed)
+            && end > rip
+            // SAFETY: the faulting instruction, in the trampolines of an
+            // active module: mapped (the thread was executing it).
             && unsafe { (rip as *const [u8; 4]).read_unaligned() } == CHECK_LOAD
     })
 }
