@@ -41,6 +41,32 @@ fn callers_report(file: &Path, dir: &Path) -> Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
+/// A chain's frames as "function:line", or "[module]" where the frame
+/// has no line.
+fn frame_names(chain: &Value) -> Vec<String> {
+    chain["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| match (f["function"].as_str(), f["line"].as_u64()) {
+            (Some(func), Some(line)) => format!("{func}:{line}"),
+            _ => format!("[{}]", f["module"].as_str().unwrap_or("?").rsplit('/').next().unwrap()),
+        })
+        .collect()
+}
+
+/// The test program `name` built in `config`, patched with no option into
+/// a directory of its own: the patched program and the original's output.
+fn patched(config: Config, name: &str) -> (std::path::PathBuf, (String, String, i32)) {
+    let b = built(config);
+    let dir = b.dir.join(format!("patched-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join(name);
+    patch_to(&b.path(name), &bin, &[]);
+    (bin, run_program(&b.path(name), &[], &[]))
+}
+
 fn chains_of(file: &Path, dir: &Path) -> (Chains, Value) {
     let doc = callers_report(file, dir);
     let site =
@@ -49,21 +75,7 @@ fn chains_of(file: &Path, dir: &Path) -> (Chains, Value) {
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| {
-            let frames = c["frames"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|f| match (f["function"].as_str(), f["line"].as_u64()) {
-                    (Some(func), Some(line)) => format!("{func}:{line}"),
-                    _ => {
-                        let m = f["module"].as_str().unwrap_or("?");
-                        format!("[{}]", m.rsplit('/').next().unwrap())
-                    }
-                })
-                .collect();
-            (frames, c["calls"].as_u64().unwrap(), c["bytes"].as_u64().unwrap())
-        })
+        .map(|c| (frame_names(c), c["calls"].as_u64().unwrap(), c["bytes"].as_u64().unwrap()))
         .collect();
     chains.sort();
     (chains, site)
@@ -140,13 +152,7 @@ mod exact_chains {
 /// (the threads keep replacing it), at -O0 (frames found through rbp) and
 /// -O2 (through the stack pointer).
 fn check_threaded_chains(config: Config) {
-    let b = built(config);
-    let dir = b.dir.join("patched-callers-threads");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let bin = dir.join("callers_threads");
-    patch_to(&b.path("callers_threads"), &bin, &[]);
-    let original = run_program(&b.path("callers_threads"), &[], &[]);
+    let (bin, original) = patched(config, "callers_threads");
     for depth in ["2", "4"] {
         let counters = counters_dir(&format!("{}-callers-threads-{depth}", config.name()));
         let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", depth), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
@@ -256,13 +262,7 @@ fn chains_go_on_through_a_library_that_a_library_needs() {
 /// trampoline as if the hook's site had made the call, to the hook's
 /// caller and on, exactly, in every build configuration.
 fn check_chains_through_a_hook(config: Config) {
-    let b = built(config);
-    let dir = b.dir.join("patched-callers-hook");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let bin = dir.join("callers_hook");
-    patch_to(&b.path("callers_hook"), &bin, &[]);
-    let original = run_program(&b.path("callers_hook"), &[], &[]);
+    let (bin, original) = patched(config, "callers_hook");
     let l = frame_lines_of("callers_hook.c");
     let visit = program("callers_hook").markers.iter().find(|m| m.calls == 3 && m.bytes == 51).unwrap().line;
     for depth in ["2", "4", "8"] {
@@ -276,15 +276,7 @@ fn check_chains_through_a_hook(config: Config) {
         assert_eq!(chains.len(), 1, "{what}: one chain: {site}");
         let c = &chains[0];
         assert_eq!((c["calls"].as_u64(), c["bytes"].as_u64()), (Some(3), Some(51)), "{what}: {c}");
-        let frames: Vec<String> = c["frames"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|f| match (f["function"].as_str(), f["line"].as_u64()) {
-                (Some(func), Some(line)) => format!("{func}:{line}"),
-                _ => format!("[{}]", f["module"].as_str().unwrap_or("?").rsplit('/').next().unwrap()),
-            })
-            .collect();
+        let frames = frame_names(c);
         let want = [format!("build:{}", l["cb"]), format!("run:{}", l["hook"]), format!("main:{}", l["main"])];
         if depth == "2" {
             // The last frame, at the depth limit, is named through the hook too.

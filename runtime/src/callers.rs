@@ -324,6 +324,20 @@ struct Walked {
     named: [u64; MAX_DEPTH],
 }
 
+impl Walked {
+    /// Names the last frame found `ret` (its return address lies in a
+    /// hook's trampoline), and mixes that name into the key in place of the
+    /// address (`before`: the key before it).
+    fn name_last(&mut self, ret: u64, before: u64, key: &mut u64) {
+        let k = self.found - 1;
+        if let Some(n) = self.named.get_mut(k) {
+            *n = ret;
+        }
+        self.through_hooks |= 1 << k;
+        *key = mix(before, ret);
+    }
+}
+
 /// Why a walk stopped.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum End {
@@ -359,12 +373,7 @@ fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u
             Some(step) => step,
             None => match through_hook(w.found, pc) {
                 Some((ret, step)) => {
-                    let k = w.found - 1;
-                    if let Some(n) = w.named.get_mut(k) {
-                        *n = ret;
-                    }
-                    w.through_hooks |= 1 << k;
-                    *key = mix(before, ret);
+                    w.name_last(ret, before, key);
                     step
                 }
                 None => {
@@ -415,12 +424,7 @@ fn walk(pc: u64, sp: u64, bp: u64, depth: usize, frames: &mut [u64], at: &mut [u
         && registry::unwind_step(pc.wrapping_sub(1)).is_none()
         && let Some((ret, _)) = through_hook(w.found, pc)
     {
-        let k = w.found - 1;
-        if let Some(n) = w.named.get_mut(k) {
-            *n = ret;
-        }
-        w.through_hooks |= 1 << k;
-        *key = mix(before, ret);
+        w.name_last(ret, before, key);
     }
     if !w.from_sp {
         for (a, &s) in at.iter_mut().zip(&steps) {

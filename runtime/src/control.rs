@@ -265,56 +265,39 @@ pub extern "C" fn on_signal(_sig: i32, info: *mut libc::siginfo_t, _ctx: *mut li
 
 /// The previous SIGTRAP disposition, to chain to for traps that are not
 /// ours.
-pub static OLD_TRAP: OldAction = OldAction::new();
+pub static OLD_TRAP: SavedAction = SavedAction::new();
 
-pub struct OldAction {
-    handler: AtomicUsize,
-    flags: AtomicUsize,
-}
-
-impl OldAction {
-    const fn new() -> Self {
-        OldAction { handler: AtomicUsize::new(libc::SIG_DFL), flags: AtomicUsize::new(0) }
+/// Hands a trap that is not ours to the disposition the program had: its
+/// handler, or the default action (restored, and the signal raised again:
+/// the process ends as it would have without us).
+fn chain_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let (h, flags) = OLD_TRAP.get().map_or((libc::SIG_DFL, 0), |a| (a.sa_sigaction, a.sa_flags));
+    if h == libc::SIG_IGN {
+        return;
     }
-    /// The flags first: a reader that sees the handler sees its flags.
-    pub fn set(&self, a: &libc::sigaction) {
-        self.flags.store(a.sa_flags as usize, Ordering::Release);
-        self.handler.store(a.sa_sigaction, Ordering::Release);
-    }
-
-    /// Hands a trap that is not ours to this previous disposition: its
-    /// handler, or the default action (restored, and the signal raised
-    /// again: the process ends as it would have without us).
-    fn forward(&self, sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-        let h = self.handler.load(Ordering::Acquire);
-        let flags = self.flags.load(Ordering::Acquire) as i32;
-        if h == libc::SIG_IGN {
-            return;
-        }
-        if h == libc::SIG_DFL {
-            // SAFETY: restoring the default action and re-raising.
-            unsafe {
-                libc::signal(sig, libc::SIG_DFL);
-                libc::raise(sig);
-            }
-            return;
-        }
-        // SAFETY: calling the handler that was installed before ours, with
-        // the signature its flags declare.
+    if h == libc::SIG_DFL {
+        // SAFETY: restoring the default action and re-raising.
         unsafe {
-            if flags & libc::SA_SIGINFO != 0 {
-                let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(h);
-                f(sig, info, ctx);
-            } else {
-                let f: extern "C" fn(i32) = std::mem::transmute(h);
-                f(sig);
-            }
+            libc::signal(sig, libc::SIG_DFL);
+            libc::raise(sig);
+        }
+        return;
+    }
+    // SAFETY: calling the handler that was installed before ours, with the
+    // signature its flags declare.
+    unsafe {
+        if flags & libc::SA_SIGINFO != 0 {
+            let f: extern "C" fn(i32, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(h);
+            f(sig, info, ctx);
+        } else {
+            let f: extern "C" fn(i32) = std::mem::transmute(h);
+            f(sig);
         }
     }
 }
 
-/// A disposition saved whole (handler, flags, mask), to give back to the
-/// program: two buffers and the index of the one in use, so that a
+/// A disposition saved whole (handler, flags, mask), to chain to or give
+/// back to the program: two buffers and the index of the one in use, so that a
 /// handler reading it while it is saved again reads one or the other.
 pub struct SavedAction {
     buffers: [std::cell::UnsafeCell<std::mem::MaybeUninit<libc::sigaction>>; 2],
@@ -368,7 +351,7 @@ pub extern "C" fn on_trap(sig: i32, info: *mut libc::siginfo_t, ctx: *mut libc::
         *rip = t as i64;
         return;
     }
-    OLD_TRAP.forward(sig, info, ctx);
+    chain_trap(sig, info, ctx);
 }
 
 /// The previous SIGSEGV and SIGBUS dispositions, given back for faults

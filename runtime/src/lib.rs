@@ -244,7 +244,7 @@ fn install(
 /// switch (chaining to the handler the program had, saved before ours is
 /// in place).
 fn install_trap_handler() {
-    if let Some(cur) = current_action(libc::SIGTRAP) {
+    if let Some(cur) = sys::disposition(libc::SIGTRAP) {
         control::OLD_TRAP.set(&cur);
     }
     if let Some(old) = install(libc::SIGTRAP, control::on_trap, true) {
@@ -260,20 +260,12 @@ fn install_trap_handler() {
 /// handler there, as it would have.
 fn install_fault_handlers() {
     for (sig, saved) in [(libc::SIGSEGV, &control::OLD_SEGV), (libc::SIGBUS, &control::OLD_BUS)] {
-        if let Some(cur) = current_action(sig) {
+        if let Some(cur) = sys::disposition(sig) {
             saved.set(&cur);
         }
         if let Some(old) = install(sig, control::on_fault, true) {
             saved.set(&old);
         }
-    }
-}
-
-fn current_action(sig: i32) -> Option<libc::sigaction> {
-    // SAFETY: queries the disposition into a zeroed sigaction.
-    unsafe {
-        let mut cur: libc::sigaction = std::mem::zeroed();
-        (libc::sigaction(sig, std::ptr::null(), &mut cur) == 0).then_some(cur)
     }
 }
 

@@ -87,11 +87,7 @@ fn fault_handler_waits(table: &Table) -> bool {
     if !SEGV_LOOKED_AT.load(Ordering::Acquire) {
         return false;
     }
-    // SAFETY: queries the disposition into a zeroed sigaction.
-    unsafe {
-        let mut old: libc::sigaction = std::mem::zeroed();
-        libc::sigaction(libc::SIGSEGV, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_DFL
-    }
+    sys::disposition(libc::SIGSEGV).is_some_and(|a| a.sa_sigaction == libc::SIG_DFL)
 }
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries

@@ -673,9 +673,8 @@ pub fn return_through_hook(ra: u64) -> Option<u64> {
     slots().filter(|s| s.is_active() && within(s)).find_map(|s| {
         // SAFETY: an active slot's module is mapped.
         let t = unsafe { s.table() }?;
-        let want = ra.wrapping_sub(s.bias.load(Ordering::Relaxed));
         let bias = s.bias.load(Ordering::Relaxed);
-        let site = t.get_site(last_trampoline_below(&t, want)?)?;
+        let site = t.get_site(last_trampoline_below(&t, ra.wrapping_sub(bias))?)?;
         (site.flags & layout::site_flags::HOOK != 0)
             .then(|| bias.wrapping_add(site.addr).wrapping_add(u64::from(site.len)))
     })

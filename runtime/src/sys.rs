@@ -240,6 +240,15 @@ impl Hook {
     }
 }
 
+/// The disposition of signal `sig` (a system call: safe in signal context).
+pub fn disposition(sig: i32) -> Option<libc::sigaction> {
+    // SAFETY: queries the disposition into a zeroed sigaction.
+    unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        (libc::sigaction(sig, std::ptr::null(), &mut cur) == 0).then_some(cur)
+    }
+}
+
 /// Calls `f(start, end, prot)` for each mapping of the process, in address
 /// order, from `/proc/self/maps` (read with a fixed buffer: safe in signal
 /// context). `f` returns false to stop. Returns false if the file could
