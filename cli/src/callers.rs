@@ -94,7 +94,16 @@ fn name_frames(addresses: &[u64], maps: &[Map], plumbing: &Plumbing) -> HashMap<
 /// loop makes) are one row; its frames give the first one's addresses.
 pub fn chains(pf: &ProcessFile, plumbing: &Plumbing) -> Vec<ChainRow> {
     let modules = pf.modules().unwrap_or_default();
-    let maps = pf.maps();
+    let mut maps = pf.maps();
+    // Libraries a running process mapped since the mappings were recorded
+    // (`dlopen` of an unpatched library): named from its maps now.
+    if crate::control::file_process_running(pf) {
+        for m in crate::report::proc_maps(pf.pid) {
+            if !maps.iter().any(|r| r.start < m.end && m.start < r.end) {
+                maps.push(Map { start: m.start, end: m.end, offset: m.offset, path: m.path });
+            }
+        }
+    }
     let raw = pf.chains();
     let mut addresses: Vec<u64> = raw.iter().flat_map(|c| c.frames.iter().copied()).collect();
     addresses.sort_unstable();
@@ -144,9 +153,24 @@ pub fn chains(pf: &ProcessFile, plumbing: &Plumbing) -> Vec<ChainRow> {
     merged
 }
 
+/// What chains missed: calls that found no chain slot, and walks that
+/// ended at a library unloaded (or moved) since its rows were built.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Lost {
+    pub calls: u64,
+    pub unloaded: u64,
+}
+
+impl Lost {
+    pub fn of(pf: &ProcessFile) -> Lost {
+        use std::sync::atomic::Ordering::Relaxed;
+        Lost { calls: pf.header.callers_lost.load(Relaxed), unloaded: pf.header.callers_unloaded.load(Relaxed) }
+    }
+}
+
 /// The chains of each row's site, after the table: `#` lines, so that a
 /// reader of the allocinfo layout skips them as it skips the header.
-pub fn write_text(w: &mut dyn Write, rows: &[Row], chains: &[ChainRow], lost: u64) -> io::Result<()> {
+pub fn write_text(w: &mut dyn Write, rows: &[Row], chains: &[ChainRow], lost: Lost) -> io::Result<()> {
     writeln!(w, "# callers: calls bytes (totals while capture was on) chain (innermost caller first)")?;
     if chains.is_empty() {
         writeln!(w, "# no call chains recorded (alloctramp callers PID on, or ALLOCTRAMP_CALLERS=on)")?;
@@ -183,15 +207,23 @@ pub fn write_text(w: &mut dyn Write, rows: &[Row], chains: &[ChainRow], lost: u6
             writeln!(w, "#   {calls:>10} {bytes:>12}  {name}")?;
         }
     }
-    if lost > 0 {
-        writeln!(w, "# {lost} calls found no free chain slot (counted at their sites only)")?;
+    if lost.calls > 0 {
+        writeln!(w, "# {} calls found no free chain slot (counted at their sites only)", lost.calls)?;
+    }
+    if lost.unloaded > 0 {
+        writeln!(
+            w,
+            "# {} unwinds ended early at a library loaded with dlopen that moved since `alloctramp callers \
+             PID on` built its rows (run it again)",
+            lost.unloaded
+        )?;
     }
     Ok(())
 }
 
 /// The report's JSON document with `callers` added to each site (and
-/// `callers_lost` at the top).
-pub fn write_json(w: &mut dyn Write, doc: &[u8], chains: &[ChainRow], lost: u64) -> io::Result<()> {
+/// `callers_lost` and `callers_unloaded` at the top).
+pub fn write_json(w: &mut dyn Write, doc: &[u8], chains: &[ChainRow], lost: Lost) -> io::Result<()> {
     let mut v: serde_json::Value = serde_json::from_slice(doc).map_err(io::Error::other)?;
     if let Some(sites) = v.get_mut("sites").and_then(|s| s.as_array_mut()) {
         for s in sites {
@@ -200,7 +232,8 @@ pub fn write_json(w: &mut dyn Write, doc: &[u8], chains: &[ChainRow], lost: u64)
             s["callers"] = serde_json::to_value(of_site).map_err(io::Error::other)?;
         }
     }
-    v["callers_lost"] = lost.into();
+    v["callers_lost"] = lost.calls.into();
+    v["callers_unloaded"] = lost.unloaded.into();
     serde_json::to_writer_pretty(&mut *w, &v).map_err(io::Error::other)?;
     writeln!(w)
 }

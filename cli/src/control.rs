@@ -5,6 +5,7 @@ use crate::util::Snapshot;
 use alloctramp_trampolines::process::{self, ProcHeader, ProcessFile, Request, flags};
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 /// Where this user's process files are: `--dir`, else `$ALLOCTRAMP_DIR`,
@@ -186,8 +187,112 @@ pub fn run_callers(args: &CallersArgs) -> Result<()> {
         bail!("callers off stops every site: --site is for `on`");
     }
     let sites = select_sites(&args.switch, &args.sites)?;
+    let path = pid_file(args.switch.pid, &counters_dir(args.switch.dir.as_deref()))?;
+    // Rows for libraries loaded with dlopen, for a process that can take
+    // the request (switch_with says why another cannot); without them
+    // chains end at such libraries, as before.
+    let takes = read_state(&path).is_ok_and(|s| !s.exited && (s.watcher || s.signal != 0));
+    let written = match request == Request::Callers && takes {
+        true => write_unwind_file(args.switch.pid, &path).unwrap_or_else(|e| {
+            eprintln!("alloctramp: warning: {e:#}; chains end at libraries loaded with dlopen");
+            0
+        }),
+        false => 0,
+    };
     let msg = switch_with(&args.switch, request, args.depth, &sites)?;
     eprintln!("alloctramp: {msg}");
+    if written > 0 {
+        let opened = Snapshot::read(&path)
+            .ok()
+            .and_then(|m| ProcessFile::parse(&m.bytes).ok().map(|pf| pf.header.unwind_file_libraries.load(Relaxed)))
+            .unwrap_or(0);
+        if opened == 0 {
+            return Ok(());
+        }
+        eprintln!(
+            "alloctramp: process {}: chains go on through {opened} more librar{} (unwind rows for libraries \
+             loaded without them)",
+            args.switch.pid,
+            if opened == 1 { "y" } else { "ies" }
+        );
+    }
+    Ok(())
+}
+
+/// Rows written per unwind file at most (12 bytes each): libraries past it
+/// are left out.
+const MAX_UNWIND_FILE_ROWS: usize = 1 << 24;
+
+/// Files larger than this are not read for rows.
+const MAX_LIBRARY_FILE: u64 = 4 << 30;
+
+/// Writes the process's unwind file (`process::UnwindFileHeader`) next to
+/// its counters file (`counters`): rows for every unpatched ELF file with
+/// a build-id that it maps executable (read through `/proc/PID/root`, the
+/// process's view of the file system), so that chains go on through
+/// libraries it loaded with `dlopen`. The runtime opens only those it has
+/// no rows for. Returns the libraries written.
+fn write_unwind_file(pid: u32, counters: &Path) -> Result<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .with_context(|| format!("process {pid}: cannot read its maps"))?;
+    let mut paths: Vec<&str> = Vec::new();
+    for line in maps.lines() {
+        let executable = line.split_ascii_whitespace().nth(1).is_some_and(|p| p.contains('x'));
+        // The path is the rest of the line from its first '/'.
+        let Some(path) = line.find('/').map(|i| &line[i..]) else { continue };
+        if executable && !path.ends_with(" (deleted)") && !paths.contains(&path) {
+            paths.push(path);
+        }
+    }
+    let mut libraries = Vec::new();
+    let mut total = 0;
+    for path in paths {
+        let read = |p: &str| -> Option<Vec<u8>> {
+            let meta = std::fs::metadata(p).ok()?;
+            (meta.is_file() && meta.len() <= MAX_LIBRARY_FILE).then(|| std::fs::read(p).ok()).flatten()
+        };
+        let Some(data) = read(&format!("/proc/{pid}/root{path}")).or_else(|| read(path)) else { continue };
+        let Some(f) = alloctramp_patcher::deps::library_rows(path, &data) else { continue };
+        if total + f.rows.len() > MAX_UNWIND_FILE_ROWS {
+            continue;
+        }
+        total += f.rows.len();
+        libraries.push(f);
+    }
+    let bytes = process::encode_unwind_file(pid, &libraries);
+    let dir = counters.parent().unwrap_or(Path::new("."));
+    // Written by root for another user's process: the runtime maps only
+    // its own user's file, given away through the descriptor before the
+    // file has its name (a path in that user's directory is not to be
+    // trusted).
+    let owner = std::fs::metadata(counters)?.uid();
+    let give = (euid() == 0 && owner != 0).then_some(owner);
+    write_file_as(&dir.join(process::unwind_file_name(pid)), &bytes, give)?;
+    Ok(libraries.len())
+}
+
+/// Writes `data` to a new file beside `path` (mode 0600, owned by `owner`
+/// if given), then renames it to `path`.
+fn write_file_as(path: &Path, data: &[u8], owner: Option<u32>) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension(format!("unwind.{}.tmp", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .with_context(|| format!("{}: cannot create", tmp.display()))?;
+    let written = f
+        .write_all(data)
+        .and_then(|()| owner.map_or(Ok(()), |uid| std::os::unix::fs::fchown(&f, Some(uid), None)))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(anyhow!("{}: cannot write: {e}", path.display()));
+    }
     Ok(())
 }
 

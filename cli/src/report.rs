@@ -347,9 +347,9 @@ pub fn write_report(w: &mut dyn Write, src: &Source, figs: &Figures, rows: &[Row
     let (chains, lost) = match (view.callers, src.parse()) {
         (true, Ok(pf)) => {
             let plumbing = alloctramp_patcher::plumbing::Plumbing::with(&view.plumbing);
-            (crate::callers::chains(&pf, &plumbing), pf.header.callers_lost.load(std::sync::atomic::Ordering::Relaxed))
+            (crate::callers::chains(&pf, &plumbing), crate::callers::Lost::of(&pf))
         }
-        _ => (Vec::new(), 0),
+        _ => (Vec::new(), Default::default()),
     };
     match view.format {
         Format::Text => {
@@ -445,8 +445,9 @@ pub fn proc_maps(pid: u32) -> Vec<alloctramp_report::pprof::Mapped> {
         .filter_map(|l| {
             let mut f = l.split_whitespace();
             let (range, perms, offset) = (f.next()?, f.next()?, f.next()?);
-            let path = f.nth(2)?;
-            if !perms.contains('x') || !path.starts_with('/') {
+            // The path is the rest of the line from its first '/'.
+            let path = &l[l.find('/')?..];
+            if !perms.contains('x') {
                 return None;
             }
             let (a, b) = range.split_once('-')?;

@@ -257,6 +257,112 @@ fn chains_go_on_through_a_library_that_a_library_needs() {
     }
 }
 
+/// How the malloc site's chains of `callers_dlopen` end, as calls: at the
+/// first library frame (inner_apply's), at the second (outer_apply's), and
+/// through both libraries to round_of_three's call of outer_apply (`line`).
+/// Any other chain fails the test: rows never describe what they were not
+/// opened for. With `names`, the library frames must be named after their
+/// libraries (frames are named from the mappings recorded last: not once
+/// the libraries moved, for chains recorded before).
+fn dlopen_chain_ends(pid: &str, dir: &Path, line: u64, names: bool) -> [u64; 3] {
+    let (_, site) = chains_of(Path::new(pid), dir);
+    let mut ends = [0; 3];
+    for c in site["callers"].as_array().unwrap() {
+        let frames = c["frames"].as_array().unwrap();
+        let module = |i: usize| frames[i]["module"].as_str().unwrap().rsplit('/').next().unwrap().to_string();
+        let libraries = frames.len().min(2);
+        if names {
+            let want = ["libcbinner.so", "libcbouter.so"];
+            assert_eq!((0..libraries).map(module).collect::<Vec<_>>(), want[..libraries], "{c}");
+        }
+        if frames.len() > 2 {
+            assert_eq!(frames[2]["function"], "round_of_three", "{c}");
+            assert_eq!(frames[2]["line"].as_u64(), Some(line), "{c}");
+        }
+        ends[frames.len().min(3) - 1] += c["calls"].as_u64().unwrap();
+    }
+    ends
+}
+
+/// A chain through libraries the program loaded with `dlopen`
+/// (`testbins/callers_dlopen.c`), which the patched program carries no rows
+/// for: recorded from the start, its chains end at the first library frame;
+/// `alloctramp callers PID on` writes the process's unwind file, and from
+/// then on they go on through both libraries to the program's call. Once
+/// the libraries are unloaded and loaded again in the other order, rows
+/// opened for a library serve only that library where it was: a chain
+/// ends where a library moved, exactly, until `callers on` again.
+#[test]
+fn chains_go_on_through_libraries_loaded_with_dlopen() {
+    let b = built(Config::default_o2());
+    let (bin, _) = patched(Config::default_o2(), "callers_dlopen");
+    let dir = counters_dir("callers-dlopen");
+    let line = u64::from(frame_lines_of("callers_dlopen.c")["outer_apply"]);
+    let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_CALLERS", "8"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())];
+    let mut t = Talk::start(&bin, &[b.dir.to_str().unwrap()], &env);
+    let pid = t.child.id().to_string();
+    let ask = |t: &mut Talk, c: &str| {
+        t.send(c);
+        t.line().trim().to_string()
+    };
+    let mut seen = [0u64; 3];
+    let mut round = |t: &mut Talk, want: [u64; 3], names: bool, what: &str| {
+        assert!(ask(t, "round").starts_with("done "));
+        let now = dlopen_chain_ends(&pid, &dir, line, names);
+        let got = [now[0] - seen[0], now[1] - seen[1], now[2] - seen[2]];
+        assert_eq!(got, want, "{what}: calls whose chains end at libcbinner.so, at libcbouter.so, go through");
+        seen = now;
+    };
+    let callers_on = |pid: &str| {
+        let o = alloctramp().args(["callers", "--depth", "8", "--dir"]).arg(&dir).arg(pid).arg("on").output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+
+    round(&mut t, [3, 0, 0], true, "before the unwind file");
+    let said = callers_on(&pid);
+    // Both libraries, and others the program carries no rows for (the
+    // dynamic linker).
+    let more: u32 = said.split("chains go on through ").nth(1).and_then(|r| r.split(' ').next()?.parse().ok()).unwrap();
+    assert!(more >= 2, "{said}");
+    let file = std::fs::read(dir.join(format!("{pid}.unwind"))).unwrap();
+    for lib in ["/libcbouter.so\0", "/libcbinner.so\0"] {
+        assert!(file.windows(lib.len()).any(|w| w == lib.as_bytes()), "the unwind file names {lib}");
+    }
+    round(&mut t, [0, 0, 3], true, "with the unwind file's rows");
+
+    let before = ask(&mut t, "maps");
+    assert_eq!(ask(&mut t, "swap"), "done");
+    let after = ask(&mut t, "maps");
+    let bases = |l: &str| l.split_whitespace().skip(1).step_by(2).map(str::to_string).collect::<Vec<_>>();
+    let (was, now) = (bases(&before), bases(&after));
+    let want = match (now[0] == was[0], now[1] == was[1]) {
+        (_, false) => [3, 0, 0],
+        (false, true) => [0, 3, 0],
+        (true, true) => [0, 0, 3],
+    };
+    let moved = want != [0, 0, 3];
+    let unloaded = || callers_report(Path::new(&pid), &dir)["callers_unloaded"].as_u64().unwrap();
+    round(&mut t, want, !moved, &format!("reloaded: {before} -> {after}"));
+    // A walk that reached rows of a library no longer where they were
+    // built for is counted: in libcbouter.so's old place, libcbinner.so's
+    // frame (the libraries swapped places, as they do when the address
+    // space has no other hole for them).
+    let stale = unloaded();
+    if (now[0].as_str(), now[1].as_str()) == (was[1].as_str(), was[0].as_str()) {
+        assert!(stale > 0, "{before} -> {after}");
+    } else if !moved {
+        assert_eq!(stale, 0);
+    }
+    callers_on(&pid);
+    round(&mut t, [0, 0, 3], !moved, "rows built again");
+    assert_eq!(unloaded(), stale, "rows built for what is loaded now");
+
+    t.send("quit");
+    let (rest, code) = t.finish();
+    assert_eq!(code, Some(0), "{rest}");
+}
+
 /// A callback that allocates while a hook's call is under way
 /// (`testbins/callers_hook.c`): its chains go on through the hook's
 /// trampoline as if the hook's site had made the call, to the hook's

@@ -119,23 +119,32 @@ pub fn foreign_unwind(path: &Path, elf: &Elf) -> Vec<alloctramp_trampolines::lay
     let mut total = 0;
     for lib in libraries(path, elf) {
         let Ok(data) = std::fs::read(&lib) else { continue };
-        let Ok(lib_elf) = Elf::parse(&data) else { continue };
-        let Some(build_id) = lib_elf.build_id().filter(|b| !b.is_empty()) else { continue };
-        if crate::plan::is_patched(&lib_elf) {
+        let Some(f) = library_rows(&lib.to_string_lossy(), &data) else { continue };
+        if total + f.rows.len() > MAX_FOREIGN_ROWS {
             continue;
         }
-        let rows = crate::unwind::rows(&lib_elf);
-        if rows.is_empty() || total + rows.len() > MAX_FOREIGN_ROWS {
-            continue;
-        }
-        total += rows.len();
-        out.push(alloctramp_trampolines::layout::ForeignRows {
-            build_id: build_id.to_vec(),
-            path: lib.to_string_lossy().into_owned(),
-            rows,
-        });
+        total += f.rows.len();
+        out.push(f);
     }
     out
+}
+
+/// The unwind rows of the library `data` (named `path`) for a module or a
+/// process's unwind file to carry; `None` for one that is patched (it
+/// carries rows of its own), has no build-id (the runtime could not tell
+/// it is the file loaded), or no `.eh_frame`.
+pub fn library_rows(path: &str, data: &[u8]) -> Option<alloctramp_trampolines::layout::ForeignRows> {
+    let elf = Elf::parse(data).ok()?;
+    let build_id = elf.build_id().filter(|b| !b.is_empty())?;
+    if crate::plan::is_patched(&elf) {
+        return None;
+    }
+    let rows = crate::unwind::rows(&elf);
+    (!rows.is_empty()).then(|| alloctramp_trampolines::layout::ForeignRows {
+        build_id: build_id.to_vec(),
+        path: path.to_string(),
+        rows,
+    })
 }
 
 /// Libraries whose exported functions are not searched for wrappers: the

@@ -14,6 +14,7 @@
 //! The region also records the process's executable file mappings, so that
 //! a reader names the frames after the process is gone.
 
+use crate::foreign;
 use crate::registry::{self, PROC};
 use crate::state::{self, LIVE};
 use crate::sys;
@@ -744,27 +745,52 @@ pub fn reset() {
     }
     if let Some(h) = crate::procfile::header() {
         h.callers_lost.store(0, Ordering::Relaxed);
+        h.callers_unloaded.store(0, Ordering::Relaxed);
     }
 }
 
-/// Records the process's file-backed executable mappings in the region.
+/// Records the process's file-backed executable mappings in the region:
+/// those not recorded yet after the ones that are, so that a library
+/// unloaded since (`dlclose`) keeps naming the frames recorded in it; a
+/// reader takes the last entry that covers an address. Starts over when
+/// the region is full.
 pub fn snapshot_maps() {
     let region = REGION.load(Ordering::Acquire);
     let Some(h) = crate::procfile::header() else { return };
     if region == 0 {
         return;
     }
-    let mut n = 0u64;
+    // SAFETY: entry i (< MAX_MAPS) of the region's map array.
+    let entry = |i: u64| -> &MapEntry { unsafe { pod::at((region + i * size_of::<MapEntry>() as u64) as usize) } };
+    let recorded = u64::from(h.maps_count.load(Ordering::Acquire)).min(MAX_MAPS);
+    let fits = |n: u64| {
+        let mut more = 0;
+        sys::for_each_maps_line(|line| {
+            if let Some((start, end, prot, offset, path)) = sys::parse_maps_file_line(line)
+                && prot & libc::PROT_EXEC != 0
+                && path.first() == Some(&b'/')
+                && !(0..n).any(|i| same_map(entry(i), start, end, offset, path))
+            {
+                more += 1;
+            }
+            true
+        });
+        n + more <= MAX_MAPS
+    };
+    let mut n = if fits(recorded) { recorded } else { 0 };
+    let kept = n;
     sys::for_each_maps_line(|line| {
         let Some((start, end, prot, offset, path)) = sys::parse_maps_file_line(line) else { return true };
         if prot & libc::PROT_EXEC == 0 || path.first() != Some(&b'/') {
             return true;
         }
+        if (0..kept).any(|i| same_map(entry(i), start, end, offset, path)) {
+            return true;
+        }
         if n == MAX_MAPS {
             return false;
         }
-        // SAFETY: entry n of the region's map array.
-        let m: &MapEntry = unsafe { pod::at((region + n * size_of::<MapEntry>() as u64) as usize) };
+        let m = entry(n);
         m.start.store(start, Ordering::Relaxed);
         m.end.store(end, Ordering::Relaxed);
         m.offset.store(offset, Ordering::Relaxed);
@@ -773,6 +799,16 @@ pub fn snapshot_maps() {
         true
     });
     h.maps_count.store(n as u32, Ordering::Release);
+}
+
+/// Whether a recorded entry is this mapping (its path as the entry holds
+/// it: cut to leave one NUL).
+fn same_map(m: &MapEntry, start: u64, end: u64, offset: u64, path: &[u8]) -> bool {
+    let path = path.get(..m.path.len() - 1).unwrap_or(path);
+    m.start.load(Ordering::Relaxed) == start
+        && m.end.load(Ordering::Relaxed) == end
+        && m.offset.load(Ordering::Relaxed) == offset
+        && m.path.iter().map(|c| c.load(Ordering::Relaxed)).take_while(|&c| c != 0).eq(path.iter().copied())
 }
 
 /// Makes sure the process file has a callers region (mapped into REGION).
@@ -807,7 +843,35 @@ pub fn set_depth(depth: u32) -> Result<(), &'static str> {
     if depth != 0 {
         snapshot_maps();
     }
-    registry::refresh_all()
+    let switched = registry::refresh_all();
+    // After the switch, which opened the rows the modules carry: the file
+    // adds what they lack.
+    if depth != 0 {
+        open_unwind_file();
+    }
+    switched
+}
+
+/// Opens the rows of the process's unwind file, if `alloctramp callers
+/// PID on` wrote one (libraries loaded with `dlopen`), and says how many
+/// libraries' rows it opened in the process file.
+fn open_unwind_file() {
+    let mut path = crate::procfile::unwind_path();
+    if path.bytes().is_empty() {
+        return;
+    }
+    let opened = match foreign::open_file(path.c_str()) {
+        Ok(n) => n,
+        Err(e) => {
+            sys::log(e.as_bytes());
+            0
+        }
+    };
+    if let Some(h) = crate::procfile::header() {
+        h.unwind_file_libraries.store(opened, Ordering::Release);
+    }
+    // Addresses in those libraries were answered "no row" until now.
+    registry::forget_rows();
 }
 
 /// In a forked child: the parent's region is not the child's; a child

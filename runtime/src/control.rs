@@ -14,9 +14,9 @@ use crate::live;
 use crate::procfile::header;
 use crate::registry;
 use crate::state::{self, LIVE, Sites};
-use crate::sys::{self, Buf};
+use crate::sys::{self, Buf, PathCell};
 use alloctramp_trampolines::process::{ProcHeader, Request};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// What to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,39 +27,7 @@ pub enum Command {
 }
 
 /// The control file's path, set at start-up (and after fork).
-pub static CONTROL_PATH: ControlPath = ControlPath::new();
-
-pub struct ControlPath {
-    bytes: [AtomicU64; 32],
-    len: AtomicUsize,
-}
-
-impl ControlPath {
-    const fn new() -> Self {
-        ControlPath { bytes: [const { AtomicU64::new(0) }; 32], len: AtomicUsize::new(0) }
-    }
-    pub fn set(&self, p: &[u8]) {
-        let n = p.len().min(255);
-        for (i, chunk) in self.bytes.iter().enumerate() {
-            let mut w = [0u8; 8];
-            for (k, b) in w.iter_mut().enumerate() {
-                *b = p.get(i * 8 + k).copied().filter(|_| i * 8 + k < n).unwrap_or(0);
-            }
-            chunk.store(u64::from_le_bytes(w), Ordering::Relaxed);
-        }
-        self.len.store(n, Ordering::Release);
-    }
-    fn get(&self) -> Buf<256> {
-        let n = self.len.load(Ordering::Acquire);
-        let mut raw = [0u8; 256];
-        for (w, chunk) in raw.chunks_exact_mut(8).zip(&self.bytes) {
-            w.copy_from_slice(&chunk.load(Ordering::Relaxed).to_le_bytes());
-        }
-        let mut b = Buf::new();
-        b.push(raw.get(..n).unwrap_or(&raw));
-        b
-    }
-}
+pub static CONTROL_PATH: PathCell = PathCell::new();
 
 static SWITCHING: AtomicBool = AtomicBool::new(false);
 static PENDING: AtomicBool = AtomicBool::new(false);

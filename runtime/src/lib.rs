@@ -282,6 +282,7 @@ fn init() {
         return;
     }
     sys::register_barrier();
+    foreign::init();
     let _ = CONFIG.set(Config { inert });
     live::ON_DRAINED.set(control::finish_drain);
     patching::TRAP_HANDLER.set(install_trap_handler);

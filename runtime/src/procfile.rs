@@ -2,7 +2,7 @@
 //! created at start-up in a per-user directory, grown as modules register,
 //! its counter regions mapped over each module's counters.
 
-use crate::sys::{self, Buf};
+use crate::sys::{self, Buf, Fd};
 use alloctramp_trampolines::layout::PAGE;
 use alloctramp_trampolines::pod;
 use alloctramp_trampolines::process::{self, ModuleSlot, PROC_HEADER_SIZE, ProcHeader};
@@ -78,16 +78,6 @@ fn create_file(path: &CStr) -> Result<i32, &'static str> {
     }
 }
 
-/// A descriptor closed when dropped.
-struct Fd(i32);
-
-impl Drop for Fd {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor was opened by this module and is closed once.
-        unsafe { libc::close(self.0) };
-    }
-}
-
 fn identity(fd: i32) -> Option<(u64, u64)> {
     // SAFETY: fstat fills a plain struct.
     unsafe {
@@ -107,6 +97,7 @@ impl ProcFile {
         name = pid_name(pid, ".counters");
         let mut path = path_in(dir, name.bytes());
         let fd = Fd(create_file(tmp.c_str())?);
+        UNWIND_PATH.set(path_in(dir, pid_name(pid, ".unwind").bytes()).bytes());
         let Some((dev, ino)) = identity(fd.0) else { return Err("cannot create the counters file") };
         // SAFETY: fd is ours; the mapping covers the file's first
         // PROC_HEADER_SIZE bytes, which ftruncate just created.
@@ -370,7 +361,7 @@ pub fn prune(dir: &str, keep: usize) {
         let Ok(pid) = pid.parse::<u32>() else { continue };
         match kind {
             "counters" => {}
-            "counters.new" | "control" => {
+            "counters.new" | "control" | "unwind" => {
                 if !runs(pid, (0, 0)) {
                     strays.push(path);
                 }
@@ -405,11 +396,21 @@ pub fn prune(dir: &str, keep: usize) {
         if remove {
             let _ = std::fs::remove_file(format!("{dir}/{pid}.counters"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.control"));
+            let _ = std::fs::remove_file(format!("{dir}/{pid}.unwind"));
         }
     }
     for p in strays {
         let _ = std::fs::remove_file(p);
     }
+}
+
+/// The process's unwind file (`process::unwind_file_name`), next to its
+/// counters file: set when that is created (after fork too), read from
+/// signal handlers.
+static UNWIND_PATH: sys::PathCell = sys::PathCell::new();
+
+pub fn unwind_path() -> Path {
+    UNWIND_PATH.get()
 }
 
 /// The process file's header, once created: readable from signal handlers.

@@ -461,8 +461,14 @@ pub fn unwind_step(pc: u64) -> Option<Step> {
 #[inline(never)]
 fn unwind_miss(pc: u64, cell: &AtomicU64) -> Option<Step> {
     let generation = ROW_CACHE_GENERATION.load(Ordering::SeqCst);
-    let row = slots().find_map(|s| s.unwind_row(pc)).or_else(|| foreign::row(pc));
-    if let Some(v) = pack_row(pc, row) {
+    let (row, cacheable) = match slots().find_map(|s| s.unwind_row(pc)) {
+        Some(r) => (Some(r), true),
+        None => {
+            let l = foreign::row(pc);
+            (l.row, l.cacheable)
+        }
+    };
+    if let Some(v) = pack_row(pc, row).filter(|_| cacheable) {
         cell.store(v, Ordering::SeqCst);
         // Forgotten meanwhile (the answer may be stale): take it back.
         if ROW_CACHE_GENERATION.load(Ordering::SeqCst) != generation {

@@ -4,6 +4,7 @@
 //! registration only, never from a handler).
 
 use std::ffi::{CStr, c_char, c_void};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// A fixed buffer for composing messages and paths without allocating.
 pub struct Buf<const N: usize> {
@@ -77,6 +78,50 @@ pub fn write_all(fd: i32, mut data: &[u8]) {
             return;
         }
         data = data.get(n as usize..).unwrap_or_default();
+    }
+}
+
+/// A path (up to 255 bytes) that signal handlers read: words written and
+/// read atomically, the length published last.
+pub struct PathCell {
+    bytes: [AtomicU64; 32],
+    len: AtomicUsize,
+}
+
+impl PathCell {
+    pub const fn new() -> Self {
+        PathCell { bytes: [const { AtomicU64::new(0) }; 32], len: AtomicUsize::new(0) }
+    }
+    pub fn set(&self, p: &[u8]) {
+        let n = p.len().min(255);
+        for (i, chunk) in self.bytes.iter().enumerate() {
+            let mut w = [0u8; 8];
+            for (k, b) in w.iter_mut().enumerate() {
+                *b = p.get(i * 8 + k).copied().filter(|_| i * 8 + k < n).unwrap_or(0);
+            }
+            chunk.store(u64::from_le_bytes(w), Ordering::Relaxed);
+        }
+        self.len.store(n, Ordering::Release);
+    }
+    pub fn get(&self) -> Buf<256> {
+        let n = self.len.load(Ordering::Acquire);
+        let mut raw = [0u8; 256];
+        for (w, chunk) in raw.chunks_exact_mut(8).zip(&self.bytes) {
+            w.copy_from_slice(&chunk.load(Ordering::Relaxed).to_le_bytes());
+        }
+        let mut b = Buf::new();
+        b.push(raw.get(..n).unwrap_or(&raw));
+        b
+    }
+}
+
+/// A descriptor closed when dropped.
+pub struct Fd(pub i32);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: the descriptor was opened by its owner and is closed once.
+        unsafe { libc::close(self.0) };
     }
 }
 

@@ -848,6 +848,10 @@ impl Strings {
     pub fn is_empty(&self) -> bool {
         self.data.is_empty()
     }
+    /// The strings' bytes, each NUL-terminated.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
     /// The offset of a string added before.
     pub fn offset_of(&self, s: &str) -> Option<u32> {
         self.index.get(s).copied()
@@ -914,31 +918,39 @@ pub fn encode_with_unwind(
         index.iter().for_each(|i| b.extend_from_slice(&i.to_le_bytes()));
     }
     if !foreign.is_empty() {
-        let dir = foreign_offset(b.len());
-        b.resize(dir, 0);
-        let mut at = foreign.len() * size_of::<ForeignUnwind>();
-        let mut data = Vec::new();
-        for f in foreign {
-            let index = unwind_block_index(&f.rows);
-            let mut id = [0u8; 20];
-            let n = f.build_id.len().min(20);
-            id.iter_mut().zip(&f.build_id).for_each(|(a, &b)| *a = b);
-            let e = ForeignUnwind {
-                build_id: id,
-                build_id_len: n as u8,
-                reserved: [0; 3],
-                rows_offset: at as u32,
-                count: f.rows.len() as u32,
-                blocks: index.len() as u32,
-                name: strings.offset_of(&f.path).unwrap_or(0),
-            };
-            b.extend_from_slice(pod::bytes_of(&e));
-            f.rows.iter().for_each(|r| data.extend_from_slice(pod::bytes_of(r)));
-            index.iter().for_each(|i| data.extend_from_slice(&i.to_le_bytes()));
-            at += f.rows.len() * UNWIND_ROW_SIZE + index.len() * 4;
-        }
-        b.extend_from_slice(&data);
+        b.resize(foreign_offset(b.len()), 0);
+        b.extend_from_slice(&encode_foreign(foreign, |f| strings.offset_of(&f.path).unwrap_or(0)));
     }
+    b
+}
+
+/// Serializes a directory of carried rows ([`ForeignUnwind`] entries,
+/// then each library's rows and block index, at offsets from the
+/// directory's start); `name` gives each library's string offset.
+pub fn encode_foreign(foreign: &[ForeignRows], name: impl Fn(&ForeignRows) -> u32) -> Vec<u8> {
+    let mut b = Vec::with_capacity(foreign_size(foreign));
+    let mut at = foreign.len() * size_of::<ForeignUnwind>();
+    let mut data = Vec::new();
+    for f in foreign {
+        let index = unwind_block_index(&f.rows);
+        let mut id = [0u8; 20];
+        let n = f.build_id.len().min(20);
+        id.iter_mut().zip(&f.build_id).for_each(|(a, &b)| *a = b);
+        let e = ForeignUnwind {
+            build_id: id,
+            build_id_len: n as u8,
+            reserved: [0; 3],
+            rows_offset: at as u32,
+            count: f.rows.len() as u32,
+            blocks: index.len() as u32,
+            name: name(f),
+        };
+        b.extend_from_slice(pod::bytes_of(&e));
+        f.rows.iter().for_each(|r| data.extend_from_slice(pod::bytes_of(r)));
+        index.iter().for_each(|i| data.extend_from_slice(&i.to_le_bytes()));
+        at += f.rows.len() * UNWIND_ROW_SIZE + index.len() * 4;
+    }
+    b.extend_from_slice(&data);
     b
 }
 

@@ -158,7 +158,14 @@ pub struct ProcHeader {
     /// When the last switch completed (seconds since the epoch; 0: none
     /// yet, or a file written before the field).
     pub last_switch_time: AtomicU64,
-    pub reserved: [u8; 32],
+    /// Libraries whose rows the runtime opened from the process's unwind
+    /// file ([`UnwindFileHeader`]) at the last [`Request::Callers`].
+    pub unwind_file_libraries: AtomicU32,
+    pub reserved1: u32,
+    /// Walks that ended at rows from the unwind file because their library
+    /// was unloaded, or another loaded in its place, since they were built.
+    pub callers_unloaded: AtomicU64,
+    pub reserved: [u8; 16],
     /// The modules, [`module_count`](Self::module_count) of them published.
     pub modules: [ModuleSlot; 248],
 }
@@ -221,6 +228,8 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("callers_request_sites", offset_of!(ProcHeader, callers_request_sites), "u32"),
     ("callers_sites", offset_of!(ProcHeader, callers_sites), "[u64; 16]"),
     ("last_switch_time", offset_of!(ProcHeader, last_switch_time), "u64"),
+    ("unwind_file_libraries", offset_of!(ProcHeader, unwind_file_libraries), "u32"),
+    ("callers_unloaded", offset_of!(ProcHeader, callers_unloaded), "u64"),
     ("modules", offset_of!(ProcHeader, modules), "[slot; 248]"),
 ];
 
@@ -569,14 +578,15 @@ impl<'a> ProcessFile<'a> {
             .collect()
     }
 
-    /// The mappings recorded for naming the frames of chains.
+    /// The mappings recorded for naming the frames of chains: of entries
+    /// that overlap, the last recorded (the runtime appends what changed).
     pub fn maps(&self) -> Vec<Map> {
         let at = self.header.callers_offset.load(Ordering::Relaxed);
         let n = u64::from(self.header.maps_count.load(Ordering::Acquire)).min(MAX_MAPS);
         if at == 0 {
             return Vec::new();
         }
-        (0..n)
+        let all: Vec<Map> = (0..n)
             .filter_map(|i| {
                 let off = usize::try_from(at.checked_add(i * size_of::<MapEntry>() as u64)?).ok()?;
                 let m = crate::pod::copy::<MapEntry>(self.bytes.get(off..)?)?;
@@ -588,6 +598,11 @@ impl<'a> ProcessFile<'a> {
                     path: ProcHeader::text(&m.path),
                 })
             })
+            .collect();
+        all.iter()
+            .enumerate()
+            .filter(|(i, m)| !all.iter().skip(i + 1).any(|l| l.start < m.end && m.start < l.end))
+            .map(|(_, m)| m.clone())
             .collect()
     }
 
@@ -697,11 +712,109 @@ pub const DEFAULT_KEEP: usize = 64;
 pub fn counters_file_name(pid: u32) -> String {
     format!("{pid}.counters")
 }
+/// Unwind rows `alloctramp callers PID on` writes for the libraries the
+/// process has loaded without rows (see [`UnwindFileHeader`]).
+pub fn unwind_file_name(pid: u32) -> String {
+    format!("{pid}.unwind")
+}
 /// The optional control file a person may write for a process that
 /// switches on a signal (`ALLOCTRAMP_SWITCH=signal`); the runtime never
 /// creates it.
 pub fn control_file_name(pid: u32) -> String {
     format!("{pid}.control")
+}
+
+/// The unwind file's magic and version.
+pub const UNWIND_MAGIC: [u8; 8] = *b"ATUNWD\x00\x01";
+pub const UNWIND_VERSION: u32 = 1;
+/// Where the unwind file's directory starts.
+pub const UNWIND_DIR_AT: u64 = 64;
+/// The largest unwind file the runtime maps.
+pub const MAX_UNWIND_FILE: u64 = 1 << 30;
+
+/// The header of a process's unwind file (`PID.unwind`, next to its
+/// counters file): rows for libraries the process loaded without carried
+/// rows (`dlopen`), built from their `.eh_frame` by `alloctramp callers
+/// PID on` and mapped read-only by the runtime when it carries out that
+/// request. The directory at `dir_offset` is the one a patched executable
+/// carries ([`crate::layout::ForeignUnwind`] entries, rows at offsets from
+/// the directory's start); each entry's `name` is an offset into the
+/// strings, NUL-terminated paths as the process's maps name the library.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct UnwindFileHeader {
+    /// [`UNWIND_MAGIC`].
+    pub magic: [u8; 8],
+    /// [`UNWIND_VERSION`].
+    pub version: u32,
+    /// The process the rows were built for.
+    pub pid: u32,
+    /// Directory entries.
+    pub count: u32,
+    pub reserved: u32,
+    /// [`UNWIND_DIR_AT`]; the directory's bytes, rows included.
+    pub dir_offset: u64,
+    pub dir_size: u64,
+    pub strings_offset: u64,
+    pub strings_size: u64,
+    pub reserved2: u64,
+}
+
+// SAFETY: repr(C) integers and byte arrays, no padding (size asserted).
+unsafe impl Pod for UnwindFileHeader {}
+const _: () = assert!(size_of::<UnwindFileHeader>() == 64);
+
+/// Every field of the unwind file's header, likewise.
+pub const UNWIND_FIELDS: &[(&str, usize, &str)] = &[
+    ("magic", offset_of!(UnwindFileHeader, magic), "[u8; 8]"),
+    ("version", offset_of!(UnwindFileHeader, version), "u32"),
+    ("pid", offset_of!(UnwindFileHeader, pid), "u32"),
+    ("count", offset_of!(UnwindFileHeader, count), "u32"),
+    ("dir_offset", offset_of!(UnwindFileHeader, dir_offset), "u64"),
+    ("dir_size", offset_of!(UnwindFileHeader, dir_size), "u64"),
+    ("strings_offset", offset_of!(UnwindFileHeader, strings_offset), "u64"),
+    ("strings_size", offset_of!(UnwindFileHeader, strings_size), "u64"),
+];
+
+/// Serializes the unwind file of process `pid` for `libraries`.
+pub fn encode_unwind_file(pid: u32, libraries: &[crate::layout::ForeignRows]) -> Vec<u8> {
+    let mut strings = crate::layout::Strings::default();
+    for f in libraries {
+        strings.add(&f.path);
+    }
+    let dir = crate::layout::encode_foreign(libraries, |f| strings.offset_of(&f.path).unwrap_or(0));
+    let h = UnwindFileHeader {
+        magic: UNWIND_MAGIC,
+        version: UNWIND_VERSION,
+        pid,
+        count: libraries.len() as u32,
+        dir_offset: UNWIND_DIR_AT,
+        dir_size: dir.len() as u64,
+        strings_offset: UNWIND_DIR_AT + dir.len() as u64,
+        strings_size: strings.len() as u64,
+        ..Default::default()
+    };
+    let mut b = Vec::with_capacity(h.strings_offset as usize + strings.len());
+    b.extend_from_slice(crate::pod::bytes_of(&h));
+    b.extend_from_slice(&dir);
+    b.extend_from_slice(strings.data());
+    b
+}
+
+/// The header of an unwind file, if its magic, version and regions are
+/// sound for `len` bytes.
+pub fn unwind_file_header(bytes: &[u8]) -> Option<UnwindFileHeader> {
+    let h = crate::pod::copy::<UnwindFileHeader>(bytes)?;
+    let len = bytes.len() as u64;
+    let within = |at: u64, size: u64| at.checked_add(size).is_some_and(|end| end <= len);
+    (h.magic == UNWIND_MAGIC
+        && h.version == UNWIND_VERSION
+        && h.dir_offset == UNWIND_DIR_AT
+        && within(h.dir_offset, h.dir_size)
+        && h.strings_offset >= h.dir_offset + h.dir_size
+        && within(h.strings_offset, h.strings_size)
+        && u64::from(h.count) * size_of::<crate::layout::ForeignUnwind>() as u64 <= h.dir_size)
+        .then_some(*h)
 }
 
 #[cfg(test)]
@@ -711,6 +824,37 @@ mod tests {
     use crate::layout::tests::{documented, fields, formats_md};
 
     #[test]
+    fn an_unwind_file_reads_back_and_a_damaged_one_does_not() {
+        use crate::layout::{ForeignRows, UnwindRow};
+        let row = |addr| UnwindRow { addr, kind: crate::layout::unwind::RSP, cfa_offset: 8, ..Default::default() };
+        let libs = [
+            ForeignRows { build_id: vec![1; 20], path: "/lib/a.so".into(), rows: vec![row(0x1000), row(0x1010)] },
+            ForeignRows { build_id: vec![2; 8], path: "/lib/b.so".into(), rows: vec![row(0x2000)] },
+        ];
+        let b = encode_unwind_file(42, &libs);
+        let h = unwind_file_header(&b).expect("sound");
+        assert_eq!((h.pid, h.count, h.dir_offset), (42, 2, UNWIND_DIR_AT));
+        let strings = &b[h.strings_offset as usize..][..h.strings_size as usize];
+        let dir = &b[h.dir_offset as usize..][..h.dir_size as usize];
+        for (k, lib) in libs.iter().enumerate() {
+            let e = *crate::pod::copy::<crate::layout::ForeignUnwind>(&dir[k * 40..]).unwrap();
+            assert_eq!(&e.build_id[..e.build_id_len as usize], &lib.build_id[..]);
+            assert_eq!(e.count as usize, lib.rows.len());
+            let name = &strings[e.name as usize..];
+            assert_eq!(&name[..name.iter().position(|&c| c == 0).unwrap()], lib.path.as_bytes());
+            let first = *crate::pod::copy::<UnwindRow>(&dir[e.rows_offset as usize..]).unwrap();
+            assert_eq!(first, lib.rows[0]);
+        }
+        assert!(unwind_file_header(&b[..b.len() - 1]).is_none(), "truncated");
+        let mut bad = b.clone();
+        bad[0] ^= 1;
+        assert!(unwind_file_header(&bad).is_none(), "magic");
+        let mut bad = b.clone();
+        bad[16] = 200;
+        assert!(unwind_file_header(&bad).is_none(), "more entries than the directory holds");
+    }
+
+    #[test]
     fn the_documented_process_file_is_the_struct() {
         let doc = formats_md();
         assert!(doc.contains(&format!("## The process counters file (`PID.counters`, version {PROC_VERSION})")));
@@ -718,6 +862,8 @@ mod tests {
         assert_eq!(documented(&doc, "Module slot (64 bytes)"), fields(SLOT_FIELDS));
         assert_eq!(documented(&doc, "Map entry (256 bytes)"), fields(MAP_FIELDS));
         assert_eq!(documented(&doc, "Chain slot (96 bytes)"), fields(CHAIN_FIELDS));
+        assert!(doc.contains(&format!("## The unwind file (`PID.unwind`, version {UNWIND_VERSION})")));
+        assert_eq!(documented(&doc, "## The unwind file"), fields(UNWIND_FIELDS));
     }
 
     #[test]
