@@ -234,17 +234,13 @@ const MAX_LIBRARY_FILE: u64 = 4 << 30;
 /// no rows for. Returns the libraries written.
 fn write_unwind_file(pid: u32, counters: &Path) -> Result<usize> {
     use std::os::unix::fs::MetadataExt;
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .with_context(|| format!("process {pid}: cannot read its maps"))?;
-    let mut paths: Vec<&str> = Vec::new();
-    for line in maps.lines() {
-        let executable = line.split_ascii_whitespace().nth(1).is_some_and(|p| p.contains('x'));
-        // The path is the rest of the line from its first '/'.
-        let Some(path) = line.find('/').map(|i| &line[i..]) else { continue };
-        if executable && !path.ends_with(" (deleted)") && !paths.contains(&path) {
-            paths.push(path);
-        }
+    let maps = crate::report::proc_maps(pid);
+    if maps.is_empty() {
+        bail!("process {pid}: cannot read its maps");
     }
+    let mut paths: Vec<&str> = maps.iter().map(|m| m.path.as_str()).filter(|p| !p.ends_with(" (deleted)")).collect();
+    paths.sort_unstable();
+    paths.dedup();
     let mut libraries = Vec::new();
     let mut total = 0;
     for path in paths {
@@ -263,37 +259,11 @@ fn write_unwind_file(pid: u32, counters: &Path) -> Result<usize> {
     let bytes = process::encode_unwind_file(pid, &libraries);
     let dir = counters.parent().unwrap_or(Path::new("."));
     // Written by root for another user's process: the runtime maps only
-    // its own user's file, given away through the descriptor before the
-    // file has its name (a path in that user's directory is not to be
-    // trusted).
+    // its own user's file.
     let owner = std::fs::metadata(counters)?.uid();
     let give = (euid() == 0 && owner != 0).then_some(owner);
-    write_file_as(&dir.join(process::unwind_file_name(pid)), &bytes, give)?;
+    crate::util::write_atomic_as(&dir.join(process::unwind_file_name(pid)), &bytes, 0o600, give)?;
     Ok(libraries.len())
-}
-
-/// Writes `data` to a new file beside `path` (mode 0600, owned by `owner`
-/// if given), then renames it to `path`.
-fn write_file_as(path: &Path, data: &[u8], owner: Option<u32>) -> Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension(format!("unwind.{}.tmp", std::process::id()));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)
-        .with_context(|| format!("{}: cannot create", tmp.display()))?;
-    let written = f
-        .write_all(data)
-        .and_then(|()| owner.map_or(Ok(()), |uid| std::os::unix::fs::fchown(&f, Some(uid), None)))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(anyhow!("{}: cannot write: {e}", path.display()));
-    }
-    Ok(())
 }
 
 /// The run-time addresses of the patched sites the specs name.

@@ -187,6 +187,15 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<()> {
     write_atomic_with(path, mode, |w| w.write_all(data))
 }
 
+/// Like [`write_atomic`], the file given to user `owner` through its
+/// descriptor before it has its name (root writing into a directory that
+/// user controls: a path there is not to be trusted).
+pub fn write_atomic_as(path: &Path, data: &[u8], mode: u32, owner: Option<u32>) -> Result<()> {
+    let mut staged = Staged { files: Vec::new(), owner };
+    staged.add(path, mode, |w| w.write_all(data))?;
+    staged.commit()
+}
+
 /// Like [`write_atomic`], with the contents produced by `fill`.
 pub fn write_atomic_with(path: &Path, mode: u32, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
     let mut staged = Staged::default();
@@ -203,6 +212,8 @@ pub fn write_atomic_with(path: &Path, mode: u32, fill: impl FnOnce(&mut dyn Writ
 pub struct Staged {
     /// (temporary, target, whether the target existed before)
     files: Vec<(std::path::PathBuf, std::path::PathBuf, bool)>,
+    /// The user the files are given to (none: they stay ours).
+    owner: Option<u32>,
 }
 
 impl Staged {
@@ -252,6 +263,10 @@ impl Staged {
             f.set_len(len).with_context(|| format!("{}: cannot write", path.display()))?;
         }
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        if let Some(uid) = self.owner {
+            std::os::unix::fs::fchown(&f, Some(uid), None)
+                .with_context(|| format!("{}: cannot give it to uid {uid}", path.display()))?;
+        }
         f.sync_all().ok();
         Ok(())
     }

@@ -760,25 +760,18 @@ pub fn snapshot_maps() {
     if region == 0 {
         return;
     }
+    let recorded = u64::from(h.maps_count.load(Ordering::Acquire)).min(MAX_MAPS);
+    let n = append_maps(region, recorded).unwrap_or_else(|| append_maps(region, 0).unwrap_or(MAX_MAPS));
+    h.maps_count.store(n as u32, Ordering::Release);
+}
+
+/// Writes the mappings that the first `kept` entries do not hold after
+/// them; the entries then recorded, or `None` if they would not fit.
+fn append_maps(region: u64, kept: u64) -> Option<u64> {
     // SAFETY: entry i (< MAX_MAPS) of the region's map array.
     let entry = |i: u64| -> &MapEntry { unsafe { pod::at((region + i * size_of::<MapEntry>() as u64) as usize) } };
-    let recorded = u64::from(h.maps_count.load(Ordering::Acquire)).min(MAX_MAPS);
-    let fits = |n: u64| {
-        let mut more = 0;
-        sys::for_each_maps_line(|line| {
-            if let Some((start, end, prot, offset, path)) = sys::parse_maps_file_line(line)
-                && prot & libc::PROT_EXEC != 0
-                && path.first() == Some(&b'/')
-                && !(0..n).any(|i| same_map(entry(i), start, end, offset, path))
-            {
-                more += 1;
-            }
-            true
-        });
-        n + more <= MAX_MAPS
-    };
-    let mut n = if fits(recorded) { recorded } else { 0 };
-    let kept = n;
+    let mut n = kept;
+    let mut fits = true;
     sys::for_each_maps_line(|line| {
         let Some((start, end, prot, offset, path)) = sys::parse_maps_file_line(line) else { return true };
         if prot & libc::PROT_EXEC == 0 || path.first() != Some(&b'/') {
@@ -788,6 +781,7 @@ pub fn snapshot_maps() {
             return true;
         }
         if n == MAX_MAPS {
+            fits = false;
             return false;
         }
         let m = entry(n);
@@ -798,7 +792,7 @@ pub fn snapshot_maps() {
         n += 1;
         true
     });
-    h.maps_count.store(n as u32, Ordering::Release);
+    fits.then_some(n)
 }
 
 /// Whether a recorded entry is this mapping (its path as the entry holds

@@ -245,8 +245,10 @@ type FindObject = unsafe extern "C" fn(u64, *mut DlFindObject) -> i32;
 /// `_dl_find_object`, found at start-up (0: this C library has none).
 static FIND_OBJECT: AtomicUsize = AtomicUsize::new(0);
 
-/// Looks `_dl_find_object` up (at start-up: `dlsym` is not for signal
-/// context).
+/// Looks `_dl_find_object` up, before the first request can arrive (by
+/// the watcher thread as it starts, or at start-up in signal mode: `dlsym`
+/// is not for signal context). Off the program's own start-up where it
+/// can be: a lookup costs about 3 µs.
 pub fn init() {
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name.
     let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_find_object".as_ptr()) };

@@ -194,7 +194,7 @@ fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
 /// Starts the watcher thread; if it cannot start, the file says no watcher
 /// listens (so `alloctramp enable` says why instead of waiting).
 fn start_watcher() {
-    if !control::start_watcher(prune) {
+    if !control::start_watcher(watcher_start) {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
@@ -282,7 +282,6 @@ fn init() {
         return;
     }
     sys::register_barrier();
-    foreign::init();
     let _ = CONFIG.set(Config { inert });
     live::ON_DRAINED.set(control::finish_drain);
     patching::TRAP_HANDLER.set(install_trap_handler);
@@ -327,6 +326,9 @@ fn init() {
     let _ = DIR.set(dir);
 
     if let (Switch::Signal(n), true) = (mode, have_file) {
+        // Requests are carried out in the handler, where `dlsym` is not
+        // for calling.
+        foreign::init();
         install(n, control::on_signal, false);
     }
     // SAFETY: registering a fork handler that runs in the child.
@@ -415,6 +417,14 @@ static FINI: extern "C" fn() = {
 /// How many files of ended processes stay (`ALLOCTRAMP_KEEP`), read at
 /// start-up.
 static KEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(process::DEFAULT_KEEP);
+
+/// What the watcher thread does before it waits for requests, which the
+/// program need not wait for: what carrying out `callers on` needs from
+/// the C library, and pruning the counters directory.
+fn watcher_start() {
+    foreign::init();
+    prune();
+}
 
 /// Prunes the counters directory to its bound: in the watcher thread as it
 /// starts (the program does not wait for it), and at exit in a process
