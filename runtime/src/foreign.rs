@@ -242,26 +242,33 @@ struct DlFindObject {
 
 type FindObject = unsafe extern "C" fn(u64, *mut DlFindObject) -> i32;
 
-/// `_dl_find_object`, found at start-up (0: this C library has none).
+/// `_dl_find_object`: 0 not looked up yet, [`NONE`] when this C library
+/// has none.
 static FIND_OBJECT: AtomicUsize = AtomicUsize::new(0);
+const NONE: usize = 1;
+/// Set when requests are carried out in a signal handler, where `dlsym`
+/// is not for calling: the lookup is made at start-up then.
+static LOOKED_UP_AT_START: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Looks `_dl_find_object` up, before the first request can arrive (by
-/// the watcher thread as it starts, or at start-up in signal mode: `dlsym`
-/// is not for signal context). Off the program's own start-up where it
-/// can be: a lookup costs about 3 µs.
-pub fn init() {
+/// Looks `_dl_find_object` up now (at start-up, in signal mode).
+pub fn look_up_now() {
+    LOOKED_UP_AT_START.store(true, Ordering::Release);
+    look_up();
+}
+
+fn look_up() {
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name.
     let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_find_object".as_ptr()) };
-    FIND_OBJECT.store(f as usize, Ordering::Release);
+    FIND_OBJECT.store(if f.is_null() { NONE } else { f as usize }, Ordering::Release);
 }
 
 /// Where the object that `_dl_find_object` finds at `addr` is mapped.
 fn find_object(addr: u64) -> Option<u64> {
     let f = FIND_OBJECT.load(Ordering::Acquire);
-    if f == 0 {
+    if f <= NONE {
         return None;
     }
-    // SAFETY: the C library's `_dl_find_object`, found by `init`.
+    // SAFETY: the C library's `_dl_find_object`, found by `look_up`.
     let f: FindObject = unsafe { std::mem::transmute::<usize, FindObject>(f) };
     let mut r = DlFindObject { flags: 0, map_start: 0, map_end: 0, link_map: 0, eh_frame: 0, reserved: [0; 7] };
     // SAFETY: it fills the struct it is given (lock-free, async-signal-safe).
@@ -361,9 +368,6 @@ pub fn close(owner: usize) {
 /// calls only). The file is copied into memory of the runtime's own, read
 /// only, which a later change of the file cannot alter.
 pub fn open_file(path: &std::ffi::CStr) -> Result<u32, &'static str> {
-    if FIND_OBJECT.load(Ordering::Acquire) == 0 {
-        return Ok(0);
-    }
     close_stale_file_rows();
     // SAFETY: a NUL-terminated path; O_NONBLOCK: a FIFO put there does not
     // hold the request up.
@@ -387,6 +391,15 @@ pub fn open_file(path: &std::ffi::CStr) -> Result<u32, &'static str> {
     let len = st.st_size as u64;
     if len < size_of::<UnwindFileHeader>() as u64 || len > process::MAX_UNWIND_FILE {
         return Err("the unwind file has a bad size");
+    }
+    // Outside signal mode a request is carried out by the watcher thread
+    // (or at start-up): `dlsym` may be called, once there is a file to
+    // read rather than at every program's start-up.
+    if FIND_OBJECT.load(Ordering::Acquire) == 0 && !LOOKED_UP_AT_START.load(Ordering::Acquire) {
+        look_up();
+    }
+    if FIND_OBJECT.load(Ordering::Acquire) <= NONE {
+        return Ok(0);
     }
     let Some(base) = read_into_memory(&fd, len as usize) else {
         return Err("the unwind file cannot be read");

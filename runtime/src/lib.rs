@@ -194,7 +194,7 @@ fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
 /// Starts the watcher thread; if it cannot start, the file says no watcher
 /// listens (so `alloctramp enable` says why instead of waiting).
 fn start_watcher() {
-    if !control::start_watcher(watcher_start) {
+    if !control::start_watcher(prune) {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
@@ -327,8 +327,8 @@ fn init() {
 
     if let (Switch::Signal(n), true) = (mode, have_file) {
         // Requests are carried out in the handler, where `dlsym` is not
-        // for calling.
-        foreign::init();
+        // for calling: looked up now. Otherwise when first needed.
+        foreign::look_up_now();
         install(n, control::on_signal, false);
     }
     // SAFETY: registering a fork handler that runs in the child.
@@ -417,14 +417,6 @@ static FINI: extern "C" fn() = {
 /// How many files of ended processes stay (`ALLOCTRAMP_KEEP`), read at
 /// start-up.
 static KEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(process::DEFAULT_KEEP);
-
-/// What the watcher thread does before it waits for requests, which the
-/// program need not wait for: what carrying out `callers on` needs from
-/// the C library, and pruning the counters directory.
-fn watcher_start() {
-    foreign::init();
-    prune();
-}
 
 /// Prunes the counters directory to its bound: in the watcher thread as it
 /// starts (the program does not wait for it), and at exit in a process
