@@ -47,6 +47,11 @@ STARTUP_RUNS = setting("BENCH_STARTUP_RUNS", 1000, 200)
 LIVE_OBJECTS = setting("BENCH_LIVE_OBJECTS", 1_000_000, 100_000)
 DHAT_LIMIT = setting("BENCH_DHAT_LIMIT", 30.0, 10.0)  # seconds for one DHAT run
 SWITCHES = 8
+LIFETIMES = [1, 8, 64, 256, 4096, 65536, 1_000_000]
+LIFE_PAIRS = setting("BENCH_LIFE_PAIRS", 5_000_000, 1_000_000)  # wall time, per W
+LIFE_CALLGRIND = setting("BENCH_LIFE_CALLGRIND", 200_000, 50_000)  # and twice as many
+REDIS_KEYS = setting("BENCH_REDIS_KEYS", 3_000_000, 300_000)
+REDIS_REQUESTS = setting("BENCH_REDIS_REQUESTS", 2_000_000, 200_000)
 
 
 
@@ -433,6 +438,144 @@ def part_loop():
         value, _ = overhead_ratio(m8, v)
         sec.para(f"8 threads, heaptrack's overhead / alloctramp's ({what}): {value}.")
     sec.para(live_tracking())
+
+
+def part_lifetimes():
+    """Live tracking whatever the live set: objects freed W allocations after they were made."""
+    exe = build("lifetime.c", "-pthread")
+    pexe = patched(exe)[0]
+    n1, n2 = LIFE_CALLGRIND, 2 * LIFE_CALLGRIND
+    sec = Section(
+        "Live tracking at scale: objects that live", "lifetimes",
+        "`bench/lifetime.c W PAIRS [THREADS]`: a ring of W live objects of 16-79 bytes (malloc); each step frees "
+        "the oldest and allocates a new one, so every object is freed W allocations after it was made and W "
+        f"objects are live throughout. Instructions: `valgrind --tool=callgrind --toggle-collect=work` at {n1:,} "
+        f"and {n2:,} steps after the ring is filled, per step: the difference divided by {n2 - n1:,}, patched "
+        "minus unpatched (filling and emptying the ring cancel out). Wall time: "
+        f"{LIFE_PAIRS:,} steps, median of {RUNS} runs, variants in turn. Memory: peak RSS (`/usr/bin/time`) of "
+        "the patched program with live tracking minus the unpatched one, over the objects live.",
+    )
+    SECTIONS.append(sec)
+    rows, worst = [], 0.0
+    for w in LIFETIMES:
+        ir = {}
+        for v in ("unpatched", "count", "live"):
+            for n in (n1, n2):
+                log(f"callgrind: lifetime W={w}, {v}, {n} steps")
+                ir[v, n] = callgrind([pexe if v in PATCHED else exe, str(w), str(n)], env_of(v), toggle="work")
+        per = {v: ((ir[v, n2] - ir[v, n1]) - (ir["unpatched", n2] - ir["unpatched", n1])) / (n2 - n1) for v in ("count", "live")}
+        t = {v: [] for v in ("unpatched", "count", "live")}
+        for r in range(RUNS):
+            for v in t:
+                log(f"lifetime W={w}: {v}, run {r + 1}/{RUNS}")
+                clear_counters()
+                t[v].append(timed([pexe if v in PATCHED else exe, str(w), str(LIFE_PAIRS)], env_of(v))[0])
+        m = {v: med(x) for v, x in t.items()}
+        worst = max(worst, per["live"])
+        rows.append([f"{w:,}", f"{per['count']:+.1f}", f"{per['live']:+.1f}", f"{m['unpatched']:.3f}",
+                     f"{m['count'] / m['unpatched']:.3f}x", f"{m['live'] / m['unpatched']:.3f}x"])
+        if w == LIFETIMES[-1]:
+            big = m
+    sec.table(["objects live (W)", "extra instructions per step, counting", "extra instructions per step, live bytes",
+               "unpatched s", "counting / unpatched", "live bytes / unpatched"], rows)
+    sec.para("Commands: `[ALLOCTRAMP=on [ALLOCTRAMP_LIVE=0]] valgrind --tool=callgrind --toggle-collect=work "
+             "$W/[patched/]lifetime W N` and `[...] $W/[patched/]lifetime W " + f"{LIFE_PAIRS}`.")
+    target(sec, "live bytes: extra instructions per malloc+free pair, worst W from 1 to 1,000,000", f"{worst:+.1f}",
+           "<= 60", worst <= 60)
+    r = big["live"] / big["unpatched"]
+    target(sec, f"live bytes with {LIFETIMES[-1]:,} objects live: wall time / unpatched", f"{r:.3f}x", "<= 1.5x", r <= 1.5)
+
+    # Memory per live object: the ring of 1,000,000 objects, peak RSS.
+    objects = LIFETIMES[-1]
+    rss = {v: [] for v in ("unpatched", "live")}
+    for r in range(RUNS):
+        for v in rss:
+            clear_counters()
+            rss[v].append(timed([pexe if v in PATCHED else exe, str(objects), "0"], env_of(v))[1])
+    per_obj = (med(rss["live"]) - med(rss["unpatched"])) * 1024 / objects
+    sec.table(["variant", "command", "peak RSS KiB (median)"],
+              [["unpatched", f"`/usr/bin/time -f %M $W/lifetime {objects} 0`", f"{med(rss['unpatched']):,}"],
+               ["patched, on, live bytes", f"`ALLOCTRAMP=on /usr/bin/time -f %M $W/patched/lifetime {objects} 0`", f"{med(rss['live']):,}"]])
+    target(sec, f"live bytes: memory per live object ({objects:,} objects of 16-79 bytes)", f"{per_obj:.1f} bytes", "<= 16 bytes", per_obj <= 16)
+
+    # 8 threads, each with a ring of 1/8 of the objects.
+    t8 = {v: [] for v in ("unpatched", "count", "live")}
+    steps = LIFE_PAIRS // 4
+    for r in range(RUNS):
+        for v in t8:
+            log(f"lifetime 8 threads: {v}, run {r + 1}/{RUNS}")
+            clear_counters()
+            t8[v].append(timed([pexe if v in PATCHED else exe, str(objects), str(steps), "8"], env_of(v))[0])
+    m8 = {v: med(x) for v, x in t8.items()}
+    sec.table(["8 threads, 125,000 objects live each", "command", "median s", "throughput vs unpatched"],
+              [[v, f"`{env_shown(v)} $W/{'patched/' if v in PATCHED else ''}lifetime {objects} {steps} 8`", f"{m8[v]:.3f}",
+                f"{100 * m8['unpatched'] / m8[v]:.0f}%"] for v in t8])
+    for v, what in (("count", "counting"), ("live", "live bytes")):
+        kept = m8["unpatched"] / m8[v]
+        target(sec, f"lifetime, 8 threads, {objects:,} objects live: throughput on ({what}) / unpatched",
+               f"{100 * kept:.0f}%", ">= 80%", kept >= 0.8)
+    part_redis(sec)
+
+
+def part_redis(sec):
+    """redis-server under redis-benchmark with millions of keys live."""
+    server = shutil.which("redis-server")
+    client = shutil.which("redis-benchmark")
+    if not server or not client:
+        target(sec, "redis-server: throughput with live tracking / unpatched", "redis-server or redis-benchmark missing",
+               ">= 90%", False)
+        return
+    pserver = patched(server)[0]
+    port = 16379
+    cpus = os.cpu_count() or 1
+    pin_server, pin_client = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if cpus >= 2 else ([], [])
+    fill = [client, "-p", str(port), "-q", "-t", "set", "-r", str(REDIS_KEYS), "-n", str(2 * REDIS_KEYS), "-P", "16", "-d", "8"]
+    measure = [client, "-p", str(port), "-q", "-t", "set,get", "-r", str(REDIS_KEYS), "-n", str(REDIS_REQUESTS), "-P", "16",
+               "-d", "8", "--csv"]
+
+    def one(v):
+        clear_counters()
+        argv = pin_server + [pserver if v in PATCHED else server, "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--bind", "127.0.0.1", "--daemonize", "no"]
+        p = subprocess.Popen(argv, env=env_of(v), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(200):
+                if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() == "PONG":
+                    break
+                time.sleep(0.05)
+            subprocess.run(pin_client + fill, check=True, capture_output=True)
+            keys = int(subprocess.run(["redis-cli", "-p", str(port), "dbsize"], capture_output=True, text=True).stdout.strip() or 0)
+            out = subprocess.run(pin_client + measure, check=True, capture_output=True, text=True).stdout
+            rps = {}
+            for line in out.splitlines():
+                f = [x.strip('"') for x in line.split(",")]
+                if len(f) >= 2 and f[0] in ("SET", "GET"):
+                    rps[f[0]] = float(f[1])
+            return keys, rps
+        finally:
+            p.terminate()
+            p.wait()
+
+    res = {v: [] for v in ("unpatched", "count", "live")}
+    keys = {}
+    for r in range(RUNS):
+        for v in res:
+            log(f"redis: {v}, run {r + 1}/{RUNS}")
+            k, rps = one(v)
+            keys[v] = k
+            res[v].append(rps.get("SET", 0) + rps.get("GET", 0))
+    m = {v: med(x) for v, x in res.items()}
+    sec.para(
+        f"**redis-server** ({output([server, '--version']).split()[2]}, Debian's, its own jemalloc behind zmalloc): "
+        f"`{show(fill)}` fills about {keys['unpatched']:,} keys, then `{show(measure)}` measures SET and GET "
+        f"(requests per second, summed). The server runs on CPU 0 (`taskset -c 0`) and the client on CPU 1, so "
+        f"they never share a core by accident; variants alternate, {RUNS} runs each, median.")
+    sec.table(["variant", "keys", "SET+GET requests/s (median)", "vs unpatched", "runs"],
+              [[v, f"{keys[v]:,}", f"{m[v]:,.0f}", f"{100 * m[v] / m['unpatched']:.0f}%", " ".join(f"{x:,.0f}" for x in res[v])]
+               for v in res])
+    for v, what, goal in (("live", "live tracking", 0.90), ("count", "counting", 0.97)):
+        kept = m[v] / m["unpatched"]
+        target(sec, f"redis-server: throughput with {what} / unpatched", f"{100 * kept:.0f}%", f">= {100 * goal:.0f}%", kept >= goal)
 
 
 LIVE_CHECKED = []
@@ -1273,8 +1416,10 @@ PARTS = {
     "git": part_git,
     "switch": part_switch,
     "memory": part_memory,
+    "lifetimes": part_lifetimes,
 }
-ALL = ["instructions", "wrappers", "callers", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch", "memory"]
+ALL = ["instructions", "lifetimes", "wrappers", "callers", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch",
+       "memory"]
 ALIASES = {"all": ALL, "runtime": ["instructions", "loop", "switch"]}
 
 

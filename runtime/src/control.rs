@@ -64,8 +64,12 @@ fn run_pending() {
                     apply(cmd);
                 }
             } else if DRAIN.swap(false, Ordering::AcqRel) {
-                if state::want() == Sites::Frees && live::is_empty() {
-                    apply(Command::Do(Request::Off));
+                if state::want() == Sites::Frees {
+                    match registry::tracked_objects() {
+                        Some(0) => apply(Command::Do(Request::Off)),
+                        Some(n) => live::DRAIN_LEFT.store(n as i64, Ordering::Relaxed),
+                        None => {}
+                    }
                 }
             } else {
                 break;
@@ -112,14 +116,20 @@ pub fn apply(cmd: Command) {
     let start = monotonic_ns();
     let live = LIVE.load(Ordering::Relaxed);
     let off = || {
-        if !live || live::is_empty() {
+        if !live || registry::nothing_tracked() {
             return registry::switch_all(Sites::Off);
         }
         registry::switch_all(Sites::Frees)?;
         // A free on a trampoline's inline path, still at the live entry
         // while the sites switched, may have taken the last object out
         // without knowing about the drain.
-        if live::is_empty() { registry::switch_all(Sites::Off) } else { Ok(()) }
+        match registry::tracked_objects() {
+            Some(0) => registry::switch_all(Sites::Off),
+            n => {
+                live::DRAIN_LEFT.store(n.map_or(1, |n| n as i64), Ordering::Relaxed);
+                Ok(())
+            }
+        }
     };
     let result = match cmd {
         Command::Do(Request::On) => registry::switch_all(Sites::On),
@@ -127,7 +137,7 @@ pub fn apply(cmd: Command) {
         Command::Toggle if state::is_on() => off(),
         Command::Toggle => registry::switch_all(Sites::On),
         Command::Do(Request::OffNow) => {
-            if live && !live::is_empty() {
+            if live && !registry::nothing_tracked() {
                 state::INCOMPLETE.store(true, Ordering::Relaxed);
             }
             registry::switch_all(Sites::Off)
@@ -168,7 +178,9 @@ pub fn apply(cmd: Command) {
         h.last_switch_time.store(sys::now_secs(), Ordering::Relaxed);
     }
     state::publish_state();
-    live::publish_objects();
+    if let Some(n) = registry::tracked_objects() {
+        live::publish_objects(n);
+    }
     if let Some(h) = header() {
         h.generation.fetch_add(1, Ordering::AcqRel);
     }

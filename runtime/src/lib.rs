@@ -292,12 +292,18 @@ fn init() {
     if let Some(k) = std::env::var("ALLOCTRAMP_KEEP").ok().and_then(|k| k.parse().ok()) {
         KEEP.store(k, Ordering::Relaxed);
     }
-    match std::env::var("ALLOCTRAMP_LIVE").as_deref() {
-        Ok("0") => {}
-        Ok("1") | Ok("") | Err(_) => state::LIVE.store(true, Ordering::Release),
+    let live = match std::env::var("ALLOCTRAMP_LIVE").as_deref() {
+        Ok("0") => false,
+        Ok("1") | Ok("") | Err(_) => true,
         Ok(other) => {
             sys::log(format!("ALLOCTRAMP_LIVE={other:?}: expected 0 or 1; tracking live objects").as_bytes());
-            state::LIVE.store(true, Ordering::Release);
+            true
+        }
+    };
+    if live {
+        match live::reserve() {
+            Ok(()) => state::LIVE.store(true, Ordering::Release),
+            Err(e) => sys::log(e.as_bytes()),
         }
     }
     live::RSEQ.store(sys::rseq_offset() as u64, Ordering::Relaxed);
@@ -399,7 +405,9 @@ static FINI: extern "C" fn() = {
         PROC.with(|p| {
             let Some(f) = p.as_mut() else { return };
             if state::PROFILED.load(Ordering::Relaxed) {
-                live::publish_objects();
+                if let Some(n) = registry::tracked_objects() {
+                    live::publish_objects(n);
+                }
                 f.header.exited.store(1, Ordering::Release);
             } else {
                 f.remove();

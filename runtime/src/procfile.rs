@@ -263,6 +263,41 @@ impl ProcFile {
         Ok((index, own as u64))
     }
 
+    /// Maps module `index`'s counters again, shared, `count` times: the
+    /// `k`th mapping, at `at(k)` (replacing what is there), is the module's
+    /// shard `k & mask` (`stride` bytes each).
+    pub fn map_module_shards(
+        &mut self,
+        index: u32,
+        stride: u64,
+        mask: u32,
+        count: u32,
+        at: impl Fn(u32) -> u64,
+    ) -> Result<(), &'static str> {
+        let Some(s) = self.slot(index) else { return Err("no such module in the counters file") };
+        let off = s.counters_offset.load(Ordering::Relaxed);
+        let file = self.reopen()?;
+        for k in 0..count {
+            // SAFETY: fd is ours; the caller gives addresses of its own
+            // reservation, which the shared mapping of the module's shard
+            // replaces.
+            let p = unsafe {
+                libc::mmap(
+                    at(k) as *mut libc::c_void,
+                    stride as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    file.0,
+                    (off + u64::from(k & mask) * stride) as i64,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err("cannot map a module's counters into the freed view");
+            }
+        }
+        Ok(())
+    }
+
     /// Adds the callers region (once): the mappings, then `slots` chain
     /// slots, mapped shared. Returns its run-time address.
     pub fn add_callers(&mut self, slots: u64) -> Result<u64, &'static str> {

@@ -158,6 +158,83 @@ pub fn site_count() -> u64 {
     slots().filter(|s| s.is_active()).map(|s| u64::from(s.site_count.load(Ordering::Relaxed))).sum()
 }
 
+/// Objects tracked now: the live objects (calls - failed - freed) of every
+/// site that allocates, in every active module, summed over the shards of
+/// the runtime's view of its counters. Lock-free; None while a module is
+/// held by a switch or a registration. Modules unloaded since are left
+/// out: their objects still leave their figures when freed.
+pub fn tracked_objects() -> Option<u64> {
+    use alloctramp_trampolines::layout::{CELL_SIZE, cell, site_flags};
+    // Summed over every site and shard (each figure wraps; so does the sum).
+    let mut live = 0u64;
+    for (i, slot) in slots().enumerate() {
+        if !slot.is_active() {
+            continue;
+        }
+        if !slot.try_hold() {
+            return None;
+        }
+        // SAFETY: an active, held slot's table is mapped.
+        let t = unsafe { slot.table() };
+        let m = live::MODULES.get(i);
+        if let (Some(t), Some(m)) = (t, m) {
+            let (base, stride) = (m.base.load(Ordering::Acquire), m.stride.load(Ordering::Relaxed));
+            let shards = u64::from(m.mask.load(Ordering::Relaxed)) + 1;
+            for s in 0..shards {
+                let shard = base.wrapping_add(s.wrapping_mul(stride));
+                // Pages never written are holes of the counters file, which
+                // a read would allocate (tmpfs): only resident pages are read.
+                let mut resident = [0u8; 4096];
+                let mut chunk = u64::MAX;
+                for (k, site) in t.sites().enumerate() {
+                    let at = (k * CELL_SIZE) as u64;
+                    if base == 0 || at >= stride {
+                        break;
+                    }
+                    if site.drain != 0 && site.flags & site_flags::HOOK == 0 {
+                        continue;
+                    }
+                    let page = at / 4096;
+                    if page / 4096 != chunk {
+                        chunk = page / 4096;
+                        let from = chunk * 4096 * 4096;
+                        let len = (stride - from).min(4096 * 4096);
+                        // SAFETY: a page-aligned range of the runtime's view
+                        // of the module's counters; `resident` holds a byte
+                        // per page of it.
+                        if unsafe {
+                            libc::mincore((shard + from) as *mut libc::c_void, len as usize, resident.as_mut_ptr())
+                        } != 0
+                        {
+                            resident = [1; 4096];
+                        }
+                    }
+                    if resident.get((page % 4096) as usize).is_none_or(|r| r & 1 == 0) {
+                        continue;
+                    }
+                    let field = |f: u32| {
+                        // SAFETY: a cell inside a resident page of the
+                        // runtime's view of the module's counters (never
+                        // unmapped while the slot is active); 8-aligned.
+                        unsafe { &*((shard + at + u64::from(f)) as *const AtomicU64) }.load(Ordering::Relaxed)
+                    };
+                    live = live
+                        .wrapping_add(field(cell::CALLS))
+                        .wrapping_sub(field(cell::FAILED))
+                        .wrapping_sub(field(cell::FREED_OBJECTS));
+                }
+            }
+        }
+        slot.release();
+    }
+    Some(live.min(i64::MAX as u64))
+}
+
+/// Whether nothing is tracked any more (see [`tracked_objects`]).
+pub fn nothing_tracked() -> bool {
+    tracked_objects() == Some(0)
+}
+
 /// A spin lock for the registration path (never taken in signal context).
 pub struct SpinLock<T> {
     locked: AtomicBool,
@@ -275,8 +352,9 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         control.counters.store(own, Ordering::Relaxed);
         control.module_id.store(i as u64, Ordering::Relaxed);
         if LIVE.load(Ordering::Relaxed) {
+            let file = proc.as_mut().filter(|_| file_index != u32::MAX).map(|f| (f, file_index));
             // SAFETY: its sites are all off until `converge`.
-            unsafe { live::enable_in(control, i as u64) };
+            unsafe { live::enable_in(control, i as u64, file) };
         }
         slot.table.store(table as usize, Ordering::Relaxed);
         slot.table_size.store(size, Ordering::Relaxed);
@@ -861,7 +939,16 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         control.counters.store(own, Ordering::Relaxed);
         // SAFETY: the child's only thread, after every record naming a cell
         // of the parent's view was made stale (after_fork_in_child above).
-        unsafe { live::replace_module_view(i, own, size, counters) };
+        unsafe {
+            live::replace_module_view(
+                control,
+                i,
+                own,
+                size,
+                counters,
+                f.as_mut().filter(|_| idx != u32::MAX).map(|f| (f, idx)),
+            )
+        };
         slot.file_index.store(idx, Ordering::Relaxed);
         if let Some(f) = &f
             && idx != u32::MAX

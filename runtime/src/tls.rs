@@ -24,11 +24,16 @@ global_asm!(
     ".popsection",
 );
 
-/// Word 0: the byte offset of the thread's nursery in the runtime's
-/// nursery array (0: the inert nursery).
-pub const NURSERY: usize = 0;
-/// Word 1: the thread's nursery state (see `live`).
-pub const STATE: usize = 1;
+/// Word 0: the pointer of the thread's last free that the runtime took
+/// out of the shadow map or the pointer table: a free of the same pointer
+/// that finds no record is a nested layer of that free (`operator delete`
+/// calling `free`, a wrapper calling the allocator's free).
+pub const LAST_FREE: usize = 0;
+/// Word 1: the thread's charge id: the shadow-map entry base of the
+/// active hook's site (0: its module has no ids), which the hook's
+/// trampoline writes with the charge (the trampolines read it two words
+/// below the charge).
+pub const CHARGE_ID: usize = 1;
 /// Word 2: the thread's wrapper depth, which the trampolines raise around
 /// a counted call to an allocation wrapper and read at the sites inside
 /// one (see the patcher's `charge`).

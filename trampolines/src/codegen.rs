@@ -14,7 +14,7 @@
 //! callers may rely on fewer clobbers) every register they use is saved.
 
 use crate::entry::{Kind, Returns, Signature, Size};
-use crate::layout::{SiteForm, cell, control, nursery, undo};
+use crate::layout::{SiteForm, cell, control, shadow, undo};
 use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
@@ -115,6 +115,10 @@ fn rip(addr: u64) -> MemoryOperand {
 }
 
 const ARG_REGS: [AsmRegister64; 6] = [rdi, rsi, rdx, rcx, r8, r9];
+
+/// The thread's charge id (the hook's shadow-map entry base, 0: none),
+/// from the charge's TLS offset: the runtime's word two below the charge.
+const CHARGE_ID: i32 = -16;
 
 struct Gen<'a> {
     a: CodeAssembler,
@@ -666,9 +670,9 @@ impl Gen<'_> {
         }
     }
 
-    /// Whether the live path of this allocation inserts into the thread's
-    /// nursery inline: the result in rax, the size in argument registers,
-    /// and every caller-saved register free to use.
+    /// Whether the live path of this allocation records the object in the
+    /// shadow map inline: the result in rax, the size in argument
+    /// registers, and every caller-saved register free to use.
     fn inline_alloc(&self) -> bool {
         let s = self.s;
         !s.preserve
@@ -677,26 +681,10 @@ impl Gen<'_> {
             && matches!(s.sig.size, Size::Arg(_) | Size::Product(_, _))
     }
 
-    /// `base` = the thread's nursery (the inert one sends every check to
-    /// `slow`); jumps to `slow` if its flags are set.
-    fn nursery(&mut self, base: AsmRegister64, slow: CodeLabel) -> R<()> {
-        let control = self.s.control;
-        let reg = Register::from(base);
-        self.add(Instruction::with2(Code::Mov_r64_rm64, reg, rip(control + u64::from(control::NURSERY_TLS))))?;
-        let fs_mem = MemoryOperand::new(reg, Register::None, 1, 0, 0, false, Register::FS);
-        self.add(Instruction::with2(Code::Mov_r64_rm64, reg, fs_mem))?;
-        self.add(Instruction::with2(Code::Add_r64_rm64, reg, rip(control + u64::from(control::NURSERIES))))?;
-        self.a.cmp(byte_ptr(base + nursery::FLAGS as i32), 0)?;
-        self.a.jne(slow)?;
-        Ok(())
-    }
-
-    /// `dst32` = the byte offset of `ptr`'s slot (see `nursery::slot_of`).
-    fn nursery_slot(&mut self, dst32: AsmRegister32, ptr32: AsmRegister32) -> R<()> {
-        self.a.imul_3(dst32, ptr32, nursery::HASH as i32)?;
-        self.a.shr(dst32, 32 - nursery::SLOT_BITS)?;
-        self.a.shl(dst32, nursery::SLOT_SIZE.trailing_zeros())?;
-        Ok(())
+    /// A 64-bit load (or other two-operand instruction `code`) from the
+    /// control block's field at `field`.
+    fn with_control(&mut self, code: Code, reg: Register, field: u32) -> R<()> {
+        self.add(Instruction::with2(code, reg, rip(self.s.control + u64::from(field))))
     }
 
     /// A hook's trampoline: with no hook active on the thread, records this
@@ -746,6 +734,14 @@ impl Gen<'_> {
         // charge whole or not at all.
         let mut after = self.a.create_label();
         self.a.mov(r10, r11)?;
+        // The hook's entry for the shadow map (0: its module has no ids).
+        let mut no_id = self.a.create_label();
+        self.with_control(Code::Mov_r32_rm32, Register::R11D, control::ENTRY_BASE)?;
+        self.a.test(r11d, r11d)?;
+        self.a.je(no_id)?;
+        self.a.add(r11d, (self.s.index << shadow::ID_SHIFT) as i32)?;
+        self.a.set_label(&mut no_id)?;
+        self.a.mov(qword_ptr(r10 + CHARGE_ID).fs(), r11)?;
         self.cell_address()?;
         self.a.add(r11, self.cell_offset())?;
         self.a.mov(qword_ptr(r10).fs(), r11)?;
@@ -793,16 +789,7 @@ impl Gen<'_> {
         if let Returns::OutArg(o) = s.sig.result {
             keep.push(ARG_REGS[o as usize]);
         }
-        let cell_at = keep.len();
-        let f = self.open_frame(&keep, usize::from(inline))?;
-        if inline {
-            // r11 (the counting shard) + the site's offset: the cell.
-            if self.cell_offset() != 0 {
-                self.a.add(r11, self.cell_offset())?;
-            }
-            let m = self.slot(cell_at);
-            self.a.mov(m, r11)?;
-        }
+        let f = self.open_frame(&keep, 0)?;
         self.call_in_frame()?;
         let mut fail = self.a.create_label();
         self.test_result(fail)?;
@@ -814,17 +801,35 @@ impl Gen<'_> {
             if s.key_result != 0 {
                 self.a.lea(r8, qword_ptr(rax - s.key_result))?;
             }
-            self.nursery(rcx, slow)?;
-            self.nursery_slot(edx, key32)?;
-            let at = |f: u32| qword_ptr(rcx + rdx + (nursery::SLOTS + f) as i32);
-            self.a.cmp(at(nursery::KEY), nursery::EMPTY as i32)?;
-            self.a.jne(slow)?;
-            let m = self.slot(cell_at);
-            self.a.mov(rsi, m)?;
-            self.a.mov(at(nursery::CELL), rsi)?;
             self.size_to(rsi, [0, 1])?;
-            self.a.mov(at(nursery::SIZE), rsi)?;
-            self.a.mov(at(nursery::KEY), key)?;
+            // ecx = the entry's site part: the site's id, or the hook's.
+            if self.charged {
+                self.a.cmp(rsi, (shadow::SIZE_LIMIT - 1) as i32)?;
+                self.a.ja(slow)?;
+                self.charge_word(rcx)?;
+                self.a.mov(ecx, dword_ptr(rcx + CHARGE_ID).fs())?;
+                self.a.test(ecx, ecx)?;
+                self.a.je(slow)?;
+            } else {
+                self.with_control(Code::Cmp_r64_rm64, Register::RSI, control::INLINE_LIMIT)?;
+                self.a.jae(slow)?;
+                self.with_control(Code::Mov_r32_rm32, Register::ECX, control::ENTRY_BASE)?;
+                self.a.add(ecx, (s.index << shadow::ID_SHIFT) as i32)?;
+            }
+            // rdx = the granule's entry, if the shadow map covers it and no
+            // tracked object's record is there.
+            self.a.mov(rdx, key)?;
+            self.a.shr(rdx, shadow::GRANULE_SHIFT)?;
+            self.with_control(Code::Cmp_r64_rm64, Register::RDX, control::SHADOW_GRANULES)?;
+            self.a.jae(slow)?;
+            self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
+            self.a.lea(rdx, qword_ptr(rdi + rdx * 4))?;
+            self.a.test(byte_ptr(rdx), shadow::LIVE as i32)?;
+            self.a.jne(slow)?;
+            self.a.shl(esi, shadow::SIZE_SHIFT)?;
+            self.a.add(ecx, esi)?;
+            self.a.xor(ecx, key32)?;
+            self.a.mov(dword_ptr(rdx), ecx)?;
             self.close_frame(f)?;
             self.leave()?;
             self.a.set_label(&mut slow)?;
@@ -958,50 +963,49 @@ impl Gen<'_> {
         Ok((drain, count))
     }
 
-    /// The live entry's fast path: if the pointer is in the thread's
-    /// nursery, takes it out, charges its allocating site and makes the
-    /// original call; otherwise continues at `slow`, the drain entry (the
-    /// runtime call) that follows.
+    /// The live entry's fast path: if the shadow map holds the record of
+    /// the pointer, marks it freed, charges the allocating site (in the
+    /// freed view's shard of this CPU) and makes the original call;
+    /// otherwise continues at `slow`, the drain entry (the runtime call)
+    /// that follows.
     /// Uses only rax, r10 and r11 (the latter two saved at sites that
-    /// call a function of the module), never argument registers; hence the
-    /// size is read after the slot is emptied (only this thread writes its
-    /// slots, so it is still the object's size, unless a signal handler on
-    /// this thread allocates in between, which the allocator itself does
-    /// not support).
+    /// call a function of the module), never argument registers.
     fn free_inline(&mut self, slow: CodeLabel) -> R<()> {
         let freed = ARG_REGS[self.s.sig.freed.unwrap_or(0) as usize];
-        let freed32 = match freed {
-            r if r == rdi => edi,
-            r if r == rsi => esi,
-            r if r == rdx => edx,
-            r if r == rcx => ecx,
-            r if r == r8 => r8d,
-            _ => r9d,
-        };
         // rax is the call's result register: never kept.
         let save = self.saved(&[r10, r11]);
         // Where a miss goes with the saved registers restored.
         let mut out = if save.is_empty() { slow } else { self.a.create_label() };
-        let mut miss = self.a.create_label();
         self.push_all(save)?;
-        self.nursery(rax, out)?;
-        self.nursery_slot(r10d, freed32)?;
-        let at = |f: u32| qword_ptr(rax + r10 + (nursery::SLOTS + f) as i32);
-        self.a.cmp(at(nursery::KEY), freed)?;
-        self.a.jne(miss)?;
-        self.a.mov(r11, at(nursery::CELL))?;
-        self.a.mov(at(nursery::KEY), nursery::EMPTY as i32)?;
-        self.a.mov(qword_ptr(rax + nursery::LAST as i32), freed)?;
-        self.a.mov(rax, at(nursery::SIZE))?;
+        // r10 = the granule's entry (no r10-based load into r10: that form
+        // is the charge check's, see `layout::CHECK_LOAD`).
+        // (The address is taken modulo the span the map covers: no object
+        // beyond is recorded in it.)
+        self.a.mov(r10, freed)?;
+        self.with_control(Code::And_r64_rm64, Register::R10, control::SHADOW_MASK)?;
+        self.a.shr(r10, shadow::GRANULE_SHIFT - 2)?;
+        self.with_control(Code::Add_r64_rm64, Register::R10, control::SHADOW)?;
+        // eax = the entry decoded with this pointer, LIVE flipped: a record
+        // of this pointer has its low five bits clear.
+        self.a.lea(eax, qword_ptr(freed + shadow::LIVE as i32))?;
+        self.a.xor(eax, dword_ptr(r10))?;
+        self.a.test(al, shadow::MATCH as i32)?;
+        self.a.jne(out)?;
+        self.a.and(byte_ptr(r10), !(shadow::LIVE as u8) as i8 as i32)?;
+        self.a.mov(r11d, eax)?;
+        self.a.shr(eax, shadow::SIZE_SHIFT)?;
+        self.a.and(r11d, shadow::ID_MASK as i32)?;
+        // r10 = this CPU's shard of the freed view; the cell is id * 64 in.
+        self.with_control(Code::Mov_r64_rm64, Register::R10, control::RSEQ_OFFSET)?;
+        let fs_mem = MemoryOperand::new(Register::R10, Register::None, 1, 0, 0, false, Register::FS);
+        self.add(Instruction::with2(Code::Mov_r32_rm32, Register::R10D, fs_mem))?;
+        self.a.and(r10d, (shadow::FREED_SHARDS - 1) as i32)?;
+        self.a.shl(r10, shadow::FREED_SHARD_SHIFT)?;
+        self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
+        const _: () = assert!(shadow::ID_SHIFT + 1 == 6);
+        self.a.lea(r11, qword_ptr(r10 + r11 * 2))?;
         self.a.lock().add(qword_ptr(r11 + cell::FREED_OBJECTS as i32), 1)?;
         self.a.lock().add(qword_ptr(r11 + cell::FREED_BYTES as i32), rax)?;
-        self.pop_all(save)?;
-        self.free_target()?;
-        // Not in the nursery: a nested layer of the free just tracked
-        // makes the original call; anything else goes to the runtime.
-        self.a.set_label(&mut miss)?;
-        self.a.cmp(qword_ptr(rax + nursery::LAST as i32), freed)?;
-        self.a.jne(out)?;
         self.pop_all(save)?;
         self.free_target()?;
         // Falls through to the runtime call, in the entry's state.

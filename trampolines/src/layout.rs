@@ -21,12 +21,12 @@
 use crate::entry::{Kind, Signature};
 use crate::pod::{self, Pod};
 use std::mem::{offset_of, size_of};
-use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64};
+use std::sync::atomic::{AtomicI64, AtomicU64};
 
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 9;
+pub const VERSION: u32 = 10;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -98,8 +98,12 @@ pub mod control {
     pub const TRACK_FREE: u32 = offset_of!(ControlBlock, track_free) as u32;
     pub const TRACK_REALLOC_BEGIN: u32 = offset_of!(ControlBlock, track_realloc_begin) as u32;
     pub const TRACK_REALLOC_END: u32 = offset_of!(ControlBlock, track_realloc_end) as u32;
-    pub const NURSERY_TLS: u32 = offset_of!(ControlBlock, nursery_tls) as u32;
-    pub const NURSERIES: u32 = offset_of!(ControlBlock, nurseries) as u32;
+    pub const SHADOW: u32 = offset_of!(ControlBlock, shadow) as u32;
+    pub const FREED: u32 = offset_of!(ControlBlock, freed) as u32;
+    pub const SHADOW_GRANULES: u32 = offset_of!(ControlBlock, shadow_granules) as u32;
+    pub const SHADOW_MASK: u32 = offset_of!(ControlBlock, shadow_mask) as u32;
+    pub const INLINE_LIMIT: u32 = offset_of!(ControlBlock, inline_limit) as u32;
+    pub const ENTRY_BASE: u32 = offset_of!(ControlBlock, entry_base) as u32;
     pub const DEPTH_TLS: u32 = offset_of!(ControlBlock, depth_tls) as u32;
     pub const CHARGE_TLS: u32 = offset_of!(ControlBlock, charge_tls) as u32;
     pub const CAPTURE: u32 = offset_of!(ControlBlock, capture) as u32;
@@ -164,41 +168,76 @@ pub mod undo {
     }
 }
 
-/// A thread's nursery: a direct-mapped table of the objects the thread
-/// allocated recently, which the trampolines insert into and take out of
-/// inline (no call, no lock, no atomic instruction). The runtime moves an
-/// object that stays live into the shared pointer table when a newer one
-/// needs its slot, and finds objects other threads free under the shard
-/// lock (see the runtime's `live` module). Offsets for the code generator;
-/// the layout is [`Nursery`].
-pub mod nursery {
-    use super::{Nursery, NurserySlot};
-    use std::mem::{offset_of, size_of};
-    pub const FLAGS: u32 = offset_of!(Nursery, flags) as u32;
-    pub const LAST: u32 = offset_of!(Nursery, last) as u32;
-    /// Offset of the slots.
-    pub const SLOTS: u32 = offset_of!(Nursery, slots) as u32;
-    /// log2 of the number of slots.
-    pub const SLOT_BITS: u32 = 8;
-    pub const SLOT_COUNT: usize = 1 << SLOT_BITS;
-    pub const SLOT_SIZE: u32 = size_of::<NurserySlot>() as u32;
-    pub const KEY: u32 = offset_of!(NurserySlot, key) as u32;
-    pub const CELL: u32 = offset_of!(NurserySlot, cell) as u32;
-    pub const SIZE: u32 = offset_of!(NurserySlot, size) as u32;
-    /// Key of an empty slot: not NULL, so that free(NULL) never matches,
-    /// and no address an allocator returns or a program frees (unlike a
-    /// small sentinel such as 1 that a user-named free might be given);
-    /// an 8-bit immediate in the trampolines.
-    pub const EMPTY: u64 = u64::MAX;
-    /// Bytes per nursery.
-    pub const BYTES: usize = size_of::<Nursery>();
-    /// The slot multiplier: slot = (low 32 bits of ptr * HASH) >> (32 - SLOT_BITS).
-    pub const HASH: u32 = 0x9e37_79b1;
+/// The shadow map: one 32-bit entry per 32-byte granule of the address
+/// space below 2^47 (a reservation the runtime makes, materialised only
+/// where objects are), naming the allocating site and the size of the
+/// object that starts in the granule. The trampolines write and clear
+/// entries inline; the runtime keeps objects an entry cannot describe in
+/// its pointer table (see the runtime's `live` module). An entry is the
+/// low 32 bits of the object's address XOR this word:
+///
+/// | bits | |
+/// |---|---|
+/// | 0-1 | zero |
+/// | 2 | [`LIVE`](shadow::LIVE): the object is tracked; clear on a freed object's entry |
+/// | 3-4 | zero |
+/// | 5-21 | the allocating site's id ([`ID_BITS`](shadow::ID_BITS) bits) |
+/// | 22-31 | the requested size (below [`SIZE_LIMIT`](shadow::SIZE_LIMIT)) |
+///
+/// so an entry decoded with the address of its object has bits 0-4 equal
+/// to 00100, and decoded with any other 8-aligned address of the granule
+/// it has not.
+///
+/// A site's id indexes the freed view: [`FREED_SHARDS`](shadow::FREED_SHARDS)
+/// shards of [`FREED_SHARD_BYTES`](shadow::FREED_SHARD_BYTES), where the
+/// runtime maps each module's counters again so that the cell of id `i` in
+/// shard `s` is at `freed + s * FREED_SHARD_BYTES + i * 64`.
+pub mod shadow {
+    /// log2 of the bytes per entry's granule.
+    pub const GRANULE_SHIFT: u32 = 5;
+    /// Granules covered at most: addresses below 2^47 (less where the
+    /// address space does not leave room for the reservation, as under
+    /// valgrind: see `shadow_granules` in the control block).
+    pub const GRANULES: u64 = 1 << (47 - GRANULE_SHIFT);
+    pub const LIVE: u32 = 4;
+    /// Bits of a decoded entry that say whose record it is.
+    pub const MATCH: u32 = 0x1f;
+    pub const ID_SHIFT: u32 = 5;
+    pub const ID_BITS: u32 = 17;
+    /// Ids 0 to 63 are never given: an entry with id 0 is never a record.
+    pub const FIRST_ID: u32 = 64;
+    pub const ID_MASK: u32 = ((1 << ID_BITS) - 1) << ID_SHIFT;
+    pub const SIZE_SHIFT: u32 = 22;
+    /// Objects of this size or more go to the pointer table.
+    pub const SIZE_LIMIT: u64 = 1 << (32 - SIZE_SHIFT);
+    pub const FREED_SHARDS: u32 = 16;
+    /// log2 of [`FREED_SHARD_BYTES`].
+    pub const FREED_SHARD_SHIFT: u32 = ID_BITS + 6;
+    pub const FREED_SHARD_BYTES: u64 = 1 << FREED_SHARD_SHIFT;
 
-    /// A pointer's slot.
-    #[inline(always)]
-    pub fn slot_of(ptr: u64) -> usize {
-        ((ptr as u32).wrapping_mul(HASH) >> (32 - SLOT_BITS)) as usize
+    /// The entry of an object of `size` bytes at `ptr` from site `id`.
+    pub fn entry(ptr: u64, id: u32, size: u64) -> u32 {
+        ((size as u32) << SIZE_SHIFT | id << ID_SHIFT | LIVE) ^ ptr as u32
+    }
+    /// Whether `entry` is the record of a tracked object at `ptr`.
+    pub fn is_record_of(entry: u32, ptr: u64) -> bool {
+        (entry ^ (ptr as u32).wrapping_add(LIVE)) & MATCH == 0
+    }
+    /// Whether `entry` is what a free of the object at `ptr` left.
+    pub fn is_freed_record_of(entry: u32, ptr: u64) -> bool {
+        entry != 0 && (entry ^ ptr as u32) & MATCH == 0 && id(entry, ptr) != 0
+    }
+    /// Whether `entry` records a live object (at some address).
+    pub fn is_live(entry: u32) -> bool {
+        entry & LIVE != 0
+    }
+    /// The site id of `entry`, decoded with its object's address.
+    pub fn id(entry: u32, ptr: u64) -> u32 {
+        ((entry ^ ptr as u32) & ID_MASK) >> ID_SHIFT
+    }
+    /// The size of `entry`, decoded with its object's address.
+    pub fn size(entry: u32, ptr: u64) -> u64 {
+        u64::from((entry ^ ptr as u32) >> SIZE_SHIFT)
     }
 }
 
@@ -432,13 +471,11 @@ pub struct ControlBlock {
     /// `extern "C" fn(result, token, size, site, control) -> result`: the
     /// realloc returned.
     pub track_realloc_end: AtomicU64,
-    /// Offset from the thread pointer (fs) of the runtime's per-thread
-    /// word holding the byte offset of the thread's nursery from
-    /// `nurseries` (0: the inert nursery, which sends every trampoline to
-    /// the runtime). Written with the hooks.
-    pub nursery_tls: AtomicI64,
-    /// Run-time address of the runtime's nursery array.
-    pub nurseries: AtomicU64,
+    /// Run-time address of the shadow map (see [`shadow`]). Written with
+    /// the live-tracking functions.
+    pub shadow: AtomicU64,
+    /// Run-time address of the freed view (see [`shadow`]).
+    pub freed: AtomicU64,
     /// Offset from the thread pointer (fs) of the runtime's per-thread
     /// wrapper depth: how many calls to allocation wrappers, counted at
     /// their callers' sites, the thread is inside. Written at
@@ -463,7 +500,20 @@ pub struct ControlBlock {
     /// trampolines' unwind entries name through this slot. Written at
     /// registration, before any site is switched.
     pub personality: AtomicU64,
-    pub reserved: [u64; 1],
+    /// Granules the shadow map covers (at most [`shadow::GRANULES`]): an
+    /// object at or above is tracked by the runtime.
+    pub shadow_granules: AtomicU64,
+    /// `granules * 32 - 32`: a free's address AND this, shifted right by
+    /// 3, is its entry's offset in the map.
+    pub shadow_mask: AtomicU64,
+    /// Allocations of this size or more are recorded by the runtime: 0
+    /// until the module has site ids, then [`shadow::SIZE_LIMIT`].
+    pub inline_limit: AtomicU64,
+    /// `id << ID_SHIFT | LIVE` of the module's site 0 (0: no ids): site
+    /// `i`'s entries add `i << ID_SHIFT` and the object's size and address
+    /// bits.
+    pub entry_base: AtomicU64,
+    pub reserved: [u64; 5],
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -510,40 +560,6 @@ impl Cell {
     pub fn live_bytes(&self) -> u64 {
         self.bytes.wrapping_sub(self.failed_bytes).wrapping_sub(self.freed_bytes).min(i64::MAX as u64)
     }
-}
-
-/// One slot of a [`Nursery`].
-#[repr(C)]
-#[derive(Debug)]
-pub struct NurserySlot {
-    /// The object; [`nursery::EMPTY`] when free. Written by the owner with
-    /// plain stores (the trampolines) or release stores; taken by other
-    /// threads only by compare-and-swap, holding the key's shard lock.
-    pub key: AtomicU64,
-    /// The allocating site's cell address.
-    pub cell: AtomicU64,
-    /// The requested size.
-    pub size: AtomicU64,
-    pub reserved: AtomicU64,
-}
-
-/// A thread's nursery (runtime memory; see [`nursery`]).
-#[repr(C, align(64))]
-#[derive(Debug)]
-pub struct Nursery {
-    /// Non-zero sends the trampolines to the runtime (bit 0: a reset made
-    /// the contents stale; bit 7: the inert nursery).
-    pub flags: AtomicU8,
-    /// Runtime-owned: a thread holds the nursery.
-    pub owned: AtomicU8,
-    pub reserved: [u8; 6],
-    /// The pointer of the thread's last tracked free. A free of the same
-    /// pointer that misses the nursery is a nested layer of that free
-    /// (`operator delete` calling `free`, a wrapper calling the allocator's
-    /// free): it makes the original call without looking further.
-    pub last: AtomicU64,
-    pub reserved2: [u8; 48],
-    pub slots: [NurserySlot; nursery::SLOT_COUNT],
 }
 
 // SAFETY: each is #[repr(C)], made of integers, integer atomics and arrays
@@ -657,10 +673,10 @@ const _: () = {
     assert!(size_of::<UnwindRow>() == UNWIND_ROW_SIZE && size_of::<capture::Frame>() == 80);
     assert!(size_of::<ForeignUnwind>() == 40);
     assert!(ENTRY_SIZE == 16 && offset_of!(Entry, sig) == 5);
-    assert!(CONTROL_SIZE == 128 && offset_of!(ControlBlock, nurseries) == 80);
+    assert!(
+        CONTROL_SIZE == 192 && offset_of!(ControlBlock, freed) == 80 && offset_of!(ControlBlock, entry_base) == 144
+    );
     assert!(CELL_SIZE == 64 && offset_of!(Cell, failed_bytes) == 56);
-    assert!(size_of::<NurserySlot>() == 32 && offset_of!(Nursery, slots) == 64);
-    assert!(size_of::<Nursery>() == 64 + 32 * nursery::SLOT_COUNT);
 };
 
 /// Every field of each structure: name, offset, type as docs/formats.md
@@ -742,13 +758,17 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("track_free", offset_of!(ControlBlock, track_free), "fn"),
     ("track_realloc_begin", offset_of!(ControlBlock, track_realloc_begin), "fn"),
     ("track_realloc_end", offset_of!(ControlBlock, track_realloc_end), "fn"),
-    ("nursery_tls", offset_of!(ControlBlock, nursery_tls), "i64"),
-    ("nurseries", offset_of!(ControlBlock, nurseries), "u64"),
+    ("shadow", offset_of!(ControlBlock, shadow), "u64"),
+    ("freed", offset_of!(ControlBlock, freed), "u64"),
     ("depth_tls", offset_of!(ControlBlock, depth_tls), "i64"),
     ("capture", offset_of!(ControlBlock, capture), "fn"),
     ("charge_tls", offset_of!(ControlBlock, charge_tls), "i64"),
     ("personality", offset_of!(ControlBlock, personality), "fn"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 1]"),
+    ("shadow_granules", offset_of!(ControlBlock, shadow_granules), "u64"),
+    ("shadow_mask", offset_of!(ControlBlock, shadow_mask), "u64"),
+    ("inline_limit", offset_of!(ControlBlock, inline_limit), "u64"),
+    ("entry_base", offset_of!(ControlBlock, entry_base), "u64"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 5]"),
 ];
 pub const UNDO_HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("control", offset_of!(undo::UndoHeader, control), "i32"),
@@ -771,21 +791,6 @@ pub const CELL_FIELDS: &[(&str, usize, &str)] = &[
     ("reserved", offset_of!(Cell, reserved), "u64"),
     ("failed_bytes", offset_of!(Cell, failed_bytes), "u64"),
 ];
-pub const NURSERY_FIELDS: &[(&str, usize, &str)] = &[
-    ("flags", offset_of!(Nursery, flags), "u8"),
-    ("owned", offset_of!(Nursery, owned), "u8"),
-    ("reserved", offset_of!(Nursery, reserved), "[u8; 6]"),
-    ("last", offset_of!(Nursery, last), "u64"),
-    ("reserved2", offset_of!(Nursery, reserved2), "[u8; 48]"),
-    ("slots", offset_of!(Nursery, slots), "[slot; 256]"),
-];
-pub const NURSERY_SLOT_FIELDS: &[(&str, usize, &str)] = &[
-    ("key", offset_of!(NurserySlot, key), "u64"),
-    ("cell", offset_of!(NurserySlot, cell), "u64"),
-    ("size", offset_of!(NurserySlot, size), "u64"),
-    ("reserved", offset_of!(NurserySlot, reserved), "u64"),
-];
-
 pub const NO_STRING: u32 = u32::MAX;
 
 /// Signature encoding in [`Entry::sig`].
@@ -1203,9 +1208,9 @@ pub(crate) mod tests {
         assert!(t.entry(1).is_none());
 
         let mut bad = bytes.clone();
-        bad[8] = 10;
-        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Version { found: 10 });
-        assert!(Table::parse(&bad).unwrap_err().to_string().contains("version 10"));
+        bad[8] = 11;
+        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Version { found: 11 });
+        assert!(Table::parse(&bad).unwrap_err().to_string().contains("version 11"));
         assert_eq!(Table::parse(&bytes[..bytes.len() - 1]).unwrap_err(), TableError::InconsistentSizes);
         bad = bytes.clone();
         bad[0] = b'X';
@@ -1261,8 +1266,6 @@ pub(crate) mod tests {
         assert_eq!(documented(&doc, "Site (48 bytes"), fields(SITE_FIELDS));
         assert_eq!(documented(&doc, "Entry (16 bytes"), fields(ENTRY_FIELDS));
         assert_eq!(documented(&doc, "## Module control block"), fields(CONTROL_FIELDS));
-        assert_eq!(documented(&doc, "## Nurseries"), fields(NURSERY_FIELDS));
-        assert_eq!(documented(&doc, "Nursery slot (32 bytes)"), fields(NURSERY_SLOT_FIELDS));
         assert_eq!(documented(&doc, "## Counters"), fields(CELL_FIELDS));
         assert_eq!(documented(&doc, "Unwind rows (12 bytes each"), fields(UNWIND_FIELDS));
         assert_eq!(documented(&doc, "Library rows entry (40 bytes each)"), fields(FOREIGN_FIELDS));
