@@ -159,6 +159,15 @@ fn live_figures_equal_what_the_program_holds(name: &str) {
     let sum = live.values().fold((0, 0, 0), |a, v| (a.0 + v.0, a.1 + v.1, a.2 + v.2));
     assert_eq!((sum.0, sum.1), (objects, bytes), "live figures equal what the program holds");
     assert_eq!(sum.2, 0, "every free was of a tracked object");
+    // Every allocating line the program names: its figures exactly.
+    for l in out.lines().filter_map(|l| l.strip_prefix("site ")) {
+        let v: Vec<u64> = l.split_whitespace().map(|v| v.parse().unwrap()).collect();
+        let at_line = live
+            .iter()
+            .filter(|((f, line, _), _)| f == &format!("{name}.c") && u64::from(*line) == v[0])
+            .fold((0, 0), |a, (_, f)| (a.0 + f.0, a.1 + f.1));
+        assert_eq!(at_line, (v[1], v[2]), "{name}.c:{}: live objects and bytes", v[0]);
+    }
     let file = std::fs::read(only_counters_file(&dir)).unwrap();
     let pf = ProcessFile::parse(&file).unwrap();
     assert_eq!(pf.untracked_allocs, 0);
