@@ -486,7 +486,7 @@ pub fn reserve() -> Result<(), &'static str> {
     };
     // The whole user address space, or as much of its bottom as the
     // process can reserve (under valgrind, the client's).
-    let Some((sh, granules)) = (36..=47u32).rev().find_map(|bits| {
+    let Some((sh, granules)) = (36..=shadow::ADDRESS_BITS).rev().find_map(|bits| {
         let granules = 1u64 << (bits - shadow::GRANULE_SHIFT);
         map(granules * 4, libc::PROT_READ | libc::PROT_WRITE).map(|p| (p, granules))
     }) else {

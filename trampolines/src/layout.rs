@@ -198,7 +198,9 @@ pub mod shadow {
     /// Granules covered at most: addresses below 2^47 (less where the
     /// address space does not leave room for the reservation, as under
     /// valgrind: see `shadow_granules` in the control block).
-    pub const GRANULES: u64 = 1 << (47 - GRANULE_SHIFT);
+    pub const GRANULES: u64 = 1 << (ADDRESS_BITS - GRANULE_SHIFT);
+    /// The user address space of 4-level paging.
+    pub const ADDRESS_BITS: u32 = 47;
     pub const LIVE: u32 = 4;
     /// Bits of a decoded entry that say whose record it is.
     pub const MATCH: u32 = 0x1f;
