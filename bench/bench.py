@@ -517,8 +517,12 @@ def part_lifetimes():
     part_redis(sec)
 
 
-def part_redis(sec):
-    """redis-server under redis-benchmark with millions of keys live."""
+def part_redis(sec=None):
+    """redis-server under redis-benchmark with millions of keys live (in the
+    lifetimes section, or a section of its own when run alone)."""
+    if sec is None:
+        sec = Section("redis-server with millions of keys live", "redis", "The redis-server run of `lifetimes` alone.")
+        SECTIONS.append(sec)
     server = shutil.which("redis-server")
     client = shutil.which("redis-benchmark")
     if not server or not client:
@@ -1417,6 +1421,7 @@ PARTS = {
     "switch": part_switch,
     "memory": part_memory,
     "lifetimes": part_lifetimes,
+    "redis": part_redis,
 }
 ALL = ["instructions", "lifetimes", "wrappers", "callers", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch",
        "memory"]

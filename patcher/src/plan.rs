@@ -822,6 +822,7 @@ fn plan_sites(
             capture: ctx.capture,
             hook: matches!(site.charge, Charge::Hook { .. }),
             charge_check: site.under_hook,
+            plain_store: a.scan.plain_store(site.entry),
         };
         let mut unwind = None;
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {

@@ -130,6 +130,17 @@ pub struct Scan {
     /// where the allocator's pointers are relative to the wrapper's (see
     /// [`Keys`]).
     pub keys: HashMap<usize, Keys>,
+    /// The entries the user named.
+    pub user: std::ops::Range<usize>,
+}
+
+impl Scan {
+    /// Whether entry `entry` allocates from the process's malloc: a
+    /// default entry, or a wrapper found while the user named none (one
+    /// found around a user-named allocator is not known to).
+    pub fn plain_store(&self, entry: usize) -> bool {
+        entry < self.user.start || self.user.is_empty()
+    }
 }
 
 /// How a site calling an allocation wrapper with a size header in front
@@ -280,7 +291,7 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
 /// neither defines nor imports are listed in [`Scan::unresolved`].
 pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -> Result<Scan> {
     let (targets, found) = resolve_targets(elf, &entries);
-    let mut out = Scan { unresolved: user.filter(|&i| !found[i]).collect(), entries, ..Scan::default() };
+    let mut out = Scan { unresolved: user.clone().filter(|&i| !found[i]).collect(), entries, user, ..Scan::default() };
     if targets.got.is_empty() && targets.code.is_empty() {
         return Ok(out);
     }

@@ -14,9 +14,14 @@
 //!   (neighbouring objects, a freed chunk reused for the next allocation of
 //!   its size) keeps the entries they touch in few cache lines. glibc's
 //!   malloc never starts two live objects in one granule (its chunks are at
-//!   least 32 bytes), so an entry has one writer at a time; with another
-//!   allocator the trampolines leave recording to the runtime, which
-//!   writes entries by compare-and-swap.
+//!   least 32 bytes), so an entry has one writer at a time and the
+//!   trampolines record with a plain store; with another allocator (whose
+//!   small size classes pack several objects in a granule), and at the
+//!   sites of allocators the user names, they record by compare-and-swap,
+//!   and the object that finds its granule taken goes to the pointer
+//!   table. Either way only the owner of a live record writes
+//!   it: an allocation writes an entry only while LIVE is clear, so a
+//!   free's plain clear of LIVE races with nothing.
 //! - The **pointer table**, for the objects an entry cannot describe (1 KiB
 //!   or more, a module without site ids, an address above 2^47, a granule
 //!   another live object starts in): split into [`SHARDS`] shards by a hash
@@ -457,9 +462,10 @@ static SHADOW: AtomicU64 = AtomicU64::new(0);
 static FREED: AtomicU64 = AtomicU64::new(0);
 /// Granules the shadow map covers (from address 0).
 static GRANULES: AtomicU64 = AtomicU64::new(0);
-/// The trampolines may record objects inline (the process's malloc is
-/// glibc's, see [`reserve`]).
-static INLINE: AtomicBool = AtomicBool::new(false);
+/// The allocator never starts two live objects in one granule (the
+/// process's malloc is glibc's, see [`reserve`]): the trampolines record
+/// objects with plain stores.
+static ONE_PER_GRANULE: AtomicBool = AtomicBool::new(false);
 /// The next site id to give.
 static NEXT_ID: AtomicU32 = AtomicU32::new(shadow::FIRST_ID);
 
@@ -513,7 +519,7 @@ pub fn reserve() -> Result<(), &'static str> {
         }
         libc::madvise(fr, freed_bytes as usize, libc::MADV_DONTDUMP);
     }
-    INLINE.store(malloc_is_glibcs(), Ordering::Relaxed);
+    ONE_PER_GRANULE.store(malloc_is_glibcs(), Ordering::Relaxed);
     FREED.store(fr as u64, Ordering::Relaxed);
     GRANULES.store(granules, Ordering::Relaxed);
     SHADOW.store(sh as u64, Ordering::Release);
@@ -670,16 +676,24 @@ fn give_ids(control: &ControlBlock, slot: usize, file: Option<(&mut ProcFile, u3
         && file.is_some_and(|(f, index)| alias_freed(f, index, first, stride, mask));
     if !fits {
         m.first_id.store(0, r);
-        control.entry_base.store(0, r);
-        control.inline_limit.store(0, r);
+        no_inline_records(control);
         return;
     }
     NEXT_ID.store(first + n, r);
     m.ids.store(n, r);
     m.first_id.store(first, Ordering::Release);
-    let inline = INLINE.load(r);
-    control.entry_base.store(if inline { u64::from(first << shadow::ID_SHIFT | shadow::LIVE) } else { 0 }, r);
-    control.inline_limit.store(if inline { shadow::SIZE_LIMIT } else { 0 }, r);
+    control.entry_base.store(u64::from(first << shadow::ID_SHIFT | shadow::LIVE), r);
+    // Plain stores where one granule never holds two live objects, else
+    // compare-and-swap (see the module's documentation).
+    control.cas_limit.store(shadow::SIZE_LIMIT, r);
+    control.inline_limit.store(if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 }, r);
+}
+
+/// The module's trampolines leave every record to the runtime.
+fn no_inline_records(control: &ControlBlock) {
+    control.inline_limit.store(0, Ordering::Relaxed);
+    control.cas_limit.store(0, Ordering::Relaxed);
+    control.entry_base.store(0, Ordering::Relaxed);
 }
 
 /// After fork, in the child: the module's counters moved to the child's
@@ -711,8 +725,7 @@ pub unsafe fn replace_module_view(
         (m.first_id.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed), m.mask.load(Ordering::Relaxed));
     if first != 0 && !file.is_some_and(|(f, index)| alias_freed(f, index, first, stride, mask)) {
         m.first_id.store(0, Ordering::Relaxed);
-        control.entry_base.store(0, Ordering::Relaxed);
-        control.inline_limit.store(0, Ordering::Relaxed);
+        no_inline_records(control);
         // The parent's pages must not take the child's frees: fresh zeros.
         let freed = FREED.load(Ordering::Relaxed);
         for k in 0..u64::from(shadow::FREED_SHARDS) {

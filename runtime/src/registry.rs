@@ -347,7 +347,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         };
         live::set_module(i, own, h.counters_size, h.shard_stride, h.shard_count.saturating_sub(1));
         // The trampolines count through the runtime's own mapping, which
-        // outlives the module: a nursery or table entry may name a cell
+        // outlives the module: a shadow-map record or table entry may name a cell
         // after the module is unloaded.
         control.counters.store(own, Ordering::Relaxed);
         control.module_id.store(i as u64, Ordering::Relaxed);

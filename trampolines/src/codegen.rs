@@ -70,6 +70,13 @@ pub struct TrampolineSpec {
     /// checks for an active hook (the stack pointer below the hook's) and
     /// then counts, with its own size and result, into the hook's cell.
     pub charge_check: bool,
+    /// The allocator behind the site is the process's malloc (the C
+    /// allocator, operator new, or a wrapper found around them), which
+    /// glibc's never starts two live objects in one granule with: the
+    /// trampoline may record by plain store when the runtime says malloc
+    /// is glibc's. False for entry points the user names (pool allocators
+    /// pack objects whatever malloc is): compare-and-swap only.
+    pub plain_store: bool,
 }
 
 /// Why a trampoline or stub could not be generated.
@@ -780,7 +787,7 @@ impl Gen<'_> {
 
     /// Live path of an allocation: keeps the size (and out pointer) in a
     /// frame across the call, then records the new object: inline in the
-    /// thread's nursery when its slot is free, else through the runtime.
+    /// shadow map when an entry can describe it, else through the runtime.
     fn alloc_live(&mut self) -> R<()> {
         let s = self.s;
         let inline = self.inline_alloc();
@@ -794,44 +801,20 @@ impl Gen<'_> {
         let mut fail = self.a.create_label();
         self.test_result(fail)?;
         if inline {
-            let mut slow = self.a.create_label();
+            let (mut cas, mut slow) = (self.a.create_label(), self.a.create_label());
             // The object's key: the allocator's pointer (r8, free after the
             // call, when the wrapper puts a header in front).
-            let (key, key32) = if s.key_result != 0 { (r8, r8d) } else { (rax, eax) };
             if s.key_result != 0 {
                 self.a.lea(r8, qword_ptr(rax - s.key_result))?;
             }
             self.size_to(rsi, [0, 1])?;
-            // ecx = the entry's site part: the site's id, or the hook's.
-            if self.charged {
-                self.a.cmp(rsi, (shadow::SIZE_LIMIT - 1) as i32)?;
-                self.a.ja(slow)?;
-                self.charge_word(rcx)?;
-                self.a.mov(ecx, dword_ptr(rcx + CHARGE_ID).fs())?;
-                self.a.test(ecx, ecx)?;
-                self.a.je(slow)?;
-            } else {
-                self.with_control(Code::Cmp_r64_rm64, Register::RSI, control::INLINE_LIMIT)?;
-                self.a.jae(slow)?;
-                self.with_control(Code::Mov_r32_rm32, Register::ECX, control::ENTRY_BASE)?;
-                self.a.add(ecx, (s.index << shadow::ID_SHIFT) as i32)?;
+            // A plain store where the allocator never starts two live
+            // objects in a granule, else a compare-and-swap.
+            if s.plain_store {
+                self.record_inline(false, cas, slow, f)?;
+                self.a.set_label(&mut cas)?;
             }
-            // rdx = the granule's entry, if the shadow map covers it and no
-            // tracked object's record is there.
-            self.a.mov(rdx, key)?;
-            self.a.shr(rdx, shadow::GRANULE_SHIFT)?;
-            self.with_control(Code::Cmp_r64_rm64, Register::RDX, control::SHADOW_GRANULES)?;
-            self.a.jae(slow)?;
-            self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
-            self.a.lea(rdx, qword_ptr(rdi + rdx * 4))?;
-            self.a.test(byte_ptr(rdx), shadow::LIVE as i32)?;
-            self.a.jne(slow)?;
-            self.a.shl(esi, shadow::SIZE_SHIFT)?;
-            self.a.add(ecx, esi)?;
-            self.a.xor(ecx, key32)?;
-            self.a.mov(dword_ptr(rdx), ecx)?;
-            self.close_frame(f)?;
-            self.leave()?;
+            self.record_inline(true, slow, slow, f)?;
             self.a.set_label(&mut slow)?;
         }
         self.runtime_call(control::TRACK_ALLOC, |g| {
@@ -861,6 +844,69 @@ impl Gen<'_> {
         self.count_failed_live()?;
         self.close_frame(f)?;
         self.leave()
+    }
+
+    /// Records the object just allocated (key in rax, or r8 for a
+    /// wrapper's pointer; size in rsi) in the shadow map and returns, if
+    /// its size is below the control block's limit for this way of
+    /// writing (`cas`: compare-and-swap, else a plain store), the map
+    /// covers it and no live object's record is in its granule. Otherwise
+    /// continues at `declined` (size) or `slow` (the rest) with rax, r8
+    /// and the frame as they were; rsi holds the size at `declined` only.
+    /// The compare-and-swap form ends by falling through to `slow`.
+    fn record_inline(&mut self, cas: bool, declined: CodeLabel, slow: CodeLabel, f: i32) -> R<()> {
+        let s = self.s;
+        let (key, key32) = if s.key_result != 0 { (r8, r8d) } else { (rax, eax) };
+        let limit = if cas { control::CAS_LIMIT } else { control::INLINE_LIMIT };
+        self.with_control(Code::Cmp_r64_rm64, Register::RSI, limit)?;
+        self.a.jae(declined)?;
+        // ecx = the entry's site part: the site's id, or the hook's.
+        let site = if self.charged {
+            self.charge_word(rcx)?;
+            self.a.mov(ecx, dword_ptr(rcx + CHARGE_ID).fs())?;
+            self.a.test(ecx, ecx)?;
+            self.a.je(slow)?;
+            0
+        } else {
+            self.with_control(Code::Mov_r32_rm32, Register::ECX, control::ENTRY_BASE)?;
+            (s.index << shadow::ID_SHIFT) as i32
+        };
+        // rdx = the granule's entry, if the shadow map covers it.
+        self.a.mov(rdx, key)?;
+        self.a.shr(rdx, shadow::GRANULE_SHIFT)?;
+        self.with_control(Code::Cmp_r64_rm64, Register::RDX, control::SHADOW_GRANULES)?;
+        self.a.jae(slow)?;
+        self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
+        self.a.lea(rdx, qword_ptr(rdi + rdx * 4))?;
+        if !cas {
+            // No tracked object's record is there.
+            self.a.test(byte_ptr(rdx), shadow::LIVE as i32)?;
+            self.a.jne(slow)?;
+        }
+        self.a.shl(esi, shadow::SIZE_SHIFT)?;
+        self.a.lea(ecx, qword_ptr(rcx + rsi + site))?;
+        self.a.xor(ecx, key32)?;
+        if cas {
+            // eax = what the entry holds; the result waits in r9.
+            let mut taken = self.a.create_label();
+            self.a.mov(r9, rax)?;
+            self.a.mov(eax, dword_ptr(rdx))?;
+            self.a.test(al, shadow::LIVE as i32)?;
+            self.a.jne(taken)?;
+            self.a.lock().cmpxchg(dword_ptr(rdx), ecx)?;
+            self.a.mov(rax, r9)?;
+            self.a.jne(slow)?;
+            self.close_frame(f)?;
+            self.leave()?;
+            // Taken: falls through to `slow`, which the caller places next.
+            self.a.set_label(&mut taken)?;
+            self.a.mov(rax, r9)?;
+        } else {
+            self.a.mov(dword_ptr(rdx), ecx)?;
+            self.close_frame(f)?;
+            self.leave()?;
+        }
+        Ok(())
     }
 
     /// A failed call on the live path: counted with its requested bytes
@@ -952,7 +998,7 @@ impl Gen<'_> {
         self.free_target()?;
         if self.s.depth_check {
             // The drain entry checks the depth too, then joins the body
-            // that the live entry's nursery misses also reach.
+            // that the live entry's shadow-map misses also reach.
             let mut gated = self.a.create_label();
             self.a.set_label(&mut gated)?;
             self.depth_gate(plain)?;
@@ -1267,6 +1313,7 @@ pub(crate) mod golden {
             capture: 0,
             hook: false,
             charge_check: false,
+            plain_store: true,
         }
     }
 
@@ -1341,6 +1388,11 @@ pub(crate) mod golden {
         ] {
             v.push((file, spec(name, form, preserve)));
         }
+        // A user-named allocator: records by compare-and-swap only.
+        v.push((
+            "user-alloc-call-rel32",
+            TrampolineSpec { plain_store: false, ..spec("malloc", SiteForm::CallRel32, false) },
+        ));
         // Sites of allocation wrappers (see the patcher's `charge`): a call
         // to an open wrapper raises the depth; a site inside one checks it.
         let charged = |name: &str, form: SiteForm, preserve: bool, check: bool, bump: bool| TrampolineSpec {

@@ -104,6 +104,7 @@ pub mod control {
     pub const SHADOW_MASK: u32 = offset_of!(ControlBlock, shadow_mask) as u32;
     pub const INLINE_LIMIT: u32 = offset_of!(ControlBlock, inline_limit) as u32;
     pub const ENTRY_BASE: u32 = offset_of!(ControlBlock, entry_base) as u32;
+    pub const CAS_LIMIT: u32 = offset_of!(ControlBlock, cas_limit) as u32;
     pub const DEPTH_TLS: u32 = offset_of!(ControlBlock, depth_tls) as u32;
     pub const CHARGE_TLS: u32 = offset_of!(ControlBlock, charge_tls) as u32;
     pub const CAPTURE: u32 = offset_of!(ControlBlock, capture) as u32;
@@ -508,14 +509,23 @@ pub struct ControlBlock {
     /// `granules * 32 - 32`: a free's address AND this, shifted right by
     /// 3, is its entry's offset in the map.
     pub shadow_mask: AtomicU64,
-    /// Allocations of this size or more are recorded by the runtime: 0
-    /// until the module has site ids, then [`shadow::SIZE_LIMIT`].
+    /// Allocations below this size are recorded inline with a plain store:
+    /// [`shadow::SIZE_LIMIT`] once the module has site ids and the
+    /// process's malloc is glibc's (never two live objects in a granule),
+    /// else 0.
     pub inline_limit: AtomicU64,
     /// `id << ID_SHIFT | LIVE` of the module's site 0 (0: no ids): site
     /// `i`'s entries add `i << ID_SHIFT` and the object's size and address
     /// bits.
     pub entry_base: AtomicU64,
-    pub reserved: [u64; 5],
+    /// Allocations below this size that `inline_limit` does not take are
+    /// recorded inline by compare-and-swap (the process's malloc is
+    /// another allocator's, which may start several live objects in a
+    /// granule, or the site's allocator is one the user named):
+    /// [`shadow::SIZE_LIMIT`] once the module has site ids, else 0. Larger
+    /// ones are recorded by the runtime.
+    pub cas_limit: AtomicU64,
+    pub reserved: [u64; 4],
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -770,7 +780,8 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("shadow_mask", offset_of!(ControlBlock, shadow_mask), "u64"),
     ("inline_limit", offset_of!(ControlBlock, inline_limit), "u64"),
     ("entry_base", offset_of!(ControlBlock, entry_base), "u64"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 5]"),
+    ("cas_limit", offset_of!(ControlBlock, cas_limit), "u64"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 4]"),
 ];
 pub const UNDO_HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("control", offset_of!(undo::UndoHeader, control), "i32"),

@@ -489,18 +489,34 @@ pub fn test_name() -> &'static str {
 /// test if it is still missing, so that a check never passes without
 /// running. One installation at a time.
 pub fn ensure_tool(tool: &str, package: &str) {
+    ensure(tool, package, || have(tool));
+}
+
+/// Makes sure the shared library `file` (say `libjemalloc.so.2`) is
+/// installed, as [`ensure_tool`] does for a command; returns its path.
+pub fn ensure_library(file: &str, package: &str) -> PathBuf {
+    let find = || {
+        let out = Command::new("gcc").arg(format!("-print-file-name={file}")).output().expect("run gcc");
+        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        path.is_absolute().then_some(path)
+    };
+    ensure(file, package, || find().is_some());
+    find().unwrap()
+}
+
+fn ensure(what: &str, package: &str, present: impl Fn() -> bool) {
     static APT: Mutex<()> = Mutex::new(());
     let _guard = APT.lock().unwrap_or_else(|e| e.into_inner());
-    if have(tool) {
+    if present() {
         return;
     }
-    eprintln!("{tool} is missing: installing {package}");
+    eprintln!("{what} is missing: installing {package}");
     let script =
         format!("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {package} >/dev/null");
     let out = Command::new("sh").arg("-c").arg(&script).output().expect("run apt-get");
     assert!(
-        have(tool),
-        "{tool} is missing and installing the {package} package failed ({}): {}",
+        present(),
+        "{what} is missing and installing the {package} package failed ({}): {}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
