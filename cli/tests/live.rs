@@ -201,3 +201,54 @@ fn eight_threads_a_million_objects_in_flight_under_jemalloc() {
 fn more_threads_than_nurseries_and_objects_of_exited_threads() {
     live_figures_equal_what_the_program_holds("live_waves", None);
 }
+
+/// The process's address space in KiB (VmSize).
+fn vm_size_kib(pid: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("VmSize in /proc/PID/status");
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A patched process that is not profiled reserves no shadow map: it does
+/// when profiling first goes on. Under an address-space limit the process
+/// says why only then, and counts without live figures.
+#[test]
+fn the_shadow_map_is_reserved_when_profiling_first_goes_on() {
+    const TIB_IN_KIB: u64 = 1 << 30;
+    let mut s = Server::start(&format!("{}-free", test_name()), &[]);
+    assert_eq!(s.cmd("round"), "done");
+    let before = vm_size_kib(&s.pid());
+    assert!(before < TIB_IN_KIB, "not profiled, yet {before} KiB of address space");
+    let o = s.switch("enable");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let after = vm_size_kib(&s.pid());
+    assert!(after >= 16 * TIB_IN_KIB, "profiling with live tracking: {after} KiB of address space");
+    assert_eq!(s.cmd("round"), "done");
+    let file = std::fs::read(s.dir.join(format!("{}.counters", s.pid()))).unwrap();
+    assert!(ProcessFile::parse(&file).unwrap().live());
+    let m = server_sites(&s);
+    assert!(m.values().any(|v| v.1 > 0), "live objects after a round: {m:?}");
+    s.quit();
+
+    // 4 GiB of address space: the program runs, the map does not fit.
+    let dir = counters_dir(&format!("{}-limited", test_name()));
+    let err = dir.join("stderr.txt");
+    let script = format!("ulimit -v 4194304; exec \"$0\" 2>'{}'", err.display());
+    let mut s = Server::start_with(
+        &format!("{}-limited", test_name()),
+        &[("ALLOCTRAMP_DIR", dir.to_str().unwrap())],
+        Some(&["sh", "-c", &script]),
+    );
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(std::fs::read_to_string(&err).unwrap(), "", "not profiled: the program's stderr is its own");
+    assert!(s.switch("enable").status.success());
+    assert_eq!(s.cmd("round"), "done");
+    let said = std::fs::read_to_string(&err).unwrap();
+    assert!(said.contains("cannot reserve the shadow map"), "stderr: {said:?}");
+    let file = std::fs::read(dir.join(format!("{}.counters", s.pid()))).unwrap();
+    let pf = ProcessFile::parse(&file).unwrap();
+    assert!(!pf.live(), "counting only");
+    let m = server_sites(&s);
+    assert!(m.values().any(|v| v.0 > 0), "counted: {m:?}");
+    s.quit();
+}

@@ -132,10 +132,12 @@ pub fn apply(cmd: Command) {
         }
     };
     let result = match cmd {
-        Command::Do(Request::On) => registry::switch_all(Sites::On),
         Command::Do(Request::Off) => off(),
         Command::Toggle if state::is_on() => off(),
-        Command::Toggle => registry::switch_all(Sites::On),
+        Command::Do(Request::On) | Command::Toggle => {
+            registry::prepare_live();
+            registry::switch_all(Sites::On)
+        }
         Command::Do(Request::OffNow) => {
             if live && !registry::nothing_tracked() {
                 state::INCOMPLETE.store(true, Ordering::Relaxed);

@@ -300,17 +300,25 @@ fn init() {
             true
         }
     };
-    if live {
-        match live::reserve() {
-            Ok(()) => state::LIVE.store(true, Ordering::Release),
-            Err(e) => sys::log(e.as_bytes()),
-        }
-    }
+    state::LIVE.store(live, Ordering::Release);
     live::RSEQ.store(sys::rseq_offset() as u64, Ordering::Relaxed);
-    match std::env::var("ALLOCTRAMP").as_deref() {
-        Ok("on") => state::WANT.store(state::Sites::On as u8, Ordering::Release),
-        Ok("off") | Ok("") | Err(_) => {}
-        Ok(other) => sys::log(format!("ALLOCTRAMP={other:?}: expected on or off; profiling stays off").as_bytes()),
+    let on = match std::env::var("ALLOCTRAMP").as_deref() {
+        Ok("on") => true,
+        Ok("off") | Ok("") | Err(_) => false,
+        Ok(other) => {
+            sys::log(format!("ALLOCTRAMP={other:?}: expected on or off; profiling stays off").as_bytes());
+            false
+        }
+    };
+    // The shadow map is reserved when profiling first goes on: now if it
+    // starts on, or if requests will be carried out in a signal handler
+    // (which cannot take the registration lock); otherwise by the watcher
+    // thread at the first request.
+    if on || matches!(mode, Switch::Signal(_)) {
+        registry::prepare_live();
+    }
+    if on {
+        state::WANT.store(state::Sites::On as u8, Ordering::Release);
     }
 
     let dir = counters_dir();

@@ -469,6 +469,11 @@ static ONE_PER_GRANULE: AtomicBool = AtomicBool::new(false);
 /// The next site id to give.
 static NEXT_ID: AtomicU32 = AtomicU32::new(shadow::FIRST_ID);
 
+/// Whether the shadow map is reserved ([`reserve`]).
+pub fn reserved() -> bool {
+    SHADOW.load(Ordering::Acquire) != 0
+}
+
 /// Reserves the shadow map and the freed view. Live tracking needs them;
 /// without (an address-space limit, strict overcommit) the process only
 /// counts, and the error says why.
@@ -686,7 +691,9 @@ fn give_ids(control: &ControlBlock, slot: usize, file: Option<(&mut ProcFile, u3
     // Plain stores where one granule never holds two live objects, else
     // compare-and-swap (see the module's documentation).
     control.cas_limit.store(shadow::SIZE_LIMIT, r);
-    control.inline_limit.store(if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 }, r);
+    // The plain path also needs the whole span (it masks addresses).
+    let plain = ONE_PER_GRANULE.load(r) && GRANULES.load(r) == shadow::GRANULES;
+    control.inline_limit.store(if plain { shadow::SIZE_LIMIT } else { 0 }, r);
 }
 
 /// The module's trampolines leave every record to the runtime.

@@ -351,7 +351,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         // after the module is unloaded.
         control.counters.store(own, Ordering::Relaxed);
         control.module_id.store(i as u64, Ordering::Relaxed);
-        if LIVE.load(Ordering::Relaxed) {
+        if LIVE.load(Ordering::Relaxed) && live::reserved() {
             let file = proc.as_mut().filter(|_| file_index != u32::MAX).map(|f| (f, file_index));
             // SAFETY: its sites are all off until `converge`.
             unsafe { live::enable_in(control, i as u64, file) };
@@ -726,6 +726,10 @@ fn converge(slot: &Slot) {
 /// # Safety
 /// The slot must be held busy by the caller.
 unsafe fn switch(slot: &Slot, to: Sites) -> Result<(), &'static str> {
+    if to != Sites::Off && LIVE.load(Ordering::Relaxed) && live::reserved() {
+        // SAFETY: held (caller); a slot leaves Off for the first time here.
+        unsafe { enable_live(slot) };
+    }
     if state::CALLERS.load(Ordering::Relaxed) != 0 {
         check_unwind(slot);
     }
@@ -845,6 +849,46 @@ pub fn unregister(table: *const u8) {
             });
         }
     }
+}
+
+/// Before the first switch on with live tracking: reserves the shadow map
+/// and the freed view (a process never profiled reserves nothing; each
+/// module's sites turn live tracking on as they first switch, see
+/// [`switch`]). Without the reservation (an address-space limit) the
+/// process counts only, and says why. Runs where requests are carried
+/// out: on the watcher thread, or at start-up for a process switched by
+/// signal or started with profiling on.
+pub fn prepare_live() {
+    if LIVE.load(Ordering::Acquire)
+        && !live::reserved()
+        && let Err(e) = live::reserve()
+    {
+        LIVE.store(false, Ordering::Release);
+        state::report_error(e);
+        state::publish_state();
+    }
+}
+
+/// Turns live tracking on in a held slot's module, once: before its sites
+/// first switch to a live-tracking entry.
+///
+/// # Safety
+/// The slot must be held busy by the caller, with its sites off.
+unsafe fn enable_live(slot: &Slot) {
+    // SAFETY: a held slot's table is mapped (caller).
+    let Some(t) = (unsafe { slot.table() }) else { return };
+    // SAFETY: as above: the module is loaded.
+    let control = unsafe { control_block(slot.bias.load(Ordering::Relaxed), &t.header) };
+    if control.track_alloc.load(Ordering::Relaxed) != 0 {
+        return;
+    }
+    let Some(i) = slots().position(|s| std::ptr::eq(s, slot)) else { return };
+    let idx = slot.file_index.load(Ordering::Relaxed);
+    PROC.with(|proc| {
+        let file = proc.as_mut().filter(|_| idx != u32::MAX).map(|f| (f, idx));
+        // SAFETY: the module's control block; its sites are off (caller).
+        unsafe { live::enable_in(control, i as u64, file) };
+    });
 }
 
 /// Switches every module; modules busy elsewhere converge by themselves.

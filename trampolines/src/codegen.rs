@@ -153,6 +153,21 @@ impl Gen<'_> {
     /// (the site's cell is at its index in it); on a charged path, the
     /// active hook's cell itself.
     fn cell_address(&mut self) -> R<()> {
+        self.cell_address_and(false)
+    }
+
+    /// Whether a free's inline path can take its shard of the freed view
+    /// from the counting's CPU number (see [`Self::cell_address_and`]):
+    /// r10 is not saved around the counting, and the module's shard number
+    /// is a shard of the view.
+    fn freed_shard_from_count(&self) -> bool {
+        !self.s.preserve && !self.charged && self.s.shard_mask < shadow::FREED_SHARDS
+    }
+
+    /// [`Self::cell_address`]; with `freed_shard` (see
+    /// [`Self::freed_shard_from_count`]), also r10 = the freed view's
+    /// shard of the same number.
+    fn cell_address_and(&mut self, freed_shard: bool) -> R<()> {
         let s = self.s;
         if self.charged {
             self.charge_word(r11)?;
@@ -167,6 +182,11 @@ impl Gen<'_> {
         let fs_mem = MemoryOperand::new(Register::R11, Register::None, 1, 0, 0, false, Register::FS);
         self.add(Instruction::with2(Code::Mov_r32_rm32, Register::R11D, fs_mem))?;
         self.a.and(r11d, s.shard_mask as i32)?;
+        if freed_shard {
+            self.a.mov(r10, r11)?;
+            self.a.shl(r10, shadow::FREED_SHARD_SHIFT)?;
+            self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
+        }
         self.a.imul_3(r11, r11, s.shard_stride as i32)?;
         self.add(Instruction::with2(Code::Add_r64_rm64, Register::R11, rip(s.control + u64::from(control::COUNTERS))))?;
         Ok(())
@@ -305,10 +325,15 @@ impl Gen<'_> {
 
     /// Counting before the call: calls and bytes requested.
     fn count_before(&mut self) -> R<()> {
+        self.count_before_and(false)
+    }
+
+    /// [`Self::count_before`], leaving r10 as `cell_address_and` does.
+    fn count_before_and(&mut self, freed_shard: bool) -> R<()> {
         let sig = self.s.sig;
         let save = self.saved(&[r11]);
         self.push_all(save)?;
-        self.cell_address()?;
+        self.cell_address_and(freed_shard)?;
         self.count_one(cell::CALLS)?;
         match sig.size {
             Size::Arg(a) => self.count_reg(cell::BYTES, ARG_REGS[a as usize])?,
@@ -871,14 +896,21 @@ impl Gen<'_> {
             self.with_control(Code::Mov_r32_rm32, Register::ECX, control::ENTRY_BASE)?;
             (s.index << shadow::ID_SHIFT) as i32
         };
-        // rdx = the granule's entry, if the shadow map covers it.
         self.a.mov(rdx, key)?;
-        self.a.shr(rdx, shadow::GRANULE_SHIFT)?;
-        self.with_control(Code::Cmp_r64_rm64, Register::RDX, control::SHADOW_GRANULES)?;
-        self.a.jae(slow)?;
-        self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
-        self.a.lea(rdx, qword_ptr(rdi + rdx * 4))?;
-        if !cas {
+        if cas {
+            // rdx = the granule's entry, if the shadow map covers it.
+            self.a.shr(rdx, shadow::GRANULE_SHIFT)?;
+            self.with_control(Code::Cmp_r64_rm64, Register::RDX, control::SHADOW_GRANULES)?;
+            self.a.jae(slow)?;
+            self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
+            self.a.lea(rdx, qword_ptr(rdi + rdx * 4))?;
+        } else {
+            // rdx = the granule's entry, addressed as a free addresses it:
+            // the plain path is on only where the map covers every address
+            // the allocator returns (see `ControlBlock::inline_limit`).
+            self.with_control(Code::And_r64_rm64, Register::RDX, control::SHADOW_MASK)?;
+            self.a.shr(rdx, shadow::GRANULE_SHIFT - 2)?;
+            self.with_control(Code::Add_r64_rm64, Register::RDX, control::SHADOW)?;
             // No tracked object's record is there.
             self.a.test(byte_ptr(rdx), shadow::LIVE as i32)?;
             self.a.jne(slow)?;
@@ -983,10 +1015,12 @@ impl Gen<'_> {
     fn free_like(&mut self) -> R<(CodeLabel, CodeLabel)> {
         let plain = self.a.create_label();
         self.depth_gate(plain)?;
-        self.count_before()?;
+        let inline = self.s.key_ptr == 0;
+        let shard = inline && self.freed_shard_from_count();
+        self.count_before_and(shard)?;
         let mut drain = self.a.create_label();
-        if self.s.key_ptr == 0 {
-            self.free_inline(drain)?;
+        if inline {
+            self.free_inline(drain, shard)?;
         }
         self.a.set_label(&mut drain)?;
         self.free_live()?;
@@ -1013,41 +1047,56 @@ impl Gen<'_> {
     /// the pointer, marks it freed, charges the allocating site (in the
     /// freed view's shard of this CPU) and makes the original call;
     /// otherwise continues at `slow`, the drain entry (the runtime call)
-    /// that follows.
+    /// that follows. `shard`: the counting left that shard's address in
+    /// r10 (see [`Self::freed_shard_from_count`]).
     /// Uses only rax, r10 and r11 (the latter two saved at sites that
     /// call a function of the module), never argument registers.
-    fn free_inline(&mut self, slow: CodeLabel) -> R<()> {
+    fn free_inline(&mut self, slow: CodeLabel, shard: bool) -> R<()> {
         let freed = ARG_REGS[self.s.sig.freed.unwrap_or(0) as usize];
         // rax is the call's result register: never kept.
         let save = self.saved(&[r10, r11]);
         // Where a miss goes with the saved registers restored.
         let mut out = if save.is_empty() { slow } else { self.a.create_label() };
         self.push_all(save)?;
-        // r10 = the granule's entry (no r10-based load into r10: that form
-        // is the charge check's, see `layout::CHECK_LOAD`).
+        // `at` = the granule's entry; `v32` = the entry decoded with this
+        // pointer, LIVE flipped: a record of this pointer has its low five
+        // bits clear. With the shard in r10: rax and r11, else r10 and rax
+        // (no r10-based load into r10: that form is the charge check's,
+        // see `layout::CHECK_LOAD`).
         // (The address is taken modulo the span the map covers: no object
         // beyond is recorded in it.)
-        self.a.mov(r10, freed)?;
-        self.with_control(Code::And_r64_rm64, Register::R10, control::SHADOW_MASK)?;
-        self.a.shr(r10, shadow::GRANULE_SHIFT - 2)?;
-        self.with_control(Code::Add_r64_rm64, Register::R10, control::SHADOW)?;
-        // eax = the entry decoded with this pointer, LIVE flipped: a record
-        // of this pointer has its low five bits clear.
-        self.a.lea(eax, qword_ptr(freed + shadow::LIVE as i32))?;
-        self.a.xor(eax, dword_ptr(r10))?;
-        self.a.test(al, shadow::MATCH as i32)?;
+        let (at, v32) = if shard { (rax, r11d) } else { (r10, eax) };
+        self.a.mov(at, freed)?;
+        self.with_control(Code::And_r64_rm64, at.into(), control::SHADOW_MASK)?;
+        self.a.shr(at, shadow::GRANULE_SHIFT - 2)?;
+        self.with_control(Code::Add_r64_rm64, at.into(), control::SHADOW)?;
+        self.a.lea(v32, qword_ptr(freed + shadow::LIVE as i32))?;
+        self.a.xor(v32, dword_ptr(at))?;
+        if shard {
+            self.a.test(r11b, shadow::MATCH as i32)?;
+        } else {
+            self.a.test(al, shadow::MATCH as i32)?;
+        }
         self.a.jne(out)?;
-        self.a.and(byte_ptr(r10), !(shadow::LIVE as u8) as i8 as i32)?;
-        self.a.mov(r11d, eax)?;
+        self.a.and(byte_ptr(at), !(shadow::LIVE as u8) as i8 as i32)?;
+        // eax = the size, r11d = the id << ID_SHIFT.
+        if shard {
+            self.a.mov(eax, r11d)?;
+        } else {
+            self.a.mov(r11d, eax)?;
+        }
         self.a.shr(eax, shadow::SIZE_SHIFT)?;
         self.a.and(r11d, shadow::ID_MASK as i32)?;
-        // r10 = this CPU's shard of the freed view; the cell is id * 64 in.
-        self.with_control(Code::Mov_r64_rm64, Register::R10, control::RSEQ_OFFSET)?;
-        let fs_mem = MemoryOperand::new(Register::R10, Register::None, 1, 0, 0, false, Register::FS);
-        self.add(Instruction::with2(Code::Mov_r32_rm32, Register::R10D, fs_mem))?;
-        self.a.and(r10d, (shadow::FREED_SHARDS - 1) as i32)?;
-        self.a.shl(r10, shadow::FREED_SHARD_SHIFT)?;
-        self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
+        if !shard {
+            // r10 = this CPU's shard of the freed view.
+            self.with_control(Code::Mov_r64_rm64, Register::R10, control::RSEQ_OFFSET)?;
+            let fs_mem = MemoryOperand::new(Register::R10, Register::None, 1, 0, 0, false, Register::FS);
+            self.add(Instruction::with2(Code::Mov_r32_rm32, Register::R10D, fs_mem))?;
+            self.a.and(r10d, (shadow::FREED_SHARDS - 1) as i32)?;
+            self.a.shl(r10, shadow::FREED_SHARD_SHIFT)?;
+            self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
+        }
+        // The cell is id * 64 into the shard.
         const _: () = assert!(shadow::ID_SHIFT + 1 == 6);
         self.a.lea(r11, qword_ptr(r10 + r11 * 2))?;
         self.a.lock().add(qword_ptr(r11 + cell::FREED_OBJECTS as i32), 1)?;

@@ -510,9 +510,11 @@ pub struct ControlBlock {
     /// 3, is its entry's offset in the map.
     pub shadow_mask: AtomicU64,
     /// Allocations below this size are recorded inline with a plain store:
-    /// [`shadow::SIZE_LIMIT`] once the module has site ids and the
-    /// process's malloc is glibc's (never two live objects in a granule),
-    /// else 0.
+    /// [`shadow::SIZE_LIMIT`] once the module has site ids, the process's
+    /// malloc is glibc's (never two live objects in a granule) and the map
+    /// covers the whole user address space below 2^47, where glibc's
+    /// malloc returns every address (the plain path addresses the map
+    /// with `shadow_mask`, without checking the span), else 0.
     pub inline_limit: AtomicU64,
     /// `id << ID_SHIFT | LIVE` of the module's site 0 (0: no ids): site
     /// `i`'s entries add `i << ID_SHIFT` and the object's size and address
