@@ -241,13 +241,17 @@ fn the_shadow_map_is_reserved_when_profiling_first_goes_on() {
     );
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(std::fs::read_to_string(&err).unwrap(), "", "not profiled: the program's stderr is its own");
-    assert!(s.switch("enable").status.success());
+    // Switched on, counting only: `enable` succeeds and says why.
+    let o = s.switch("enable");
+    let told = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && told.contains("cannot reserve the shadow map"), "{told}");
     assert_eq!(s.cmd("round"), "done");
     let said = std::fs::read_to_string(&err).unwrap();
     assert!(said.contains("cannot reserve the shadow map"), "stderr: {said:?}");
     let file = std::fs::read(dir.join(format!("{}.counters", s.pid()))).unwrap();
     let pf = ProcessFile::parse(&file).unwrap();
     assert!(!pf.live(), "counting only");
+    assert!(pf.last_error.contains("cannot reserve the shadow map"), "last error: {:?}", pf.last_error);
     let m = server_sites(&s);
     assert!(m.values().any(|v| v.0 > 0), "counted: {m:?}");
     s.quit();

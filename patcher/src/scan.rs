@@ -132,14 +132,18 @@ pub struct Scan {
     pub keys: HashMap<usize, Keys>,
     /// The entries the user named.
     pub user: std::ops::Range<usize>,
+    /// The file defines a default entry itself (its own malloc or
+    /// operator new, which may be another allocator).
+    pub own_allocator: bool,
 }
 
 impl Scan {
-    /// Whether entry `entry` allocates from the process's malloc: a
-    /// default entry, or a wrapper found while the user named none (one
-    /// found around a user-named allocator is not known to).
+    /// Whether entry `entry` allocates from the process's malloc (which
+    /// the runtime checks is glibc's): a default entry, or a wrapper found
+    /// while the user named none (one found around a user-named allocator
+    /// is not known to), in a file that defines no default entry itself.
     pub fn plain_store(&self, entry: usize) -> bool {
-        entry < self.user.start || self.user.is_empty()
+        !self.own_allocator && (entry < self.user.start || self.user.is_empty())
     }
 }
 
@@ -291,7 +295,14 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
 /// neither defines nor imports are listed in [`Scan::unresolved`].
 pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -> Result<Scan> {
     let (targets, found) = resolve_targets(elf, &entries);
-    let mut out = Scan { unresolved: user.clone().filter(|&i| !found[i]).collect(), entries, user, ..Scan::default() };
+    let own_allocator = targets.code.values().any(|&(i, via)| via == Via::Direct && i < user.start);
+    let mut out = Scan {
+        unresolved: user.clone().filter(|&i| !found[i]).collect(),
+        entries,
+        user,
+        own_allocator,
+        ..Scan::default()
+    };
     if targets.got.is_empty() && targets.code.is_empty() {
         return Ok(out);
     }

@@ -131,11 +131,14 @@ pub fn apply(cmd: Command) {
             }
         }
     };
+    // Switching on without live tracking (the map cannot be reserved) is
+    // carried out, with the reason published.
+    let mut warning = None;
     let result = match cmd {
         Command::Do(Request::Off) => off(),
         Command::Toggle if state::is_on() => off(),
         Command::Do(Request::On) | Command::Toggle => {
-            registry::prepare_live();
+            warning = registry::prepare_live().err();
             registry::switch_all(Sites::On)
         }
         Command::Do(Request::OffNow) => {
@@ -173,6 +176,9 @@ pub fn apply(cmd: Command) {
             }
         }
         Err(e) => state::report_error(e),
+    }
+    if let Some(w) = warning {
+        state::report_error(w);
     }
     if let Some(h) = header() {
         h.last_switch_ns.store(monotonic_ns().saturating_sub(start), Ordering::Relaxed);

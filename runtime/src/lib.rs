@@ -310,13 +310,6 @@ fn init() {
             false
         }
     };
-    // The shadow map is reserved when profiling first goes on: now if it
-    // starts on, or if requests will be carried out in a signal handler
-    // (which cannot take the registration lock); otherwise by the watcher
-    // thread at the first request.
-    if on || matches!(mode, Switch::Signal(_)) {
-        registry::prepare_live();
-    }
     if on {
         state::WANT.store(state::Sites::On as u8, Ordering::Release);
     }
@@ -325,6 +318,15 @@ fn init() {
     let f = open_process_file(&dir, mode);
     let have_file = f.is_some();
     PROC.with(|p| *p = f);
+    // The shadow map is reserved when profiling first goes on: now if it
+    // starts on, or if requests will be carried out in a signal handler
+    // (which cannot take the registration lock); otherwise by the watcher
+    // thread at the first request. Before any module registers.
+    if (on || matches!(mode, Switch::Signal(_)))
+        && let Err(e) = registry::prepare_live()
+    {
+        state::report_error(e);
+    }
     registry::CAPTURE.store(callers::capture as *const () as usize as u64, Ordering::Relaxed);
     if let Ok(v) = std::env::var("ALLOCTRAMP_CALLERS") {
         match callers::depth_from_env(&v) {

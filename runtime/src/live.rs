@@ -691,9 +691,7 @@ fn give_ids(control: &ControlBlock, slot: usize, file: Option<(&mut ProcFile, u3
     // Plain stores where one granule never holds two live objects, else
     // compare-and-swap (see the module's documentation).
     control.cas_limit.store(shadow::SIZE_LIMIT, r);
-    // The plain path also needs the whole span (it masks addresses).
-    let plain = ONE_PER_GRANULE.load(r) && GRANULES.load(r) == shadow::GRANULES;
-    control.inline_limit.store(if plain { shadow::SIZE_LIMIT } else { 0 }, r);
+    control.inline_limit.store(if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 }, r);
 }
 
 /// The module's trampolines leave every record to the runtime.

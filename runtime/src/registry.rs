@@ -855,18 +855,15 @@ pub fn unregister(table: *const u8) {
 /// and the freed view (a process never profiled reserves nothing; each
 /// module's sites turn live tracking on as they first switch, see
 /// [`switch`]). Without the reservation (an address-space limit) the
-/// process counts only, and says why. Runs where requests are carried
-/// out: on the watcher thread, or at start-up for a process switched by
-/// signal or started with profiling on.
-pub fn prepare_live() {
-    if LIVE.load(Ordering::Acquire)
-        && !live::reserved()
-        && let Err(e) = live::reserve()
-    {
-        LIVE.store(false, Ordering::Release);
-        state::report_error(e);
-        state::publish_state();
+/// process counts only, and the error says why (for the caller to
+/// report). Runs where requests are carried out: on the watcher thread,
+/// or at start-up for a process switched by signal or started with
+/// profiling on.
+pub fn prepare_live() -> Result<(), &'static str> {
+    if LIVE.load(Ordering::Acquire) && !live::reserved() {
+        live::reserve().inspect_err(|_| LIVE.store(false, Ordering::Release))?;
     }
+    Ok(())
 }
 
 /// Turns live tracking on in a held slot's module, once: before its sites

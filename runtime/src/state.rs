@@ -59,7 +59,9 @@ pub fn records_chains(addr: u64) -> bool {
     n == 0 || CALLERS_SITES.iter().take(n).any(|s| s.load(Ordering::Relaxed) == addr)
 }
 
-/// Live tracking in this process (decided at start-up).
+/// Live tracking in this process: decided at start-up
+/// (`ALLOCTRAMP_LIVE`), and given up when profiling first goes on if the
+/// shadow map cannot be reserved.
 pub static LIVE: AtomicBool = AtomicBool::new(false);
 
 /// Live figures may overstate from now on (until a reset).

@@ -896,23 +896,21 @@ impl Gen<'_> {
             self.with_control(Code::Mov_r32_rm32, Register::ECX, control::ENTRY_BASE)?;
             (s.index << shadow::ID_SHIFT) as i32
         };
+        // The entry: rdi + rdx * 4, rdx the granule, if the map covers it.
         self.a.mov(rdx, key)?;
         if cas {
-            // rdx = the granule's entry, if the shadow map covers it.
-            self.a.shr(rdx, shadow::GRANULE_SHIFT)?;
-            self.with_control(Code::Cmp_r64_rm64, Register::RDX, control::SHADOW_GRANULES)?;
-            self.a.jae(slow)?;
-            self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
-            self.a.lea(rdx, qword_ptr(rdi + rdx * 4))?;
-        } else {
-            // rdx = the granule's entry, addressed as a free addresses it:
-            // the plain path is on only where the map covers every address
-            // the allocator returns (see `ControlBlock::inline_limit`).
-            self.with_control(Code::And_r64_rm64, Register::RDX, control::SHADOW_MASK)?;
-            self.a.shr(rdx, shadow::GRANULE_SHIFT - 2)?;
-            self.with_control(Code::Add_r64_rm64, Register::RDX, control::SHADOW)?;
+            // An entry describes 8-aligned objects only (a pool allocator
+            // may return others; glibc's malloc never does).
+            self.a.test(dl, 7)?;
+            self.a.jne(slow)?;
+        }
+        self.a.shr(rdx, shadow::GRANULE_SHIFT)?;
+        self.with_control(Code::Cmp_r64_rm64, Register::RDX, control::SHADOW_GRANULES)?;
+        self.a.jae(slow)?;
+        self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
+        if !cas {
             // No tracked object's record is there.
-            self.a.test(byte_ptr(rdx), shadow::LIVE as i32)?;
+            self.a.test(byte_ptr(rdi + rdx * 4), shadow::LIVE as i32)?;
             self.a.jne(slow)?;
         }
         self.a.shl(esi, shadow::SIZE_SHIFT)?;
@@ -922,10 +920,10 @@ impl Gen<'_> {
             // eax = what the entry holds; the result waits in r9.
             let mut taken = self.a.create_label();
             self.a.mov(r9, rax)?;
-            self.a.mov(eax, dword_ptr(rdx))?;
+            self.a.mov(eax, dword_ptr(rdi + rdx * 4))?;
             self.a.test(al, shadow::LIVE as i32)?;
             self.a.jne(taken)?;
-            self.a.lock().cmpxchg(dword_ptr(rdx), ecx)?;
+            self.a.lock().cmpxchg(dword_ptr(rdi + rdx * 4), ecx)?;
             self.a.mov(rax, r9)?;
             self.a.jne(slow)?;
             self.close_frame(f)?;
@@ -934,7 +932,7 @@ impl Gen<'_> {
             self.a.set_label(&mut taken)?;
             self.a.mov(rax, r9)?;
         } else {
-            self.a.mov(dword_ptr(rdx), ecx)?;
+            self.a.mov(dword_ptr(rdi + rdx * 4), ecx)?;
             self.close_frame(f)?;
             self.leave()?;
         }

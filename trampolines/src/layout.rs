@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 10;
+pub const VERSION: u32 = 11;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -510,11 +510,9 @@ pub struct ControlBlock {
     /// 3, is its entry's offset in the map.
     pub shadow_mask: AtomicU64,
     /// Allocations below this size are recorded inline with a plain store:
-    /// [`shadow::SIZE_LIMIT`] once the module has site ids, the process's
-    /// malloc is glibc's (never two live objects in a granule) and the map
-    /// covers the whole user address space below 2^47, where glibc's
-    /// malloc returns every address (the plain path addresses the map
-    /// with `shadow_mask`, without checking the span), else 0.
+    /// [`shadow::SIZE_LIMIT`] once the module has site ids and the
+    /// process's malloc is glibc's (never two live objects in a granule),
+    /// else 0.
     pub inline_limit: AtomicU64,
     /// `id << ID_SHIFT | LIVE` of the module's site 0 (0: no ids): site
     /// `i`'s entries add `i << ID_SHIFT` and the object's size and address
@@ -1223,9 +1221,9 @@ pub(crate) mod tests {
         assert!(t.entry(1).is_none());
 
         let mut bad = bytes.clone();
-        bad[8] = 11;
-        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Version { found: 11 });
-        assert!(Table::parse(&bad).unwrap_err().to_string().contains("version 11"));
+        bad[8] = VERSION as u8 + 1;
+        assert_eq!(Table::parse(&bad).unwrap_err(), TableError::Version { found: VERSION + 1 });
+        assert!(Table::parse(&bad).unwrap_err().to_string().contains(&format!("version {}", VERSION + 1)));
         assert_eq!(Table::parse(&bytes[..bytes.len() - 1]).unwrap_err(), TableError::InconsistentSizes);
         bad = bytes.clone();
         bad[0] = b'X';
