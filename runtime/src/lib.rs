@@ -269,6 +269,22 @@ fn install_fault_handlers() {
     }
 }
 
+/// A two-valued environment variable: `values[0]` is true, `values[1]`
+/// false; unset or empty is `default`, and so is anything else, with a
+/// line that says what was expected and what happens (`then`).
+fn env_flag(name: &str, values: [&str; 2], default: bool, then: &str) -> bool {
+    match std::env::var(name).as_deref() {
+        Ok(v) if v == values[0] => true,
+        Ok(v) if v == values[1] => false,
+        Ok("") | Err(_) => default,
+        Ok(other) => {
+            let [yes, no] = values;
+            sys::log(format!("{name}={other:?}: expected {yes} or {no}; {then}").as_bytes());
+            default
+        }
+    }
+}
+
 /// Start-up: runs as a constructor of the runtime, before the patched
 /// modules' initializers.
 fn init() {
@@ -292,24 +308,10 @@ fn init() {
     if let Some(k) = std::env::var("ALLOCTRAMP_KEEP").ok().and_then(|k| k.parse().ok()) {
         KEEP.store(k, Ordering::Relaxed);
     }
-    let live = match std::env::var("ALLOCTRAMP_LIVE").as_deref() {
-        Ok("0") => false,
-        Ok("1") | Ok("") | Err(_) => true,
-        Ok(other) => {
-            sys::log(format!("ALLOCTRAMP_LIVE={other:?}: expected 0 or 1; tracking live objects").as_bytes());
-            true
-        }
-    };
+    let live = env_flag("ALLOCTRAMP_LIVE", ["1", "0"], true, "tracking live objects");
     state::LIVE.store(live, Ordering::Release);
     live::RSEQ.store(sys::rseq_offset() as u64, Ordering::Relaxed);
-    let on = match std::env::var("ALLOCTRAMP").as_deref() {
-        Ok("on") => true,
-        Ok("off") | Ok("") | Err(_) => false,
-        Ok(other) => {
-            sys::log(format!("ALLOCTRAMP={other:?}: expected on or off; profiling stays off").as_bytes());
-            false
-        }
-    };
+    let on = env_flag("ALLOCTRAMP", ["on", "off"], false, "profiling stays off");
     if on {
         state::WANT.store(state::Sites::On as u8, Ordering::Release);
     }
