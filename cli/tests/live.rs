@@ -209,6 +209,57 @@ fn vm_size_kib(pid: &str) -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
+/// Kilobytes of the executable mappings of `path` in process `pid` that the
+/// process wrote to (a switched site's page is a private dirty copy).
+fn dirty_code_kib(pid: u32, path: &Path) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut ours = false;
+    let mut kib = 0;
+    let mut seen = 0;
+    for l in smaps.lines() {
+        let mut w = l.split_whitespace();
+        let first = w.next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            let perms = w.next().unwrap_or("");
+            ours = perms.contains('x') && l.ends_with(path.to_str().unwrap());
+            seen += usize::from(ours);
+        } else if ours && first == "Private_Dirty:" {
+            kib += w.next().unwrap().parse::<u64>().unwrap();
+        }
+    }
+    assert!(seen > 0, "no executable mapping of {} in process {pid}", path.display());
+    kib
+}
+
+/// `ALLOCTRAMP=on` with a counters directory the runtime refuses: the
+/// program runs as usual, unprofiled. No site is switched (its code stays
+/// as loaded) and no shadow map is reserved: figures nobody can read would
+/// cost the program what profiling costs.
+#[test]
+fn a_refused_counters_directory_leaves_every_site_off() {
+    const TIB_IN_KIB: u64 = 1 << 30;
+    let b = built(Config::default_o2());
+    let dir = counters_dir(test_name());
+    let bin = dir.join("server.bin");
+    patch_to(&b.path("server"), &bin, &[]);
+    let open = dir.join("open");
+    std::fs::create_dir_all(&open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    for live in ["1", "0"] {
+        let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_LIVE", live), ("ALLOCTRAMP_DIR", open.to_str().unwrap())];
+        let mut t = Talk::spawn(&mut std::process::Command::new(&bin), &env);
+        t.send("round");
+        assert_eq!(t.line().trim(), "done");
+        let pid = t.child.id();
+        assert_eq!(dirty_code_kib(pid, &bin), 0, "ALLOCTRAMP_LIVE={live}: a site was switched");
+        let vm = vm_size_kib(&pid.to_string());
+        assert!(vm < TIB_IN_KIB, "ALLOCTRAMP_LIVE={live}: not profiled, yet {vm} KiB of address space");
+        t.send("quit");
+        let _ = t.finish();
+        assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0, "no file in a refused directory");
+    }
+}
+
 /// A patched process that is not profiled reserves no shadow map: it does
 /// when profiling first goes on. Under an address-space limit the process
 /// says why only then, and counts without live figures.

@@ -312,19 +312,22 @@ fn init() {
     state::LIVE.store(live, Ordering::Release);
     live::RSEQ.store(sys::rseq_offset() as u64, Ordering::Relaxed);
     let on = env_flag("ALLOCTRAMP", ["on", "off"], false, "profiling stays off");
-    if on {
-        state::WANT.store(state::Sites::On as u8, Ordering::Release);
-    }
 
     let dir = counters_dir();
     let f = open_process_file(&dir, mode);
     let have_file = f.is_some();
     PROC.with(|p| *p = f);
+    // Without its file the process is not profiled: figures nobody can
+    // read would cost the program what profiling costs.
+    let on = on && have_file;
+    if on {
+        state::WANT.store(state::Sites::On as u8, Ordering::Release);
+    }
     // The shadow map is reserved when profiling first goes on: now if it
     // starts on, or if requests will be carried out in a signal handler
     // (which cannot take the registration lock); otherwise by the watcher
     // thread at the first request. Before any module registers.
-    if (on || matches!(mode, Switch::Signal(_)))
+    if (on || (matches!(mode, Switch::Signal(_)) && have_file))
         && let Err(e) = registry::prepare_live()
     {
         state::report_error(e);
