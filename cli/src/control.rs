@@ -2,6 +2,7 @@
 //! running process: `enable`, `disable [--now]`, `reset`.
 
 use crate::util::Snapshot;
+use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::process::{self, ProcHeader, ProcessFile, Request, flags};
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
@@ -342,8 +343,11 @@ fn read_state(path: &Path) -> Result<State> {
     let mut live_objects = 0u64;
     if pf.live() {
         for md in &mods {
-            for i in 0..md.table.header.site_count as usize {
-                live_objects = live_objects.saturating_add(md.cell(i).live_objects());
+            // Allocation sites only: a free site's calls are frees.
+            for (i, site) in md.table.sites().enumerate() {
+                if md.table.entry_kind(site.entry) != Some(Kind::Free) {
+                    live_objects = live_objects.saturating_add(md.cell(i).live_objects());
+                }
             }
         }
     }

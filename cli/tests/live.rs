@@ -209,6 +209,26 @@ fn vm_size_kib(pid: &str) -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
+/// `disable` with tracked objects live says how many: the objects the
+/// allocation sites still hold, not the calls the free sites counted.
+#[test]
+fn disable_counts_the_objects_still_live_not_the_frees() {
+    let mut s = Server::start(test_name(), &[]);
+    assert!(s.switch("enable").status.success());
+    for _ in 0..3 {
+        assert_eq!(s.cmd("round"), "done");
+    }
+    assert_eq!(s.cmd("free"), "freed");
+    assert_eq!(s.cmd("round"), "done");
+    let m = server_sites(&s);
+    assert_eq!(m[&KEPT_FREE].0, 15, "the free command's frees");
+    let o = s.switch("disable");
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("until the 5 tracked objects are freed"), "{said}");
+    s.quit();
+}
+
 /// Kilobytes of the executable mappings of `path` in process `pid` that the
 /// process wrote to (a switched site's page is a private dirty copy).
 fn dirty_code_kib(pid: u32, path: &Path) -> u64 {

@@ -566,12 +566,18 @@ impl Cell {
     /// allocation site). Never negative: a reading taken while a free is
     /// half-counted is clamped at zero.
     pub fn live_objects(&self) -> u64 {
-        self.calls.wrapping_sub(self.failed).wrapping_sub(self.freed_objects).min(i64::MAX as u64)
+        non_negative(self.calls.wrapping_sub(self.failed).wrapping_sub(self.freed_objects))
     }
     /// Their requested bytes.
     pub fn live_bytes(&self) -> u64 {
-        self.bytes.wrapping_sub(self.failed_bytes).wrapping_sub(self.freed_bytes).min(i64::MAX as u64)
+        non_negative(self.bytes.wrapping_sub(self.failed_bytes).wrapping_sub(self.freed_bytes))
     }
+}
+
+/// A difference of counters read at slightly different moments: 0 where
+/// it went below zero.
+fn non_negative(v: u64) -> u64 {
+    if (v as i64) < 0 { 0 } else { v }
 }
 
 // SAFETY: each is #[repr(C)], made of integers, integer atomics and arrays
@@ -1147,6 +1153,12 @@ impl<'a> Table<'a> {
             return None;
         }
         pod::read(self.bytes, self.header.entries_offset as usize + i * ENTRY_SIZE)
+    }
+
+    /// What the entry a site calls does; `None` for an entry the table
+    /// does not have or a kind this build does not know.
+    pub fn entry_kind(&self, entry: u16) -> Option<Kind> {
+        self.entry(entry as usize).and_then(|e| Kind::from_code(e.kind))
     }
 
     /// A string by offset; `None` for [`NO_STRING`] or a bad offset.
