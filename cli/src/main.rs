@@ -65,9 +65,16 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             // A usage error: one line, status 2, like every other error.
+            // The message's first line and the indented lines under it
+            // (the arguments a missing-argument error names).
             let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or("invalid arguments");
-            eprintln!("alloctramp: {} (see --help)", first.trim_start_matches("error: "));
+            let mut lines = text.lines();
+            let mut said = lines.next().unwrap_or("invalid arguments").trim_start_matches("error: ").to_string();
+            for l in lines.take_while(|l| l.starts_with(' ')) {
+                said.push(' ');
+                said.push_str(l.trim());
+            }
+            eprintln!("alloctramp: {said} (see --help)");
             return ExitCode::from(2);
         }
     };

@@ -154,6 +154,7 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
     };
     let analysis = alloctramp_patcher::analyze_with(&input.map, &name, debug, &user, &wrapper_opts)
         .with_context(|| format!("{}", args.input.display()))?;
+    crate::sites::warn_unresolved(&args.input, &analysis);
     let needed = match args.runtime_link {
         RuntimeLink::Origin => format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
         RuntimeLink::Absolute => runtime.to_string_lossy().into_owned(),

@@ -129,6 +129,18 @@ pub fn find_debug_in(path: &Path, data: &[u8], debug_dir: &Path) -> Option<(Path
     })
 }
 
+/// One warning line per `--entry` the file neither defines nor imports
+/// (its calls cannot be found: probably a misspelt name).
+pub fn warn_unresolved(path: &Path, analysis: &alloctramp_patcher::Analysis) {
+    for &i in &analysis.scan.unresolved {
+        eprintln!(
+            "alloctramp: warning: {}: entry {} is neither defined nor imported",
+            path.display(),
+            analysis.scan.entries[i].target
+        );
+    }
+}
+
 pub fn run(args: Args) -> Result<()> {
     let user = parse_entries(&args.entries)?;
     let path = &args.file;
@@ -141,13 +153,7 @@ pub fn run(args: Args) -> Result<()> {
     let opts = args.wrappers.options(path, data, &user)?;
     let analysis = alloctramp_patcher::analyze_with(data, &name, debug, &user, &opts)
         .with_context(|| format!("{}", path.display()))?;
-    for &i in &analysis.scan.unresolved {
-        eprintln!(
-            "alloctramp: warning: {}: entry {} is neither defined nor imported",
-            path.display(),
-            analysis.scan.entries[i].target
-        );
-    }
+    warn_unresolved(path, &analysis);
     let doc = output::document(&analysis, &name);
     emit(|w| if args.json { output::write_json(w, &doc) } else { output::write_text(w, &doc) })
 }

@@ -660,6 +660,16 @@ fn errors_are_one_line_with_status_2() {
     assert!(!String::from_utf8_lossy(&o.stderr).contains("Broken pipe"), "{o:?}");
 }
 
+/// A command missing an argument names it: `diff` with one snapshot said
+/// "the following required arguments were not provided:" and no name.
+#[test]
+fn a_missing_argument_is_named() {
+    let o = alloctramp().args(["diff", "1.counters"]).output().unwrap();
+    expect_error(&o, "the following required arguments were not provided: <NEW>");
+    let o = alloctramp().args(["enable"]).output().unwrap();
+    expect_error(&o, "<PID>");
+}
+
 #[test]
 fn every_command_has_help_with_an_example() {
     for cmd in ["sites", "patch", "run", "report", "snapshot", "diff", "enable", "disable", "reset", "demo"] {

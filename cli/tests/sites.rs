@@ -248,6 +248,26 @@ fn user_named_entries_by_symbol_and_address() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown kind"));
 }
 
+/// `patch --entry` with a name the file neither defines nor imports: the
+/// same warning as `sites` (it said nothing), and the file is patched.
+#[test]
+fn patch_warns_of_an_entry_the_file_does_not_have() {
+    let wrapper = built(Config::default_o2()).path("wrapper");
+    let dir = scratch(test_name());
+    let out = run_alloctramp([
+        "patch".as_ref(),
+        "--entry".as_ref(),
+        "nosuch:alloc".as_ref(),
+        wrapper.as_os_str(),
+        "-o".as_ref(),
+        dir.join("wrapper").as_os_str(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("entry nosuch is neither defined nor imported"), "{err}");
+    assert!(dir.join("wrapper").exists());
+}
+
 #[test]
 fn separate_debug_file_through_debuglink_and_build_id() {
     let b = built(Config::default_o2());
