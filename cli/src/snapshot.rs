@@ -92,6 +92,12 @@ pub fn run_diff(args: DiffArgs) -> Result<()> {
     let (opid, npid) = (ofig.process.pid, nfig.process.pid);
     if opid != npid {
         notes.push(format!("comparing different processes (pid {opid} and pid {npid})"));
+    } else if nfig.process.reset_time != ofig.process.reset_time {
+        notes.push(format!(
+            "the counters were reset between the two (`alloctramp reset`, at {} seconds since the epoch): \
+             figures restarted from zero then, so changes can be negative",
+            nfig.process.reset_time
+        ));
     }
     let diff = model::diff(&ofig, &nfig, args.all);
     for m in &diff.rebuilt {

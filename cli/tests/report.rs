@@ -589,6 +589,26 @@ fn a_diff_of_two_snapshots_is_exactly_what_happened_between_them() {
     let d: Value = serde_json::from_str(&ok(&o, "diff with a pid")).unwrap();
     let m = d["sites"].as_array().unwrap().iter().find(|x| json_key(x) == server_line("malloc", false)).unwrap();
     assert_eq!((m["calls"].as_i64(), m["bytes"].as_i64()), (Some(5), Some(500)));
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("reset"), "{o:?}");
+    s.quit();
+}
+
+/// A diff across `alloctramp reset` says so: its changes were negative
+/// with nothing to say why.
+#[test]
+fn a_diff_across_a_reset_says_the_counters_were_reset() {
+    let mut s = Server::start(test_name(), &[("ALLOCTRAMP", "on")]);
+    assert_eq!(s.cmd("round"), "done");
+    let a = s.dir.join("a.snapshot");
+    assert!(s.alloctramp(&["snapshot", &s.pid(), "-o", a.to_str().unwrap()]).status.success());
+    assert!(s.alloctramp(&["reset", &s.pid()]).status.success());
+    let o = alloctramp().args(["diff", "--format", "json", "--dir"]).arg(&s.dir).arg(&a).arg(s.pid()).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("the counters were reset between the two"), "{err}");
+    let d: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let m = d["sites"].as_array().unwrap().iter().find(|x| json_key(x) == server_line("malloc", false)).unwrap();
+    assert_eq!((m["calls"].as_i64(), m["bytes"].as_i64()), (Some(-5), Some(-500)));
     s.quit();
 }
 
