@@ -148,6 +148,7 @@ impl View {
             diff,
             version2: self.allocinfo_version == "2",
             inaccurate,
+            totals_first: matches!(self.sort, Some(SortKey::Bytes | SortKey::Calls)),
         }
     }
 }

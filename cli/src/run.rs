@@ -5,7 +5,8 @@ use crate::control::counters_dir;
 use crate::patch::{self, RuntimeLink};
 use crate::report::{self, Source, View};
 use crate::util::Input;
-use alloctramp_report::model::{GroupBy, SortKey};
+use alloctramp_report::model::{Fig, Figures, GroupBy, SortKey};
+use alloctramp_report::text;
 use anyhow::{Context, Result, anyhow, bail};
 use std::ffi::OsString;
 use std::hash::{Hash, Hasher};
@@ -199,15 +200,16 @@ pub fn run(mut args: Args) -> Result<()> {
     let mut figs = src.figures()?;
     let notes = report::notes(&src, &figs);
     let mut view = args.view.clone();
-    // The text's default cut (a profile has every site).
-    if view.sort.is_none()
-        && view.top.is_none()
-        && view.group_by == GroupBy::Site
-        && view.format != alloctramp_report::Format::Pprof
-    {
-        view.sort = Some(SortKey::LiveBytes);
-        view.top = Some(20);
+    // A finished program's story: what it allocated in all, largest first
+    // (the totals columns come first), and what stayed live at exit; the
+    // text's default cut (a profile has every site).
+    if view.sort.is_none() && view.format != alloctramp_report::Format::Pprof {
+        view.sort = Some(SortKey::Bytes);
+        if view.top.is_none() && view.group_by == GroupBy::Site {
+            view.top = Some(20);
+        }
     }
+    let totals = totals_line(&figs);
     let rows = report::rows(&mut figs, &view)?;
     let how = match status.code() {
         Some(c) => format!("exited with status {c}"),
@@ -220,6 +222,7 @@ pub fn run(mut args: Args) -> Result<()> {
             file.display()
         );
         report::print_notes(&notes, false);
+        eprintln!("alloctramp: {totals}");
     }
     let mut buf = Vec::new();
     report::write_report(&mut buf, &src, &figs, &rows, &view)?;
@@ -230,4 +233,32 @@ pub fn run(mut args: Args) -> Result<()> {
         }
     }
     std::process::exit(code)
+}
+
+/// The process's totals: allocations and their bytes, frees, and what
+/// stayed live at exit.
+fn totals_line(figs: &Figures) -> String {
+    let live = figs.process.live;
+    let mut t = Fig::zero(live);
+    for (_, f) in &figs.sites {
+        t.add(f);
+    }
+    let bytes = |b: i128| {
+        if b.unsigned_abs() < 1024 { format!("{b} bytes") } else { format!("{b} bytes ({})", text::human(b)) }
+    };
+    let failed = match t.failed {
+        0 => String::new(),
+        n => format!("; {n} failed (requesting {})", bytes(t.failed_bytes)),
+    };
+    let at_exit = match (t.live_calls, t.live_bytes) {
+        (Some(n), Some(b)) if !figs.process.incomplete => format!("{n} objects, {}", bytes(b)),
+        (Some(n), Some(b)) => format!("at most {n} objects, {} (live figures incomplete)", bytes(b)),
+        _ => "not known (live tracking was off)".to_string(),
+    };
+    format!(
+        "totals: {} allocations, {}{failed}; {} frees; live at exit: {at_exit}",
+        t.calls - t.failed,
+        bytes(t.bytes - t.failed_bytes),
+        t.free_calls
+    )
 }

@@ -45,6 +45,8 @@ pub struct Fig {
     /// Bytes requested through them (failed calls included).
     pub bytes: i128,
     pub failed: i128,
+    /// Bytes the failed calls requested.
+    pub failed_bytes: i128,
     /// Live objects and their bytes (None: live tracking was off).
     pub live_calls: Option<i128>,
     pub live_bytes: Option<i128>,
@@ -71,6 +73,7 @@ impl Fig {
         self.calls += o.calls;
         self.bytes += o.bytes;
         self.failed += o.failed;
+        self.failed_bytes += o.failed_bytes;
         self.live_calls = add_opt(self.live_calls, o.live_calls);
         self.live_bytes = add_opt(self.live_bytes, o.live_bytes);
         self.freed_objects += o.freed_objects;
@@ -83,6 +86,7 @@ impl Fig {
             calls: self.calls - o.calls,
             bytes: self.bytes - o.bytes,
             failed: self.failed - o.failed,
+            failed_bytes: self.failed_bytes - o.failed_bytes,
             live_calls: sub_opt(self.live_calls, o.live_calls),
             live_bytes: sub_opt(self.live_bytes, o.live_bytes),
             freed_objects: self.freed_objects - o.freed_objects,

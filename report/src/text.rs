@@ -21,6 +21,10 @@ pub struct Options {
     /// tracking, or live figures that may overstate): with `version2`,
     /// every row says `accurate:no`.
     pub inaccurate: bool,
+    /// The rows are sorted by a total (`--sort bytes|calls`): the total
+    /// bytes and calls come first, then the size and calls columns, so
+    /// the column they are sorted by is shown.
+    pub totals_first: bool,
 }
 
 /// A size as `sort -h` reads it: 1023, 1.0KiB, 12.5MiB.
@@ -41,9 +45,11 @@ pub fn human(v: i128) -> String {
 }
 
 /// The header line naming the columns.
-pub fn header(all_columns: bool) -> &'static str {
-    if all_columns {
+pub fn header(opts: &Options) -> &'static str {
+    if opts.all_columns {
         "#     <size>  <calls> <total-calls>  <total-bytes> <failed>  <freed> <untracked>  <kind> <tag info> entry:<entry>"
+    } else if opts.totals_first {
+        "#  <total-bytes> <total-calls>       <size>  <calls> <tag info>"
     } else {
         "#     <size>  <calls> <tag info>"
     }
@@ -56,7 +62,7 @@ pub fn write(w: &mut dyn Write, rows: &[Row], opts: &Options) -> io::Result<()> 
         if opts.diff && v > 0 { format!("+{s}") } else { s }
     };
     writeln!(w, "allocinfo - version: {}", if opts.version2 { "2.0" } else { "1.0" })?;
-    writeln!(w, "{}", header(opts.all_columns))?;
+    writeln!(w, "{}", header(opts))?;
     let pairs = if opts.version2 && opts.inaccurate { " accurate:no" } else { "" };
     for r in rows {
         let f = &r.fig;
@@ -73,6 +79,16 @@ pub fn write(w: &mut dyn Write, rows: &[Row], opts: &Options) -> io::Result<()> 
                 num(f.failed, false),
                 num(f.freed_objects, false),
                 num(f.untracked_frees, false),
+                r.tag()
+            )?;
+        } else if opts.totals_first {
+            writeln!(
+                w,
+                "{:>15} {:>13} {:>12} {:>8} {}{pairs}",
+                num(f.bytes, true),
+                num(f.calls + f.free_calls, false),
+                num(f.size(), true),
+                num(f.count(), false),
                 r.tag()
             )?;
         } else if !opts.diff && !opts.human {
@@ -171,6 +187,19 @@ mod tests {
         let human = text(&rows[1..2], Options { inaccurate: true, human: true, ..v2 });
         assert!(human.ends_with(" 2 main.c:32 module:prog func:main accurate:no\n"), "{human}");
         assert!(text(&rows[1..2], Options { inaccurate: true, ..Options::default() }).ends_with("func:main\n"));
+    }
+
+    /// Sorted by a total: the totals come first, then the live figures.
+    #[test]
+    fn totals_first_when_sorted_by_a_total() {
+        let rows = group(figures().sites, GroupBy::Site);
+        assert_eq!(
+            text(&rows[1..3], Options { totals_first: true, ..Options::default() }),
+            "allocinfo - version: 1.0\n\
+             #  <total-bytes> <total-calls>       <size>  <calls> <tag info>\n\
+             \x20          3000             3         2000        2 main.c:32 module:prog func:main\n\
+             \x20             0            11            0        0 main.c:48 module:prog func:main\n"
+        );
     }
 
     #[test]
