@@ -24,7 +24,16 @@ fuzz_target!(|data: &[u8]| {
         let sel = Selection { group_by, sort, top: Some(50), ..Selection::default() };
         let Ok(rows) = select(figs.sites.clone(), &figs.modules, &sel, false) else { return };
         let mut out = Vec::new();
-        let opts = text::Options { all_columns: true, human: true, version2: true, inaccurate: !live, diff: false };
+        // Every layout: all columns, and the totals first (sorted by a total).
+        let totals_first = group_by == GroupBy::Function;
+        let opts = text::Options {
+            all_columns: !totals_first,
+            human: true,
+            version2: true,
+            inaccurate: !live,
+            diff: false,
+            totals_first,
+        };
         text::write(&mut out, &rows, &opts).unwrap();
         csv::write(&mut out, &rows, group_by, false).unwrap();
         let doc = json::ProcessDoc::new("fuzz", false, &figs.process, &figs.modules);
