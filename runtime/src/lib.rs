@@ -327,7 +327,8 @@ fn init() {
     // starts on, or if requests will be carried out in a signal handler
     // (which cannot take the registration lock); otherwise by the watcher
     // thread at the first request. Before any module registers.
-    if (on || (matches!(mode, Switch::Signal(_)) && have_file))
+    if have_file
+        && (on || matches!(mode, Switch::Signal(_)))
         && let Err(e) = registry::prepare_live()
     {
         state::report_error(e);
