@@ -55,6 +55,12 @@ enum Command {
     Callers(control::CallersArgs),
     Demo(demo::Args),
     Clean(clean::Args),
+    /// Patch a library into `run`'s cache (run by the loader's audit
+    /// library, not by hand).
+    #[command(name = "cache-library", hide = true)]
+    CacheLibrary {
+        file: std::path::PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -95,6 +101,7 @@ fn main() -> ExitCode {
         Command::Callers(args) => control::run_callers(&args),
         Command::Demo(args) => demo::run(args),
         Command::Clean(args) => clean::run(args),
+        Command::CacheLibrary { file } => run::cache_library(&file),
     };
     util::finish(result)
 }

@@ -125,6 +125,13 @@ pub fn run(args: Args) -> Result<()> {
 /// Writes the patched file (and the runtime copy beside it); sites that
 /// could not be patched are reported on stderr.
 pub fn patch_file(args: &Args) -> Result<Summary> {
+    write_patched(args, true)
+}
+
+/// [`patch_file`], saying which `--entry` specs name nothing in the file
+/// when `warn_entries` (a library `run` patches takes the program's specs,
+/// which most libraries do not have).
+pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
     let user = parse_entries(&args.entries)?;
     let output = args.output.clone().unwrap_or_else(|| default_output(&args.input));
     check_output_path(&output)?;
@@ -154,7 +161,9 @@ pub fn patch_file(args: &Args) -> Result<Summary> {
     };
     let analysis = alloctramp_patcher::analyze_with(&input.map, &name, debug, &user, &wrapper_opts)
         .with_context(|| format!("{}", args.input.display()))?;
-    crate::sites::warn_unresolved(&args.input, &analysis);
+    if warn_entries {
+        crate::sites::warn_unresolved(&args.input, &analysis);
+    }
     let needed = match args.runtime_link {
         RuntimeLink::Origin => format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
         RuntimeLink::Absolute => runtime.to_string_lossy().into_owned(),

@@ -22,8 +22,9 @@ use std::path::{Path, PathBuf};
     alloctramp run -- git status          # then, from another terminal: alloctramp enable PID\n  \
     alloctramp run --on --entry xmalloc:alloc --entry xfree:free --top 0 -o report.txt -- ./prog\n\n\
 The patched copy is kept in $XDG_CACHE_HOME/alloctramp (else ~/.cache/alloctramp), keyed by the program's \
-build-id (else its contents), the entry points and this alloctramp; the next run reuses it. The exit status \
-is the program's. Only the program itself is patched, not the libraries it loads.")]
+build-id (else its contents), the entry points and this alloctramp; the next run reuses it, and so are the \
+shared libraries it loads, at start or with dlopen (through the loader's audit interface, LD_AUDIT), except \
+the C library's own. The exit status is the program's.")]
 pub struct Args {
     /// Profile from the start (ALLOCTRAMP=on); without it, switch on with
     /// `alloctramp enable PID` while the program runs.
@@ -39,6 +40,17 @@ pub struct Args {
     /// else ~/.cache/alloctramp].
     #[arg(long, value_name = "DIR")]
     pub cache: Option<PathBuf>,
+    /// Patch only the program, not the shared libraries it loads.
+    #[arg(long)]
+    pub no_libraries: bool,
+    /// Also profile the programs it executes, and theirs (each process
+    /// has its own counters file, in a directory of this run's).
+    #[arg(long)]
+    pub follow_exec: bool,
+    /// Report the whole process tree at exit, one row per site over every
+    /// process (implies --follow-exec).
+    #[arg(long)]
+    pub tree: bool,
     #[command(flatten)]
     pub view: View,
     /// The program and its arguments (after `--`).
@@ -79,6 +91,33 @@ pub fn find_program(name: &OsString) -> Result<PathBuf> {
     bail!("{}: not found in PATH", p.display())
 }
 
+/// The interpreter of a script (`#!INTERP [ARG]`, read as the kernel
+/// reads it), or None for any other file.
+fn interpreter(file: &Path) -> Result<Option<(PathBuf, Option<OsString>)>> {
+    use std::io::Read;
+    use std::os::unix::ffi::OsStrExt;
+    let mut head = [0u8; 256];
+    let n = std::fs::File::open(file)
+        .and_then(|mut f| f.read(&mut head))
+        .with_context(|| format!("{}: cannot read", file.display()))?;
+    let Some(line) = head[..n].strip_prefix(b"#!") else { return Ok(None) };
+    let line = line.split(|&b| b == b'\n').next().unwrap_or(line);
+    let line = line.trim_ascii();
+    let (interp, arg) = match line.iter().position(|b| b.is_ascii_whitespace()) {
+        Some(at) => (&line[..at], Some(line[at..].trim_ascii())),
+        None => (line, None),
+    };
+    if interp.is_empty() {
+        bail!("{}: a script without an interpreter on its #! line", file.display());
+    }
+    let interp = PathBuf::from(std::ffi::OsStr::from_bytes(interp));
+    if !interp.is_file() {
+        bail!("{}: its interpreter {} is not a file", file.display(), interp.display());
+    }
+    let arg = arg.filter(|a| !a.is_empty()).map(|a| std::ffi::OsStr::from_bytes(a).to_os_string());
+    Ok(Some((interp, arg)))
+}
+
 fn hash_file(h: &mut impl Hasher, path: &Path) -> Result<()> {
     let input = Input::open(path)?;
     input.map.len().hash(h);
@@ -86,16 +125,9 @@ fn hash_file(h: &mut impl Hasher, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The cached patched copy of `program` (patched now if not cached yet),
-/// and whether it was cached already.
-pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<(PathBuf, bool)> {
-    let input = Input::open(program)?;
-    let elf = alloctramp_patcher::Elf::parse(&input.map).map_err(|e| anyhow!("{}: {e}", program.display()))?;
-    if elf.section_by_name(alloctramp_trampolines::layout::SEC_SITES).is_some() {
-        // Patched already: run it as it is.
-        return Ok((program.to_path_buf(), true));
-    }
-    let runtime = patch::find_runtime(None)?;
+/// What a run's patched copies depend on besides the file: this
+/// alloctramp, its runtime and the entry points.
+fn config_hash(runtime: &Path, entries: &[String]) -> Result<u64> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     env!("CARGO_PKG_VERSION").hash(&mut h);
     if let Ok(exe) = std::env::current_exe()
@@ -104,7 +136,32 @@ pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<
         m.len().hash(&mut h);
         m.modified().ok().hash(&mut h);
     }
-    hash_file(&mut h, &runtime)?;
+    hash_file(&mut h, runtime)?;
+    entries.hash(&mut h);
+    Ok(h.finish())
+}
+
+/// A file's place in the cache.
+pub enum Cached {
+    /// The patched copy, and whether it was there already.
+    Copy(PathBuf, bool),
+    /// The file carries its own trampolines: it runs as it is.
+    Patched,
+    /// A library with no allocation sites: it loads as it is.
+    NoSites,
+}
+
+/// The cached patched copy of `file` (patched now if not cached yet). A
+/// library (`library`) with no allocation sites is not copied.
+pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, library: bool) -> Result<Cached> {
+    let input = Input::open(file)?;
+    let elf = alloctramp_patcher::Elf::parse(&input.map).map_err(|e| anyhow!("{}: {e}", file.display()))?;
+    if elf.section_by_name(alloctramp_trampolines::layout::SEC_SITES).is_some() {
+        return Ok(Cached::Patched);
+    }
+    let runtime = patch::find_runtime(None)?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    config_hash(&runtime, entries)?.hash(&mut h);
     match elf.build_id() {
         Some(id) => {
             "build-id".hash(&mut h);
@@ -116,12 +173,11 @@ pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<
             h.write(&input.map);
         }
     }
-    entries.hash(&mut h);
-    let name = program.file_name().map_or_else(|| "program".into(), |n| n.to_string_lossy().into_owned());
+    let name = file.file_name().map_or_else(|| "program".into(), |n| n.to_string_lossy().into_owned());
     let dir = cache.join(format!("{name}-{:016x}", h.finish()));
     let out = dir.join(&name);
     if out.is_file() && dir.join(alloctramp_trampolines::layout::RUNTIME_SONAME).is_file() {
-        return Ok((out, true));
+        return Ok(Cached::Copy(out, true));
     }
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -130,7 +186,7 @@ pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<
         .with_context(|| format!("{}: cannot create the cache directory", dir.display()))?;
     let args = patch::Args {
         wrappers: Default::default(),
-        input: program.to_path_buf(),
+        input: file.to_path_buf(),
         output: Some(out.clone()),
         entries: entries.to_vec(),
         runtime: Some(runtime),
@@ -138,9 +194,65 @@ pub fn cached_patch(program: &Path, entries: &[String], cache: &Path) -> Result<
         shards: 16,
         no_library_unwind: false,
     };
-    let s = patch::patch_file(&args)?;
-    eprintln!("alloctramp: patched {} into {} ({} sites)", program.display(), out.display(), s.sites);
-    Ok((out, false))
+    let s = patch::write_patched(&args, !library)?;
+    if library && s.sites == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Ok(Cached::NoSites);
+    }
+    eprintln!("alloctramp: patched {} into {} ({} sites)", file.display(), out.display(), s.sites);
+    Ok(Cached::Copy(out, false))
+}
+
+/// The run's index of libraries (see the audit library): one per
+/// configuration, in the cache.
+fn index_dir(cache: &Path, runtime: &Path, entries: &[String]) -> Result<PathBuf> {
+    Ok(cache.join(format!("index-{:016x}", config_hash(runtime, entries)?)))
+}
+
+/// `alloctramp cache-library FILE`: what the audit library runs when the
+/// loader is about to open a file the index does not know. Patches the
+/// file into the cache and links its index entry to the copy (or to
+/// "not patched", saying why on stderr). The run's settings come from the
+/// environment `run` gave the program.
+pub fn cache_library(file: &Path) -> Result<()> {
+    use alloctramp_audit as audit;
+    let var = |k: &str| {
+        std::env::var_os(k).ok_or_else(|| anyhow!("{k} is not set (this command is run by `alloctramp run`)"))
+    };
+    let cache = PathBuf::from(var(audit::ENV_CACHE)?);
+    let index = PathBuf::from(var(audit::ENV_INDEX)?);
+    let entries: Vec<String> = std::env::var(audit::ENV_ENTRIES)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect();
+    let meta = std::fs::metadata(file).with_context(|| format!("{}: cannot read", file.display()))?;
+    let target = match cached_patch(file, &entries, &cache, true) {
+        Ok(Cached::Copy(out, _)) => out,
+        Ok(Cached::Patched | Cached::NoSites) => PathBuf::from(audit::NOT_PATCHED),
+        Err(e) => {
+            eprintln!("alloctramp: {}: loaded as it is, not profiled: {e:#}", file.display());
+            PathBuf::from(audit::NOT_PATCHED)
+        }
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&index)
+        .with_context(|| format!("{}: cannot create the index", index.display()))?;
+    let mut links = vec![(audit::index_key(&meta), target.clone())];
+    // The copy is its own answer (a program `--follow-exec` re-executed).
+    if let Ok(m) = std::fs::metadata(&target) {
+        links.push((audit::index_key(&m), target.clone()));
+    }
+    for (key, to) in links {
+        let tmp = index.join(format!(".{key}.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&to, &tmp).with_context(|| format!("{}: cannot write", tmp.display()))?;
+        std::fs::rename(&tmp, index.join(&key)).with_context(|| format!("{}: cannot write", index.display()))?;
+    }
+    Ok(())
 }
 
 pub fn run(mut args: Args) -> Result<()> {
@@ -151,15 +263,37 @@ pub fn run(mut args: Args) -> Result<()> {
         if args.view.group_by != GroupBy::Site {
             bail!("--format pprof has one location per site: --group-by is for the other formats");
         }
+        if args.tree {
+            bail!("--format pprof describes one process's mappings: --tree is for the other formats");
+        }
     }
-    let program_arg = args.command.remove(0);
-    let program = find_program(&program_arg)?;
+    if args.tree && args.view.callers {
+        bail!("--callers follows one process's call chains: --tree reports its sites");
+    }
+    let mut program_arg = args.command.remove(0);
+    let mut program = find_program(&program_arg)?;
+    // A script: its interpreter is the program, as the kernel runs it.
+    if let Some((interp, arg)) = interpreter(&program)? {
+        let script = program.into_os_string();
+        args.command.splice(0..0, arg.into_iter().chain([script]));
+        program_arg = interp.clone().into_os_string();
+        program = interp;
+    }
     let cache = cache_dir(args.cache.as_deref());
-    let (patched, cached) = cached_patch(&program, &args.entries, &cache)?;
-    if cached && patched != program {
-        eprintln!("alloctramp: using {} (patched before)", patched.display());
-    }
-    let dir = counters_dir(None);
+    let patched = match cached_patch(&program, &args.entries, &cache, false)? {
+        Cached::Copy(p, true) => {
+            eprintln!("alloctramp: using {} (patched before)", p.display());
+            p
+        }
+        Cached::Copy(p, false) => p,
+        Cached::Patched | Cached::NoSites => program.clone(),
+    };
+    let follow = args.follow_exec || args.tree;
+    // A tree's processes write their files into a directory of the run's.
+    let dir = match follow {
+        true => tree_dir()?,
+        false => counters_dir(None),
+    };
     let mut cmd = std::process::Command::new(&patched);
     cmd.arg0(&program_arg).args(&args.command);
     if args.on {
@@ -167,6 +301,12 @@ pub fn run(mut args: Args) -> Result<()> {
     }
     if args.view.callers && std::env::var_os("ALLOCTRAMP_CALLERS").is_none() {
         cmd.env("ALLOCTRAMP_CALLERS", "on");
+    }
+    if follow {
+        cmd.env("ALLOCTRAMP_DIR", &dir).env("ALLOCTRAMP_KEEP", usize::MAX.to_string());
+    }
+    if !args.no_libraries {
+        audit_env(&mut cmd, &patched, &cache, &args.entries, follow)?;
     }
     let mut child = cmd.spawn().with_context(|| format!("{}: cannot run", patched.display()))?;
     let pid = child.id();
@@ -187,7 +327,11 @@ pub fn run(mut args: Args) -> Result<()> {
     let status = child.wait().context("waiting for the program")?;
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
     let file = dir.join(alloctramp_trampolines::process::counters_file_name(pid));
-    if !file.is_file() {
+    let mut files = match args.tree {
+        true => tree_files(&dir, &file),
+        false => vec![file.clone()].into_iter().filter(|f| f.is_file()).collect(),
+    };
+    if files.is_empty() {
         let why = if args.on {
             "profiling was unavailable; see its messages above"
         } else {
@@ -196,9 +340,14 @@ pub fn run(mut args: Args) -> Result<()> {
         eprintln!("alloctramp: {} left no counters file in {} ({why})", program.display(), dir.display());
         std::process::exit(code);
     }
-    let src = Source::open(&file.to_string_lossy(), &dir)?;
-    let mut figs = src.figures()?;
-    let notes = report::notes(&src, &figs);
+    let srcs = files.drain(..).map(|f| Source::open(&f.to_string_lossy(), &dir)).collect::<Result<Vec<_>>>()?;
+    let all = srcs.iter().map(Source::figures).collect::<Result<Vec<_>>>()?;
+    let notes = report::notes(&srcs[0], &all[0]);
+    let processes: Vec<String> = match args.tree {
+        true => srcs.iter().zip(&all).map(|(src, figs)| process_line(src, figs)).collect(),
+        false => Vec::new(),
+    };
+    let mut figs = alloctramp_report::model::merge(all).expect("one process at least");
     let mut view = args.view.clone();
     // A finished program's story: what it allocated in all, largest first
     // (the totals columns come first), and what stayed live at exit; the
@@ -216,16 +365,20 @@ pub fn run(mut args: Args) -> Result<()> {
         None => format!("was killed by signal {}", status.signal().unwrap_or(0)),
     };
     if !view.quiet {
-        eprintln!(
-            "alloctramp: {} {how}; its figures stay in {} (alloctramp report FILE)",
-            program.display(),
-            file.display()
-        );
+        let stay = match args.tree {
+            true => format!("the figures of its {} processes stay in {}", srcs.len(), dir.display()),
+            false => format!("its figures stay in {} (alloctramp report FILE)", file.display()),
+        };
+        eprintln!("alloctramp: {} {how}; {stay}", program.display());
         report::print_notes(&notes, false);
-        eprintln!("alloctramp: {totals}");
+        for l in &processes {
+            eprintln!("alloctramp:   {l}");
+        }
+        let whose = if args.tree { "the tree's " } else { "" };
+        eprintln!("alloctramp: {whose}{totals}");
     }
     let mut buf = Vec::new();
-    report::write_report(&mut buf, &src, &figs, &rows, &view)?;
+    report::write_report(&mut buf, &srcs[0], &figs, &rows, &view)?;
     match &args.output {
         Some(p) => crate::util::write_atomic(p, &buf, 0o644)?,
         None => {
@@ -233,6 +386,87 @@ pub fn run(mut args: Args) -> Result<()> {
         }
     }
     std::process::exit(code)
+}
+
+/// The counters files of a run's tree: the root's first, then the others
+/// in the order their processes started.
+fn tree_files(dir: &Path, root: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<(bool, std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "counters") && p.is_file())
+        .map(|p| {
+            let t = p.metadata().and_then(|m| m.created().or_else(|_| m.modified()));
+            (p != root, t.unwrap_or(std::time::UNIX_EPOCH), p)
+        })
+        .collect();
+    found.sort();
+    found.into_iter().map(|(_, _, p)| p).collect()
+}
+
+/// One process of a tree: its pid, command, state and totals.
+fn process_line(src: &Source, figs: &Figures) -> String {
+    let p = &figs.process;
+    let state = match (src.running, p.exited) {
+        (true, _) => "still running",
+        (false, true) => "exited",
+        (false, false) => "ended, its exit handlers not run",
+    };
+    format!("pid {} `{}` ({state}): {}", p.pid, p.command, totals_line(figs).trim_start_matches("totals: "))
+}
+
+/// Sets what the audit library needs to give `program`'s process (and,
+/// with `follow`, every process it starts) patched libraries.
+fn audit_env(
+    cmd: &mut std::process::Command,
+    program: &Path,
+    cache: &Path,
+    entries: &[String],
+    follow: bool,
+) -> Result<()> {
+    use alloctramp_audit as audit;
+    let runtime = std::fs::canonicalize(patch::find_runtime(None)?)?;
+    let lib = runtime.with_file_name(audit::SONAME);
+    if !lib.is_file() {
+        eprintln!(
+            "alloctramp: {} not found beside {}: the libraries the program loads are not profiled",
+            audit::SONAME,
+            runtime.display()
+        );
+        return Ok(());
+    }
+    let exe = std::env::current_exe().context("locating the alloctramp executable")?;
+    let mut list = OsString::from(&lib);
+    if let Some(other) = std::env::var_os("LD_AUDIT").filter(|v| !v.is_empty()) {
+        list.push(":");
+        list.push(other);
+    }
+    cmd.env("LD_AUDIT", list)
+        .env(audit::ENV_EXE, exe)
+        .env(audit::ENV_CACHE, cache)
+        .env(audit::ENV_INDEX, index_dir(cache, &runtime, entries)?)
+        .env(audit::ENV_ENTRIES, entries.join("\n"))
+        .env(audit::ENV_RUNTIME, &runtime)
+        .env(audit::ENV_PROGRAM, std::fs::canonicalize(program)?);
+    if follow {
+        cmd.env(audit::ENV_FOLLOW, "1");
+    }
+    Ok(())
+}
+
+/// A new directory for the counters files of a run's process tree, in the
+/// user's counters directory.
+fn tree_dir() -> Result<PathBuf> {
+    let base = counters_dir(None);
+    let dir = base.join(format!("run-{}", std::process::id()));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| format!("{}: cannot create", dir.display()))?;
+    Ok(dir)
 }
 
 /// The process's totals: allocations and their bytes, frees, and what

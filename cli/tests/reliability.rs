@@ -13,18 +13,7 @@ use std::time::{Duration, Instant};
 
 /// Builds testbins/reliability/NAME.c (PIE, -O2) into `dir`.
 fn build(name: &str, dir: &Path) -> PathBuf {
-    let src = testbins_dir().join("reliability").join(format!("{name}.c"));
-    let text = std::fs::read_to_string(&src).unwrap();
-    let line = text.lines().next().and_then(|l| l.strip_prefix("// build: ")).expect("a build line");
-    let out = dir.join(name);
-    let cmd = line
-        .replace("{cc}", "gcc")
-        .replace("{pie}", "-fPIE -pie")
-        .replace("{src}", src.to_str().unwrap())
-        .replace("{out}", out.to_str().unwrap());
-    let o = Command::new("sh").arg("-c").arg(&cmd).output().unwrap();
-    assert!(o.status.success(), "build failed: {cmd}\n{}", String::from_utf8_lossy(&o.stderr));
-    out
+    build_source(&format!("reliability/{name}.c"), dir)
 }
 
 fn files_in(dir: &Path) -> Vec<String> {
@@ -154,16 +143,7 @@ fn a_writable_and_executable_segment_stays_writable_when_profiling_switches_on()
 
 /// (line, entry, calls) of every `@site` marker in a test source.
 fn program_markers(rel: &str) -> Vec<(u64, String, u64)> {
-    let text = std::fs::read_to_string(testbins_dir().join(rel)).unwrap();
-    let mut v = Vec::new();
-    for (i, l) in text.lines().enumerate() {
-        let Some(at) = l.find("/* @site ") else { continue };
-        let mut w = l[at + 9..].split_whitespace();
-        let entry = w.next().unwrap().to_string();
-        let calls = w.find_map(|x| x.strip_prefix("calls=")).unwrap().parse().unwrap();
-        v.push((i as u64 + 1, entry, calls));
-    }
-    v
+    site_marks(rel).into_iter().map(|m| (u64::from(m.line), m.entry, m.calls)).collect()
 }
 
 fn only_counters_file(dir: &Path) -> PathBuf {

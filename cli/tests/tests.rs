@@ -14,6 +14,7 @@ mod malformed;
 mod patch;
 mod reliability;
 mod report;
+mod run;
 mod runtime;
 mod sites;
 mod view;

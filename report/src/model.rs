@@ -432,6 +432,50 @@ pub struct Diff<'a> {
     pub rebuilt: Vec<String>,
 }
 
+/// The figures of several processes as one (a process tree), the first
+/// (the tree's root) giving the process's description: a site met in
+/// several processes (the same module, build id and address) is one, its
+/// figures summed, and so is a module. Live figures are known only if
+/// every process tracked them; they may overstate if any may.
+pub fn merge<'a>(all: Vec<Figures<'a>>) -> Option<Figures<'a>> {
+    let mut all = all.into_iter();
+    let mut out = all.next()?;
+    let mut sites: HashMap<(&'a str, Rc<str>, u64), usize> = HashMap::new();
+    for (i, (s, _)) in out.sites.iter().enumerate() {
+        sites.entry((s.module, s.build_id.clone(), s.address)).or_insert(i);
+    }
+    for f in all {
+        let p = &mut out.process;
+        p.live &= f.process.live;
+        p.incomplete |= f.process.incomplete;
+        p.draining |= f.process.draining;
+        p.on |= f.process.on;
+        p.untracked_allocs += f.process.untracked_allocs;
+        p.table_bytes += f.process.table_bytes;
+        p.table_objects += f.process.table_objects;
+        for m in f.modules {
+            if !out.modules.iter().any(|o| o.name == m.name && o.build_id == m.build_id) {
+                out.modules.push(m);
+            }
+        }
+        for (s, fig) in f.sites {
+            match sites.get(&(s.module, s.build_id.clone(), s.address)) {
+                Some(&i) => out.sites[i].1.add(&fig),
+                None => {
+                    sites.insert((s.module, s.build_id.clone(), s.address), out.sites.len());
+                    out.sites.push((s, fig));
+                }
+            }
+        }
+    }
+    if !out.process.live {
+        for (_, f) in &mut out.sites {
+            *f = f.without_live();
+        }
+    }
+    Some(out)
+}
+
 /// The change of every site from `old` to `new`; sites that did not change
 /// are left out unless `unchanged`.
 pub fn diff<'a>(old: &Figures<'a>, new: &Figures<'a>, unchanged: bool) -> Diff<'a> {
@@ -564,6 +608,33 @@ pub(crate) mod tests {
 
     fn keys(rows: &[Row]) -> Vec<String> {
         rows.iter().map(Row::tag).collect()
+    }
+
+    #[test]
+    fn a_tree_is_one_set_of_figures_a_site_met_twice_is_one_row() {
+        // The same program twice, and a child with a site of its own.
+        let mut child = figures();
+        child.process.pid = 43;
+        child.modules.push(ModuleInfo { name: "child".into(), ..module("child", 1) });
+        child.sites.truncate(1);
+        child.sites.push((site("child", 0x10, "main", Kind::Alloc), alloc(1, 8, 0)));
+        let merged = merge(vec![figures(), figures(), child]).unwrap();
+        assert_eq!(merged.process.pid, 42, "the root's description");
+        assert_eq!(merged.modules.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["prog", "lib.so", "child"]);
+        assert_eq!(merged.sites.len(), 7);
+        assert_eq!(merged.sites[0].1, Fig { calls: 30, bytes: 480, ..alloc(30, 16, 30) });
+        assert_eq!(merged.sites[4].1, alloc(14, 64, 0));
+        assert_eq!(merged.sites[6].1, alloc(1, 8, 0));
+        assert_eq!(merged.live_objects(), Some(2 * 2 + 2 * 7 + 1));
+
+        // One process without live tracking: no live figure is known.
+        let mut blind = figures();
+        blind.process.live = false;
+        let merged = merge(vec![figures(), blind]).unwrap();
+        assert!(!merged.live());
+        assert!(merged.sites.iter().all(|(_, f)| f.live_calls.is_none() && f.live_bytes.is_none()));
+        assert_eq!(merged.sites[1].1.calls, 6);
+        assert!(merge(Vec::new()).is_none());
     }
 
     #[test]

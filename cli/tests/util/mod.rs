@@ -551,3 +551,61 @@ pub fn url_encode(s: &str) -> String {
         })
         .collect()
 }
+
+/// Builds the C, C++ or other source testbins/REL into `dir` by the
+/// command on its first line (`// build: ...`, with `{cc}` gcc, `{cxx}`
+/// g++, `{pie}`, `{src}`, `{out}` and `{dir}`, where the libraries it
+/// needs were built): the file its `// output:` line names, else the
+/// source's stem.
+pub fn build_source(rel: &str, dir: &Path) -> PathBuf {
+    let src = testbins_dir().join(rel);
+    let text = std::fs::read_to_string(&src).unwrap();
+    let line = text.lines().next().and_then(|l| l.strip_prefix("// build: ")).expect("a build line");
+    let name = text
+        .lines()
+        .find_map(|l| l.strip_prefix("// output: "))
+        .map(str::to_string)
+        .unwrap_or_else(|| src.file_stem().unwrap().to_string_lossy().into_owned());
+    let out = dir.join(name);
+    let cmd = line
+        .replace("{cc}", "gcc")
+        .replace("{cxx}", "g++")
+        .replace("{pie}", "-fPIE -pie")
+        .replace("{src}", src.to_str().unwrap())
+        .replace("{out}", out.to_str().unwrap())
+        .replace("{dir}", dir.to_str().unwrap());
+    let o = Command::new("sh").arg("-c").arg(&cmd).output().unwrap();
+    assert!(o.status.success(), "build failed: {cmd}\n{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// An `@site` marker of a source built by [`build_source`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SiteMark {
+    pub line: u32,
+    pub entry: String,
+    pub calls: u64,
+    pub bytes: u64,
+    /// `live=OBJECTS,BYTES`: what is still live at exit.
+    pub live: Option<(u64, u64)>,
+}
+
+/// The `@site ENTRY calls=N [bytes=N] [live=N,N]` markers of testbins/REL.
+pub fn site_marks(rel: &str) -> Vec<SiteMark> {
+    let text = std::fs::read_to_string(testbins_dir().join(rel)).unwrap();
+    let mut v = Vec::new();
+    for (i, l) in text.lines().enumerate() {
+        let Some(at) = l.find("/* @site ") else { continue };
+        let mut w = l[at + 9..].split_whitespace();
+        let entry = w.next().unwrap().to_string();
+        let words: Vec<&str> = w.collect();
+        let field = |k: &str| words.iter().find_map(|x| x.strip_prefix(k));
+        let num = |k: &str| field(k).map_or(0, |n| n.parse().unwrap());
+        let live = field("live=").map(|p| {
+            let (a, b) = p.split_once(',').unwrap();
+            (a.parse().unwrap(), b.parse().unwrap())
+        });
+        v.push(SiteMark { line: i as u32 + 1, entry, calls: num("calls="), bytes: num("bytes="), live });
+    }
+    v
+}
