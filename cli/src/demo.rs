@@ -115,6 +115,7 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
         runtime_link: RuntimeLink::Origin,
         shards: 16,
         no_library_unwind: false,
+        skip_allocator_layers: false,
     })?;
     say(&format!(
         "2. Patching a copy: each of its {} allocator call sites gets a trampoline; its own code stays byte for byte \

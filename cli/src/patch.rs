@@ -50,6 +50,11 @@ pub struct Args {
     pub no_library_unwind: bool,
     #[command(flatten)]
     pub wrappers: crate::sites::WrapperArgs,
+    /// Leave the sites inside the file's own allocator entries unpatched
+    /// (`run`, which patches every module: see
+    /// `PatchOptions::skip_allocator_layers`).
+    #[arg(skip)]
+    pub skip_allocator_layers: bool,
 }
 
 /// Finds the runtime library.
@@ -174,7 +179,12 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         Ok(elf) if !args.no_library_unwind => alloctramp_patcher::deps::foreign_unwind(&args.input, &elf),
         _ => Vec::new(),
     };
-    let opts = PatchOptions { runtime_needed: needed, shards: args.shards, foreign_unwind };
+    let opts = PatchOptions {
+        runtime_needed: needed,
+        shards: args.shards,
+        foreign_unwind,
+        skip_allocator_layers: args.skip_allocator_layers,
+    };
     let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
 
     // The runtime copy and the output are renamed into place together,

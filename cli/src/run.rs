@@ -151,9 +151,20 @@ pub enum Cached {
     NoSites,
 }
 
-/// The cached patched copy of `file` (patched now if not cached yet). A
-/// library (`library`) with no allocation sites is not copied.
-pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, library: bool) -> Result<Cached> {
+/// How `run` patches a file.
+#[derive(Clone, Copy)]
+pub struct Role {
+    /// A library (or a program the tree executes): copied only if it has
+    /// allocation sites, without warnings about `--entry` specs.
+    pub library: bool,
+    /// Every module of the process is patched: the sites inside a file's
+    /// own allocator entries are left out (their callers count).
+    pub whole_process: bool,
+}
+
+/// The cached patched copy of `file` (patched now if not cached yet).
+pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, role: Role) -> Result<Cached> {
+    let library = role.library;
     let input = Input::open(file)?;
     let elf = alloctramp_patcher::Elf::parse(&input.map).map_err(|e| anyhow!("{}: {e}", file.display()))?;
     if elf.section_by_name(alloctramp_trampolines::layout::SEC_SITES).is_some() {
@@ -162,6 +173,7 @@ pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, library: bool
     let runtime = patch::find_runtime(None)?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     config_hash(&runtime, entries)?.hash(&mut h);
+    role.whole_process.hash(&mut h);
     match elf.build_id() {
         Some(id) => {
             "build-id".hash(&mut h);
@@ -193,6 +205,7 @@ pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, library: bool
         runtime_link: RuntimeLink::Origin,
         shards: 16,
         no_library_unwind: false,
+        skip_allocator_layers: role.whole_process,
     };
     let s = patch::write_patched(&args, !library)?;
     if library && s.sites == 0 {
@@ -228,7 +241,8 @@ pub fn cache_library(file: &Path) -> Result<()> {
         .map(str::to_string)
         .collect();
     let meta = std::fs::metadata(file).with_context(|| format!("{}: cannot read", file.display()))?;
-    let target = match cached_patch(file, &entries, &cache, true) {
+    let role = Role { library: true, whole_process: true };
+    let target = match cached_patch(file, &entries, &cache, role) {
         Ok(Cached::Copy(out, _)) => out,
         Ok(Cached::Patched | Cached::NoSites) => PathBuf::from(audit::NOT_PATCHED),
         Err(e) => {
@@ -280,7 +294,8 @@ pub fn run(mut args: Args) -> Result<()> {
         program = interp;
     }
     let cache = cache_dir(args.cache.as_deref());
-    let patched = match cached_patch(&program, &args.entries, &cache, false)? {
+    let role = Role { library: false, whole_process: !args.no_libraries };
+    let patched = match cached_patch(&program, &args.entries, &cache, role)? {
         Cached::Copy(p, true) => {
             eprintln!("alloctramp: using {} (patched before)", p.display());
             p

@@ -245,3 +245,48 @@ fn the_program_run_sees_no_variable_of_the_run_but_other_audit_libraries() {
     // the loader says so and goes on).
     assert_eq!(env_of(Some("/nonexistent/audit.so")), ["ALLOCTRAMP=on", "LD_AUDIT=/nonexistent/audit.so"]);
 }
+
+#[test]
+fn a_cxx_allocation_counts_once_though_libstdcxx_is_patched_too() {
+    let dir = counters_dir("run-layers");
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let layers = build_source("run/layers.cpp", &bin);
+    let out = dir.join("report.json");
+    let o = run_json(&dir, &dir.join("cache"), &out, &[], &[layers.to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "layers: 100 strings, sum 135\n");
+    let doc = json(&out);
+    let news: BTreeMap<Key, Got> =
+        rows(&doc, &["layers.cpp"]).into_iter().filter(|(k, _)| k.2.starts_with("operator new")).collect();
+    let want: BTreeMap<Key, Got> = site_marks("run/layers.cpp")
+        .into_iter()
+        .map(|m| {
+            (("layers.cpp".to_string(), m.line, "operator new(unsigned long)".to_string()), (m.calls, m.bytes, m.live))
+        })
+        .collect();
+    assert_eq!(news, want, "the program's own lines");
+    // libstdc++'s rows: the strings, where it calls operator new (or a
+    // wrapper of it); the malloc inside operator new counts nothing (its
+    // one malloc row with calls, if any, is its own start-up pool).
+    let lib = |malloc: bool| -> (u64, u64, usize) {
+        let rows: Vec<&Value> = doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["module"].as_str().unwrap().starts_with("libstdc++") && s["kind"] != "free")
+            .filter(|s| (s["entry"] == "malloc") == malloc)
+            .filter(|s| s["calls"].as_u64().unwrap() > 0)
+            .collect();
+        let sum = |k: &str| rows.iter().map(|s| s[k].as_u64().unwrap()).sum();
+        (sum("calls"), sum("bytes"), rows.len())
+    };
+    assert_eq!(lib(false).0, 100, "one per string");
+    assert_eq!(lib(false).1, 4100, "41 bytes per string");
+    let (pool, pool_bytes, pool_rows) = lib(true);
+    assert!(pool <= 1 && pool_rows <= 1, "libstdc++'s mallocs: {pool} calls at {pool_rows} sites");
+    let err = String::from_utf8_lossy(&o.stderr);
+    let all = 100 + want.values().map(|w| w.0).sum::<u64>() + pool;
+    let bytes = 4100 + want.values().map(|w| w.1).sum::<u64>() + pool_bytes;
+    assert!(err.contains(&format!("alloctramp: totals: {all} allocations, {bytes} bytes")), "once each: {err}");
+}

@@ -25,7 +25,7 @@ use crate::tables::{Jmprel, Phdr, Tables};
 use crate::{Analysis, SiteInfo, Via};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
 use alloctramp_trampolines::codegen::{self, CodegenError, TrampolineSpec};
-use alloctramp_trampolines::entry::Kind;
+use alloctramp_trampolines::entry::{Kind, Target};
 use alloctramp_trampolines::frames;
 use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
 use object::LittleEndian as LE;
@@ -46,6 +46,13 @@ pub struct PatchOptions {
     /// Unwind rows of libraries the file needs, carried for callers
     /// capture (`deps::foreign_unwind`).
     pub foreign_unwind: Vec<layout::ForeignRows>,
+    /// Leave unpatched the sites inside the file's own definitions of
+    /// default entry points (a library's `operator new` calling `malloc`,
+    /// its `operator delete[]` calling `operator delete`): for a process
+    /// whose modules are all patched (`alloctramp run`), where the calls
+    /// to those entries are counted at their own sites and the layer
+    /// inside would count each allocation again.
+    pub skip_allocator_layers: bool,
 }
 
 impl Default for PatchOptions {
@@ -54,6 +61,7 @@ impl Default for PatchOptions {
             runtime_needed: format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
             shards: 16,
             foreign_unwind: Vec::new(),
+            skip_allocator_layers: false,
         }
     }
 }
@@ -174,6 +182,9 @@ pub enum SkipReason {
     /// A call inside an allocation wrapper that only sites reach: the
     /// wrapper's callers count what it allocates.
     InsideWrapper,
+    /// Inside the file's own definition of an allocator entry point
+    /// ([`PatchOptions::skip_allocator_layers`]).
+    InsideAllocator,
     /// A hook in a file that unwinds through its calls, whose trampoline
     /// cannot get an unwind entry (`ehframe`).
     NoUnwind(&'static str),
@@ -182,7 +193,7 @@ pub enum SkipReason {
 impl SkipReason {
     /// Whether the site was meant to be patched (a skip worth a warning).
     pub fn is_loss(&self) -> bool {
-        !matches!(self, SkipReason::InsideWrapper)
+        !matches!(self, SkipReason::InsideWrapper | SkipReason::InsideAllocator)
     }
 }
 
@@ -193,6 +204,9 @@ impl fmt::Display for SkipReason {
             SkipReason::OutOfRange => f.write_str("trampoline out of rel32 range"),
             SkipReason::Codegen(e) => write!(f, "trampoline: {e}"),
             SkipReason::InsideWrapper => f.write_str("inside an allocation wrapper whose callers are counted"),
+            SkipReason::InsideAllocator => {
+                f.write_str("inside the file's own definition of an allocator entry, whose callers are counted")
+            }
             SkipReason::NoUnwind(why) => write!(f, "hook without an unwind entry for its trampoline ({why})"),
         }
     }
@@ -445,7 +459,11 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     }
     let sources = ehframe::Sources::new(elf).ok();
     let unwinds = crate::charge::unwinds(elf);
-    let (sites, programs) = plan_sites(&mut cursor, &ctx, a, sources.as_ref(), unwinds);
+    let layers = match opts.skip_allocator_layers {
+        true => allocator_definitions(elf, a),
+        false => Vec::new(),
+    };
+    let (sites, programs) = plan_sites(&mut cursor, &ctx, a, &layers, sources.as_ref(), unwinds);
     // A call to a wrapper that counts for what the wrapper allocates must
     // be patched: the calls inside the wrapper may count nothing.
     for (p, site) in sites.iter().zip(&a.scan.sites) {
@@ -777,13 +795,36 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code,
     Ok((init, fini, place_code(text, capture)))
 }
 
+/// The extents of the file's own definitions of default entry points
+/// (sorted, from the symbol tables' function symbols with a size).
+fn allocator_definitions(elf: &Elf, a: &Analysis) -> Vec<(u64, u64)> {
+    let names: std::collections::HashSet<&str> = a.scan.entries[..a.scan.user.start]
+        .iter()
+        .filter_map(|e| match &e.target {
+            Target::Symbol(n) => Some(n.as_str()),
+            Target::Address(_) => None,
+        })
+        .collect();
+    let mut v: Vec<(u64, u64)> = [false, true]
+        .into_iter()
+        .flat_map(|dynamic| elf.symbols(dynamic))
+        .filter(|s| s.defined && s.is_func && s.size > 0 && names.contains(s.name))
+        .map(|s| (s.value, s.value.saturating_add(s.size)))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 /// Every site's decision (patched sites get their trampolines one after
 /// another), and for each patched one that its file's unwind information
-/// covers, its trampoline's unwind entry (to be placed).
+/// covers, its trampoline's unwind entry (to be placed). Sites inside
+/// `layers` (sorted extents) are skipped.
 fn plan_sites(
     text: &mut Cursor,
     ctx: &TextContext,
     a: &Analysis,
+    layers: &[(u64, u64)],
     sources: Option<&ehframe::Sources<'_>>,
     unwinds: bool,
 ) -> (Vec<SitePlan>, Vec<ehframe::Program>) {
@@ -825,8 +866,11 @@ fn plan_sites(
             plain_store: a.scan.plain_store(site.entry),
         };
         let mut unwind = None;
+        let in_layer = layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)
+        } else if in_layer {
+            Decision::Skipped(SkipReason::InsideAllocator)
         } else {
             match trampoline(&spec, at) {
                 Ok(t) => {

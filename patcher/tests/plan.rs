@@ -30,7 +30,12 @@ fn plan_of<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> alloctramp_
 }
 
 fn opts() -> PatchOptions {
-    PatchOptions { runtime_needed: "liballoctramp_rt.so".into(), shards: 16, foreign_unwind: Vec::new() }
+    PatchOptions {
+        runtime_needed: "liballoctramp_rt.so".into(),
+        shards: 16,
+        foreign_unwind: Vec::new(),
+        skip_allocator_layers: false,
+    }
 }
 
 /// Every fixture's plan, with its input's bytes.
