@@ -250,16 +250,78 @@ fn lookup(config: &Config, file: &Path) -> Option<PathBuf> {
 
 /// Runs `alloctramp cache-library FILE` and waits for it. Its messages go
 /// to the program's stderr, as `run`'s own do; nothing goes to stdout.
+///
+/// The child is the program's only in appearance. The program's child is
+/// made with no exit signal (`clone` with an exit signal of 0), so the
+/// program gets no `SIGCHLD` for it and its own `wait` calls (which
+/// without `__WALL` only see children that signal) never reap it; an
+/// `execve` would make the exit signal `SIGCHLD` again, so that child runs
+/// alloctramp as its own child (with `SIGCHLD` at its default), waits for
+/// it and exits.
 fn fill(config: &Config, file: &Path) {
-    use std::process::{Command, Stdio};
-    let _ = Command::new(&config.exe)
-        .arg(CACHE_COMMAND)
-        .arg(file)
-        .envs(config.vars.iter().map(|(k, v)| (k, v)))
-        .env_remove("LD_AUDIT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .status();
+    let c = |b: &[u8]| CString::new(b).ok();
+    let mut env: Vec<CString> = std::env::vars_os()
+        .filter(|(k, _)| k != "LD_AUDIT" && !k.as_bytes().starts_with(b"ALLOCTRAMP_RUN_"))
+        .chain(config.vars.iter().cloned())
+        .filter_map(|(k, v)| c(&[k.as_bytes(), b"=", v.as_bytes()].concat()))
+        .collect();
+    env.sort();
+    let (Some(exe), Some(arg), Some(path), Some(null)) = (
+        c(config.exe.as_os_str().as_bytes()),
+        c(CACHE_COMMAND.as_bytes()),
+        c(file.as_os_str().as_bytes()),
+        c(b"/dev/null"),
+    ) else {
+        return;
+    };
+    let argv = [exe.as_ptr(), arg.as_ptr(), path.as_ptr(), std::ptr::null()];
+    let envp: Vec<*const c_char> = env.iter().map(|e| e.as_ptr()).chain([std::ptr::null()]).collect();
+    // SAFETY: a fork without an exit signal (no CLONE_VM: the child has its
+    // own copy of memory, stack included). The child calls only
+    // async-signal-safe functions, on memory prepared above.
+    let pid = unsafe { fork_with_signal(0) };
+    if pid == 0 {
+        // SAFETY: in the child: only system calls, then exit.
+        unsafe {
+            libc::signal(libc::SIGCHLD, libc::SIG_DFL);
+            let worker = fork_with_signal(libc::SIGCHLD);
+            if worker == 0 {
+                let fd = libc::open(null.as_ptr(), libc::O_RDWR);
+                if fd >= 0 {
+                    libc::dup2(fd, 0);
+                    libc::dup2(fd, 1);
+                    if fd > 2 {
+                        libc::close(fd);
+                    }
+                }
+                libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());
+                libc::_exit(127);
+            }
+            let mut status = 0;
+            while worker > 0 && libc::waitpid(worker, &mut status, 0) < 0 && *libc::__errno_location() == libc::EINTR {}
+            libc::_exit(0);
+        }
+    }
+    if pid < 0 {
+        return;
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child (`__WALL`: it sends no signal).
+    while unsafe { libc::waitpid(pid, &mut status, libc::__WALL) } < 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+    {}
+}
+
+/// `fork` as the system call, with `signal` as the child's exit signal (0:
+/// none), and none of the C library's fork handlers.
+///
+/// # Safety
+/// As `fork` in a process that may have threads: the child may only call
+/// async-signal-safe functions.
+unsafe fn fork_with_signal(signal: libc::c_int) -> libc::pid_t {
+    // SAFETY: clone with no stack and no sharing flags is fork.
+    let pid = unsafe { libc::syscall(libc::SYS_clone, signal as libc::c_ulong, 0 as libc::c_ulong, 0, 0, 0) };
+    pid as libc::pid_t
 }
 
 /// Replaces this process's program with `copy`, with the same arguments

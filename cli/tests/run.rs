@@ -266,6 +266,13 @@ fn a_cxx_allocation_counts_once_though_libstdcxx_is_patched_too() {
         })
         .collect();
     assert_eq!(news, want, "the program's own lines");
+    // Rows that allocated name the program's own lines, not the standard
+    // headers the allocation was inlined from.
+    for s in doc["sites"].as_array().unwrap() {
+        if s["module"] == "layers" && s["kind"] != "free" && s["calls"].as_u64().unwrap() > 0 {
+            assert!(s["file"].as_str().unwrap().ends_with("/layers.cpp"), "{s}");
+        }
+    }
     // libstdc++'s rows: the strings, where it calls operator new (or a
     // wrapper of it); the malloc inside operator new counts nothing (its
     // one malloc row with calls, if any, is its own start-up pool).
@@ -289,4 +296,27 @@ fn a_cxx_allocation_counts_once_though_libstdcxx_is_patched_too() {
     let all = 100 + want.values().map(|w| w.0).sum::<u64>() + pool;
     let bytes = 4100 + want.values().map(|w| w.1).sum::<u64>() + pool_bytes;
     assert!(err.contains(&format!("alloctramp: totals: {all} allocations, {bytes} bytes")), "once each: {err}");
+}
+
+#[test]
+fn a_library_patched_during_dlopen_sends_the_program_no_signal_and_no_child() {
+    let dir = counters_dir("run-reaper");
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    build_source("run/libdlgrow.c", &bin);
+    let reaper = build_source("run/reaper.c", &bin);
+    let expected = "reaper: 0 signals, 0 children reaped\n";
+    assert_eq!(run_program(&reaper, &[], &[]).0, expected);
+    let out = dir.join("report.json");
+    let o = run_json(&dir, &dir.join("cache"), &out, &[], &[reaper.to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!("patched {} into", bin.join("libdlgrow.so").display())),
+        "patched during dlopen: {err}"
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout), expected);
+    let got = rows(&json(&out), &["libdlgrow.c"]);
+    let line = site_marks("run/libdlgrow.c")[0].line;
+    assert_eq!(got[&("libdlgrow.c".to_string(), line, "malloc".to_string())], (2, 65, Some((2, 65))));
 }
