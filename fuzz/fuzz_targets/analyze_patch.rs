@@ -10,7 +10,12 @@ fuzz_target!(|data: &[u8]| {
     // The wrapper search too: it reads every function's code.
     let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
     let Ok(analysis) = alloctramp_patcher::analyze_with(data, "fuzz", None, &[], &search) else { return };
-    let opts = PatchOptions { runtime_needed: "liballoctramp_rt.so".into(), shards: 4, foreign_unwind: Vec::new(), skip_allocator_layers: false };
+    let opts = PatchOptions {
+        runtime_needed: "liballoctramp_rt.so".into(),
+        shards: 4,
+        foreign_unwind: Vec::new(),
+        skip_allocator_layers: false,
+    };
     let Ok(patched) = patch(data, &analysis, &opts) else { return };
     let mut out = Vec::new();
     patched.write_to(&mut out).expect("writing to memory");
