@@ -4,14 +4,14 @@
 use crate::control::counters_dir;
 use crate::patch::{self, RuntimeLink};
 use crate::report::{self, Source, View};
-use crate::util::Input;
+use crate::util::{Input, create_private_dir};
 use alloctramp_report::model::{Fig, Figures, GroupBy, SortKey};
 use alloctramp_report::text;
 use anyhow::{Context, Result, anyhow, bail};
 use std::ffi::OsString;
 use std::hash::{Hash, Hasher};
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 
@@ -191,11 +191,7 @@ pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, role: Role) -
     if out.is_file() && dir.join(alloctramp_trampolines::layout::RUNTIME_SONAME).is_file() {
         return Ok(Cached::Copy(out, true));
     }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .with_context(|| format!("{}: cannot create the cache directory", dir.display()))?;
+    create_private_dir(&dir)?;
     let args = patch::Args {
         wrappers: Default::default(),
         input: file.to_path_buf(),
@@ -242,23 +238,20 @@ pub fn cache_library(file: &Path) -> Result<()> {
         .collect();
     let meta = std::fs::metadata(file).with_context(|| format!("{}: cannot read", file.display()))?;
     let role = Role { library: true, whole_process: true };
-    let target = match cached_patch(file, &entries, &cache, role) {
-        Ok(Cached::Copy(out, _)) => out,
-        Ok(Cached::Patched | Cached::NoSites) => PathBuf::from(audit::NOT_PATCHED),
+    let copy = match cached_patch(file, &entries, &cache, role) {
+        Ok(Cached::Copy(out, _)) => Some(out),
+        Ok(Cached::Patched | Cached::NoSites) => None,
         Err(e) => {
             eprintln!("alloctramp: {}: loaded as it is, not profiled: {e:#}", file.display());
-            PathBuf::from(audit::NOT_PATCHED)
+            None
         }
     };
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&index)
-        .with_context(|| format!("{}: cannot create the index", index.display()))?;
+    create_private_dir(&index)?;
+    let target = copy.clone().unwrap_or_else(|| PathBuf::from(audit::NOT_PATCHED));
     let mut links = vec![(audit::index_key(&meta), target.clone())];
     // The copy is its own answer (a program `--follow-exec` re-executed).
-    if let Ok(m) = std::fs::metadata(&target) {
-        links.push((audit::index_key(&m), target.clone()));
+    if let Some(m) = copy.and_then(|c| std::fs::metadata(c).ok()) {
+        links.push((audit::index_key(&m), target));
     }
     for (key, to) in links {
         let tmp = index.join(format!(".{key}.{}", std::process::id()));
@@ -342,9 +335,10 @@ pub fn run(mut args: Args) -> Result<()> {
     let status = child.wait().context("waiting for the program")?;
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
     let file = dir.join(alloctramp_trampolines::process::counters_file_name(pid));
-    let mut files = match args.tree {
+    let files = match args.tree {
         true => tree_files(&dir, &file),
-        false => vec![file.clone()].into_iter().filter(|f| f.is_file()).collect(),
+        false if file.is_file() => vec![file.clone()],
+        false => Vec::new(),
     };
     if files.is_empty() {
         let why = if args.on {
@@ -355,7 +349,7 @@ pub fn run(mut args: Args) -> Result<()> {
         eprintln!("alloctramp: {} left no counters file in {} ({why})", program.display(), dir.display());
         std::process::exit(code);
     }
-    let srcs = files.drain(..).map(|f| Source::open(&f.to_string_lossy(), &dir)).collect::<Result<Vec<_>>>()?;
+    let srcs = files.iter().map(|f| Source::open(&f.to_string_lossy(), &dir)).collect::<Result<Vec<_>>>()?;
     let all = srcs.iter().map(Source::figures).collect::<Result<Vec<_>>>()?;
     let notes = report::notes(&srcs[0], &all[0]);
     let processes: Vec<String> = match args.tree {
@@ -474,13 +468,8 @@ fn audit_env(
 /// A new directory for the counters files of a run's process tree, in the
 /// user's counters directory.
 fn tree_dir() -> Result<PathBuf> {
-    let base = counters_dir(None);
-    let dir = base.join(format!("run-{}", std::process::id()));
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .with_context(|| format!("{}: cannot create", dir.display()))?;
+    let dir = counters_dir(None).join(format!("run-{}", std::process::id()));
+    create_private_dir(&dir)?;
     Ok(dir)
 }
 

@@ -183,6 +183,16 @@ pub fn finish(result: Result<()>) -> ExitCode {
 
 /// Writes `<path>` atomically: a temporary file in the same directory,
 /// renamed over the target once complete.
+/// Creates `dir` and its missing parents, readable by this user alone.
+pub fn create_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("{}: cannot create the directory", dir.display()))
+}
+
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<()> {
     write_atomic_with(path, mode, |w| w.write_all(data))
 }
