@@ -422,6 +422,24 @@ fn wait_until_no_signal_pending(pid: u32, sig: i32) {
     }
 }
 
+/// Waits until the generation of process `target`'s switches has stayed
+/// the same for `quiet`.
+fn wait_until_no_switch_for(target: &str, dir: &Path, quiet: Duration) {
+    let start = Instant::now();
+    let generation = || report(target, dir)["generation"].as_u64().expect("the report gives the generation");
+    let mut last = generation();
+    let mut since = Instant::now();
+    while since.elapsed() < quiet {
+        assert!(start.elapsed() < Duration::from_secs(60), "switches still carried out after 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+        let g = generation();
+        if g != last {
+            last = g;
+            since = Instant::now();
+        }
+    }
+}
+
 fn stress(mode: &str) {
     let b = built(Config::default_o2());
     let dir = counters_dir(&format!("stress-{mode}"));
@@ -461,8 +479,13 @@ fn stress(mode: &str) {
     // The control signal is a real-time one: each of those sent is queued
     // and toggles when it is taken, so a toggle still queued would turn
     // profiling on again after the disable below. Wait until none is.
+    // A toggle already taken from the queue may still be on its way
+    // through a handler; one that finished after the disable would turn
+    // profiling on again. Wait until no switch has been carried out for
+    // half a second.
     if mode == "signal" {
         wait_until_no_signal_pending(pid, sig);
+        wait_until_no_switch_for(&pid.to_string(), &dir, Duration::from_millis(500));
     }
     // Switch off for good and wait until it is done.
     let o = alloctramp().arg("disable").arg("--dir").arg(&dir).arg(pid.to_string()).output().unwrap();
