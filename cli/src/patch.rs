@@ -180,7 +180,7 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         _ => Vec::new(),
     };
     let opts = PatchOptions {
-        runtime_needed: needed,
+        runtime_path: needed,
         shards: args.shards,
         foreign_unwind,
         skip_allocator_layers: args.skip_allocator_layers,

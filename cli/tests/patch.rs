@@ -4,7 +4,7 @@
 
 use crate::util::*;
 use alloctramp_patcher::Elf;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -80,11 +80,11 @@ pub fn assert_original_bytes_kept(input: &Path, output: &Path) {
         compared += 1;
     }
     assert!(compared >= 5, "{}: only {compared} sections compared", input.display());
-    // And the moved tables say the same: same symbol names in order (plus
-    // the runtime's), same needed libraries (plus the runtime).
+    // And the moved tables say the same: same symbol names (plus the
+    // imported ones: the runtime's table, dlopen, dlsym, dlerror).
     let names = |e: &Elf| e.symbols(true).iter().map(|s| s.name.to_string()).collect::<Vec<_>>();
     let mut before = names(&ea);
-    before.push(alloctramp_trampolines::layout::RUNTIME_SYMBOL.to_string());
+    before.extend(alloctramp_trampolines::layout::IMPORTS.iter().map(|i| i.name.to_string()));
     let mut after = names(&eb);
     before.sort();
     after.sort();
@@ -338,4 +338,79 @@ fn moved_together_with_the_runtime_it_still_starts() {
     patch_to(&b.path("basic"), &abs.join("basic"), &["--runtime-link", "absolute"]);
     assert!(!abs.join("liballoctramp_rt.so").exists());
     assert_eq!(run_program(&abs.join("basic"), &[], &[]), expected);
+}
+
+/// A patched file does not name its runtime in `DT_NEEDED`: its init stub
+/// loads it with `dlopen`. Without it the program runs as the original,
+/// and only the program (not each patched library) says why, on stderr,
+/// and only when an `ALLOCTRAMP` variable asks for profiling.
+#[test]
+fn a_program_whose_runtime_is_missing_runs_unprofiled_and_says_why_once() {
+    const RUNTIME: &str = alloctramp_trampolines::layout::RUNTIME_SONAME;
+    let b = built(Config::default_o2());
+    let dir = scratch("no-runtime");
+    let counters = dir.join("counters");
+    std::fs::create_dir_all(&counters).unwrap();
+    std::fs::set_permissions(&counters, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    patch_to(&b.path("uses_lib"), &dir.join("uses_lib"), &[]);
+    patch_to(&b.path("libatshared"), &dir.join("libatshared.so"), &[]);
+    let needed: Vec<String> = readelf_dynamic(&dir.join("uses_lib"));
+    assert!(!needed.iter().any(|n| n.contains(RUNTIME)), "the runtime is not a DT_NEEDED: {needed:?}");
+    let saved = dir.join("runtime-elsewhere.so");
+    std::fs::rename(dir.join(RUNTIME), &saved).unwrap();
+
+    let d = dir.to_str().unwrap();
+    let c = counters.to_str().unwrap();
+    let (out, err, code) = run_program(&b.path("uses_lib"), &[], &[("LD_LIBRARY_PATH", b.dir.to_str().unwrap())]);
+    assert_eq!((err.as_str(), code), ("", 0));
+    let off = run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d)]);
+    assert_eq!(off, (out.clone(), String::new(), 0), "profiling off: as the original, silent");
+    let on =
+        run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d), ("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", c)]);
+    assert_eq!((on.0.as_str(), on.2), (out.as_str(), 0), "profiling asked for: the program still runs");
+    let lines: Vec<&str> = on.1.lines().collect();
+    assert_eq!(lines.len(), 1, "one line for the program and its patched library: {:?}", on.1);
+    assert!(
+        lines[0].starts_with("alloctramp: profiling unavailable: ")
+            && lines[0].contains(RUNTIME)
+            && lines[0].contains("cannot open shared object file"),
+        "{}",
+        lines[0]
+    );
+    assert_eq!(std::fs::read_dir(&counters).unwrap().count(), 0, "no counters file without a runtime");
+    // A patched library in an unpatched program says nothing.
+    let lib_only =
+        run_program(&b.path("uses_lib"), &[], &[("LD_LIBRARY_PATH", d), ("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", c)]);
+    assert_eq!(lib_only, (out.clone(), String::new(), 0));
+
+    // With the runtime back, the first stub to run loads it and the
+    // other finds it loaded: both modules register.
+    std::fs::rename(&saved, dir.join(RUNTIME)).unwrap();
+    let on =
+        run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d), ("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", c)]);
+    assert_eq!(on, (out, String::new(), 0));
+    let files: Vec<_> = std::fs::read_dir(&counters).unwrap().flatten().map(|e| e.path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let o = alloctramp().args(["report", "--format", "json"]).arg(&files[0]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut calls: BTreeMap<String, u64> = BTreeMap::new();
+    for s in doc["sites"].as_array().unwrap() {
+        *calls.entry(s["module"].as_str().unwrap().to_string()).or_default() += s["calls"].as_u64().unwrap();
+    }
+    // (The library's allocations are charged to the program's calls of its
+    // wrappers: both modules registered, the program's rows count.)
+    assert_eq!(calls.keys().collect::<Vec<_>>(), ["libatshared.so", "uses_lib"], "{calls:?}");
+    assert!(calls["uses_lib"] > 0, "{calls:?}");
+}
+
+/// The DT_NEEDED names of a file, from `readelf -d`.
+fn readelf_dynamic(file: &Path) -> Vec<String> {
+    let o = Command::new("readelf").arg("-dW").arg(file).output().unwrap();
+    assert!(o.status.success());
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter(|l| l.contains("(NEEDED)"))
+        .filter_map(|l| l.split_once('[').map(|(_, r)| r.trim_end_matches(']').to_string()))
+        .collect()
 }

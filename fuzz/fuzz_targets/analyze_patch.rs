@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
     let Ok(analysis) = alloctramp_patcher::analyze_with(data, "fuzz", None, &[], &search) else { return };
     let opts = PatchOptions {
-        runtime_needed: "liballoctramp_rt.so".into(),
+        runtime_path: "liballoctramp_rt.so".into(),
         shards: 4,
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,

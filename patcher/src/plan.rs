@@ -38,9 +38,10 @@ mod dump;
 /// Options for patching.
 #[derive(Clone, Debug)]
 pub struct PatchOptions {
-    /// The DT_NEEDED string naming the runtime (a path, possibly with
-    /// `$ORIGIN`, or a SONAME).
-    pub runtime_needed: String,
+    /// The path the init stub loads the runtime from with `dlopen` when
+    /// no loaded module provides it (possibly with `$ORIGIN`, which the
+    /// dynamic linker expands to the module's directory).
+    pub runtime_path: String,
     /// Counter shards (a power of two).
     pub shards: u32,
     /// Unwind rows of libraries the file needs, carried for callers
@@ -58,7 +59,7 @@ pub struct PatchOptions {
 impl Default for PatchOptions {
     fn default() -> Self {
         PatchOptions {
-            runtime_needed: format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
+            runtime_path: format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
             shards: 16,
             foreign_unwind: Vec::new(),
             skip_allocator_layers: false,
@@ -378,7 +379,8 @@ pub struct Plan<'a> {
     /// runtime's GOT slot.
     pub control: Region,
     pub counters: Counters,
-    pub runtime_needed: String,
+    /// Where the init stub loads the runtime from ([`PatchOptions::runtime_path`]).
+    pub runtime_path: String,
     pub shstrtab: Shstrtab,
     /// The section header table: the input's, then the 4 new sections.
     pub shdrs: FileRange,
@@ -440,7 +442,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         layout::unwind_block_index(&a.unwind).len(),
         &opts.foreign_unwind,
     );
-    let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables, opts);
+    let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables);
     let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), opts.shards)?;
     // File order: read-only, executable, read-write, each from a page.
     let text_start = align(ro.size, PAGE);
@@ -452,7 +454,8 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         capture: 0,
     };
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
-    let (init, fini, capture) = plan_stubs(&mut cursor, &ctx, &tables)?;
+    let program = !matches!(elf.file_type, crate::elf::FileType::Shared);
+    let (init, fini, capture) = plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?;
     // Callers capture needs the module's unwind rows.
     if !a.unwind.is_empty() {
         ctx.capture = capture.addr.0;
@@ -519,7 +522,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         dynamic: rw.dynamic,
         control: rw.control,
         counters: rw.counters,
-        runtime_needed: opts.runtime_needed.clone(),
+        runtime_path: opts.runtime_path.clone(),
         shstrtab,
         shdrs,
         shnum,
@@ -543,12 +546,12 @@ struct ReadOnly {
 }
 
 impl ReadOnly {
-    fn place(addr: u64, phnum: usize, table_len: u64, tables: &Tables, opts: &PatchOptions) -> ReadOnly {
+    fn place(addr: u64, phnum: usize, table_len: u64, tables: &Tables) -> ReadOnly {
         let mut ro = Cursor { offset: 0, delta: addr };
         let ehdr = ro.place(64, 1);
         let phdrs = ro.place(phnum as u64 * 56, 8);
         let site_table = ro.place(table_len, 8);
-        let copies = place_copies(&mut ro, tables, opts);
+        let copies = place_copies(&mut ro, tables);
         ReadOnly { ehdr, phdrs, site_table, copies, size: ro.offset }
     }
     fn end_addr(&self) -> u64 {
@@ -737,16 +740,18 @@ fn new_base(elf: &Elf, tables: &Tables) -> Result<(u64, u64)> {
 }
 
 /// Places the copies of the dynamic tables.
-fn place_copies(ro: &mut Cursor, t: &Tables, opts: &PatchOptions) -> Copies {
-    let n = t.symbol_count() + 1;
-    let dynstr_size = t.dynstr.size() + opts.runtime_needed.len() as u64 + 1 + layout::RUNTIME_SYMBOL.len() as u64 + 1;
+fn place_copies(ro: &mut Cursor, t: &Tables) -> Copies {
+    let n = t.symbol_count() + u64::from(crate::tables::IMPORTED);
+    let names: u64 = layout::IMPORTS.iter().map(|i| i.name.len() as u64 + 1).sum();
+    let libc = if t.needs_libc() { 0 } else { layout::LIBC_SONAME.len() as u64 + 1 };
+    let dynstr_size = t.dynstr.size() + names + libc;
     Copies {
         dynsym: ro.place(n * 24, 8),
         dynstr: ro.place(dynstr_size, 1),
         versym: t.versym.map(|_| ro.place(n * 2, 2)),
         gnu_hash: t.gnu_hash.map(|h| ro.place(h.size(), 8)),
         hash: t.hash.map(|(_, nbucket)| ro.place(8 + 4 * (u64::from(nbucket) + n), 8)),
-        rela: ro.place(t.rela.map_or(0, |r| r.size()) + 24, 8),
+        rela: ro.place(t.rela.map_or(0, |r| r.size()) + 24 * u64::from(crate::tables::IMPORTED), 8),
         jmprel: match t.jmprel {
             Some(Jmprel::Separate(j)) => Some(ro.place(j.size(), 8)),
             _ => None,
@@ -754,11 +759,11 @@ fn place_copies(ro: &mut Cursor, t: &Tables, opts: &PatchOptions) -> Copies {
     }
 }
 
-/// The new .dynamic's entries: the input's, DT_NEEDED, DT_INIT and DT_FINI
-/// if the input had none, DT_NULL.
+/// The new .dynamic's entries: the input's, the C library's DT_NEEDED if
+/// the input had none, DT_INIT and DT_FINI if the input had none, DT_NULL.
 fn new_dynamic_count(t: &Tables) -> usize {
     let (init, fini) = (t.value(elf::DT_INIT).is_none(), t.value(elf::DT_FINI).is_none());
-    t.dynamic.len() + 1 + usize::from(init) + usize::from(fini) + 1
+    t.dynamic.len() + usize::from(!t.needs_libc()) + usize::from(init) + usize::from(fini) + 1
 }
 
 /// What the code generator needs to know of the module.
@@ -779,17 +784,27 @@ fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
     Code { addr: r.addr, offset: r.offset, bytes }
 }
 
-/// The init and fini stubs, which register the module with the runtime and
-/// continue to the input's DT_INIT and DT_FINI functions, if any.
-fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables) -> Result<(Code, Code, Code)> {
+/// The init and fini stubs, which register the module with the runtime
+/// (the init stub loading it from `runtime` first if no loaded module
+/// provides it; a program's saying why on stderr when that fails and an
+/// `ALLOCTRAMP` variable is set) and continue to the input's DT_INIT and
+/// DT_FINI functions, if any.
+fn plan_stubs(
+    text: &mut Cursor,
+    ctx: &TextContext,
+    t: &Tables,
+    runtime: &str,
+    program: bool,
+) -> Result<(Code, Code, Code)> {
     let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
-    let mut stub = |api: i32, original: Option<u64>| -> Result<Code> {
+    let mut stub = |api: i32, original: Option<u64>, load: Option<codegen::Load>| -> Result<Code> {
         let at = text.offset.wrapping_add(text.delta);
-        let bytes = codegen::init_stub(at, ctx.control, ctx.table, api, original).map_err(stub_err)?;
+        let bytes = codegen::init_stub(at, ctx.control, ctx.table, api, original, load).map_err(stub_err)?;
         Ok(place_code(text, bytes))
     };
-    let init = stub(layout::api::REGISTER, t.value(elf::DT_INIT))?;
-    let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI))?;
+    let load = codegen::Load { path: runtime, say: program };
+    let init = stub(layout::api::REGISTER, t.value(elf::DT_INIT), Some(load))?;
+    let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI), None)?;
     let at = text.offset.wrapping_add(text.delta);
     let capture = codegen::capture_stub(at, ctx.control, ctx.table).map_err(stub_err)?;
     Ok((init, fini, place_code(text, capture)))

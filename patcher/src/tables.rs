@@ -7,6 +7,7 @@ use crate::bytes::{u16_at, u32_at, u64_at};
 use crate::elf::Elf;
 use crate::error::{Error, ErrorKind, Location, Result};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
+use alloctramp_trampolines::layout;
 use object::LittleEndian as LE;
 use object::elf;
 use object::pod::slice_from_all_bytes;
@@ -62,8 +63,9 @@ pub struct Tables<'a> {
     /// DT_SYMTAB, with as many symbols as the SHT_DYNSYM section header at
     /// that address says.
     pub dynsym: Located<'a, Sym>,
-    /// Index the runtime's symbol gets in the new .dynsym: before the
-    /// symbols the GNU hash table covers, else at the end.
+    /// Index the first imported symbol ([`layout::IMPORTS`]) gets in the
+    /// new .dynsym: before the symbols the GNU hash table covers, else at
+    /// the end.
     pub insert_at: u64,
     /// DT_VERSYM: one entry per symbol.
     pub versym: Option<Located<'a, u8>>,
@@ -161,18 +163,32 @@ impl<'a> Tables<'a> {
         dyn_val(&self.dynamic, tag.0)
     }
 
+    /// Whether a DT_NEEDED entry names the C library
+    /// ([`layout::LIBC_SONAME`]).
+    pub fn needs_libc(&self) -> bool {
+        self.dynamic.iter().any(|&(tag, val)| {
+            tag == elf::DT_NEEDED.0
+                && usize::try_from(val).ok().and_then(|v| self.dynstr.items.get(v..)).is_some_and(|s| {
+                    s.starts_with(layout::LIBC_SONAME.as_bytes()) && s.get(layout::LIBC_SONAME.len()) == Some(&0)
+                })
+        })
+    }
+
     /// Symbols in the input's .dynsym.
     pub fn symbol_count(&self) -> u64 {
         self.dynsym.items.len() as u64
     }
 
-    /// A symbol index in the new .dynsym: one higher from the inserted
-    /// symbol on. An index past the table (in a relocation that ignores
-    /// its symbol) stays.
+    /// A symbol index in the new .dynsym: past the imported symbols from
+    /// where they are inserted on. An index past the table (in a
+    /// relocation that ignores its symbol) stays.
     pub fn new_symbol_index(&self, i: u32) -> u32 {
-        if u64::from(i) >= self.insert_at && u64::from(i) < self.symbol_count() { i + 1 } else { i }
+        if u64::from(i) >= self.insert_at && u64::from(i) < self.symbol_count() { i + IMPORTED } else { i }
     }
 }
+
+/// Symbols a patched file adds to its .dynsym.
+pub const IMPORTED: u32 = layout::IMPORTS.len() as u32;
 
 type Symbols<'a> = (Located<'a, Sym>, Located<'a, u8>, Option<Located<'a, u8>>, Option<(Vaddr, u32)>);
 
@@ -253,7 +269,7 @@ fn check_strings(
     Ok(())
 }
 
-/// Where the imported symbol goes: before the hashed symbols of a GNU hash
+/// Where the imported symbols go: before the hashed symbols of a GNU hash
 /// table, else at the end.
 fn insertion_index(gnu_hash: Option<&Located<u8>>, nsyms: u64) -> Result<u64> {
     let insert_at = match gnu_hash {

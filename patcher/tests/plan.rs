@@ -31,7 +31,7 @@ fn plan_of<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> alloctramp_
 
 fn opts() -> PatchOptions {
     PatchOptions {
-        runtime_needed: "liballoctramp_rt.so".into(),
+        runtime_path: "liballoctramp_rt.so".into(),
         shards: 16,
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,
@@ -198,9 +198,16 @@ fn plans_are_deterministic_and_follow_the_options() {
     let few = plan_of(&data, &a, &PatchOptions { shards: 2, ..opts() }).unwrap();
     assert_eq!(few.counters.shards, 2);
     assert_eq!(few.counters.region.size, 2 * few.counters.stride);
-    let long = PatchOptions { runtime_needed: "/opt/alloctramp/lib/liballoctramp_rt.so".into(), ..opts() };
+    // The imported symbols' names are appended to .dynstr (the program
+    // needs the C library already); the runtime's path is the init stub's.
+    let names: u64 = layout::IMPORTS.iter().map(|i| i.name.len() as u64 + 1).sum();
+    let base = plan_of(&data, &a, &opts()).unwrap();
+    assert!(base.tables.needs_libc());
+    assert_eq!(base.copies.dynstr.size, base.tables.dynstr.size() + names);
+    let long = PatchOptions { runtime_path: "/opt/alloctramp/lib/liballoctramp_rt.so".into(), ..opts() };
     let p = plan_of(&data, &a, &long).unwrap();
-    assert_eq!(p.copies.dynstr.size, p.tables.dynstr.size() + 40 + layout::RUNTIME_SYMBOL.len() as u64 + 1);
+    assert_eq!(p.copies.dynstr.size, base.copies.dynstr.size);
+    assert_eq!(p.init.bytes.len(), base.init.bytes.len() + long.runtime_path.len() - opts().runtime_path.len());
     for shards in [0, 3, 2048] {
         let e = plan_of(&data, &a, &PatchOptions { shards, ..opts() }).expect_err("refused");
         assert_eq!(e.kind, ErrorKind::Request, "{shards} shards: {e}");

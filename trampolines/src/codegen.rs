@@ -89,6 +89,8 @@ pub enum CodegenError {
     /// An entry of the trampoline is more than 64 KiB from its start (the
     /// site table holds entry offsets in 16 bits).
     TooLong,
+    /// The runtime's path has a NUL byte.
+    NulInPath,
 }
 
 impl std::fmt::Display for CodegenError {
@@ -96,6 +98,7 @@ impl std::fmt::Display for CodegenError {
         match self {
             CodegenError::Assembler(e) => e.fmt(f),
             CodegenError::TooLong => f.write_str("trampoline too long"),
+            CodegenError::NulInPath => f.write_str("the runtime's path contains a NUL byte"),
         }
     }
 }
@@ -104,7 +107,7 @@ impl std::error::Error for CodegenError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             CodegenError::Assembler(e) => Some(e),
-            CodegenError::TooLong => None,
+            CodegenError::TooLong | CodegenError::NulInPath => None,
         }
     }
 }
@@ -1228,28 +1231,92 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
 
 pub use crate::layout::site_jump;
 
+/// How an init stub loads the runtime when no loaded module provides it.
+#[derive(Clone, Copy, Debug)]
+pub struct Load<'a> {
+    /// The path given to `dlopen` (`$ORIGIN` is the module's directory).
+    pub path: &'a str,
+    /// Whether to say on stderr why profiling is unavailable when the
+    /// runtime cannot be loaded and the environment names an `ALLOCTRAMP`
+    /// variable (a program's stub: one line per process).
+    pub say: bool,
+}
+
+/// `dlopen` flags of the runtime: bound at once, its symbol visible to the
+/// modules loaded after it.
+const RTLD_NOW_GLOBAL: i32 = 0x2 | 0x100;
+
+/// What the stub says before `dlerror`'s text.
+const UNAVAILABLE: &[u8] = b"alloctramp: profiling unavailable: ";
+/// The prefix of the variables that ask for profiling.
+const VARIABLE_PREFIX: &[u8] = b"ALLOCTRAMP";
+
 /// The module's init (or fini) stub, called by the dynamic linker through
 /// DT_INIT (DT_FINI): calls the runtime's `register` (`unregister`) with the
 /// site table's address, then continues to the original DT_INIT (DT_FINI)
 /// function if there was one. `api_offset` is the offset of the function
 /// pointer in the runtime's API table.
-pub fn init_stub(at: u64, control: u64, table: u64, api_offset: i32, original: Option<u64>) -> R<Vec<u8>> {
+///
+/// With `load` (the init stub), a module whose runtime slot is 0 (the
+/// patched file does not name the runtime in `DT_NEEDED`, and no module
+/// loaded before provides it) loads it with `dlopen(load.path)` and finds
+/// its API table with `dlsym`, keeping it in the slot for the fini stub.
+/// If that fails the module runs unprofiled; with `load.say`, the stub
+/// writes one line to stderr with `dlerror`'s text when an environment
+/// variable's name starts with `ALLOCTRAMP`.
+pub fn init_stub(
+    at: u64,
+    control: u64,
+    table: u64,
+    api_offset: i32,
+    original: Option<u64>,
+    load: Option<Load>,
+) -> R<Vec<u8>> {
     let mut a = CodeAssembler::new(64)?;
+    let slot = |f: u32| rip(control + u64::from(f));
     a.endbr64()?;
     // DT_INIT functions get (argc, argv, envp): keep them for the original.
-    // Three pushes realign the stack to 16 bytes for the call.
+    // Three pushes realign the stack to 16 bytes for the calls.
     a.push(rdi)?;
     a.push(rsi)?;
     a.push(rdx)?;
-    a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RDI, rip(table))?)?;
-    a.add_instruction(Instruction::with2(
-        Code::Mov_r64_rm64,
-        Register::RAX,
-        rip(control + u64::from(control::RUNTIME)),
-    )?)?;
-    let mut skip = a.create_label();
+    a.add_instruction(Instruction::with2(Code::Mov_r64_rm64, Register::RAX, slot(control::RUNTIME))?)?;
+    let (mut skip, mut have) = (a.create_label(), a.create_label());
     a.test(rax, rax)?;
-    a.je(skip)?;
+    let mut data = None;
+    match load {
+        None => a.je(skip)?,
+        Some(load) => {
+            let (path, name, mut failed) = (a.create_label(), a.create_label(), a.create_label());
+            a.jne(have)?;
+            a.add_instruction(Instruction::with2(Code::Mov_r64_rm64, Register::RAX, slot(control::DLOPEN))?)?;
+            a.test(rax, rax)?;
+            a.je(skip)?;
+            a.lea(rdi, qword_ptr(path))?;
+            a.mov(esi, RTLD_NOW_GLOBAL)?;
+            a.call(rax)?;
+            a.test(rax, rax)?;
+            a.je(failed)?;
+            a.mov(rdi, rax)?;
+            a.add_instruction(Instruction::with2(Code::Mov_r64_rm64, Register::RAX, slot(control::DLSYM))?)?;
+            a.test(rax, rax)?;
+            a.je(skip)?;
+            a.lea(rsi, qword_ptr(name))?;
+            a.call(rax)?;
+            a.test(rax, rax)?;
+            a.je(skip)?;
+            a.add_instruction(Instruction::with2(Code::Mov_rm64_r64, slot(control::RUNTIME), Register::RAX)?)?;
+            a.jmp(have)?;
+            a.set_label(&mut failed)?;
+            if load.say {
+                say_unavailable(&mut a, control, skip)?;
+            }
+            a.jmp(skip)?;
+            data = Some((load.path, path, name));
+        }
+    }
+    a.set_label(&mut have)?;
+    a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RDI, rip(table))?)?;
     a.call(qword_ptr(rax + api_offset))?;
     a.set_label(&mut skip)?;
     a.pop(rdx)?;
@@ -1259,7 +1326,92 @@ pub fn init_stub(at: u64, control: u64, table: u64, api_offset: i32, original: O
         Some(f) => a.jmp(f)?,
         None => a.ret()?,
     }
+    if let Some((text, mut path, mut name)) = data {
+        if text.as_bytes().contains(&0) {
+            return Err(CodegenError::NulInPath);
+        }
+        a.set_label(&mut path)?;
+        a.db(&[text.as_bytes(), &[0]].concat())?;
+        a.set_label(&mut name)?;
+        a.db(&[crate::layout::RUNTIME_SYMBOL.as_bytes(), &[0]].concat())?;
+    }
     Ok(a.assemble(at)?)
+}
+
+/// The failure path of [`init_stub`]'s load: if a variable of the
+/// environment (the stub's third argument, on top of the stack) starts
+/// with [`VARIABLE_PREFIX`], writes [`UNAVAILABLE`], `dlerror`'s text and
+/// a newline to stderr by system call; then continues at `done`.
+fn say_unavailable(a: &mut CodeAssembler, control: u64, done: CodeLabel) -> R<()> {
+    let (mut prefix, mut message, mut newline) = (a.create_label(), a.create_label(), a.create_label());
+    let (mut next, mut compare, mut found, mut end) =
+        (a.create_label(), a.create_label(), a.create_label(), a.create_label());
+    // rcx walks envp.
+    a.mov(rcx, qword_ptr(rsp))?;
+    a.test(rcx, rcx)?;
+    a.je(done)?;
+    a.set_label(&mut next)?;
+    a.mov(rdi, qword_ptr(rcx))?;
+    a.test(rdi, rdi)?;
+    a.je(done)?;
+    a.add(rcx, 8)?;
+    a.lea(rsi, qword_ptr(prefix))?;
+    a.xor(edx, edx)?;
+    a.set_label(&mut compare)?;
+    a.movzx(eax, byte_ptr(rsi + rdx))?;
+    a.test(al, al)?;
+    a.je(found)?;
+    a.cmp(al, byte_ptr(rdi + rdx))?;
+    a.jne(next)?;
+    a.inc(edx)?;
+    a.jmp(compare)?;
+    a.set_label(&mut found)?;
+    write_stderr(a, |a| Ok(a.lea(rsi, qword_ptr(message))?), |a| Ok(a.mov(edx, UNAVAILABLE.len() as i32)?))?;
+    a.add_instruction(Instruction::with2(
+        Code::Mov_r64_rm64,
+        Register::RAX,
+        rip(control + u64::from(control::DLERROR)),
+    )?)?;
+    a.test(rax, rax)?;
+    a.je(end)?;
+    a.call(rax)?;
+    a.test(rax, rax)?;
+    a.je(end)?;
+    // rdx = strlen(rax).
+    let mut count = a.create_label();
+    a.mov(rsi, rax)?;
+    a.xor(edx, edx)?;
+    a.set_label(&mut count)?;
+    a.cmp(byte_ptr(rsi + rdx), 0)?;
+    a.lea(rdx, qword_ptr(rdx + 1))?;
+    a.jne(count)?;
+    a.dec(rdx)?;
+    write_stderr(a, |_| Ok(()), |_| Ok(()))?;
+    a.set_label(&mut end)?;
+    write_stderr(a, |a| Ok(a.lea(rsi, qword_ptr(newline))?), |a| Ok(a.mov(edx, 1)?))?;
+    a.jmp(done)?;
+    a.set_label(&mut prefix)?;
+    a.db(&[VARIABLE_PREFIX, &[0]].concat())?;
+    a.set_label(&mut message)?;
+    a.db(UNAVAILABLE)?;
+    a.set_label(&mut newline)?;
+    a.db(b"\n")?;
+    Ok(())
+}
+
+/// `write(2, rsi, rdx)` by system call, after `buf` and `len` set rsi and
+/// rdx. Clobbers rax, rcx, rdi and r11.
+fn write_stderr(
+    a: &mut CodeAssembler,
+    buf: impl FnOnce(&mut CodeAssembler) -> R<()>,
+    len: impl FnOnce(&mut CodeAssembler) -> R<()>,
+) -> R<()> {
+    buf(a)?;
+    len(a)?;
+    a.mov(eax, 1)?;
+    a.mov(edi, 2)?;
+    a.syscall()?;
+    Ok(())
 }
 
 /// The module's capture stub, reached from a trampoline's callers entry
@@ -1513,9 +1665,10 @@ pub(crate) mod golden {
 
     fn cases() -> Vec<(&'static str, String)> {
         let mut v: Vec<(&'static str, String)> = specs().into_iter().map(|(file, s)| (file, listing(&s))).collect();
-        let init = init_stub(AT, CONTROL, 0x415040, crate::layout::api::REGISTER, Some(0x401000)).unwrap();
+        let load = Load { path: "$ORIGIN/liballoctramp_rt.so", say: true };
+        let init = init_stub(AT, CONTROL, 0x415040, crate::layout::api::REGISTER, Some(0x401000), Some(load)).unwrap();
         v.push(("init-stub", disassemble(&init, AT)));
-        let fini = init_stub(AT, CONTROL, 0x415040, crate::layout::api::UNREGISTER, None).unwrap();
+        let fini = init_stub(AT, CONTROL, 0x415040, crate::layout::api::UNREGISTER, None, None).unwrap();
         v.push(("fini-stub-no-original", disassemble(&fini, AT)));
         v.push(("capture-stub", disassemble(&capture_stub(STUB, CONTROL, 0x415040).unwrap(), STUB)));
         v

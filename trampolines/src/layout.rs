@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 11;
+pub const VERSION: u32 = 12;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -69,6 +69,35 @@ pub const RUNTIME_SYMBOL: &str = "alloctramp_runtime_v1";
 /// The runtime's SONAME.
 pub const RUNTIME_SONAME: &str = "liballoctramp_rt.so";
 
+/// The C library a patched module needs (`DT_NEEDED`, added where it has
+/// none): its init stub calls `dlopen`, which needs the C library
+/// initialized first, and the dynamic linker initializes a module after
+/// the ones it needs.
+pub const LIBC_SONAME: &str = "libc.so.6";
+
+/// A symbol every patched module imports into a slot of its control block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Import {
+    pub name: &'static str,
+    /// The slot: a field of [`ControlBlock`] (see [`control`]).
+    pub slot: u32,
+    /// A function (`STT_FUNC`), else data (`STT_OBJECT`).
+    pub function: bool,
+}
+
+/// The symbols a patched module imports, in their order in its new
+/// `.dynsym`, all weak: a module whose runtime is not loaded yet (the
+/// patched file does not name it in `DT_NEEDED`) finds `runtime` 0, and its
+/// init stub loads the runtime with `dlopen` and finds the table with
+/// `dlsym`; without them, or when the runtime cannot be loaded, the module
+/// runs unprofiled.
+pub const IMPORTS: [Import; 4] = [
+    Import { name: RUNTIME_SYMBOL, slot: control::RUNTIME, function: false },
+    Import { name: "dlopen", slot: control::DLOPEN, function: true },
+    Import { name: "dlsym", slot: control::DLSYM, function: true },
+    Import { name: "dlerror", slot: control::DLERROR, function: true },
+];
+
 pub const PAGE: u64 = 4096;
 
 /// Fields of a counter cell by byte offset (see [`Cell`]), for the code
@@ -91,6 +120,9 @@ pub mod control {
     use super::ControlBlock;
     use std::mem::offset_of;
     pub const RUNTIME: u32 = offset_of!(ControlBlock, runtime) as u32;
+    pub const DLOPEN: u32 = offset_of!(ControlBlock, dlopen) as u32;
+    pub const DLSYM: u32 = offset_of!(ControlBlock, dlsym) as u32;
+    pub const DLERROR: u32 = offset_of!(ControlBlock, dlerror) as u32;
     pub const RSEQ_OFFSET: u32 = offset_of!(ControlBlock, rseq_offset) as u32;
     pub const COUNTERS: u32 = offset_of!(ControlBlock, counters) as u32;
     pub const MODULE_ID: u32 = offset_of!(ControlBlock, module_id) as u32;
@@ -525,7 +557,13 @@ pub struct ControlBlock {
     /// [`shadow::SIZE_LIMIT`] once the module has site ids, else 0. Larger
     /// ones are recorded by the runtime.
     pub cas_limit: AtomicU64,
-    pub reserved: [u64; 4],
+    /// GOT slots the dynamic linker fills with the C library's `dlopen`,
+    /// `dlsym` and `dlerror` (weak: 0 where they are not found), which the
+    /// init stub uses to load the runtime when `runtime` is 0.
+    pub dlopen: AtomicU64,
+    pub dlsym: AtomicU64,
+    pub dlerror: AtomicU64,
+    pub reserved: [u64; 1],
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -787,7 +825,10 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("inline_limit", offset_of!(ControlBlock, inline_limit), "u64"),
     ("entry_base", offset_of!(ControlBlock, entry_base), "u64"),
     ("cas_limit", offset_of!(ControlBlock, cas_limit), "u64"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 4]"),
+    ("dlopen", offset_of!(ControlBlock, dlopen), "u64"),
+    ("dlsym", offset_of!(ControlBlock, dlsym), "u64"),
+    ("dlerror", offset_of!(ControlBlock, dlerror), "u64"),
+    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 1]"),
 ];
 pub const UNDO_HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("control", offset_of!(undo::UndoHeader, control), "i32"),

@@ -1,12 +1,12 @@
-//! The copies of the dynamic tables, each the input's with the runtime's
-//! symbol and strings added and symbol indices shifted past it, and the new
-//! .dynamic pointing at them.
+//! The copies of the dynamic tables, each the input's with the imported
+//! symbols ([`layout::IMPORTS`]) and their names added and symbol indices
+//! shifted past them, and the new .dynamic pointing at them.
 
 use super::Head;
 use super::symbols::Follow;
 use crate::bytes::c_str;
 use crate::plan::Plan;
-use crate::tables::{Jmprel, Located, Rela, Sym, Tables};
+use crate::tables::{IMPORTED, Jmprel, Located, Rela, Sym, Tables};
 use alloctramp_trampolines::layout;
 use object::LittleEndian as LE;
 use object::elf;
@@ -14,8 +14,8 @@ use object::pod::bytes_of;
 
 pub(super) fn emit(head: &mut Head, plan: &Plan, follow: &Follow) {
     let (t, c) = (&plan.tables, &plan.copies);
-    let strtab = dynstr(t, &plan.runtime_needed);
-    let syms = dynsym(t, strtab.runtime_symbol);
+    let strtab = dynstr(t);
+    let syms = dynsym(t, &strtab.names);
     if let (Some(r), Some(h)) = (c.hash, t.hash) {
         head.put(r, &hash(&syms, &strtab.bytes, h.1));
     }
@@ -29,69 +29,84 @@ pub(super) fn emit(head: &mut Head, plan: &Plan, follow: &Follow) {
         head.put(r, &gnu_hash(h.items));
     }
     let mut rela = t.rela.map_or_else(Vec::new, |r| relocations(t, r));
-    rela.extend_from_slice(bytes_of(&runtime_slot(plan)));
+    for (k, import) in layout::IMPORTS.iter().enumerate() {
+        rela.extend_from_slice(bytes_of(&import_slot(plan, k as u64, import)));
+    }
     head.put(c.rela, &rela);
     if let (Some(r), Some(Jmprel::Separate(j))) = (c.jmprel, t.jmprel) {
         head.put(r, &relocations(t, j));
     }
-    head.put(plan.dynamic, &new_dynamic(plan, strtab.needed));
+    head.put(plan.dynamic, &new_dynamic(plan, strtab.libc));
 }
 
-/// The new .dynstr and where the runtime's strings are in it.
+/// The new .dynstr and where the imported symbols' names are in it.
 struct Dynstr {
     bytes: Vec<u8>,
-    needed: u64,
-    runtime_symbol: u32,
+    names: Vec<u32>,
+    /// The C library's name, if the input does not need it.
+    libc: Option<u64>,
 }
 
-/// The input's strings (every old offset stays valid), then the runtime's
-/// DT_NEEDED string and its symbol's name.
-fn dynstr(t: &Tables, runtime_needed: &str) -> Dynstr {
+/// The input's strings (every old offset stays valid), then the imported
+/// symbols' names and, if the input does not need it, the C library's.
+fn dynstr(t: &Tables) -> Dynstr {
     let mut bytes = t.dynstr.items.to_vec();
-    let needed = bytes.len() as u64;
-    bytes.extend_from_slice(runtime_needed.as_bytes());
-    bytes.push(0);
-    let runtime_symbol = bytes.len() as u32;
-    bytes.extend_from_slice(layout::RUNTIME_SYMBOL.as_bytes());
-    bytes.push(0);
-    Dynstr { bytes, needed, runtime_symbol }
+    let mut names = Vec::with_capacity(layout::IMPORTS.len());
+    for import in &layout::IMPORTS {
+        names.push(bytes.len() as u32);
+        bytes.extend_from_slice(import.name.as_bytes());
+        bytes.push(0);
+    }
+    let libc = (!t.needs_libc()).then(|| {
+        let at = bytes.len() as u64;
+        bytes.extend_from_slice(layout::LIBC_SONAME.as_bytes());
+        bytes.push(0);
+        at
+    });
+    Dynstr { bytes, names, libc }
 }
 
-/// The input's symbols with the runtime's undefined data symbol inserted.
-fn dynsym(t: &Tables, name: u32) -> Vec<Sym> {
+/// The input's symbols with the imported ones inserted: undefined and
+/// weak (a module runs unprofiled where they are missing).
+fn dynsym(t: &Tables, names: &[u32]) -> Vec<Sym> {
     let e = LE;
-    let new_sym = Sym {
-        st_name: object::U32::new(e, name),
-        st_info: elf::SymbolInfo((elf::STB_GLOBAL.0 << 4) | elf::STT_OBJECT.0),
-        st_other: elf::SymbolOther(elf::STV_DEFAULT.0),
-        st_shndx: object::U16::new(e, elf::SHN_UNDEF),
-        st_value: object::U64::new(e, 0),
-        st_size: object::U64::new(e, 0),
-    };
+    let new = layout::IMPORTS.iter().zip(names).map(|(import, &name)| {
+        let kind = if import.function { elf::STT_FUNC } else { elf::STT_OBJECT };
+        Sym {
+            st_name: object::U32::new(e, name),
+            st_info: elf::SymbolInfo((elf::STB_WEAK.0 << 4) | kind.0),
+            st_other: elf::SymbolOther(elf::STV_DEFAULT.0),
+            st_shndx: object::U16::new(e, elf::SHN_UNDEF),
+            st_value: object::U64::new(e, 0),
+            st_size: object::U64::new(e, 0),
+        }
+    });
     let (before, after) = t.dynsym.items.split_at(t.insert_at as usize);
-    before.iter().copied().chain([new_sym]).chain(after.iter().copied()).collect()
+    before.iter().copied().chain(new).chain(after.iter().copied()).collect()
 }
 
-/// .gnu.version: the new symbol has version 1 (global).
+/// .gnu.version: the new symbols have version 1 (global: the loader binds
+/// each to the default version of its definition).
 fn versym(t: &Tables, old: &[u8]) -> Vec<u8> {
     let (before, after) = old.split_at(t.insert_at as usize * 2);
-    [before, &1u16.to_le_bytes(), after].concat()
+    let new = 1u16.to_le_bytes().repeat(layout::IMPORTS.len());
+    [before, &new, after].concat()
 }
 
-/// .gnu.hash: the same buckets and chains, symbol indices one higher (the
-/// new symbol goes before the hashed ones).
+/// .gnu.hash: the same buckets and chains, symbol indices past the new
+/// symbols (they go before the hashed ones).
 fn gnu_hash(old: &[u8]) -> Vec<u8> {
     let word = |v: &[u8], at: usize| u32::from_le_bytes(v[at..at + 4].try_into().unwrap());
     let mut v = old.to_vec();
     let (nbuckets, bloom) = (word(&v, 0) as usize, word(&v, 8) as usize);
     let symoffset = word(&v, 4);
-    v[4..8].copy_from_slice(&(symoffset + 1).to_le_bytes());
+    v[4..8].copy_from_slice(&(symoffset + IMPORTED).to_le_bytes());
     let buckets_at = 16 + bloom * 8;
     for at in (0..nbuckets).map(|b| buckets_at + b * 4) {
         // Checked when read: 0 or a hashed symbol.
         let idx = word(&v, at);
         if idx != 0 {
-            v[at..at + 4].copy_from_slice(&(idx + 1).to_le_bytes());
+            v[at..at + 4].copy_from_slice(&(idx + IMPORTED).to_le_bytes());
         }
     }
     v
@@ -142,32 +157,35 @@ fn relocations(t: &Tables, old: Located<Rela>) -> Vec<u8> {
     v
 }
 
-/// The relocation that fills the runtime slot (the control block's first
-/// word) with the runtime's symbol.
-fn runtime_slot(plan: &Plan) -> Rela {
+/// The relocation that fills import `k`'s slot in the control block with
+/// its symbol (the `k`th inserted).
+fn import_slot(plan: &Plan, k: u64, import: &layout::Import) -> Rela {
     let e = LE;
+    let sym = plan.tables.insert_at + k;
     Rela {
-        r_offset: object::U64::new(e, plan.control.addr.0 + u64::from(layout::control::RUNTIME)),
-        r_info: object::U64::new(e, (plan.tables.insert_at << 32) | u64::from(elf::R_X86_64_GLOB_DAT.0)),
+        r_offset: object::U64::new(e, plan.control.addr.0 + u64::from(import.slot)),
+        r_info: object::U64::new(e, (sym << 32) | u64::from(elf::R_X86_64_GLOB_DAT.0)),
         r_addend: object::I64::new(e, 0),
     }
 }
 
-/// The new .dynamic: the input's entries pointing at the copies, the
-/// runtime's DT_NEEDED after the last DT_NEEDED (first if there is none),
-/// DT_INIT and DT_FINI at the stubs, DT_NULL.
-fn new_dynamic(plan: &Plan, needed_off: u64) -> Vec<u8> {
+/// The new .dynamic: the input's entries pointing at the copies, the C
+/// library's DT_NEEDED (string at `libc`) after the last DT_NEEDED (first
+/// if there is none) if the input had none, DT_INIT and DT_FINI at the
+/// stubs, DT_NULL. (No DT_NEEDED for the runtime: the init stub loads it,
+/// once the C library is initialized.)
+fn new_dynamic(plan: &Plan, libc: Option<u64>) -> Vec<u8> {
     let t = &plan.tables;
     let last_needed = t.dynamic.iter().rposition(|&(tag, _)| tag == elf::DT_NEEDED.0);
-    let needed = (elf::DT_NEEDED.0, needed_off);
     let mut entries: Vec<(i64, u64)> = Vec::with_capacity(plan.dynamic_count());
+    let needed = libc.map(|at| (elf::DT_NEEDED.0, at));
     if last_needed.is_none() {
-        entries.push(needed);
+        entries.extend(needed);
     }
     for (i, &(tag, val)) in t.dynamic.iter().enumerate() {
         entries.push((tag, new_value(plan, tag, val)));
         if Some(i) == last_needed {
-            entries.push(needed);
+            entries.extend(needed);
         }
     }
     if t.value(elf::DT_INIT).is_none() {

@@ -110,9 +110,9 @@ fn section_headers(elf: &Elf, plan: &Plan) -> Vec<Shdr> {
         sh.sh_offset.set(e, r.to.offset.0);
         sh.sh_size.set(e, r.to.size);
         // The symbols the section's sh_info counts as local: the new
-        // symbol is global.
+        // symbols are not.
         if r.table == Table::Dynsym && u64::from(sh.sh_info.get(e)) > plan.tables.insert_at {
-            sh.sh_info.set(e, sh.sh_info.get(e) + 1);
+            sh.sh_info.set(e, sh.sh_info.get(e) + crate::tables::IMPORTED);
         }
     }
     if let Some(sh) = plan.shstrtab.section.and_then(|i| shdrs.get_mut(i)) {

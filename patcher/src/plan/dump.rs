@@ -40,18 +40,27 @@ impl Plan<'_> {
             Part::loaded(
                 ".dynsym",
                 c.dynsym,
-                format!("{} symbols, the runtime's at index {}", n + 1, self.tables.insert_at),
+                format!(
+                    "{} symbols, the {} imported at index {}",
+                    n + u64::from(crate::tables::IMPORTED),
+                    crate::tables::IMPORTED,
+                    self.tables.insert_at
+                ),
             ),
             Part::loaded(
                 ".dynstr",
                 c.dynstr,
-                format!("{:#x} bytes of the input's, then 2 strings", self.tables.dynstr.size()),
+                format!(
+                    "{:#x} bytes of the input's, then the imported names{}",
+                    self.tables.dynstr.size(),
+                    if self.tables.needs_libc() { "" } else { " and the C library's" }
+                ),
             ),
         ];
         let optional = [(".gnu.version", c.versym), (".gnu.hash", c.gnu_hash), (".hash", c.hash)];
         parts.extend(optional.into_iter().filter_map(|(name, r)| r.map(|r| Part::loaded(name, r, ""))));
         let relas = self.tables.rela.map_or(0, |r| r.items.len());
-        parts.push(Part::loaded(".rela.dyn", c.rela, format!("{relas} relocations, then the runtime slot's")));
+        parts.push(Part::loaded(".rela.dyn", c.rela, format!("{relas} relocations, then the import slots'")));
         if let Some(r) = c.jmprel {
             parts.push(Part::loaded(".rela.plt", r, format!("{} relocations", r.size / 24)));
         }
@@ -88,7 +97,7 @@ impl Display for Plan<'_> {
     fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
         writeln!(f, "plan for {}", self.module)?;
         writeln!(f, "input: {:#x} bytes, at offset {:#x} in the output", self.input_size, self.shift)?;
-        writeln!(f, "runtime: DT_NEEDED {:?}", self.runtime_needed)?;
+        writeln!(f, "runtime: loaded from {:?}", self.runtime_path)?;
         writeln!(f, "\nsegments (new PT_LOADs):")?;
         for s in &self.segments {
             writeln!(
