@@ -553,7 +553,10 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
         };
         let names: Vec<&str> = figs.modules.iter().map(|m| m.name.as_str()).collect();
         let sites: u64 = figs.modules.iter().map(|m| m.sites as u64).sum();
-        let command = if pf.command.is_empty() { "?" } else { pf.command.as_str() };
+        let command = match pf.command.is_empty() {
+            true => "?".to_string(),
+            false => alloctramp_trampolines::process::command_line(&pf.command, &pf.arguments),
+        };
         found.push((pid, format!("{pid:>8} {state:<8} {live:>12} {sites:>7} {:<24} {command}", names.join(","))));
     }
     found.sort();

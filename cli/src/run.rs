@@ -423,7 +423,8 @@ fn process_line(src: &Source, figs: &Figures) -> String {
         (false, true) => "exited",
         (false, false) => "ended, its exit handlers not run",
     };
-    format!("pid {} `{}` ({state}): {}", p.pid, p.command, totals_line(figs).trim_start_matches("totals: "))
+    let command = alloctramp_trampolines::process::command_line(&p.command, &p.arguments);
+    format!("pid {} `{command}` ({state}): {}", p.pid, totals_line(figs).trim_start_matches("totals: "))
 }
 
 /// Sets what the audit library needs to give `program`'s process (and,

@@ -150,7 +150,8 @@ fn running(dir: &Path) -> Vec<(u32, String)> {
         let Ok(figs) = src.figures() else { continue };
         let p = &figs.process;
         let live = figs.live_bytes().map_or("-".to_string(), |b| b.to_string());
-        out.push((p.pid, format!("{:>8}  {:<4} {live:>14}  {}", p.pid, if p.on { "on" } else { "off" }, p.command)));
+        let command = alloctramp_trampolines::process::command_line(&p.command, &p.arguments);
+        out.push((p.pid, format!("{:>8}  {:<4} {live:>14}  {command}", p.pid, if p.on { "on" } else { "off" })));
     }
     out.sort();
     out
@@ -414,7 +415,8 @@ impl App {
             (false, false) => "   GONE: the last figures read".to_string(),
         };
         let paused = if self.paused { "   PAUSED" } else { "" };
-        let line1 = format!("alloctramp top   pid {}  {}   {state}{gone}{paused}", self.pid, p.command);
+        let command = alloctramp_trampolines::process::command_line(&p.command, &p.arguments);
+        let line1 = format!("alloctramp top   pid {}  {command}   {state}{gone}{paused}", self.pid);
         let (size, count, calls) =
             self.now.as_ref().map_or((0, 0, 0), |n| (n.total_size(), n.total_count(), n.total_calls()));
         let live = self.now.as_ref().is_none_or(|n| n.live);

@@ -165,8 +165,11 @@ fn run_follows_a_scripts_children_and_adds_up_the_tree() {
     std::fs::create_dir_all(&bin).unwrap();
     let grower = build_grower(&bin);
     let script = bin.join("twice.sh");
-    std::fs::write(&script, format!("#!/bin/sh\necho start\n{0}\n{0} > /dev/null\necho end\n", grower.display()))
-        .unwrap();
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\necho start\n{0} first\n{0} 'two words' > /dev/null\necho end\n", grower.display()),
+    )
+    .unwrap();
     std::os::unix::fs::PermissionsExt::set_mode(&mut std::fs::metadata(&script).unwrap().permissions(), 0o755);
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let cache = dir.join("cache");
@@ -217,7 +220,10 @@ fn run_follows_a_scripts_children_and_adds_up_the_tree() {
     let err = String::from_utf8_lossy(&o.stderr);
     let listed = err.lines().filter(|l| l.starts_with("alloctramp:   pid ")).count();
     assert_eq!(listed, 3, "one line per process: {err}");
-    assert_eq!(err.lines().filter(|l| l.contains(&format!("`{}`", grower.display()))).count(), 2, "{err}");
+    // Each process is named by its command line.
+    for child in [format!("`{} first`", grower.display()), format!("`{} 'two words'`", grower.display())] {
+        assert_eq!(err.lines().filter(|l| l.contains(&child)).count(), 1, "{child} in {err}");
+    }
     assert!(err.contains("alloctramp: the tree's totals: "), "{err}");
 }
 

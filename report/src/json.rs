@@ -87,6 +87,7 @@ pub struct ProcessDoc<'a> {
     pub path: &'a str,
     pub pid: u32,
     pub command: &'a str,
+    pub arguments: &'a [String],
     /// The process that wrote the file is running now.
     pub running: bool,
     pub on: bool,
@@ -115,6 +116,7 @@ impl<'a> ProcessDoc<'a> {
             path,
             pid: p.pid,
             command: &p.command,
+            arguments: &p.arguments,
             running,
             on: p.on,
             exited: p.exited,
@@ -262,6 +264,7 @@ mod tests {
   "path": "/run/42.counters",
   "pid": 42,
   "command": "prog",
+  "arguments": [],
   "running": false,
   "on": true,
   "exited": false,

@@ -171,6 +171,8 @@ pub struct ProcessInfo {
     pub pid: u32,
     /// `argv[0]`.
     pub command: String,
+    /// The other arguments, as many as the counters file holds.
+    pub arguments: Vec<String>,
     /// Profiling was on.
     pub on: bool,
     /// The process exited: the file is its final snapshot.

@@ -37,6 +37,7 @@ pub fn process_info(pf: &ProcessFile) -> ProcessInfo {
     ProcessInfo {
         pid: pf.pid,
         command: pf.command.clone(),
+        arguments: pf.arguments.clone(),
         on: pf.on,
         exited: pf.exited,
         live: pf.live(),

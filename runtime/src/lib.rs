@@ -121,9 +121,10 @@ fn counters_dir() -> String {
     process::default_dir(std::env::var("XDG_RUNTIME_DIR").ok().as_deref(), uid)
 }
 
+/// The command line as the kernel keeps it: argv[0] and each argument,
+/// each ended by a NUL (the process file keeps what fits).
 fn command_name() -> Vec<u8> {
-    let cmd = std::fs::read("/proc/self/cmdline").unwrap_or_default();
-    cmd.split(|&c| c == 0).next().unwrap_or(&[]).to_vec()
+    std::fs::read("/proc/self/cmdline").unwrap_or_default()
 }
 
 /// How a running process hears requests.

@@ -109,7 +109,8 @@ pub struct ProcHeader {
     pub reset_time: AtomicU64,
     /// Start time (seconds since the epoch).
     pub start_time: AtomicU64,
-    /// The command (argv[0]), NUL-padded.
+    /// The command line: argv[0], then each argument, each ended by a NUL
+    /// (cut to leave a NUL at the end), NUL-padded.
     pub command: [AtomicU8; 112],
     /// Nanoseconds the last switch took.
     pub last_switch_ns: AtomicU64,
@@ -334,6 +335,19 @@ impl ProcHeader {
         String::from_utf8_lossy(&b).into_owned()
     }
 
+    /// The arguments of a command line field ([`ProcHeader::command`]):
+    /// the NUL-ended strings after the first (empty ones at the end are
+    /// padding).
+    pub fn arguments(field: &[AtomicU8]) -> Vec<String> {
+        let b: Vec<u8> = field.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let mut parts: Vec<String> =
+            b.split(|&c| c == 0).skip(1).map(|p| String::from_utf8_lossy(p).into_owned()).collect();
+        while parts.last().is_some_and(|p| p.is_empty()) {
+            parts.pop();
+        }
+        parts
+    }
+
     /// Stores `text` into a NUL-padded field (cut to leave one NUL).
     pub fn set_text(field: &[AtomicU8], text: &[u8]) {
         for (i, c) in field.iter().enumerate() {
@@ -347,6 +361,24 @@ impl ProcHeader {
         let n = (self.module_count.load(Ordering::Acquire) as usize).min(self.modules.len());
         self.modules.get(..n).unwrap_or_default()
     }
+}
+
+/// A command line for people to read: `command` and `arguments` separated
+/// by spaces, an argument quoted as a shell would need it (`'...'`) when
+/// it is empty or holds white space, quotes or backslashes.
+pub fn command_line(command: &str, arguments: &[String]) -> String {
+    let mut s = command.to_string();
+    for a in arguments {
+        s.push(' ');
+        if !a.is_empty() && !a.chars().any(|c| c.is_whitespace() || matches!(c, '\'' | '"' | '\\' | '$' | '`')) {
+            s.push_str(a);
+        } else {
+            s.push('\'');
+            s.push_str(&a.replace('\'', "'\\''"));
+            s.push('\'');
+        }
+    }
+    s
 }
 
 /// What a requester asks of a running process (the header's
@@ -485,7 +517,10 @@ pub struct ProcessFile<'a> {
     pub generation: u64,
     pub exited: bool,
     pub watcher: bool,
+    /// argv[0].
     pub command: String,
+    /// The other arguments (as many as the header holds).
+    pub arguments: Vec<String>,
     pub last_error: String,
     pub module_count: u32,
     pub last_switch_ns: u64,
@@ -530,6 +565,7 @@ impl<'a> ProcessFile<'a> {
             exited: get32(&h.exited) == 1,
             watcher: get32(&h.watcher) == 1,
             command: ProcHeader::text(&h.command),
+            arguments: ProcHeader::arguments(&h.command),
             last_switch_ns: get64(&h.last_switch_ns),
             last_switch_sites: get64(&h.last_switch_sites),
             last_switch_time: get64(&h.last_switch_time),
@@ -878,6 +914,16 @@ mod tests {
         assert_eq!(bytes[512 + 32..512 + 40], 7u64.to_le_bytes());
         let again = crate::pod::copy::<ProcHeader>(bytes).unwrap();
         assert_eq!(ProcHeader::text(&again.command), "server --port 1");
+        // A command line: argv[0] and the arguments, each ended by a NUL;
+        // cut where the field ends.
+        ProcHeader::set_text(&h.command, b"git\0pack-objects\0\0--stdout\0");
+        assert_eq!(ProcHeader::text(&h.command), "git");
+        assert_eq!(ProcHeader::arguments(&h.command), ["pack-objects", "", "--stdout"]);
+        assert_eq!(command_line("git", &ProcHeader::arguments(&h.command)), "git pack-objects '' --stdout");
+        let long: Vec<u8> = (0..200).map(|i| if i % 10 == 9 { 0 } else { b'a' }).collect();
+        ProcHeader::set_text(&h.command, &long);
+        let args = ProcHeader::arguments(&h.command);
+        assert_eq!((args.len(), args[9].as_str(), args[10].as_str()), (11, "aaaaaaaaa", "a"));
         assert_eq!(again.published().len(), 1);
         assert!(crate::pod::copy::<ProcHeader>(&bytes[..100]).is_none());
     }
