@@ -343,7 +343,8 @@ fn moved_together_with_the_runtime_it_still_starts() {
 /// A patched file does not name its runtime in `DT_NEEDED`: its init stub
 /// loads it with `dlopen`. Without it the program runs as the original,
 /// and only the program (not each patched library) says why, on stderr,
-/// and only when an `ALLOCTRAMP` variable asks for profiling.
+/// and only when `ALLOCTRAMP` is set (other variables of alloctramp's, like
+/// the test tiers' `ALLOCTRAMP_SLOW`, do not ask for profiling).
 #[test]
 fn a_program_whose_runtime_is_missing_runs_unprofiled_and_says_why_once() {
     const RUNTIME: &str = alloctramp_trampolines::layout::RUNTIME_SONAME;
@@ -363,7 +364,7 @@ fn a_program_whose_runtime_is_missing_runs_unprofiled_and_says_why_once() {
     let c = counters.to_str().unwrap();
     let (out, err, code) = run_program(&b.path("uses_lib"), &[], &[("LD_LIBRARY_PATH", b.dir.to_str().unwrap())]);
     assert_eq!((err.as_str(), code), ("", 0));
-    let off = run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d)]);
+    let off = run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d), ("ALLOCTRAMP_DIR", c)]);
     assert_eq!(off, (out.clone(), String::new(), 0), "profiling off: as the original, silent");
     let on =
         run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d), ("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", c)]);

@@ -1237,8 +1237,9 @@ pub struct Load<'a> {
     /// The path given to `dlopen` (`$ORIGIN` is the module's directory).
     pub path: &'a str,
     /// Whether to say on stderr why profiling is unavailable when the
-    /// runtime cannot be loaded and the environment names an `ALLOCTRAMP`
-    /// variable (a program's stub: one line per process).
+    /// runtime cannot be loaded and the environment sets `ALLOCTRAMP`
+    /// (profiling asked for at start; a program's stub: one line per
+    /// process).
     pub say: bool,
 }
 
@@ -1248,8 +1249,8 @@ const RTLD_NOW_GLOBAL: i32 = 0x2 | 0x100;
 
 /// What the stub says before `dlerror`'s text.
 const UNAVAILABLE: &[u8] = b"alloctramp: profiling unavailable: ";
-/// The prefix of the variables that ask for profiling.
-const VARIABLE_PREFIX: &[u8] = b"ALLOCTRAMP";
+/// How the environment string that asks for profiling at start begins.
+const VARIABLE_PREFIX: &[u8] = b"ALLOCTRAMP=";
 
 /// The module's init (or fini) stub, called by the dynamic linker through
 /// DT_INIT (DT_FINI): calls the runtime's `register` (`unregister`) with the
@@ -1262,8 +1263,8 @@ const VARIABLE_PREFIX: &[u8] = b"ALLOCTRAMP";
 /// loaded before provides it) loads it with `dlopen(load.path)` and finds
 /// its API table with `dlsym`, keeping it in the slot for the fini stub.
 /// If that fails the module runs unprofiled; with `load.say`, the stub
-/// writes one line to stderr with `dlerror`'s text when an environment
-/// variable's name starts with `ALLOCTRAMP`.
+/// writes one line to stderr with `dlerror`'s text when the environment
+/// sets `ALLOCTRAMP`.
 pub fn init_stub(
     at: u64,
     control: u64,
