@@ -553,10 +553,7 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
         };
         let names: Vec<&str> = figs.modules.iter().map(|m| m.name.as_str()).collect();
         let sites: u64 = figs.modules.iter().map(|m| m.sites as u64).sum();
-        let command = match pf.command.is_empty() {
-            true => "?".to_string(),
-            false => alloctramp_trampolines::process::command_line(&pf.command, &pf.arguments),
-        };
+        let command = if pf.command.is_empty() { "?".to_string() } else { pf.command_line() };
         found.push((pid, format!("{pid:>8} {state:<8} {live:>12} {sites:>7} {:<24} {command}", names.join(","))));
     }
     found.sort();

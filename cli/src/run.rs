@@ -423,7 +423,7 @@ fn process_line(src: &Source, figs: &Figures) -> String {
         (false, true) => "exited",
         (false, false) => "ended, its exit handlers not run",
     };
-    let command = alloctramp_trampolines::process::command_line(&p.command, &p.arguments);
+    let command = p.command_line();
     format!("pid {} `{command}` ({state}): {}", p.pid, totals_line(figs).trim_start_matches("totals: "))
 }
 

@@ -334,7 +334,7 @@ fn index(state: &State) -> Reply {
             "<tr><td>{pid}</td><td>{}</td><td>{state}</td><td>{live}</td><td>{sites}</td>\
              <td><a href=\"/debug/pprof/heap?pid={pid}\">/debug/pprof/heap?pid={pid}</a></td>\
              <td><a href=\"/process?pid={pid}\">charts</a></td></tr>",
-            html(&alloctramp_trampolines::process::command_line(&p.command, &p.arguments)),
+            html(&p.command_line()),
             pid = p.pid
         );
     }
@@ -387,9 +387,7 @@ fn json(value: &impl serde::Serialize) -> Reply {
 fn page(state: &State, query: &str) -> Reply {
     match chosen(state, query) {
         Ok(src) => {
-            let title = src.parse().map_or(String::new(), |p| {
-                format!("{} {}", p.pid, alloctramp_trampolines::process::command_line(&p.command, &p.arguments))
-            });
+            let title = src.parse().map_or(String::new(), |p| format!("{} {}", p.pid, p.command_line()));
             (200, "text/html; charset=utf-8", PAGE_HTML.replace("{title}", &html(&title)).into_bytes())
         }
         Err(r) => r,

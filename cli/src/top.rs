@@ -150,7 +150,7 @@ fn running(dir: &Path) -> Vec<(u32, String)> {
         let Ok(figs) = src.figures() else { continue };
         let p = &figs.process;
         let live = figs.live_bytes().map_or("-".to_string(), |b| b.to_string());
-        let command = alloctramp_trampolines::process::command_line(&p.command, &p.arguments);
+        let command = p.command_line();
         out.push((p.pid, format!("{:>8}  {:<4} {live:>14}  {command}", p.pid, if p.on { "on" } else { "off" })));
     }
     out.sort();
@@ -415,7 +415,7 @@ impl App {
             (false, false) => "   GONE: the last figures read".to_string(),
         };
         let paused = if self.paused { "   PAUSED" } else { "" };
-        let command = alloctramp_trampolines::process::command_line(&p.command, &p.arguments);
+        let command = p.command_line();
         let line1 = format!("alloctramp top   pid {}  {command}   {state}{gone}{paused}", self.pid);
         let (size, count, calls) =
             self.now.as_ref().map_or((0, 0, 0), |n| (n.total_size(), n.total_count(), n.total_calls()));

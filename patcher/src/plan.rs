@@ -786,7 +786,7 @@ fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
 
 /// The init and fini stubs, which register the module with the runtime
 /// (the init stub loading it from `runtime` first if no loaded module
-/// provides it; a program's saying why on stderr when that fails and an
+/// provides it; a program's saying why on stderr when that fails and
 /// `ALLOCTRAMP` is set) and continue to the input's DT_INIT and
 /// DT_FINI functions, if any.
 fn plan_stubs(

@@ -165,6 +165,14 @@ pub struct ModuleInfo {
     pub bias: u64,
 }
 
+impl ProcessInfo {
+    /// The command line for people to read (see
+    /// [`alloctramp_trampolines::process::command_line`]).
+    pub fn command_line(&self) -> String {
+        alloctramp_trampolines::process::command_line(&self.command, &self.arguments)
+    }
+}
+
 /// The process a file describes, and its state when the file was read.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ProcessInfo {

@@ -1273,6 +1273,9 @@ pub fn init_stub(
     original: Option<u64>,
     load: Option<Load>,
 ) -> R<Vec<u8>> {
+    if load.is_some_and(|l| l.path.as_bytes().contains(&0)) {
+        return Err(CodegenError::NulInPath);
+    }
     let mut a = CodeAssembler::new(64)?;
     let slot = |f: u32| rip(control + u64::from(f));
     a.endbr64()?;
@@ -1328,9 +1331,6 @@ pub fn init_stub(
         None => a.ret()?,
     }
     if let Some((text, mut path, mut name)) = data {
-        if text.as_bytes().contains(&0) {
-            return Err(CodegenError::NulInPath);
-        }
         a.set_label(&mut path)?;
         a.db(&[text.as_bytes(), &[0]].concat())?;
         a.set_label(&mut name)?;
@@ -1367,7 +1367,9 @@ fn say_unavailable(a: &mut CodeAssembler, control: u64, done: CodeLabel) -> R<()
     a.inc(edx)?;
     a.jmp(compare)?;
     a.set_label(&mut found)?;
-    write_stderr(a, |a| Ok(a.lea(rsi, qword_ptr(message))?), |a| Ok(a.mov(edx, UNAVAILABLE.len() as i32)?))?;
+    a.lea(rsi, qword_ptr(message))?;
+    a.mov(edx, UNAVAILABLE.len() as i32)?;
+    write_stderr(a)?;
     a.add_instruction(Instruction::with2(
         Code::Mov_r64_rm64,
         Register::RAX,
@@ -1387,9 +1389,11 @@ fn say_unavailable(a: &mut CodeAssembler, control: u64, done: CodeLabel) -> R<()
     a.lea(rdx, qword_ptr(rdx + 1))?;
     a.jne(count)?;
     a.dec(rdx)?;
-    write_stderr(a, |_| Ok(()), |_| Ok(()))?;
+    write_stderr(a)?;
     a.set_label(&mut end)?;
-    write_stderr(a, |a| Ok(a.lea(rsi, qword_ptr(newline))?), |a| Ok(a.mov(edx, 1)?))?;
+    a.lea(rsi, qword_ptr(newline))?;
+    a.mov(edx, 1)?;
+    write_stderr(a)?;
     a.jmp(done)?;
     a.set_label(&mut prefix)?;
     a.db(&[VARIABLE_PREFIX, &[0]].concat())?;
@@ -1400,15 +1404,8 @@ fn say_unavailable(a: &mut CodeAssembler, control: u64, done: CodeLabel) -> R<()
     Ok(())
 }
 
-/// `write(2, rsi, rdx)` by system call, after `buf` and `len` set rsi and
-/// rdx. Clobbers rax, rcx, rdi and r11.
-fn write_stderr(
-    a: &mut CodeAssembler,
-    buf: impl FnOnce(&mut CodeAssembler) -> R<()>,
-    len: impl FnOnce(&mut CodeAssembler) -> R<()>,
-) -> R<()> {
-    buf(a)?;
-    len(a)?;
+/// `write(2, rsi, rdx)` by system call. Clobbers rax, rcx, rdi and r11.
+fn write_stderr(a: &mut CodeAssembler) -> R<()> {
     a.mov(eax, 1)?;
     a.mov(edi, 2)?;
     a.syscall()?;

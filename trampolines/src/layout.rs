@@ -482,7 +482,9 @@ pub struct Entry {
 #[repr(C)]
 #[derive(Debug, Default)]
 pub struct ControlBlock {
-    /// GOT slot the dynamic linker fills with the runtime's API table.
+    /// GOT slot the dynamic linker fills with the runtime's API table (a
+    /// weak import: 0 when no module loaded before exports it; the init
+    /// stub then writes what `dlsym` finds after loading the runtime).
     pub runtime: AtomicU64,
     /// Offset from the thread pointer (fs) of glibc's `struct rseq`; its
     /// `cpu_id` field selects the counter shard.

@@ -541,6 +541,11 @@ pub struct ProcessFile<'a> {
 }
 
 impl<'a> ProcessFile<'a> {
+    /// The command line for people to read (see [`command_line`]).
+    pub fn command_line(&self) -> String {
+        command_line(&self.command, &self.arguments)
+    }
+
     /// Live tracking was on in this process: live figures are meaningful.
     pub fn live(&self) -> bool {
         self.flags & flags::LIVE != 0
