@@ -83,6 +83,7 @@ impl WrapperArgs {
             imported: imported.roles,
             imported_charged: imported.charged,
             imported_hooks: imported.hooks,
+            imported_plumbing: imported.plumbing,
             imported_keys: imported.keys,
             libraries: imported.from,
             named,

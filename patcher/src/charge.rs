@@ -102,12 +102,15 @@ impl Unwinding {
 ///
 /// Functions of allocation plumbing (`plumbing`, matched on demangled
 /// symbol names) that are neither get one as well: calls to those that
-/// allocate become hooks.
+/// allocate become hooks. So do the functions of `imported_plumbing` the
+/// file imports (symbol -> library: plumbing that is a hook in its
+/// library).
 pub fn entries(
     elf: &Elf,
     entries: &mut Vec<EntryPoint>,
     wrappers: &[WrapperInfo],
     plumbing: &Plumbing,
+    imported_plumbing: &HashMap<String, String>,
     unwinding: Unwinding,
 ) -> Vec<Charged> {
     // What the entry points already reach, by address and name.
@@ -171,6 +174,32 @@ pub fn entries(
     if !unwinding.hooks() {
         return out;
     }
+    let imports: std::collections::BTreeSet<&str> = elf
+        .symbols(true)
+        .iter()
+        .filter(|s| !s.defined && s.is_func && imported_plumbing.contains_key(s.name) && !names.contains(s.name))
+        .map(|s| s.name)
+        .collect();
+    for name in imports {
+        out.push(Charged {
+            entry: entries.len(),
+            wrapper: None,
+            code: None,
+            open: true,
+            kind: Kind::Alloc,
+            countable: false,
+            imported_hook: true,
+            frees: Frees::default(),
+            at: None,
+            offsets: Offsets::default(),
+        });
+        entries.push(EntryPoint {
+            target: Target::Symbol(name.to_string()),
+            display: crate::symbols::demangle(name),
+            sig: Signature::alloc(Size::None),
+            args: 6,
+        });
+    }
     let mut seen: HashSet<u64> = taken;
     seen.extend(wrappers.iter().filter_map(|w| w.addr.map(|a| a.0)));
     for s in &symbols {
@@ -193,12 +222,13 @@ pub fn entries(
             at: None,
             offsets: Offsets::default(),
         });
-        entries.push(EntryPoint {
-            target: Target::Address(s.value),
-            display: name,
-            sig: Signature::alloc(Size::None),
-            args: 6,
-        });
+        // Reached by its name when exported (its library's own calls may go
+        // through the PLT), as a wrapper is.
+        let target = match exported.get(&s.value) {
+            Some(sym) if !names.contains(*sym) => Target::Symbol(sym.to_string()),
+            _ => Target::Address(s.value),
+        };
+        entries.push(EntryPoint { target, display: name, sig: Signature::alloc(Size::None), args: 6 });
     }
     out
 }

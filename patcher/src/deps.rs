@@ -171,6 +171,11 @@ pub struct Imported {
     /// Where the allocator's pointers are relative to those of the charged
     /// wrappers with a size header.
     pub keys: std::collections::HashMap<String, crate::scan::Keys>,
+    /// Exported functions of allocation plumbing (libstdc++'s
+    /// `basic_string::_M_construct`) whose calls are hooks in their library
+    /// patched charging callers: calls to them are hooks in the file too.
+    /// Symbol -> library file name.
+    pub plumbing: std::collections::HashMap<String, String>,
 }
 
 /// The wrappers the libraries `path` needs export. Libraries are searched
@@ -189,6 +194,8 @@ pub fn imported_wrappers(
     let mut charged = std::collections::HashSet::new();
     let mut hooks = std::collections::HashSet::new();
     let mut keys = std::collections::HashMap::new();
+    let mut plumbing = std::collections::HashMap::new();
+    let default_plumbing = crate::plumbing::Plumbing::default();
     let mut libs = libraries(path, elf);
     // Wrappers of wrappers across libraries: the ones needed last first.
     libs.reverse();
@@ -202,7 +209,17 @@ pub fn imported_wrappers(
         let search = crate::wrappers::Options { imported: roles.clone(), ..Default::default() };
         let (wrappers, _) = crate::wrappers::discover(&lib_elf, entries, &search);
         let exported = crate::wrappers::exported(&lib_elf, entries, &wrappers);
-        if charge && !exported.is_empty() {
+        // Its exported plumbing (code, symbol): a hook in the library when
+        // the sites inside are under a hook, or it calls hooks.
+        let pipes: Vec<(u64, u64, &str)> = lib_elf
+            .symbols(true)
+            .iter()
+            .filter(|s| s.defined && s.is_func && s.global && s.size > 0 && s.name.starts_with("_Z"))
+            .filter(|s| !exported.iter().any(|(n, _)| n == s.name))
+            .filter(|s| default_plumbing.matches(&crate::symbols::demangle(s.name)))
+            .map(|s| (s.value, s.value.saturating_add(s.size), s.name))
+            .collect();
+        if charge && (!exported.is_empty() || !pipes.is_empty()) {
             // The library analyzed as `patch` would, with the default entry
             // points: the search just made is the one it would make when
             // those are the entry points here too.
@@ -238,6 +255,16 @@ pub fn imported_wrappers(
                         }
                     }
                 }
+                for &(start, end, symbol) in &pipes {
+                    let hooked = a.scan.sites.iter().any(|s| {
+                        (s.under_hook || matches!(s.charge, crate::scan::Charge::Hook { .. }))
+                            && start <= s.vaddr.0
+                            && s.vaddr.0 < end
+                    });
+                    if hooked {
+                        plumbing.entry(symbol.to_string()).or_insert_with(|| name.clone());
+                    }
+                }
             }
         }
         for (symbol, role) in exported {
@@ -245,7 +272,7 @@ pub fn imported_wrappers(
             roles.entry(symbol).or_insert(role);
         }
     }
-    Imported { roles, from, charged, hooks, keys }
+    Imported { roles, from, charged, hooks, keys, plumbing }
 }
 
 /// Whether `p` is an x86-64 ELF shared object (the dynamic linker skips

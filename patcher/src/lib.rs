@@ -173,7 +173,7 @@ pub fn analyze_with(
     let plumbing = plumbing::Plumbing::with(&wrapper_opts.plumbing);
     let unwinding = charge::Unwinding::of(&elf);
     let charged = if wrapper_opts.charge {
-        charge::entries(&elf, &mut entries, &wrappers, &plumbing, unwinding)
+        charge::entries(&elf, &mut entries, &wrappers, &plumbing, &wrapper_opts.imported_plumbing, unwinding)
     } else {
         Vec::new()
     };

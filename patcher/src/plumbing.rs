@@ -35,6 +35,13 @@ pub const DEFAULT: &[&str] = &[
     "std::__cxx11::basic_string<*>::_M_*",
     "std::_Hashtable<*>::_M_*",
     "std::__detail::*",
+    "std::_Rb_tree<*>::_M_*",
+    "std::deque<*>::_M_*",
+    "std::_Deque_base<*>::_M_*",
+    "std::__cxx11::list<*>::_M_*",
+    "std::__cxx11::_List_base<*>::_M_*",
+    "std::__shared_count<*>::__shared_count*",
+    "std::_Function_base::_Base_manager<*>::_M_*",
     // Inlined code of the standard libraries' sources: Rust's as rustc
     // records them, libstdc++'s headers.
     "file:/rustc/*/library/*",
@@ -67,9 +74,13 @@ impl Plumbing {
         p
     }
 
-    /// Whether a demangled function name is plumbing.
+    /// Whether a demangled function name is plumbing. A C++ template
+    /// function's demangled name starts with its return type (`void
+    /// std::vector<int>::_M_realloc_insert<int>(...)`): the name after it
+    /// is matched too.
     pub fn matches(&self, name: &str) -> bool {
-        self.names.iter().any(|p| glob(p.as_bytes(), name.as_bytes()))
+        let one = |n: &str| self.names.iter().any(|p| glob(p.as_bytes(), n.as_bytes()));
+        one(name) || after_return_type(name).any(one)
     }
 
     /// Whether a frame is: its function's name, or the source file its code
@@ -78,6 +89,26 @@ impl Plumbing {
         name.is_some_and(|n| self.matches(n))
             || file.is_some_and(|f| self.files.iter().any(|p| glob(p.as_bytes(), f.as_bytes())))
     }
+}
+
+/// The tails of a demangled name after each space outside brackets that
+/// comes before its parameter list: where the name may start when a return
+/// type comes first (`std::pair<int, bool> std::map<...>::insert(...)`).
+fn after_return_type(name: &str) -> impl Iterator<Item = &str> {
+    let mut depth = 0i32;
+    let mut open = true;
+    name.char_indices().filter_map(move |(i, c)| {
+        match c {
+            '<' | '[' => depth += 1,
+            '>' | ']' => depth -= 1,
+            '(' if depth == 0 => open = false,
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ' ' if depth == 0 && open => return Some(&name[i + 1..]),
+            _ => {}
+        }
+        None
+    })
 }
 
 /// `*` matches any run of bytes; everything else itself.
@@ -121,10 +152,21 @@ mod tests {
             "__rustc::__rust_alloc",
             "std::__new_allocator<int>::allocate(unsigned long, void const*)",
             "core::ptr::drop_in_place<alloc::vec::Vec<alloc::string::String>>",
+            "void std::vector<int, std::allocator<int> >::_M_realloc_insert<int const&>(__gnu_cxx::__normal_iterator<int*, std::vector<int, std::allocator<int> > >, int const&)",
+            "std::pair<std::__detail::_Node_iterator<int, true, false>, bool> std::_Hashtable<int>::_M_insert<int const&>(int const&)",
         ] {
             assert!(p.matches(plumbing), "{plumbing}");
         }
-        for user in ["collections::main", "main", "std::vector<int>::push_back(int const&)", "parse_args", "allocate"] {
+        for user in [
+            "collections::main",
+            "main",
+            "std::vector<int>::push_back(int const&)",
+            "parse_args",
+            "allocate",
+            "operator new(unsigned long)",
+            "void make<std::vector<int> >(std::vector<int>&)",
+            "void consume(std::vector<int>::_M_x)",
+        ] {
             assert!(!p.matches(user), "{user}");
         }
         assert!(Plumbing::with(&["xml_*".into()]).matches("xml_new_node"));

@@ -1489,6 +1489,10 @@ pub struct Options {
     pub imported_keys: HashMap<String, crate::scan::Keys>,
     /// The library that exports each of `imported` (for listings).
     pub libraries: HashMap<String, String>,
+    /// Exported allocation plumbing of the file's libraries whose calls
+    /// are hooks there, by symbol: calls to them are hooks in the file too
+    /// (see [`crate::deps::Imported::plumbing`]).
+    pub imported_plumbing: HashMap<String, String>,
     /// Functions of the file named wrappers by the user, with their role.
     pub named: Vec<(String, Callee)>,
     /// Functions of the file that are not wrappers, whatever they look like.
