@@ -5,7 +5,11 @@
  * blocks and exits; the parent waits, then allocates 4 more. Each process
  * has its own counters: the parent's file shows 7 calls at the malloc
  * site, the child's 2 (a child starts from zero).
+ * `forker exec`: the child runs /bin/sh at once instead, allocating
+ * nothing in this program; `forker exec-killed`: the same, then the parent
+ * kills itself with SIGKILL once the child has ended (no exit handlers).
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,12 +30,18 @@ __attribute__((noinline, noclone, noipa)) static void allocate(int n)
     }
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    const char *mode = argc > 1 ? argv[1] : "";
+    int exec_child = strcmp(mode, "exec") == 0 || strcmp(mode, "exec-killed") == 0;
     allocate(3);
     fflush(stdout);
     pid_t pid = fork();
     if (pid == 0) {
+        if (exec_child) {
+            execl("/bin/sh", "sh", "-c", "exit 0", (char *)0);
+            _exit(127);
+        }
         allocate(2);
         printf("child %d\n", 2);
         fflush(stdout);
@@ -39,6 +49,8 @@ int main(void)
     }
     int status;
     waitpid(pid, &status, 0);
+    if (strcmp(mode, "exec-killed") == 0)
+        raise(SIGKILL);
     allocate(4);
     printf("parent %d\n", 7);
     return WEXITSTATUS(status);

@@ -41,15 +41,20 @@ fn examine(path: &Path, pid: u32) -> Option<Found> {
     }
     let mtime = meta.mtime() * 1_000_000_000 + meta.mtime_nsec();
     let state = match Snapshot::read(path).ok().as_ref().and_then(|s| {
-        ProcessFile::parse(&s.bytes).ok().map(|pf| FileState {
-            running: file_process_running(&pf),
-            profiled: pf.flags & flags::PROFILED != 0,
-            mtime,
+        ProcessFile::parse(&s.bytes).ok().map(|pf| {
+            let running = file_process_running(&pf);
+            let profiled = pf.flags & flags::PROFILED != 0;
+            FileState {
+                running,
+                profiled,
+                empty: profiled && !running && !pf.exited && process::counted_nothing(&s.bytes),
+                mtime,
+            }
         })
     }) {
         Some(s) => s,
         // Damaged, or written by another version: its process decides.
-        None => FileState { running: process_exists(pid), profiled: true, mtime },
+        None => FileState { running: process_exists(pid), profiled: true, empty: false, mtime },
     };
     Some(Found { path: path.to_path_buf(), bytes: meta.blocks() * 512, state })
 }

@@ -659,6 +659,63 @@ fn a_forked_child_counts_into_its_own_file_from_zero() {
     assert_eq!(v, vec![(2, true), (7, true)], "child and parent files: {by_pid:?}");
 }
 
+/// The counters files in `dir`, by the pid their header names, with the
+/// calls at their malloc sites and whether their process exited.
+fn forker_files(dir: &Path) -> BTreeMap<u64, (u64, bool)> {
+    let mut by_pid = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "counters") {
+            let doc = report(p.to_str().unwrap(), dir);
+            let malloc: u64 = doc["sites"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|s| s["entry"] == "malloc")
+                .map(|s| s["calls"].as_u64().unwrap())
+                .sum();
+            by_pid.insert(doc["pid"].as_u64().unwrap(), (malloc, doc["exited"].as_bool().unwrap()));
+        }
+    }
+    by_pid
+}
+
+#[test]
+fn a_forked_child_that_runs_another_program_leaves_no_counters_file() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("fork-exec");
+    let bin = dir.join("forker");
+    patch_to(&b.path("forker"), &bin, &[]);
+    let out = run_program(&bin, &["exec".into()], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    assert_eq!(out, ("parent 7\n".to_string(), String::new(), 0));
+    // The child's file (it counted nothing before it became /bin/sh) went
+    // when the parent exited, though the directory is within its bound.
+    let files = forker_files(&dir);
+    assert_eq!(files.values().copied().collect::<Vec<_>>(), [(7, true)], "the parent's file alone: {files:?}");
+}
+
+#[test]
+fn clean_removes_the_empty_file_of_a_forked_child_that_ran_another_program() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("fork-exec-clean");
+    let bin = dir.join("forker");
+    patch_to(&b.path("forker"), &bin, &[]);
+    // The parent is killed before its exit handlers could prune anything.
+    let out =
+        run_program(&bin, &["exec-killed".into()], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    assert_eq!(out, (String::new(), String::new(), -1), "killed by its signal");
+    let files = forker_files(&dir);
+    let mut v: Vec<(u64, bool)> = files.values().copied().collect();
+    v.sort();
+    assert_eq!(v, [(0, false), (3, false)], "the child's empty file and the killed parent's: {files:?}");
+    let o = alloctramp().arg("clean").arg("--dir").arg(&dir).arg("--keep").arg("10").output().unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("removed 1 counters file of ended processes"), "{err}");
+    let files = forker_files(&dir);
+    assert_eq!(files.values().copied().collect::<Vec<_>>(), [(3, false)], "the killed parent's stays: {files:?}");
+}
+
 fn mode(p: &Path) -> u32 {
     std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions()) & 0o7777
 }

@@ -364,11 +364,57 @@ fn runs(pid: u32, exe: (u64, u64)) -> bool {
     now == (0, 0) || exe == (0, 0) || now == exe
 }
 
+/// Whether the counters of the process file `f` are all zero (see
+/// [`process::counted_nothing`]), reading only the parts of them that are
+/// not holes. False when it cannot tell.
+fn counted_nothing(f: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    let mut header = vec![0u8; process::PROC_HEADER_SIZE as usize];
+    if f.read_exact_at(&mut header, 0).is_err() {
+        return false;
+    }
+    let Some(regions) = process::counters_regions(&header) else { return false };
+    let mut buf = vec![0u8; 64 << 10];
+    for (at, size) in regions {
+        let Some(end) = at.checked_add(size) else { return false };
+        let mut pos = at;
+        while pos < end {
+            // The next data at or after `pos`, and the hole after it (a file
+            // system without SEEK_DATA: all of it is data).
+            // SAFETY: lseek on a descriptor this function borrows.
+            let data = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
+            let (from, to) = match data {
+                -1 if sys::errno() == libc::ENXIO => break,
+                -1 => (pos, end),
+                d => {
+                    // SAFETY: as above.
+                    let hole = unsafe { libc::lseek(f.as_raw_fd(), d, libc::SEEK_HOLE) };
+                    (d as u64, if hole < 0 { end } else { (hole as u64).min(end) })
+                }
+            };
+            let mut at = from;
+            while at < to {
+                let n = buf.len().min((to - at) as usize);
+                let Some(part) = buf.get_mut(..n) else { return false };
+                if f.read_exact_at(part, at).is_err() || part.iter().any(|&b| b != 0) {
+                    return false;
+                }
+                at += n as u64;
+            }
+            pos = to.max(pos + 1);
+        }
+    }
+    true
+}
+
 /// Removes what [`process::files_to_remove`] says in `dir`: files of
-/// processes that ended without profiling, and all but the `keep` newest of
-/// the others, with their leftover control and temporary files. A directory
-/// with no more than `keep` counters files is left as it is (only its names
-/// are read). Not in signal context.
+/// processes that ended without profiling, files of processes that counted
+/// nothing before they replaced their program (a forked child that ran
+/// another program), and all but the `keep` newest of the others, with
+/// their leftover control and temporary files. Reads each file's first
+/// page, and the counters of those whose process ended without exiting.
+/// Not in signal context.
 pub fn prune(dir: &str, keep: usize) {
     use std::os::unix::fs::FileExt;
     use std::os::unix::fs::MetadataExt;
@@ -382,10 +428,6 @@ pub fn prune(dir: &str, keep: usize) {
             names.push(n.to_string());
         }
     }) {
-        return;
-    }
-    let count = names.iter().filter(|n| n.ends_with(".counters")).count();
-    if count <= keep {
         return;
     }
     let mut found: Vec<(u32, process::FileState)> = Vec::new();
@@ -418,10 +460,13 @@ pub fn prune(dir: &str, keep: usize) {
             continue;
         };
         let current = h.version == process::PROC_VERSION;
+        let running = !h.exited && runs(h.pid, h.exe);
+        // A file of another version: keep it like a snapshot.
+        let profiled = !current || h.flags & process::flags::PROFILED != 0;
         let state = process::FileState {
-            running: !h.exited && runs(h.pid, h.exe),
-            // A file of another version: keep it like a snapshot.
-            profiled: !current || h.flags & process::flags::PROFILED != 0,
+            running,
+            profiled,
+            empty: current && profiled && !running && !h.exited && counted_nothing(&f),
             mtime: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
         };
         found.push((pid, state));

@@ -689,25 +689,59 @@ pub struct FileState {
     pub running: bool,
     /// Profiling was on at some time ([`flags::PROFILED`]).
     pub profiled: bool,
+    /// Its process ended without exiting (it replaced its program, or was
+    /// killed) and counted nothing ([`counted_nothing`]): a forked child
+    /// that ran another program at once leaves such a file.
+    pub empty: bool,
     /// When the file was last written (any monotonic order will do).
     pub mtime: i64,
 }
 
 /// Which process files to remove: files of running processes stay; files of
-/// processes that ended (or replaced their program) without ever profiling
-/// go; of the others, the `keep` most recently written stay. The runtime
-/// applies this when a process exits, `alloctramp clean` on request.
+/// processes that ended (or replaced their program) without ever profiling,
+/// or without counting anything before they replaced their program, go; of
+/// the others, the `keep` most recently written stay. The runtime applies
+/// this when a process exits, `alloctramp clean` on request.
 pub fn files_to_remove(files: &[FileState], keep: usize) -> Vec<bool> {
+    let gone = |f: &FileState| !f.running && (!f.profiled || f.empty);
     let mut ended: Vec<(usize, i64)> =
-        files.iter().enumerate().filter(|(_, f)| !f.running && f.profiled).map(|(i, f)| (i, f.mtime)).collect();
+        files.iter().enumerate().filter(|(_, f)| !f.running && !gone(f)).map(|(i, f)| (i, f.mtime)).collect();
     ended.sort_by_key(|&(_, mtime)| std::cmp::Reverse(mtime));
-    let mut remove: Vec<bool> = files.iter().map(|f| !f.running && !f.profiled).collect();
+    let mut remove: Vec<bool> = files.iter().map(gone).collect();
     for &(i, _) in ended.iter().skip(keep) {
         if let Some(r) = remove.get_mut(i) {
             *r = true;
         }
     }
     remove
+}
+
+/// Where a process file's counters are (file offset and size, one region per
+/// published module), read from its first [`PROC_HEADER_SIZE`] bytes: all
+/// zero in a process that counted nothing. None: not a process file of this
+/// version, or one whose process counted an allocation it could not track.
+pub fn counters_regions(header: &[u8]) -> Option<Vec<(u64, u64)>> {
+    let h = crate::pod::copy::<ProcHeader>(header)?;
+    if h.magic != PROC_MAGIC || h.version.load(Ordering::Relaxed) != PROC_VERSION {
+        return None;
+    }
+    if h.untracked_allocs.load(Ordering::Relaxed) != 0 {
+        return None;
+    }
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    Some(h.published().iter().map(|s| (get(&s.counters_offset), get(&s.counters_size))).collect())
+}
+
+/// Whether the process file in `bytes` counted nothing: every counter of
+/// every module is zero (a counter only grows, so any call leaves one that
+/// is not). False for bytes that are not a whole process file.
+pub fn counted_nothing(bytes: &[u8]) -> bool {
+    counters_regions(bytes).is_some_and(|regions| {
+        regions.iter().all(|&(at, size)| {
+            let range = usize::try_from(at).ok().zip(usize::try_from(size).ok());
+            range.and_then(|(a, n)| bytes.get(a..a.checked_add(n)?)).is_some_and(|cells| cells.iter().all(|&b| b == 0))
+        })
+    })
 }
 
 /// What the first [`MODULE_SLOTS_AT`] bytes of a process file say about its
@@ -935,9 +969,41 @@ mod tests {
 
     #[test]
     fn only_files_of_ended_processes_go() {
-        let f = |running, profiled, mtime| FileState { running, profiled, mtime };
+        let f = |running, profiled, mtime| FileState { running, profiled, empty: false, mtime };
         let files = [f(true, false, 1), f(false, false, 2), f(false, true, 3), f(false, true, 4), f(false, true, 5)];
         assert_eq!(files_to_remove(&files, 2), [false, true, true, false, false]);
         assert_eq!(files_to_remove(&files, 0), [false, true, true, true, true]);
+        // Empty files go whatever the bound, and leave the bound to others;
+        // a running process's file stays, empty or not.
+        let empty = |running, mtime| FileState { running, profiled: true, empty: true, mtime };
+        let files = [f(false, true, 1), empty(false, 9), f(false, true, 3), empty(true, 8)];
+        assert_eq!(files_to_remove(&files, 2), [false, true, false, false]);
+        assert_eq!(files_to_remove(&files, 1), [true, true, false, false]);
+    }
+
+    #[test]
+    fn a_file_counted_nothing_while_every_counter_is_zero() {
+        let (t, c) = (PROC_HEADER_SIZE, PROC_HEADER_SIZE + 4096);
+        let mut h = crate::pod::copy::<ProcHeader>(&vec![0u8; PROC_HEADER_SIZE as usize]).unwrap();
+        h.magic = PROC_MAGIC;
+        h.version.store(PROC_VERSION, Ordering::Relaxed);
+        h.modules[0].table_offset.store(t, Ordering::Relaxed);
+        h.modules[0].table_size.store(4096, Ordering::Relaxed);
+        h.modules[0].counters_offset.store(c, Ordering::Relaxed);
+        h.modules[0].counters_size.store(4096, Ordering::Relaxed);
+        h.module_count.store(1, Ordering::Release);
+        let mut bytes = crate::pod::bytes_of(&*h).to_vec();
+        bytes.extend_from_slice(&[7u8; 4096]);
+        bytes.extend_from_slice(&[0u8; 4096]);
+        assert_eq!(counters_regions(&bytes), Some(vec![(c, 4096)]));
+        assert!(counted_nothing(&bytes), "the site table is not a counter");
+        bytes[c as usize + 4000] = 1;
+        assert!(!counted_nothing(&bytes));
+        assert!(!counted_nothing(&bytes[..c as usize + 100]), "cut short");
+        bytes[c as usize + 4000] = 0;
+        h.untracked_allocs.store(1, Ordering::Relaxed);
+        bytes[..PROC_HEADER_SIZE as usize].copy_from_slice(crate::pod::bytes_of(&*h));
+        assert!(!counted_nothing(&bytes), "an allocation it could not track");
+        assert!(!counted_nothing(&[0u8; 100]));
     }
 }
