@@ -158,13 +158,16 @@ pub struct Keys {
     pub ptr: i32,
 }
 
-/// Where entry points can be reached in one file.
+/// Where entry points can be reached in one file. Looked up for every
+/// call and jump of the file: hashed with foldhash (std's SipHash resists
+/// flooding, which addresses from the file being read need not: a crafted
+/// file only slows its own patching).
 #[derive(Default)]
 struct Targets {
     /// GOT slot address -> entry.
-    got: HashMap<u64, usize>,
+    got: foldhash::HashMap<u64, usize>,
     /// Code address (PLT stub or definition) -> entry and how.
-    code: HashMap<u64, (usize, Via)>,
+    code: foldhash::HashMap<u64, (usize, Via)>,
     lo: u64,
     hi: u64,
 }

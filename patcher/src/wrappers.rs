@@ -28,6 +28,11 @@ use iced_x86::{
 };
 use std::collections::{HashMap, HashSet};
 
+/// The maps looked up for every call the search follows: hashed with
+/// foldhash (addresses from the file being read need no protection against
+/// flooding; a crafted file only slows its own search).
+type FastMap<K, V> = foldhash::HashMap<K, V>;
+
 /// What a call reaches, as far as wrappers are concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Callee {
@@ -208,7 +213,7 @@ pub struct Code<'a> {
     pub ranges: Vec<(u64, &'a [u8])>,
     /// PLT stubs and GOT slots through which the file calls its own
     /// functions, and those functions' addresses.
-    pub local: HashMap<Target, u64>,
+    pub local: FastMap<Target, u64>,
 }
 
 impl<'a> Code<'a> {
@@ -233,10 +238,10 @@ pub fn find(
     // A first pass keeps only what each function calls and how it ends; the
     // instructions of the few candidates are decoded again when analyzed.
     let decoded: Vec<Decoded> = functions.iter().map(|&f| Decoded::new(code, f, false)).collect();
-    let by_start: HashMap<u64, usize> = functions.iter().enumerate().map(|(i, f)| (f.start, i)).collect();
-    let mut found: HashMap<u64, (Callee, u32)> = HashMap::new();
+    let by_start: FastMap<u64, usize> = functions.iter().enumerate().map(|(i, f)| (f.start, i)).collect();
+    let mut found: FastMap<u64, (Callee, u32)> = FastMap::default();
     let own = |t: Target| code.local.get(&t).map_or(t, |&a| Target::Code(a));
-    let resolve = |found: &HashMap<u64, (Callee, u32)>, t: Target| match own(t) {
+    let resolve = |found: &FastMap<u64, (Callee, u32)>, t: Target| match own(t) {
         Target::Code(a) => found.get(&a).map(|&(c, _)| c).or_else(|| known.callee(t)),
         Target::Slot(_) => known.callee(t),
     };
@@ -270,7 +275,7 @@ pub fn find(
 
     // Callers of each function, to analyze again only what a new wrapper
     // may have made a wrapper.
-    let mut callers: HashMap<u64, Vec<usize>> = HashMap::new();
+    let mut callers: FastMap<u64, Vec<usize>> = FastMap::default();
     for (i, d) in decoded.iter().enumerate() {
         for &t in d.calls.iter().chain(&d.jumps_out) {
             if let Target::Code(a) = own(t)
@@ -285,7 +290,7 @@ pub fn find(
     let mut todo: Vec<usize> = (0..functions.len())
         .filter(|&i| decoded[i].calls.iter().chain(&decoded[i].jumps_out).any(|&t| role(resolve(&found, t))))
         .collect();
-    let mut wrappers: HashMap<u64, Wrapper> = HashMap::new();
+    let mut wrappers: FastMap<u64, Wrapper> = FastMap::default();
     let mut depth = 1;
     while !todo.is_empty() {
         let mut next = HashSet::new();
@@ -958,105 +963,140 @@ fn flow(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>, fo
     // step, so that a step allocates nothing.
     let mut s = State::entry();
     let mut t = State::entry();
-    while let Some(i) = work.pop() {
-        if follow == Follow::UntilNoWrapper && (ends.lost || ends.escapes) {
-            break;
+    // Instructions a jump inside the function reaches: where paths join.
+    // Any other instruction is reached only from the one before it, so a
+    // path that falls through to it goes on with the same state, which is
+    // not stored (a state is kept only where paths may join, or after a
+    // conditional branch).
+    let mut joins = vec![false; d.instructions.len()];
+    for ins in &d.instructions {
+        if let Some(Target::Code(a)) = target_of(ins)
+            && inside(a)
+            && matches!(
+                ins.flow_control(),
+                FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch | FlowControl::IndirectBranch
+            )
+            && let Some(j) = index(a)
+            && let Some(b) = joins.get_mut(j)
+        {
+            *b = true;
         }
-        budget = budget.checked_sub(1)?;
-        let (Some(ins), Some(Some(state))) = (d.instructions.get(i), states.get(i)) else { continue };
+    }
+    'paths: while let Some(first) = work.pop() {
+        let Some(Some(state)) = states.get(first) else { continue };
         s.clone_from(state);
-        // Where the path goes on: the next instruction, then a jump's
-        // target (the order the work stack receives them).
-        let mut next: [Option<u64>; 2] = [None, None];
-        let mut taken = false;
-        let after = ins.next_ip();
-        match ins.flow_control() {
-            FlowControl::Return => {
-                ends.returned.push((s.get(Register::RAX), ins.ip()));
-                ends.exits.push(s.settled);
+        let mut i = first;
+        loop {
+            if follow == Follow::UntilNoWrapper && (ends.lost || ends.escapes) {
+                break 'paths;
             }
-            FlowControl::Call | FlowControl::IndirectCall => {
-                let callee = target_of(ins).and_then(resolve);
-                match callee {
-                    Some(Callee::NoReturn) => {}
-                    Some(Callee::Throws) => ends.throws = true,
-                    _ => {
-                        call(&mut s, ins, callee, &mut ends);
-                        next[0] = Some(after);
-                    }
+            budget = budget.checked_sub(1)?;
+            let Some(ins) = d.instructions.get(i) else { continue 'paths };
+            // Where the path goes on: the next instruction, then a jump's
+            // target (the order the work stack receives them).
+            let mut next: [Option<u64>; 2] = [None, None];
+            let mut taken = false;
+            let after = ins.next_ip();
+            match ins.flow_control() {
+                FlowControl::Return => {
+                    ends.returned.push((s.get(Register::RAX), ins.ip()));
+                    ends.exits.push(s.settled);
                 }
-            }
-            FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch | FlowControl::IndirectBranch => {
-                if ins.flow_control() == FlowControl::ConditionalBranch {
-                    next[0] = Some(after);
-                    // After a NULL test, the edge where the pointer is NULL
-                    // knows it is.
-                    if let Some(at) = s.zero_test {
-                        match ins.condition_code() {
-                            ConditionCode::e => {
-                                t.clone_from(&s);
-                                t.set_zero(at);
-                                taken = true;
-                            }
-                            ConditionCode::ne => {
-                                t.clone_from(&s);
-                                s.set_zero(at);
-                                taken = true;
-                            }
-                            _ => {}
+                FlowControl::Call | FlowControl::IndirectCall => {
+                    let callee = target_of(ins).and_then(resolve);
+                    match callee {
+                        Some(Callee::NoReturn) => {}
+                        Some(Callee::Throws) => ends.throws = true,
+                        _ => {
+                            call(&mut s, ins, callee, &mut ends);
+                            next[0] = Some(after);
                         }
                     }
                 }
-                match target_of(ins) {
-                    Some(Target::Code(a)) if inside(a) => next[1] = Some(a),
-                    Some(tc) => tail_call(&s, ins, resolve(tc), &mut ends),
-                    None => ends.lost = true,
+                FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch | FlowControl::IndirectBranch => {
+                    if ins.flow_control() == FlowControl::ConditionalBranch {
+                        next[0] = Some(after);
+                        // After a NULL test, the edge where the pointer is NULL
+                        // knows it is.
+                        if let Some(at) = s.zero_test {
+                            match ins.condition_code() {
+                                ConditionCode::e => {
+                                    t.clone_from(&s);
+                                    t.set_zero(at);
+                                    taken = true;
+                                }
+                                ConditionCode::ne => {
+                                    t.clone_from(&s);
+                                    s.set_zero(at);
+                                    taken = true;
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    match target_of(ins) {
+                        Some(Target::Code(a)) if inside(a) => next[1] = Some(a),
+                        Some(tc) => tail_call(&s, ins, resolve(tc), &mut ends),
+                        None => ends.lost = true,
+                    }
+                }
+                FlowControl::Interrupt | FlowControl::Exception => {
+                    // int3, ud2, hlt: the path ends here.
+                }
+                _ => {
+                    // Arguments passed on the stack (a seventh and further, or
+                    // a structure by value): not a wrapper a trampoline can
+                    // call with a frame of its own.
+                    if (0..ins.op_count()).any(|k| ins.op_kind(k) == OpKind::Memory)
+                        && s.slot(ins).is_some_and(|o| o >= 8)
+                    {
+                        ends.lost = true;
+                        ends.stack_args = true;
+                    }
+                    if stores_result_away(&s, ins) {
+                        ends.escapes = true;
+                    }
+                    step(&mut s, ins, &mut info);
+                    next[0] = Some(after);
                 }
             }
-            FlowControl::Interrupt | FlowControl::Exception => {
-                // int3, ud2, hlt: the path ends here.
+            let branch = ins.flow_control() == FlowControl::ConditionalBranch;
+            // Straight on to the next instruction, which only this one reaches.
+            if let [Some(a), None] = next
+                && !branch
+                && inside(a)
+                && d.instructions.get(i + 1).is_some_and(|n| n.ip() == a)
+                && joins.get(i + 1) == Some(&false)
+            {
+                i += 1;
+                continue;
             }
-            _ => {
-                // Arguments passed on the stack (a seventh and further, or
-                // a structure by value): not a wrapper a trampoline can
-                // call with a frame of its own.
-                if (0..ins.op_count()).any(|k| ins.op_kind(k) == OpKind::Memory) && s.slot(ins).is_some_and(|o| o >= 8)
-                {
+            for a in next.into_iter().flatten() {
+                let s = if taken && branch && a != after { &t } else { &s };
+                if !inside(a) {
+                    // Falling off the end: code after a call that never returns.
+                    continue;
+                }
+                // Where this instruction ends, the next one decoded starts.
+                let next_one = d.instructions.get(i + 1).filter(|n| n.ip() == a).map(|_| i + 1);
+                let Some(j) = next_one.or_else(|| index(a)) else {
                     ends.lost = true;
-                    ends.stack_args = true;
-                }
-                if stores_result_away(&s, ins) {
-                    ends.escapes = true;
-                }
-                step(&mut s, ins, &mut info);
-                next[0] = Some(after);
-            }
-        }
-        let branch = ins.flow_control() == FlowControl::ConditionalBranch;
-        for a in next.into_iter().flatten() {
-            let s = if taken && branch && a != after { &t } else { &s };
-            if !inside(a) {
-                // Falling off the end: code after a call that never returns.
-                continue;
-            }
-            // Where this instruction ends, the next one decoded starts.
-            let next_one = d.instructions.get(i + 1).filter(|n| n.ip() == a).map(|_| i + 1);
-            let Some(j) = next_one.or_else(|| index(a)) else {
-                ends.lost = true;
-                continue;
-            };
-            let Some(slot) = states.get_mut(j) else { continue };
-            match slot {
-                Some(old) => {
-                    if old.join(s) {
+                    continue;
+                };
+                let Some(slot) = states.get_mut(j) else { continue };
+                match slot {
+                    Some(old) => {
+                        if old.join(s) {
+                            work.push(j);
+                        }
+                    }
+                    None => {
+                        *slot = Some(s.clone());
                         work.push(j);
                     }
                 }
-                None => {
-                    *slot = Some(s.clone());
-                    work.push(j);
-                }
             }
+            continue 'paths;
         }
     }
     Some(ends)
@@ -1533,7 +1573,7 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
             }
         })
     };
-    let mut slots: HashMap<u64, Callee> = HashMap::new();
+    let mut slots: FastMap<u64, Callee> = FastMap::default();
     // The file's own functions that it calls through a GOT slot (an
     // exported function of a library, which may be interposed).
     let defined: HashMap<&str, u64> =
@@ -1548,8 +1588,8 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
             }
         }
     }
-    let mut local: HashMap<Target, u64> = own_slots.iter().map(|(&slot, &def)| (Target::Slot(slot), def)).collect();
-    let mut code: HashMap<u64, Callee> = HashMap::new();
+    let mut local: FastMap<Target, u64> = own_slots.iter().map(|(&slot, &def)| (Target::Slot(slot), def)).collect();
+    let mut code: FastMap<u64, Callee> = FastMap::default();
     for e in entries {
         if let (EntryTarget::Address(a), Some(role)) = (&e.target, role_of(e)) {
             code.insert(*a, role);
@@ -1704,7 +1744,7 @@ mod tests {
 
     fn run(funcs: &[Asm]) -> Found {
         let (bytes, functions) = build(funcs);
-        let code = Code { ranges: vec![(0x1000, &bytes)], local: HashMap::new() };
+        let code = Code { ranges: vec![(0x1000, &bytes)], local: FastMap::default() };
         let (w, noreturn) = find(&code, &functions, &libc, &|_| false);
         let index = |a: u64| functions.iter().position(|f| f.start == a).unwrap();
         (w.iter().map(|w| (index(w.start), w.role, w.depth)).collect(), noreturn.into_iter().map(index).collect(), w)
