@@ -631,89 +631,86 @@ fn an_object_of_an_unloaded_library_freed_through_another() {
     assert_eq!(f[&("libatshared.c".to_string(), line("free"), "free".to_string())], (4, 0, 0));
 }
 
-#[test]
-fn a_forked_child_counts_into_its_own_file_from_zero() {
-    let b = built(Config::default_o2());
-    let dir = counters_dir("fork");
-    let bin = dir.join("forker");
-    patch_to(&b.path("forker"), &bin, &[]);
-    let out = run_program(&bin, &[], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
-    assert_eq!(out, ("child 2\nparent 7\n".to_string(), String::new(), 0));
-    let mut by_pid = BTreeMap::new();
-    for e in std::fs::read_dir(&dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "counters") {
-            let doc = report(p.to_str().unwrap(), &dir);
-            let malloc: u64 = doc["sites"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|s| s["entry"] == "malloc")
-                .map(|s| s["calls"].as_u64().unwrap())
-                .sum();
-            by_pid.insert(doc["pid"].as_u64().unwrap(), (malloc, doc["on"].as_bool().unwrap()));
-        }
-    }
-    let mut v: Vec<(u64, bool)> = by_pid.values().copied().collect();
-    v.sort();
-    assert_eq!(v, vec![(2, true), (7, true)], "child and parent files: {by_pid:?}");
+/// What a forker process's counters file says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct ForkerFile {
+    /// Calls at its malloc sites.
+    mallocs: u64,
+    on: bool,
+    exited: bool,
 }
 
-/// The counters files in `dir`, by the pid their header names, with the
-/// calls at their malloc sites and whether their process exited.
-fn forker_files(dir: &Path) -> BTreeMap<u64, (u64, bool)> {
+/// Runs the patched forker with `args`, profiling on, its counters in a
+/// directory of `name`: its output, and that directory.
+fn run_forker(name: &str, args: &[String]) -> ((String, String, i32), PathBuf) {
+    let b = built(Config::default_o2());
+    let dir = counters_dir(name);
+    let bin = dir.join("forker");
+    patch_to(&b.path("forker"), &bin, &[]);
+    let out = run_program(&bin, args, &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    (out, dir)
+}
+
+/// The counters files in `dir`, in order (the pid each names is in the
+/// debug text).
+fn forker_files(dir: &Path) -> (Vec<ForkerFile>, String) {
     let mut by_pid = BTreeMap::new();
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
         if p.extension().is_some_and(|x| x == "counters") {
             let doc = report(p.to_str().unwrap(), dir);
-            let malloc: u64 = doc["sites"]
+            let mallocs: u64 = doc["sites"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .filter(|s| s["entry"] == "malloc")
                 .map(|s| s["calls"].as_u64().unwrap())
                 .sum();
-            by_pid.insert(doc["pid"].as_u64().unwrap(), (malloc, doc["exited"].as_bool().unwrap()));
+            let flag = |k: &str| doc[k].as_bool().unwrap_or_else(|| panic!("{k} in {doc}"));
+            let file = ForkerFile { mallocs, on: flag("on"), exited: flag("exited") };
+            by_pid.insert(doc["pid"].as_u64().unwrap(), file);
         }
     }
-    by_pid
+    let mut files: Vec<ForkerFile> = by_pid.values().copied().collect();
+    files.sort();
+    (files, format!("{by_pid:?}"))
+}
+
+#[test]
+fn a_forked_child_counts_into_its_own_file_from_zero() {
+    let (out, dir) = run_forker("fork", &[]);
+    assert_eq!(out, ("child 2\nparent 7\n".to_string(), String::new(), 0));
+    let (files, by_pid) = forker_files(&dir);
+    let on: Vec<(u64, bool)> = files.iter().map(|f| (f.mallocs, f.on)).collect();
+    assert_eq!(on, vec![(2, true), (7, true)], "child and parent files: {by_pid}");
 }
 
 #[test]
 fn a_forked_child_that_runs_another_program_leaves_no_counters_file() {
-    let b = built(Config::default_o2());
-    let dir = counters_dir("fork-exec");
-    let bin = dir.join("forker");
-    patch_to(&b.path("forker"), &bin, &[]);
-    let out = run_program(&bin, &["exec".into()], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    let (out, dir) = run_forker("fork-exec", &["exec".into()]);
     assert_eq!(out, ("parent 7\n".to_string(), String::new(), 0));
     // The child's file (it counted nothing before it became /bin/sh) went
     // when the parent exited, though the directory is within its bound.
-    let files = forker_files(&dir);
-    assert_eq!(files.values().copied().collect::<Vec<_>>(), [(7, true)], "the parent's file alone: {files:?}");
+    let (files, by_pid) = forker_files(&dir);
+    let left: Vec<(u64, bool)> = files.iter().map(|f| (f.mallocs, f.exited)).collect();
+    assert_eq!(left, [(7, true)], "the parent's file alone: {by_pid}");
 }
 
 #[test]
 fn clean_removes_the_empty_file_of_a_forked_child_that_ran_another_program() {
-    let b = built(Config::default_o2());
-    let dir = counters_dir("fork-exec-clean");
-    let bin = dir.join("forker");
-    patch_to(&b.path("forker"), &bin, &[]);
     // The parent is killed before its exit handlers could prune anything.
-    let out =
-        run_program(&bin, &["exec-killed".into()], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    let (out, dir) = run_forker("fork-exec-clean", &["exec-killed".into()]);
     assert_eq!(out, (String::new(), String::new(), -1), "killed by its signal");
-    let files = forker_files(&dir);
-    let mut v: Vec<(u64, bool)> = files.values().copied().collect();
-    v.sort();
-    assert_eq!(v, [(0, false), (3, false)], "the child's empty file and the killed parent's: {files:?}");
+    let (files, by_pid) = forker_files(&dir);
+    let v: Vec<(u64, bool)> = files.iter().map(|f| (f.mallocs, f.exited)).collect();
+    assert_eq!(v, [(0, false), (3, false)], "the child's empty file and the killed parent's: {by_pid}");
     let o = alloctramp().arg("clean").arg("--dir").arg(&dir).arg("--keep").arg("10").output().unwrap();
     assert!(o.status.success(), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("removed 1 counters file of ended processes"), "{err}");
-    let files = forker_files(&dir);
-    assert_eq!(files.values().copied().collect::<Vec<_>>(), [(3, false)], "the killed parent's stays: {files:?}");
+    let (files, by_pid) = forker_files(&dir);
+    let left: Vec<(u64, bool)> = files.iter().map(|f| (f.mallocs, f.exited)).collect();
+    assert_eq!(left, [(3, false)], "the killed parent's stays: {by_pid}");
 }
 
 fn mode(p: &Path) -> u32 {

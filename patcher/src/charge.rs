@@ -180,25 +180,25 @@ pub fn entries(
         .filter(|s| !s.defined && s.is_func && imported_plumbing.contains_key(s.name) && !names.contains(s.name))
         .map(|s| s.name)
         .collect();
-    for name in imports {
+    // A function of plumbing (its code, None: imported and hooked in its
+    // library) as the entry point `target`.
+    let mut add = |code: Option<(u64, u64)>, target: Target, display: String| {
         out.push(Charged {
             entry: entries.len(),
             wrapper: None,
-            code: None,
+            code,
             open: true,
             kind: Kind::Alloc,
             countable: false,
-            imported_hook: true,
+            imported_hook: code.is_none(),
             frees: Frees::default(),
             at: None,
             offsets: Offsets::default(),
         });
-        entries.push(EntryPoint {
-            target: Target::Symbol(name.to_string()),
-            display: crate::symbols::demangle(name),
-            sig: Signature::alloc(Size::None),
-            args: 6,
-        });
+        entries.push(EntryPoint { target, display, sig: Signature::alloc(Size::None), args: 6 });
+    };
+    for name in imports {
+        add(None, Target::Symbol(name.to_string()), crate::symbols::demangle(name));
     }
     let mut seen: HashSet<u64> = taken;
     seen.extend(wrappers.iter().filter_map(|w| w.addr.map(|a| a.0)));
@@ -210,25 +210,13 @@ pub fn entries(
         if !plumbing.matches(&name) {
             continue;
         }
-        out.push(Charged {
-            entry: entries.len(),
-            wrapper: None,
-            code: Some((s.value, s.value.saturating_add(s.size))),
-            open: true,
-            kind: Kind::Alloc,
-            countable: false,
-            imported_hook: false,
-            frees: Frees::default(),
-            at: None,
-            offsets: Offsets::default(),
-        });
         // Reached by its name when exported (its library's own calls may go
         // through the PLT), as a wrapper is.
         let target = match exported.get(&s.value) {
             Some(sym) if !names.contains(*sym) => Target::Symbol(sym.to_string()),
             _ => Target::Address(s.value),
         };
-        entries.push(EntryPoint { target, display: name, sig: Signature::alloc(Size::None), args: 6 });
+        add(Some((s.value, s.value.saturating_add(s.size))), target, name);
     }
     out
 }

@@ -211,11 +211,12 @@ pub fn imported_wrappers(
         let exported = crate::wrappers::exported(&lib_elf, entries, &wrappers);
         // Its exported plumbing (code, symbol): a hook in the library when
         // the sites inside are under a hook, or it calls hooks.
+        let wrapper_names: std::collections::HashSet<&str> = exported.iter().map(|(n, _)| n.as_str()).collect();
         let pipes: Vec<(u64, u64, &str)> = lib_elf
             .symbols(true)
             .iter()
             .filter(|s| s.defined && s.is_func && s.global && s.size > 0 && s.name.starts_with("_Z"))
-            .filter(|s| !exported.iter().any(|(n, _)| n == s.name))
+            .filter(|s| !wrapper_names.contains(s.name))
             .filter(|s| default_plumbing.matches(&crate::symbols::demangle(s.name)))
             .map(|s| (s.value, s.value.saturating_add(s.size), s.name))
             .collect();
@@ -226,23 +227,25 @@ pub fn imported_wrappers(
             let found = (entries == crate::entry_set(&[]).0.as_slice()).then_some(wrappers);
             let opts = crate::wrappers::Options { search: true, charge: true, found, ..search };
             if let Ok(a) = crate::analyze_with(&data, &name, None, &[], &opts) {
+                // Sites in [start, end) take a hook's charge, or call hooks.
+                let hooked = |start: u64, end: u64| {
+                    a.scan.sites.iter().any(|s| {
+                        (s.under_hook || matches!(s.charge, crate::scan::Charge::Hook { .. }))
+                            && start <= s.vaddr.0
+                            && s.vaddr.0 < end
+                    })
+                };
                 for (symbol, _) in &exported {
                     let function = crate::symbols::demangle(symbol);
                     let charges = a.scan.sites.iter().any(|s| {
                         matches!(s.charge, crate::scan::Charge::Inside { wrapper, checked: true, .. }
                             if a.wrappers.get(wrapper).is_some_and(|w| w.function == function))
                     });
-                    // Sites inside take a hook's charge, or it calls hooks.
-                    let hooked = a.wrappers.iter().filter(|w| w.function == function).any(|w| {
-                        w.addr.is_some_and(|start| {
-                            a.scan.sites.iter().any(|s| {
-                                (s.under_hook || matches!(s.charge, crate::scan::Charge::Hook { .. }))
-                                    && start.0 <= s.vaddr.0
-                                    && s.vaddr.0 < w.end.0
-                            })
-                        })
-                    });
-                    if hooked {
+                    if a.wrappers
+                        .iter()
+                        .filter(|w| w.function == function)
+                        .any(|w| w.addr.is_some_and(|start| hooked(start.0, w.end.0)))
+                    {
                         hooks.insert(symbol.clone());
                     }
                     if charges {
@@ -256,12 +259,7 @@ pub fn imported_wrappers(
                     }
                 }
                 for &(start, end, symbol) in &pipes {
-                    let hooked = a.scan.sites.iter().any(|s| {
-                        (s.under_hook || matches!(s.charge, crate::scan::Charge::Hook { .. }))
-                            && start <= s.vaddr.0
-                            && s.vaddr.0 < end
-                    });
-                    if hooked {
+                    if hooked(start, end) {
                         plumbing.entry(symbol.to_string()).or_insert_with(|| name.clone());
                     }
                 }

@@ -195,7 +195,7 @@ fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
 /// Starts the watcher thread; if it cannot start, the file says no watcher
 /// listens (so `alloctramp enable` says why instead of waiting).
 fn start_watcher() {
-    if !control::start_watcher(prune) {
+    if !control::start_watcher(prune_over_bound) {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
@@ -433,7 +433,7 @@ static FINI: extern "C" fn() = {
         // A process that keeps its file keeps the directory within its
         // bound; others leave that to the watcher threads.
         if state::PROFILED.load(Ordering::Relaxed) {
-            prune();
+            prune(true);
         }
     }
     run
@@ -443,13 +443,21 @@ static FINI: extern "C" fn() = {
 /// start-up.
 static KEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(process::DEFAULT_KEEP);
 
-/// Prunes the counters directory to its bound: in the watcher thread as it
-/// starts (the program does not wait for it), and at exit in a process
-/// that keeps its file.
-fn prune() {
+/// Prunes the counters directory: at exit in a process that keeps its file,
+/// reading every file (the empty files its forked children left when they
+/// ran other programs go then); `within_bound` false reads only the names
+/// of a directory within its bound.
+fn prune(within_bound: bool) {
     if let Some(dir) = DIR.get() {
-        procfile::prune(dir, KEEP.load(Ordering::Relaxed));
+        procfile::prune(dir, KEEP.load(Ordering::Relaxed), within_bound);
     }
+}
+
+/// Prunes a directory over its bound, in the watcher thread as it starts
+/// (the program does not wait for it): a process that never profiles reads
+/// only the directory's names.
+fn prune_over_bound() {
+    prune(false);
 }
 
 /// Called by a module's init stub.

@@ -414,12 +414,12 @@ fn counted_nothing(f: &std::fs::File) -> bool {
 /// another program), and all but the `keep` newest of the others, with
 /// their leftover control and temporary files. Reads each file's first
 /// page, and the counters of those whose process ended without exiting.
-/// Not in signal context.
-pub fn prune(dir: &str, keep: usize) {
+/// With `within_bound` false, a directory with no more than `keep` counters
+/// files is left as it is (only its names are read). Not in signal context.
+pub fn prune(dir: &str, keep: usize, within_bound: bool) {
     use std::os::unix::fs::FileExt;
     use std::os::unix::fs::MetadataExt;
     use std::os::unix::fs::OpenOptionsExt;
-    // Within the bound whatever the files say: no file needs reading.
     // (Directories are read with getdents64, not std's read_dir: see
     // `sys::for_each_dir_entry`.)
     let mut names: Vec<String> = Vec::new();
@@ -428,6 +428,9 @@ pub fn prune(dir: &str, keep: usize) {
             names.push(n.to_string());
         }
     }) {
+        return;
+    }
+    if !within_bound && names.iter().filter(|n| n.ends_with(".counters")).count() <= keep {
         return;
     }
     let mut found: Vec<(u32, process::FileState)> = Vec::new();
