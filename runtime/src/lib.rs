@@ -208,7 +208,18 @@ fn start_watcher() {
 static MODE: OnceLock<Switch> = OnceLock::new();
 static DIR: OnceLock<String> = OnceLock::new();
 
+/// The process forked since it started (a `fork`, which runs the fork
+/// handlers: `posix_spawn` and `vfork` children exec at once and never
+/// have a counters file). Its exit then looks for the empty files children
+/// that ran other programs left.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn after_fork_in_parent() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
 extern "C" fn after_fork_in_child() {
+    FORKED.store(false, Ordering::Relaxed);
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
     // The child profiled only if its sites are on now.
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
@@ -354,8 +365,9 @@ fn init() {
         foreign::look_up_now();
         install(n, control::on_signal, false);
     }
-    // SAFETY: registering a fork handler that runs in the child.
-    unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    // SAFETY: registering fork handlers that run in the parent and the
+    // child.
+    unsafe { libc::pthread_atfork(None, Some(after_fork_in_parent), Some(after_fork_in_child)) };
     scan_loaded_modules(false);
     if mode == Switch::Thread && have_file {
         start_watcher();
@@ -433,7 +445,7 @@ static FINI: extern "C" fn() = {
         // A process that keeps its file keeps the directory within its
         // bound; others leave that to the watcher threads.
         if state::PROFILED.load(Ordering::Relaxed) {
-            prune(true);
+            prune(FORKED.load(Ordering::Relaxed));
         }
     }
     run
@@ -443,10 +455,10 @@ static FINI: extern "C" fn() = {
 /// start-up.
 static KEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(process::DEFAULT_KEEP);
 
-/// Prunes the counters directory: at exit in a process that keeps its file,
-/// reading every file (the empty files its forked children left when they
-/// ran other programs go then); `within_bound` false reads only the names
-/// of a directory within its bound.
+/// Prunes the counters directory, at exit in a process that keeps its file.
+/// `within_bound` (a process that forked) reads every file, so that the
+/// empty files its children left when they ran other programs go; without
+/// it, a directory within its bound costs only the reading of its names.
 fn prune(within_bound: bool) {
     if let Some(dir) = DIR.get() {
         procfile::prune(dir, KEEP.load(Ordering::Relaxed), within_bound);
