@@ -113,7 +113,6 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
         entries: vec![],
         runtime: None,
         runtime_link: RuntimeLink::Origin,
-        shards: 16,
         no_library_unwind: false,
         skip_allocator_layers: false,
     })?;

@@ -40,10 +40,6 @@ pub struct Args {
     /// How the patched file finds the runtime.
     #[arg(long, value_enum, default_value = "origin")]
     pub runtime_link: RuntimeLink,
-    /// Counter shards per module (a power of two; threads on different
-    /// CPUs count into different shards).
-    #[arg(long, default_value_t = 16)]
-    pub shards: u32,
     /// Do not carry the unwind rows of the libraries the file needs (call
     /// chains then end at the first frame in one of them).
     #[arg(long)]
@@ -179,12 +175,7 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         Ok(elf) if !args.no_library_unwind => alloctramp_patcher::deps::foreign_unwind(&args.input, &elf),
         _ => Vec::new(),
     };
-    let opts = PatchOptions {
-        runtime_path: needed,
-        shards: args.shards,
-        foreign_unwind,
-        skip_allocator_layers: args.skip_allocator_layers,
-    };
+    let opts = PatchOptions { runtime_path: needed, foreign_unwind, skip_allocator_layers: args.skip_allocator_layers };
     let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
 
     // The runtime copy and the output are renamed into place together,

@@ -199,7 +199,6 @@ pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, role: Role) -
         entries: entries.to_vec(),
         runtime: Some(runtime),
         runtime_link: RuntimeLink::Origin,
-        shards: 16,
         no_library_unwind: false,
         skip_allocator_layers: role.whole_process,
     };

@@ -12,7 +12,6 @@ fuzz_target!(|data: &[u8]| {
     let Ok(analysis) = alloctramp_patcher::analyze_with(data, "fuzz", None, &[], &search) else { return };
     let opts = PatchOptions {
         runtime_path: "liballoctramp_rt.so".into(),
-        shards: 4,
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,
     };

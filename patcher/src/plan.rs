@@ -42,8 +42,6 @@ pub struct PatchOptions {
     /// no loaded module provides it (possibly with `$ORIGIN`, which the
     /// dynamic linker expands to the module's directory).
     pub runtime_path: String,
-    /// Counter shards (a power of two).
-    pub shards: u32,
     /// Unwind rows of libraries the file needs, carried for callers
     /// capture (`deps::foreign_unwind`).
     pub foreign_unwind: Vec<layout::ForeignRows>,
@@ -60,7 +58,6 @@ impl Default for PatchOptions {
     fn default() -> Self {
         PatchOptions {
             runtime_path: format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
-            shards: 16,
             foreign_unwind: Vec::new(),
             skip_allocator_layers: false,
         }
@@ -430,7 +427,7 @@ pub fn is_patched(elf: &Elf) -> bool {
 
 /// Plans the patching of `elf`, whose analysis is `a`.
 pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan<'a>> {
-    let dyn_ph = check_input(elf, opts)?;
+    let dyn_ph = check_input(elf)?;
     let tables = Tables::read(elf, dyn_ph)?;
     let strings = SiteStrings::new(a, &opts.foreign_unwind);
     check_loads(elf)?;
@@ -443,13 +440,13 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         &opts.foreign_unwind,
     );
     let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables);
-    let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), opts.shards)?;
+    let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), layout::shard::COUNT)?;
     // File order: read-only, executable, read-write, each from a page.
     let text_start = align(ro.size, PAGE);
     let mut ctx = TextContext {
         control: mem.control,
         table: ro.site_table.addr.0,
-        shards: opts.shards,
+        shards: layout::shard::COUNT,
         stride: mem.stride,
         capture: 0,
     };
@@ -643,13 +640,10 @@ impl Cursor {
 }
 
 /// What is refused before any table is read; returns PT_DYNAMIC.
-fn check_input<'e>(elf: &'e Elf, opts: &PatchOptions) -> Result<&'e Phdr> {
+fn check_input<'e>(elf: &'e Elf) -> Result<&'e Phdr> {
     let e = LE;
     if is_patched(elf) {
         return Err(Error::new(ErrorKind::AlreadyPatched, Location::None, "already patched by alloctramp"));
-    }
-    if !opts.shards.is_power_of_two() || opts.shards > 1024 {
-        return Err(Error::new(ErrorKind::Request, Location::None, "shard count must be a power of two up to 1024"));
     }
     let phdrs = elf.file.elf_program_headers();
     let dyn_ph = phdrs

@@ -32,7 +32,6 @@ fn plan_of<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> alloctramp_
 fn opts() -> PatchOptions {
     PatchOptions {
         runtime_path: "liballoctramp_rt.so".into(),
-        shards: 16,
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,
     }
@@ -195,9 +194,9 @@ fn plans_are_deterministic_and_follow_the_options() {
     let a = analysis(&data, "every_c");
     let one = plan_of(&data, &a, &opts()).unwrap().to_string();
     assert_eq!(one, plan_of(&data, &a, &opts()).unwrap().to_string());
-    let few = plan_of(&data, &a, &PatchOptions { shards: 2, ..opts() }).unwrap();
-    assert_eq!(few.counters.shards, 2);
-    assert_eq!(few.counters.region.size, 2 * few.counters.stride);
+    let p = plan_of(&data, &a, &opts()).unwrap();
+    assert_eq!(p.counters.shards, layout::shard::COUNT);
+    assert_eq!(p.counters.region.size, u64::from(layout::shard::COUNT) * p.counters.stride);
     // The imported symbols' names are appended to .dynstr (the program
     // needs the C library already); the runtime's path is the init stub's.
     let names: u64 = layout::IMPORTS.iter().map(|i| i.name.len() as u64 + 1).sum();
@@ -208,10 +207,6 @@ fn plans_are_deterministic_and_follow_the_options() {
     let p = plan_of(&data, &a, &long).unwrap();
     assert_eq!(p.copies.dynstr.size, base.copies.dynstr.size);
     assert_eq!(p.init.bytes.len(), base.init.bytes.len() + long.runtime_path.len() - opts().runtime_path.len());
-    for shards in [0, 3, 2048] {
-        let e = plan_of(&data, &a, &PatchOptions { shards, ..opts() }).expect_err("refused");
-        assert_eq!(e.kind, ErrorKind::Request, "{shards} shards: {e}");
-    }
 }
 
 #[test]

@@ -30,6 +30,7 @@ mod live;
 mod patching;
 mod procfile;
 mod registry;
+mod shards;
 mod state;
 mod sys;
 mod tls;
@@ -220,6 +221,7 @@ extern "C" fn after_fork_in_parent() {
 
 extern "C" fn after_fork_in_child() {
     FORKED.store(false, Ordering::Relaxed);
+    shards::after_fork_in_child();
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
     // The child profiled only if its sites are on now.
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
@@ -322,7 +324,7 @@ fn init() {
     }
     let live = env_flag("ALLOCTRAMP_LIVE", ["1", "0"], true, "tracking live objects");
     state::LIVE.store(live, Ordering::Release);
-    live::RSEQ.store(sys::rseq_offset() as u64, Ordering::Relaxed);
+    shards::init();
     let on = env_flag("ALLOCTRAMP", ["on", "off"], false, "profiling stays off");
 
     let dir = counters_dir();
@@ -556,6 +558,7 @@ unsafe extern "C" fn unregister(table: *const u8) {
 #[cfg(test)]
 const LAYERS: &[&[&str]] = &[
     &["sys", "tls"],
+    &["shards"],
     &["procfile"],
     &["state"],
     &["patching", "live", "foreign"],

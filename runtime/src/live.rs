@@ -165,9 +165,6 @@ fn drain_may_be_over() {
     ON_DRAINED.call();
 }
 
-/// glibc's rseq offset from the thread pointer (see `rseq_offset`).
-pub static RSEQ: AtomicU64 = AtomicU64::new(0);
-
 /// While profiling is off and free sites stay on for tracked objects to
 /// drain.
 pub static DRAINING: AtomicBool = AtomicBool::new(false);
@@ -780,17 +777,10 @@ pub unsafe fn enable_in(control: &ControlBlock, slot: u64, file: Option<(&mut Pr
 struct SpareCell([AtomicU64; 8]);
 static SPARE_CELL: SpareCell = SpareCell([const { AtomicU64::new(0) }; 8]);
 
-/// The calling thread's CPU, as the trampolines read it.
+/// The calling thread's shard, as the trampolines select it.
 #[inline(always)]
-fn cpu() -> u32 {
-    let cpu: u32;
-    // SAFETY: reads glibc's rseq cpu_id_start (or the thread pointer's own
-    // first word when rseq is unavailable): always mapped for the thread.
-    unsafe {
-        std::arch::asm!("mov {0:e}, fs:[{1}]", out(reg) cpu, in(reg) RSEQ.load(Ordering::Relaxed),
-            options(nostack, readonly, preserves_flags));
-    }
-    cpu
+fn my_shard() -> u32 {
+    crate::shards::current()
 }
 
 /// The cell a trampoline's runtime call names: site `index` of the module
@@ -810,11 +800,11 @@ unsafe fn cell_of(index: u64, control: *const u8) -> u64 {
     cell_at(slot, index)
 }
 
-/// The current CPU's shard of module `slot`'s cell `index`.
+/// The calling thread's shard of module `slot`'s cell `index`.
 #[inline(always)]
 fn cell_at(slot: u64, index: u64) -> u64 {
     let Some(m) = MODULES.get((slot & 0xff) as usize) else { return SPARE_CELL.0.as_ptr() as u64 };
-    let shard = u64::from(cpu() & m.mask.load(Ordering::Relaxed));
+    let shard = u64::from(my_shard() & m.mask.load(Ordering::Relaxed));
     let (base, stride) = (m.base.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed));
     let at = index.wrapping_mul(CELL_SIZE as u64);
     if base == 0 || at >= stride {
@@ -907,10 +897,10 @@ unsafe fn origin(index: u64, control: *const u8) -> Origin {
     Origin { cell, id }
 }
 
-/// The id's cell in the calling CPU's shard of the freed view.
+/// The id's cell in the calling thread's shard of the freed view.
 #[inline(always)]
 fn freed_cell(id: u32) -> u64 {
-    let shard = u64::from(cpu() & (shadow::FREED_SHARDS - 1));
+    let shard = u64::from(my_shard() & (shadow::FREED_SHARDS - 1));
     FREED.load(Ordering::Relaxed) + shard * shadow::FREED_SHARD_BYTES + u64::from(id) * CELL_SIZE as u64
 }
 
@@ -949,8 +939,27 @@ fn track(ptr: u64, o: Origin, size: u64) {
     track_in_table(ptr, o.cell, size);
 }
 
+/// Shard 0's copy of a cell of the calling thread's shard: where a record
+/// charges its object's free, which another thread may make (adds to a
+/// shard its owner adds to with plain instructions would race).
+fn home_cell(cell: u64) -> u64 {
+    let s = u64::from(my_shard());
+    if s == 0 {
+        return cell;
+    }
+    for m in &MODULES {
+        let base = m.base.load(Ordering::Acquire);
+        let (size, stride) = (m.size.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed));
+        if base != 0 && cell >= base && cell - base < size {
+            return if cell - base >= s * stride { cell - s * stride } else { cell };
+        }
+    }
+    cell
+}
+
 /// Records an object in the pointer table.
 fn track_in_table(ptr: u64, cell: u64, size: u64) {
+    let cell = home_cell(cell);
     let Some(e) = Entry::pack(ptr, cell, size) else {
         untracked_alloc(cell, size);
         return;

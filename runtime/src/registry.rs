@@ -306,13 +306,14 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         return;
     }
 
-    // The control block: where the counters are, how to find the CPU.
+    // The control block: where the counters are, how to find the thread's shard.
     // SAFETY: CONTROL_SIZE bytes at a 64-aligned address (Table::parse)
     // inside a writable segment of the module (checked above), mapped
     // while the module is loaded, which it is until its fini stub
     // unregisters it.
     let control = unsafe { control_block(bias, h) };
-    control.rseq_offset.store(crate::sys::rseq_offset(), Ordering::Relaxed);
+    control.shard_tls.store(crate::tls::offset() + 8 * crate::tls::SHARD as i64, Ordering::Relaxed);
+    control.assign.store(crate::shards::stub(), Ordering::Relaxed);
     control.depth_tls.store(crate::tls::offset() + 8 * crate::tls::DEPTH as i64, Ordering::Relaxed);
     control.charge_tls.store(crate::tls::offset() + 8 * crate::tls::CHARGE as i64, Ordering::Relaxed);
     control.capture.store(CAPTURE.load(Ordering::Relaxed), Ordering::Relaxed);

@@ -1,9 +1,7 @@
 //! System calls and logging usable from signal handlers: no allocation, no
-//! locks, errno preserved by the callers that need it. The exception is
-//! `rseq_offset`, which looks glibc's symbol up once (start-up and
-//! registration only, never from a handler).
+//! locks, errno preserved by the callers that need it.
 
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::CStr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// A fixed buffer for composing messages and paths without allocating.
@@ -173,25 +171,6 @@ pub fn read_small_file(path: &CStr, buf: &mut [u8]) -> Option<usize> {
         libc::close(fd);
         Some(total)
     }
-}
-
-unsafe extern "C" {
-    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
-}
-
-/// glibc's offset of `struct rseq` from the thread pointer, or 0 (the
-/// thread pointer's own first word, always readable) without rseq.
-pub fn rseq_offset() -> i64 {
-    static OFFSET: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *OFFSET.get_or_init(|| {
-        // SAFETY: dlsym with RTLD_DEFAULT (null) and a NUL-terminated name;
-        // the symbol, when present, is a `ptrdiff_t` exported by glibc 2.35+.
-        unsafe {
-            let p = dlsym(std::ptr::null_mut(), c"__rseq_offset".as_ptr()) as *const isize;
-            let size = dlsym(std::ptr::null_mut(), c"__rseq_size".as_ptr()) as *const u32;
-            if p.is_null() || size.is_null() || *size == 0 { 0 } else { *p as i64 }
-        }
-    })
 }
 
 /// membarrier(2) commands.

@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence eight words of
+//! `__tls_get_addr`, which a trampoline cannot call; hence ten words of
 //! `.tbss` declared here and read with `fs:`-relative moves. A library with
-//! static TLS loaded by `dlopen` takes its 64 bytes from the surplus glibc
+//! static TLS loaded by `dlopen` takes its 80 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,64",
+    ".size alloctramp_rt_tls,80",
     "alloctramp_rt_tls:",
-    ".zero 64",
+    ".zero 80",
     ".popsection",
 );
 
@@ -53,6 +53,12 @@ pub const CHARGE_RET: usize = 5;
 /// to it while the two stack pointers agree.
 pub const CHAIN: usize = 6;
 pub const CHAIN_SP: usize = 7;
+/// Word 8: the thread's shard word (see `layout::shard` and `shards`),
+/// which the trampolines read through the control block's `shard_tls`.
+pub const SHARD: usize = 8;
+/// Word 9, right after it: the thread's shard's offset in the freed view
+/// (0 for shard 0).
+pub const FREED_SHARD: usize = 9;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]

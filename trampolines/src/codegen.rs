@@ -144,7 +144,28 @@ struct Gen<'a> {
     undo: Vec<(u8, i32)>,
     /// The flags for the next call of the target.
     undo_next: u8,
+    /// Emitting the adds of a thread that shares its shard: `lock add`.
+    locked: bool,
+    /// Code out of the entries' way, emitted after them: the shared-shard
+    /// copies of counting blocks ([`Self::counted`]).
+    deferred: Vec<Deferred>,
 }
+
+/// A block emitted after the entries (see [`Gen::deferred`]).
+struct Deferred {
+    /// Where the entries jump to it.
+    label: CodeLabel,
+    /// Where it continues.
+    back: CodeLabel,
+    /// A counting block, which loads shard 0's address first (and has the
+    /// runtime assign the thread's word if it is 0); else the block only
+    /// adds, locked.
+    counting: bool,
+    /// The adds, emitted with `lock`.
+    body: Body,
+}
+
+type Body = Box<dyn Fn(&mut Gen<'_>) -> R<()>>;
 
 impl Gen<'_> {
     fn add(&mut self, i: Result<Instruction, iced_x86::IcedError>) -> R<()> {
@@ -152,50 +173,89 @@ impl Gen<'_> {
         Ok(())
     }
 
-    /// r11 = where [`Self::field`] finds the cell: the current CPU's shard
-    /// (the site's cell is at its index in it); on a charged path, the
-    /// active hook's cell itself.
-    fn cell_address(&mut self) -> R<()> {
-        self.cell_address_and(false)
+    /// On a charged path: r11 = the active hook's cell (where
+    /// [`Self::field`] finds it).
+    fn charge_cell(&mut self) -> R<()> {
+        debug_assert!(self.charged);
+        self.charge_word(r11)?;
+        Ok(self.a.mov(r11, qword_ptr(r11).fs())?)
     }
 
     /// Whether a free's inline path can take its shard of the freed view
-    /// from the counting's CPU number (see [`Self::cell_address_and`]):
-    /// r10 is not saved around the counting, and the module's shard number
-    /// is a shard of the view.
+    /// from the counting's shard word (see [`Self::counted`]): r10 is not
+    /// saved around the counting, and the module's shards are shards of
+    /// the view.
     fn freed_shard_from_count(&self) -> bool {
         !self.s.preserve && !self.charged && self.s.shard_mask < shadow::FREED_SHARDS
     }
 
-    /// [`Self::cell_address`]; with `freed_shard` (see
+    /// A counting block: r11 = where [`Self::field`] finds the site's cell
+    /// in the thread's shard (on a charged path, the active hook's cell),
+    /// then `body`, which adds to it. With `freed_shard` (see
     /// [`Self::freed_shard_from_count`]), also r10 = the freed view's
     /// shard of the same number.
-    fn cell_address_and(&mut self, freed_shard: bool) -> R<()> {
-        let s = self.s;
+    ///
+    /// The shard word (see [`layout::shard`](crate::layout::shard)) times
+    /// the shard stride overflows exactly for a thread that owns its
+    /// shard: the body then adds with plain instructions. Any other thread
+    /// goes to the block's copy after the entries, which adds to shard 0
+    /// with `lock`, first having the runtime assign the thread's word if it
+    /// was 0. A charged path adds with `lock` (the hook's
+    /// cell may be shard 0's).
+    fn counted(&mut self, freed_shard: bool, body: impl Fn(&mut Gen<'_>) -> R<()> + 'static) -> R<()> {
         if self.charged {
-            self.charge_word(r11)?;
-            return Ok(self.a.mov(r11, qword_ptr(r11).fs())?);
+            self.charge_cell()?;
+            let was = std::mem::replace(&mut self.locked, true);
+            body(self)?;
+            self.locked = was;
+            return Ok(());
         }
-        self.add(Instruction::with2(
-            Code::Mov_r64_rm64,
-            Register::R11,
-            rip(s.control + u64::from(control::RSEQ_OFFSET)),
-        ))?;
-        // struct rseq's cpu_id_start (offset 0) is always a valid CPU number.
-        let fs_mem = MemoryOperand::new(Register::R11, Register::None, 1, 0, 0, false, Register::FS);
-        self.add(Instruction::with2(Code::Mov_r32_rm32, Register::R11D, fs_mem))?;
-        self.a.and(r11d, s.shard_mask as i32)?;
+        let s = self.s;
+        let (shared, mut back) = (self.a.create_label(), self.a.create_label());
+        self.with_control(Code::Mov_r64_rm64, Register::R11, control::SHARD_TLS)?;
         if freed_shard {
-            self.a.mov(r10, r11)?;
-            self.a.shl(r10, shadow::FREED_SHARD_SHIFT)?;
+            // The word after the shard word: the owned shard's offset in
+            // the freed view (0: shard 0).
+            let fs_next = MemoryOperand::new(Register::R11, Register::None, 1, 8, 1, false, Register::FS);
+            self.add(Instruction::with2(Code::Mov_r64_rm64, Register::R10, fs_next))?;
             self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
         }
+        self.a.mov(r11, qword_ptr(r11).fs())?;
         self.a.imul_3(r11, r11, s.shard_stride as i32)?;
-        self.add(Instruction::with2(Code::Add_r64_rm64, Register::R11, rip(s.control + u64::from(control::COUNTERS))))?;
+        self.a.jno(shared)?;
+        self.with_control(Code::Add_r64_rm64, Register::R11, control::COUNTERS)?;
+        body(self)?;
+        self.a.set_label(&mut back)?;
+        // (The next instruction may take a label of its own.)
+        self.a.zero_bytes()?;
+        self.deferred.push(Deferred { label: shared, back, counting: true, body: Box::new(body) });
         Ok(())
     }
 
-    /// The offset of the cell from what [`Self::cell_address`] loads.
+    /// Emits the deferred blocks (after every entry).
+    fn emit_deferred(&mut self) -> R<()> {
+        for mut d in std::mem::take(&mut self.deferred) {
+            self.a.set_label(&mut d.label)?;
+            if d.counting {
+                // r11 = the word times the stride: 0 for a word not yet
+                // assigned (the runtime assigns it; this call still counts
+                // into shard 0); otherwise the thread shares shard 0.
+                let mut assigned = self.a.create_label();
+                self.a.test(r11, r11)?;
+                self.a.jnz(assigned)?;
+                self.add(Instruction::with1(Code::Call_rm64, rip(self.s.control + u64::from(control::ASSIGN))))?;
+                self.a.set_label(&mut assigned)?;
+                self.with_control(Code::Mov_r64_rm64, Register::R11, control::COUNTERS)?;
+            }
+            let was = std::mem::replace(&mut self.locked, true);
+            (d.body)(self)?;
+            self.locked = was;
+            self.a.jmp(d.back)?;
+        }
+        Ok(())
+    }
+
+    /// The offset of the cell from what [`Self::counted`] loads.
     fn cell_offset(&self) -> i32 {
         if self.charged { 0 } else { (self.s.index as i64 * crate::layout::CELL_SIZE as i64) as i32 }
     }
@@ -297,13 +357,21 @@ impl Gen<'_> {
 
     fn count_one(&mut self, f: u32) -> R<()> {
         let m = self.field(f);
-        self.a.lock().add(m, 1)?;
+        if self.locked {
+            self.a.lock().add(m, 1)?;
+        } else {
+            self.a.add(m, 1)?;
+        }
         Ok(())
     }
 
     fn count_reg(&mut self, f: u32, reg: AsmRegister64) -> R<()> {
         let m = self.field(f);
-        self.a.lock().add(m, reg)?;
+        if self.locked {
+            self.a.lock().add(m, reg)?;
+        } else {
+            self.a.add(m, reg)?;
+        }
         Ok(())
     }
 
@@ -331,23 +399,25 @@ impl Gen<'_> {
         self.count_before_and(false)
     }
 
-    /// [`Self::count_before`], leaving r10 as `cell_address_and` does.
+    /// [`Self::count_before`], leaving r10 as `counted` does.
     fn count_before_and(&mut self, freed_shard: bool) -> R<()> {
         let sig = self.s.sig;
         let save = self.saved(&[r11]);
         self.push_all(save)?;
-        self.cell_address_and(freed_shard)?;
-        self.count_one(cell::CALLS)?;
-        match sig.size {
-            Size::Arg(a) => self.count_reg(cell::BYTES, ARG_REGS[a as usize])?,
-            Size::Product(x, y) => {
-                // rax is overwritten by the call's result anyway.
-                self.a.mov(rax, ARG_REGS[x as usize])?;
-                self.a.imul_2(rax, ARG_REGS[y as usize])?;
-                self.count_reg(cell::BYTES, rax)?;
+        self.counted(freed_shard, move |g| {
+            g.count_one(cell::CALLS)?;
+            match sig.size {
+                Size::Arg(a) => g.count_reg(cell::BYTES, ARG_REGS[a as usize])?,
+                Size::Product(x, y) => {
+                    // rax is overwritten by the call's result anyway.
+                    g.a.mov(rax, ARG_REGS[x as usize])?;
+                    g.a.imul_2(rax, ARG_REGS[y as usize])?;
+                    g.count_reg(cell::BYTES, rax)?;
+                }
+                Size::None | Size::ResultStrlen => {}
             }
-            Size::None | Size::ResultStrlen => {}
-        }
+            Ok(())
+        })?;
         let bytes = match sig.size {
             Size::Arg(a) => Some(ARG_REGS[a as usize]),
             Size::Product(..) => Some(rax),
@@ -385,7 +455,7 @@ impl Gen<'_> {
         }
         // r11 was used: the hook's cell again.
         self.a.set_label(&mut other)?;
-        self.cell_address()?;
+        self.charge_cell()?;
         self.a.set_label(&mut skip)?;
         self.pop_all(save)
     }
@@ -572,8 +642,7 @@ impl Gen<'_> {
     fn count_failed(&mut self) -> R<()> {
         let save = self.saved(&[r11]);
         self.push_all(save)?;
-        self.cell_address()?;
-        self.count_one(cell::FAILED)?;
+        self.counted(false, |g| g.count_one(cell::FAILED))?;
         self.pop_all(save)
     }
 
@@ -587,8 +656,7 @@ impl Gen<'_> {
         self.a.repne().scasb()?;
         self.a.not(rcx)?;
         self.a.mov(rax, rdx)?;
-        self.cell_address()?;
-        self.count_reg(cell::BYTES, rcx)?;
+        self.counted(false, |g| g.count_reg(cell::BYTES, rcx))?;
         self.chain_add(false, Some(rcx))
     }
 
@@ -777,7 +845,7 @@ impl Gen<'_> {
         self.a.add(r11d, (self.s.index << shadow::ID_SHIFT) as i32)?;
         self.a.set_label(&mut no_id)?;
         self.a.mov(qword_ptr(r10 + CHARGE_ID).fs(), r11)?;
-        self.cell_address()?;
+        self.counted(false, |_| Ok(()))?;
         self.a.add(r11, self.cell_offset())?;
         self.a.mov(qword_ptr(r10).fs(), r11)?;
         self.a.lea(r11, ptr(after))?;
@@ -952,9 +1020,10 @@ impl Gen<'_> {
         self.push_all(save)?;
         self.depth += 8 * save.len() as i32;
         self.size_to(rsi, [0, 1])?;
-        self.cell_address()?;
-        self.count_one(cell::FAILED)?;
-        self.count_reg(cell::FAILED_BYTES, rsi)?;
+        self.counted(false, |g| {
+            g.count_one(cell::FAILED)?;
+            g.count_reg(cell::FAILED_BYTES, rsi)
+        })?;
         self.depth -= 8 * save.len() as i32;
         self.pop_all(save)
     }
@@ -1089,19 +1158,36 @@ impl Gen<'_> {
         self.a.shr(eax, shadow::SIZE_SHIFT)?;
         self.a.and(r11d, shadow::ID_MASK as i32)?;
         if !shard {
-            // r10 = this CPU's shard of the freed view.
-            self.with_control(Code::Mov_r64_rm64, Register::R10, control::RSEQ_OFFSET)?;
-            let fs_mem = MemoryOperand::new(Register::R10, Register::None, 1, 0, 0, false, Register::FS);
-            self.add(Instruction::with2(Code::Mov_r32_rm32, Register::R10D, fs_mem))?;
-            self.a.and(r10d, (shadow::FREED_SHARDS - 1) as i32)?;
-            self.a.shl(r10, shadow::FREED_SHARD_SHIFT)?;
+            // r10 = the thread's shard of the freed view: the word after
+            // its shard word holds the shard's offset in the view.
+            self.with_control(Code::Mov_r64_rm64, Register::R10, control::SHARD_TLS)?;
+            let fs_next = MemoryOperand::new(Register::R10, Register::None, 1, 8, 1, false, Register::FS);
+            self.add(Instruction::with2(Code::Mov_r64_rm64, Register::R10, fs_next))?;
             self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
         }
-        // The cell is id * 64 into the shard.
+        // The cell is id * 64 into the shard; shard 0 (a thread that owns
+        // none) takes its adds with `lock`, after the entries.
         const _: () = assert!(shadow::ID_SHIFT + 1 == 6);
         self.a.lea(r11, qword_ptr(r10 + r11 * 2))?;
-        self.a.lock().add(qword_ptr(r11 + cell::FREED_OBJECTS as i32), 1)?;
-        self.a.lock().add(qword_ptr(r11 + cell::FREED_BYTES as i32), rax)?;
+        let (shared, mut back) = (self.a.create_label(), self.a.create_label());
+        self.with_control(Code::Cmp_r64_rm64, Register::R10, control::FREED)?;
+        self.a.je(shared)?;
+        let freed_adds = |g: &mut Gen<'_>| -> R<()> {
+            let (objects, bytes) =
+                (qword_ptr(r11 + cell::FREED_OBJECTS as i32), qword_ptr(r11 + cell::FREED_BYTES as i32));
+            if g.locked {
+                g.a.lock().add(objects, 1)?;
+                g.a.lock().add(bytes, rax)?;
+            } else {
+                g.a.add(objects, 1)?;
+                g.a.add(bytes, rax)?;
+            }
+            Ok(())
+        };
+        freed_adds(self)?;
+        self.a.set_label(&mut back)?;
+        self.a.zero_bytes()?;
+        self.deferred.push(Deferred { label: shared, back, counting: false, body: Box::new(freed_adds) });
         self.pop_all(save)?;
         self.free_target()?;
         // Falls through to the runtime call, in the entry's state.
@@ -1192,7 +1278,16 @@ pub struct Trampoline {
 
 /// Generates the trampoline for one site, to be placed at address `at`.
 pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
-    let mut g = Gen { a: CodeAssembler::new(64)?, s: spec, depth: 0, charged: false, undo: Vec::new(), undo_next: 0 };
+    let mut g = Gen {
+        a: CodeAssembler::new(64)?,
+        s: spec,
+        depth: 0,
+        charged: false,
+        undo: Vec::new(),
+        undo_next: 0,
+        locked: false,
+        deferred: Vec::new(),
+    };
     let (drain, count) = match spec.sig.kind {
         _ if spec.hook => {
             let (start, keep) = g.hook()?;
@@ -1214,6 +1309,7 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
         g.a.push(i32::try_from(spec.index).map_err(|_| CodegenError::TooLong)?)?;
         g.a.jmp(spec.capture)?;
     }
+    g.emit_deferred()?;
     let r = g.a.assemble_options(at, iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
     let offset = |l: &CodeLabel| -> R<u16> { u16::try_from(r.label_ip(l)? - at).map_err(|_| CodegenError::TooLong) };
     let drain = match drain {

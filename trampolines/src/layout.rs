@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 12;
+pub const VERSION: u32 = 13;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -114,6 +114,39 @@ pub mod cell {
     pub const FAILED_BYTES: u32 = offset_of!(Cell, failed_bytes) as u32;
 }
 
+/// A thread's shard word, which selects the counter shard its trampolines
+/// add to: shard `s` of a module's counters is at `counters + s *
+/// shard_stride`, and the freed view's at `freed + s * FREED_SHARD_BYTES`.
+///
+/// A thread that owns a shard (no other thread adds to it while it lives)
+/// adds with plain `add` instructions, which a signal handler on the same
+/// thread cannot split; every other thread shares shard 0 and adds with
+/// `lock add`. The trampolines tell the two apart without a compare: they
+/// multiply the word by the shard stride (`imul`), which overflows exactly
+/// for an owned shard's word ([`EXCLUSIVE`] is set) and leaves the shard's
+/// offset (the stride is even, so the top bit drops out of the product).
+/// The owner's index is in the low bits: a shift by
+/// `FREED_SHARD_SHIFT` gives the freed view's offset the same way.
+pub mod shard {
+    /// The shards of every patched module's counters: shard 0, which
+    /// threads share, and one for each of `COUNT - 1` threads at a time.
+    pub const COUNT: u32 = 16;
+    /// The word of a thread that owns shard `s`: `EXCLUSIVE | s` (`s` >= 1).
+    pub const EXCLUSIVE: u64 = 1 << 63;
+    /// The word of a thread that shares shard 0 (every shard is owned, or
+    /// the thread is exiting).
+    pub const SHARED: u64 = 1;
+    /// The word of a thread the runtime has not seen yet (static TLS starts
+    /// zeroed): its trampolines call the control block's `assign`, which
+    /// writes one of the others, and try again.
+    pub const UNASSIGNED: u64 = 0;
+
+    /// The shard a word selects.
+    pub fn index(word: u64, shards: u32) -> u32 {
+        if word & EXCLUSIVE != 0 { (word & u64::from(shards.saturating_sub(1))) as u32 } else { 0 }
+    }
+}
+
 /// Fields of the module control block by byte offset (see
 /// [`ControlBlock`]), for the code generator and the patcher.
 pub mod control {
@@ -123,7 +156,8 @@ pub mod control {
     pub const DLOPEN: u32 = offset_of!(ControlBlock, dlopen) as u32;
     pub const DLSYM: u32 = offset_of!(ControlBlock, dlsym) as u32;
     pub const DLERROR: u32 = offset_of!(ControlBlock, dlerror) as u32;
-    pub const RSEQ_OFFSET: u32 = offset_of!(ControlBlock, rseq_offset) as u32;
+    pub const SHARD_TLS: u32 = offset_of!(ControlBlock, shard_tls) as u32;
+    pub const ASSIGN: u32 = offset_of!(ControlBlock, assign) as u32;
     pub const COUNTERS: u32 = offset_of!(ControlBlock, counters) as u32;
     pub const MODULE_ID: u32 = offset_of!(ControlBlock, module_id) as u32;
     pub const TRACK_ALLOC: u32 = offset_of!(ControlBlock, track_alloc) as u32;
@@ -486,9 +520,11 @@ pub struct ControlBlock {
     /// weak import: 0 when no module loaded before exports it; the init
     /// stub then writes what `dlsym` finds after loading the runtime).
     pub runtime: AtomicU64,
-    /// Offset from the thread pointer (fs) of glibc's `struct rseq`; its
-    /// `cpu_id` field selects the counter shard.
-    pub rseq_offset: AtomicI64,
+    /// Offset from the thread pointer (fs) of the runtime's per-thread
+    /// shard word (see [`shard`]), which selects the counter shard the
+    /// thread adds to. Written at registration, before any site is
+    /// switched.
+    pub shard_tls: AtomicI64,
     /// Run-time address of shard 0 of the counters.
     pub counters: AtomicU64,
     /// Module state owned by the runtime.
@@ -565,7 +601,10 @@ pub struct ControlBlock {
     pub dlopen: AtomicU64,
     pub dlsym: AtomicU64,
     pub dlerror: AtomicU64,
-    pub reserved: [u64; 1],
+    /// The runtime's shard assignment routine (see [`shard`]), called by a
+    /// trampoline whose thread has no shard word yet; it keeps every
+    /// register. Written at registration, before any site is switched.
+    pub assign: AtomicU64,
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -808,7 +847,7 @@ pub const ENTRY_FIELDS: &[(&str, usize, &str)] = &[
 ];
 pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("runtime", offset_of!(ControlBlock, runtime), "u64"),
-    ("rseq_offset", offset_of!(ControlBlock, rseq_offset), "i64"),
+    ("shard_tls", offset_of!(ControlBlock, shard_tls), "i64"),
     ("counters", offset_of!(ControlBlock, counters), "u64"),
     ("state", offset_of!(ControlBlock, state), "u64"),
     ("module_id", offset_of!(ControlBlock, module_id), "u64"),
@@ -830,7 +869,7 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("dlopen", offset_of!(ControlBlock, dlopen), "u64"),
     ("dlsym", offset_of!(ControlBlock, dlsym), "u64"),
     ("dlerror", offset_of!(ControlBlock, dlerror), "u64"),
-    ("reserved", offset_of!(ControlBlock, reserved), "[u64; 1]"),
+    ("assign", offset_of!(ControlBlock, assign), "fn"),
 ];
 pub const UNDO_HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("control", offset_of!(undo::UndoHeader, control), "i32"),
@@ -1071,7 +1110,7 @@ impl TableError {
             TableError::Version { .. } => "site table of another version",
             TableError::HeaderSize => "site table header size mismatch",
             TableError::InconsistentSizes => "site table sizes are inconsistent",
-            TableError::ShardCount => "site table shard count is not a power of two",
+            TableError::ShardCount => "site table shard count is not 16",
             TableError::Placement => "site table places its counters or control block wrongly",
             TableError::Unsorted => "site table sites are not sorted by address",
         }
@@ -1129,7 +1168,7 @@ impl<'a> Table<'a> {
             return Err(TableError::InconsistentSizes);
         }
         let Some(bytes) = bytes.get(..total) else { return Err(TableError::InconsistentSizes) };
-        if h.shard_count == 0 || !h.shard_count.is_power_of_two() {
+        if h.shard_count != shard::COUNT {
             return Err(TableError::ShardCount);
         }
         let cells = (sites as u64).checked_mul(CELL_SIZE as u64);
