@@ -163,6 +163,9 @@ struct Deferred {
     counting: bool,
     /// The adds, emitted with `lock`.
     body: Body,
+    /// What follows them (None: a jump back to where the entry's copy of
+    /// the block ends): a locked copy of the code after the block.
+    then: Option<Body>,
 }
 
 type Body = Box<dyn Fn(&mut Gen<'_>) -> R<()>>;
@@ -203,6 +206,17 @@ impl Gen<'_> {
     /// was 0. A charged path adds with `lock` (the hook's
     /// cell may be shard 0's).
     fn counted(&mut self, freed_shard: bool, body: impl Fn(&mut Gen<'_>) -> R<()> + 'static) -> R<()> {
+        self.counted_then(freed_shard, body, None)
+    }
+
+    /// [`Self::counted`]; the shared-shard copy continues with `then`
+    /// (emitted with `lock`) instead of jumping back.
+    fn counted_then(
+        &mut self,
+        freed_shard: bool,
+        body: impl Fn(&mut Gen<'_>) -> R<()> + 'static,
+        then: Option<Body>,
+    ) -> R<()> {
         if self.charged {
             self.charge_cell()?;
             let was = std::mem::replace(&mut self.locked, true);
@@ -228,13 +242,13 @@ impl Gen<'_> {
         self.a.set_label(&mut back)?;
         // (The next instruction may take a label of its own.)
         self.a.zero_bytes()?;
-        self.deferred.push(Deferred { label: shared, back, counting: true, body: Box::new(body) });
+        self.deferred.push(Deferred { label: shared, back, counting: true, body: Box::new(body), then });
         Ok(())
     }
 
     /// Emits the deferred blocks (after every entry).
     fn emit_deferred(&mut self) -> R<()> {
-        for mut d in std::mem::take(&mut self.deferred) {
+        while let Some(mut d) = (!self.deferred.is_empty()).then(|| self.deferred.remove(0)) {
             self.a.set_label(&mut d.label)?;
             if d.counting {
                 // r11 = the word times the stride: 0 for a word not yet
@@ -249,8 +263,11 @@ impl Gen<'_> {
             }
             let was = std::mem::replace(&mut self.locked, true);
             (d.body)(self)?;
+            match &d.then {
+                Some(then) => then(self)?,
+                None => self.a.jmp(d.back)?,
+            }
             self.locked = was;
-            self.a.jmp(d.back)?;
         }
         Ok(())
     }
@@ -401,23 +418,35 @@ impl Gen<'_> {
 
     /// [`Self::count_before`], leaving r10 as `counted` does.
     fn count_before_and(&mut self, freed_shard: bool) -> R<()> {
+        self.count_before_then(freed_shard, None)
+    }
+
+    /// [`Self::count_before_and`]; a thread that shares shard 0 continues
+    /// with `then` (see [`Self::counted_then`]), which must follow the
+    /// counting directly (no register saved around it, no charge).
+    fn count_before_then(&mut self, freed_shard: bool, then: Option<Body>) -> R<()> {
         let sig = self.s.sig;
         let save = self.saved(&[r11]);
+        debug_assert!(then.is_none() || (save.is_empty() && !self.charged));
         self.push_all(save)?;
-        self.counted(freed_shard, move |g| {
-            g.count_one(cell::CALLS)?;
-            match sig.size {
-                Size::Arg(a) => g.count_reg(cell::BYTES, ARG_REGS[a as usize])?,
-                Size::Product(x, y) => {
-                    // rax is overwritten by the call's result anyway.
-                    g.a.mov(rax, ARG_REGS[x as usize])?;
-                    g.a.imul_2(rax, ARG_REGS[y as usize])?;
-                    g.count_reg(cell::BYTES, rax)?;
+        self.counted_then(
+            freed_shard,
+            move |g| {
+                g.count_one(cell::CALLS)?;
+                match sig.size {
+                    Size::Arg(a) => g.count_reg(cell::BYTES, ARG_REGS[a as usize])?,
+                    Size::Product(x, y) => {
+                        // rax is overwritten by the call's result anyway.
+                        g.a.mov(rax, ARG_REGS[x as usize])?;
+                        g.a.imul_2(rax, ARG_REGS[y as usize])?;
+                        g.count_reg(cell::BYTES, rax)?;
+                    }
+                    Size::None | Size::ResultStrlen => {}
                 }
-                Size::None | Size::ResultStrlen => {}
-            }
-            Ok(())
-        })?;
+                Ok(())
+            },
+            then,
+        )?;
         let bytes = match sig.size {
             Size::Arg(a) => Some(ARG_REGS[a as usize]),
             Size::Product(..) => Some(rax),
@@ -1087,8 +1116,11 @@ impl Gen<'_> {
         self.depth_gate(plain)?;
         let inline = self.s.key_ptr == 0;
         let shard = inline && self.freed_shard_from_count();
-        self.count_before_and(shard)?;
         let mut drain = self.a.create_label();
+        // A thread that shares shard 0 continues in a copy of the inline
+        // path whose adds take `lock`: the entry's own copy needs no test.
+        let then: Option<Body> = shard.then(|| -> Body { Box::new(move |g: &mut Gen<'_>| g.free_inline(drain, true)) });
+        self.count_before_then(shard, then)?;
         if inline {
             self.free_inline(drain, shard)?;
         }
@@ -1165,13 +1197,13 @@ impl Gen<'_> {
             self.add(Instruction::with2(Code::Mov_r64_rm64, Register::R10, fs_next))?;
             self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
         }
-        // The cell is id * 64 into the shard; shard 0 (a thread that owns
-        // none) takes its adds with `lock`, after the entries.
+        // The cell is id * 64 into the shard. With the shard from the
+        // counting, this copy of the path is a thread's that owns its shard
+        // (plain adds) or, emitted after the entries, shard 0's (`lock`);
+        // otherwise shard 0 (a thread that owns none) takes its adds with
+        // `lock` after the entries.
         const _: () = assert!(shadow::ID_SHIFT + 1 == 6);
         self.a.lea(r11, qword_ptr(r10 + r11 * 2))?;
-        let (shared, mut back) = (self.a.create_label(), self.a.create_label());
-        self.with_control(Code::Cmp_r64_rm64, Register::R10, control::FREED)?;
-        self.a.je(shared)?;
         let freed_adds = |g: &mut Gen<'_>| -> R<()> {
             let (objects, bytes) =
                 (qword_ptr(r11 + cell::FREED_OBJECTS as i32), qword_ptr(r11 + cell::FREED_BYTES as i32));
@@ -1184,10 +1216,23 @@ impl Gen<'_> {
             }
             Ok(())
         };
-        freed_adds(self)?;
-        self.a.set_label(&mut back)?;
-        self.a.zero_bytes()?;
-        self.deferred.push(Deferred { label: shared, back, counting: false, body: Box::new(freed_adds) });
+        if shard {
+            freed_adds(self)?;
+        } else {
+            let (shared, mut back) = (self.a.create_label(), self.a.create_label());
+            self.with_control(Code::Cmp_r64_rm64, Register::R10, control::FREED)?;
+            self.a.je(shared)?;
+            freed_adds(self)?;
+            self.a.set_label(&mut back)?;
+            self.a.zero_bytes()?;
+            self.deferred.push(Deferred {
+                label: shared,
+                back,
+                counting: false,
+                body: Box::new(freed_adds),
+                then: None,
+            });
+        }
         self.pop_all(save)?;
         self.free_target()?;
         // Falls through to the runtime call, in the entry's state.
