@@ -803,8 +803,14 @@ unsafe fn cell_of(index: u64, control: *const u8) -> u64 {
 /// The calling thread's shard of module `slot`'s cell `index`.
 #[inline(always)]
 fn cell_at(slot: u64, index: u64) -> u64 {
+    cell_in(slot, index, my_shard())
+}
+
+/// Shard `shard`'s copy of module `slot`'s cell `index`.
+#[inline(always)]
+fn cell_in(slot: u64, index: u64, shard: u32) -> u64 {
     let Some(m) = MODULES.get((slot & 0xff) as usize) else { return SPARE_CELL.0.as_ptr() as u64 };
-    let shard = u64::from(my_shard() & m.mask.load(Ordering::Relaxed));
+    let shard = u64::from(shard & m.mask.load(Ordering::Relaxed));
     let (base, stride) = (m.base.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed));
     let at = index.wrapping_mul(CELL_SIZE as u64);
     if base == 0 || at >= stride {
@@ -877,19 +883,22 @@ struct Origin {
     id: u32,
 }
 
-/// The origin a trampoline's runtime call names (see [`cell_of`]); a hook's
-/// cell (`control` 0) takes the hook's id from the thread's charge.
+/// The origin a trampoline's runtime call names (see [`cell_of`]), with
+/// shard 0's cell: a record keeps it, and another thread may charge the
+/// object's free to it. A hook's cell (`control` 0) takes the hook's id
+/// from the thread's charge.
 ///
 /// # Safety
 /// As for [`cell_of`].
 unsafe fn origin(index: u64, control: *const u8) -> Origin {
-    // SAFETY: forwarded from the caller.
-    let cell = unsafe { cell_of(index, control) };
     if control.is_null() {
+        // SAFETY: forwarded from the caller.
+        let cell = home_cell(unsafe { cell_of(index, control) });
         return Origin { cell, id: shadow::id(tls::get(tls::CHARGE_ID) as u32, 0) };
     }
     // SAFETY: forwarded from the caller.
     let slot = unsafe { slot_of(control) };
+    let cell = cell_in(slot, index, 0);
     let id = MODULES.get((slot & 0xff) as usize).map_or(0, |m| {
         let first = m.first_id.load(Ordering::Acquire);
         if first != 0 && index < u64::from(m.ids.load(Ordering::Relaxed)) { first + index as u32 } else { 0 }
@@ -939,9 +948,10 @@ fn track(ptr: u64, o: Origin, size: u64) {
     track_in_table(ptr, o.cell, size);
 }
 
-/// Shard 0's copy of a cell of the calling thread's shard: where a record
-/// charges its object's free, which another thread may make (adds to a
-/// shard its owner adds to with plain instructions would race).
+/// Shard 0's copy of a cell of the calling thread's shard (a hook's, which
+/// the trampoline computed): where a record charges its object's free,
+/// which another thread may make (adds to a shard its owner adds to with
+/// plain instructions would race).
 fn home_cell(cell: u64) -> u64 {
     let s = u64::from(my_shard());
     if s == 0 {
@@ -957,9 +967,9 @@ fn home_cell(cell: u64) -> u64 {
     cell
 }
 
-/// Records an object in the pointer table.
+/// Records an object in the pointer table, charging `cell` (shard 0's:
+/// see [`origin`]) when it is freed.
 fn track_in_table(ptr: u64, cell: u64, size: u64) {
-    let cell = home_cell(cell);
     let Some(e) = Entry::pack(ptr, cell, size) else {
         untracked_alloc(cell, size);
         return;

@@ -193,7 +193,7 @@ mod tests {
         // Other tests of this process may hold shards too.
         assert!(shared >= 4, "{words:x?}");
         let mut owned: Vec<u32> =
-            words.iter().filter(|w| w.0 != shard::SHARED).map(|w| shard::index(w.0, 16)).collect();
+            words.iter().filter(|w| w.0 != shard::SHARED).map(|w| shard::index(w.0, shard::COUNT)).collect();
         for &(w, f) in &words {
             let s = shard::index(w, shard::COUNT);
             assert_eq!(f, u64::from(s) << shadow::FREED_SHARD_SHIFT);

@@ -228,11 +228,7 @@ impl Gen<'_> {
         let (shared, mut back) = (self.a.create_label(), self.a.create_label());
         self.with_control(Code::Mov_r64_rm64, Register::R11, control::SHARD_TLS)?;
         if freed_shard {
-            // The word after the shard word: the owned shard's offset in
-            // the freed view (0: shard 0).
-            let fs_next = MemoryOperand::new(Register::R11, Register::None, 1, 8, 1, false, Register::FS);
-            self.add(Instruction::with2(Code::Mov_r64_rm64, Register::R10, fs_next))?;
-            self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
+            self.freed_shard_base(r11)?;
         }
         self.a.mov(r11, qword_ptr(r11).fs())?;
         self.a.imul_3(r11, r11, s.shard_stride as i32)?;
@@ -246,9 +242,17 @@ impl Gen<'_> {
         Ok(())
     }
 
+    /// r10 = the thread's shard of the freed view, given `tls` = the
+    /// thread-pointer offset of its shard word: the word after it holds
+    /// the shard's offset in the view (0: shard 0).
+    fn freed_shard_base(&mut self, tls: AsmRegister64) -> R<()> {
+        self.a.mov(r10, qword_ptr(tls + 8).fs())?;
+        self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)
+    }
+
     /// Emits the deferred blocks (after every entry).
     fn emit_deferred(&mut self) -> R<()> {
-        while let Some(mut d) = (!self.deferred.is_empty()).then(|| self.deferred.remove(0)) {
+        for mut d in std::mem::take(&mut self.deferred) {
             self.a.set_label(&mut d.label)?;
             if d.counting {
                 // r11 = the word times the stride: 0 for a word not yet
@@ -269,6 +273,8 @@ impl Gen<'_> {
             }
             self.locked = was;
         }
+        // (A deferred block defers nothing itself.)
+        debug_assert!(self.deferred.is_empty());
         Ok(())
     }
 
@@ -413,17 +419,13 @@ impl Gen<'_> {
 
     /// Counting before the call: calls and bytes requested.
     fn count_before(&mut self) -> R<()> {
-        self.count_before_and(false)
+        self.count_before_then(false, None)
     }
 
-    /// [`Self::count_before`], leaving r10 as `counted` does.
-    fn count_before_and(&mut self, freed_shard: bool) -> R<()> {
-        self.count_before_then(freed_shard, None)
-    }
-
-    /// [`Self::count_before_and`]; a thread that shares shard 0 continues
-    /// with `then` (see [`Self::counted_then`]), which must follow the
-    /// counting directly (no register saved around it, no charge).
+    /// [`Self::count_before`]; with `freed_shard`, leaving r10 as
+    /// [`Self::counted`] does. A thread that shares shard 0 continues with
+    /// `then` (see [`Self::counted_then`]), which must follow the counting
+    /// directly (no register saved around it, no charge).
     fn count_before_then(&mut self, freed_shard: bool, then: Option<Body>) -> R<()> {
         let sig = self.s.sig;
         let save = self.saved(&[r11]);
@@ -1190,12 +1192,8 @@ impl Gen<'_> {
         self.a.shr(eax, shadow::SIZE_SHIFT)?;
         self.a.and(r11d, shadow::ID_MASK as i32)?;
         if !shard {
-            // r10 = the thread's shard of the freed view: the word after
-            // its shard word holds the shard's offset in the view.
             self.with_control(Code::Mov_r64_rm64, Register::R10, control::SHARD_TLS)?;
-            let fs_next = MemoryOperand::new(Register::R10, Register::None, 1, 8, 1, false, Register::FS);
-            self.add(Instruction::with2(Code::Mov_r64_rm64, Register::R10, fs_next))?;
-            self.with_control(Code::Add_r64_rm64, Register::R10, control::FREED)?;
+            self.freed_shard_base(r10)?;
         }
         // The cell is id * 64 into the shard. With the shard from the
         // counting, this copy of the path is a thread's that owns its shard
