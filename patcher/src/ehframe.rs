@@ -595,6 +595,24 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
     Ok(())
 }
 
+/// The vector stub's entry (`codegen::vector_stub`): an ordinary frame
+/// that saves rbx and then finds its CFA through it while the stack is
+/// realigned.
+pub fn vector_stub_program(addr: u64, len: u64) -> Program {
+    use alloctramp_trampolines::codegen::{VECTOR_STUB_EPILOGUE, VECTOR_STUB_PROLOGUE};
+    let mut out = vec![0x0c, 7, 8, 0x90, 1]; // CFA = rsp + 8; return address at CFA - 8
+    advance(&mut out, 1); // push rbx
+    out.extend_from_slice(&[0x0e, 16, 0x83, 2]); // CFA = rsp + 16; rbx at CFA - 16
+    advance(&mut out, VECTOR_STUB_PROLOGUE - 1); // mov rbx, rsp
+    out.extend_from_slice(&[0x0d, 3]); // CFA = rbx + 16
+    let restore = len as u32 - VECTOR_STUB_EPILOGUE;
+    advance(&mut out, restore + 3 - VECTOR_STUB_PROLOGUE); // mov rsp, rbx
+    out.extend_from_slice(&[0x0d, 7]); // CFA = rsp + 16
+    advance(&mut out, 1); // pop rbx
+    out.extend_from_slice(&[0x0e, 8, 0xc3]); // CFA = rsp + 8; rbx restored
+    Program { addr, len, instructions: out, index: u32::MAX, undo: Vec::new() }
+}
+
 fn advance(out: &mut Vec<u8>, delta: u32) {
     match delta {
         0 => {}

@@ -363,6 +363,9 @@ pub struct Plan<'a> {
     pub fini: Code,
     /// The stub every site's callers entry goes through (callers capture).
     pub capture: Code,
+    /// The stub through which trampolines in preserve mode call the
+    /// runtime (`codegen::vector_stub`).
+    pub vectors: Code,
     /// All of the executable segment's code (.alloctramp.text).
     pub text: Region,
     /// The trampolines' unwind entries and the new .eh_frame_hdr that
@@ -449,10 +452,12 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         shards: layout::shard::COUNT,
         stride: mem.stride,
         capture: 0,
+        vectors: 0,
     };
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
     let program = !matches!(elf.file_type, crate::elf::FileType::Shared);
-    let (init, fini, capture) = plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?;
+    let (init, fini, capture, vectors) = plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?;
+    ctx.vectors = vectors.addr.0;
     // Callers capture needs the module's unwind rows.
     if !a.unwind.is_empty() {
         ctx.capture = capture.addr.0;
@@ -463,7 +468,12 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         true => allocator_definitions(elf, a),
         false => Vec::new(),
     };
-    let (sites, programs) = plan_sites(&mut cursor, &ctx, a, &layers, sources.as_ref(), unwinds);
+    let (sites, mut programs) = plan_sites(&mut cursor, &ctx, a, &layers, sources.as_ref(), unwinds);
+    // A walk from inside a runtime function goes on through the vector
+    // stub to the trampoline that called it.
+    if !programs.is_empty() {
+        programs.insert(0, ehframe::vector_stub_program(vectors.addr.0, vectors.bytes.len() as u64));
+    }
     // A call to a wrapper that counts for what the wrapper allocates must
     // be patched: the calls inside the wrapper may count nothing.
     for (p, site) in sites.iter().zip(&a.scan.sites) {
@@ -514,6 +524,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         init,
         fini,
         capture,
+        vectors,
         text,
         eh_frame,
         dynamic: rw.dynamic,
@@ -768,6 +779,8 @@ struct TextContext {
     stride: u64,
     /// The capture stub (0: sites get no callers entry).
     capture: u64,
+    /// The vector stub.
+    vectors: u64,
 }
 
 /// Places generated code at the cursor; the next code starts 16-byte
@@ -789,7 +802,7 @@ fn plan_stubs(
     t: &Tables,
     runtime: &str,
     program: bool,
-) -> Result<(Code, Code, Code)> {
+) -> Result<(Code, Code, Code, Code)> {
     let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let mut stub = |api: i32, original: Option<u64>, load: Option<codegen::Load>| -> Result<Code> {
         let at = text.offset.wrapping_add(text.delta);
@@ -801,7 +814,10 @@ fn plan_stubs(
     let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI), None)?;
     let at = text.offset.wrapping_add(text.delta);
     let capture = codegen::capture_stub(at, ctx.control, ctx.table).map_err(stub_err)?;
-    Ok((init, fini, place_code(text, capture)))
+    let capture = place_code(text, capture);
+    let at = text.offset.wrapping_add(text.delta);
+    let vectors = place_code(text, codegen::vector_stub(at).map_err(stub_err)?);
+    Ok((init, fini, capture, vectors))
 }
 
 /// The extents of the file's own definitions of default entry points
@@ -861,6 +877,7 @@ fn plan_sites(
             // (arguments, for a wrapper that takes floating point ones). A
             // hook's trampoline uses r10 and r11 only.
             preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
+            vectors: ctx.vectors,
             args: entry.args,
             control: ctx.control,
             shard_mask: ctx.shards - 1,

@@ -32,6 +32,9 @@ pub struct TrampolineSpec {
     pub index: u32,
     /// Save every register used (sites that call a function of the module).
     pub preserve: bool,
+    /// The module's vector stub (see [`vector_stub`]), through which a
+    /// trampoline in preserve mode calls the runtime.
+    pub vectors: u64,
     /// Argument registers the target reads (kept around a runtime call
     /// made before the original call).
     pub args: u8,
@@ -729,7 +732,9 @@ impl Gen<'_> {
 
     /// Calls the runtime function in control block field `hook` with rsp
     /// 16-byte aligned; `setup` loads its arguments. In preserve mode every
-    /// caller-saved register and the vector state survive the call.
+    /// caller-saved register survives the call, and the vector registers
+    /// too: the call goes through the module's [`vector_stub`] (the
+    /// function's address in rax), which realigns the stack itself.
     fn runtime_call(&mut self, hook: u32, setup: impl FnOnce(&mut Self) -> R<()>) -> R<()> {
         const SAVED: [AsmRegister64; 8] = [rcx, rdx, rsi, rdi, r8, r9, r10, r11];
         let preserve = self.s.preserve;
@@ -738,20 +743,14 @@ impl Gen<'_> {
             self.depth += 64;
         }
         setup(self)?;
+        let at = rip(self.s.control + u64::from(hook));
         if preserve {
-            self.a.push(rbx)?;
-            self.a.mov(rbx, rsp)?;
-            self.a.and(rsp, -16)?;
-            self.a.sub(rsp, 512)?;
-            self.a.fxsave64(byte_ptr(rsp))?;
-        }
-        self.add(Instruction::with1(Code::Call_rm64, rip(self.s.control + u64::from(hook))))?;
-        if preserve {
-            self.a.fxrstor64(byte_ptr(rsp))?;
-            self.a.mov(rsp, rbx)?;
-            self.a.pop(rbx)?;
+            self.add(Instruction::with2(Code::Mov_r64_rm64, Register::RAX, at))?;
+            self.a.call(self.s.vectors)?;
             self.pop_all(&SAVED)?;
             self.depth -= 64;
+        } else {
+            self.add(Instruction::with1(Code::Call_rm64, at))?;
         }
         Ok(())
     }
@@ -1572,15 +1571,9 @@ pub fn capture_stub(at: u64, control: u64, table: u64) -> R<Vec<u8>> {
     a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RSI, rip(control))?)?;
     a.mov(rdx, rbp)?;
     a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(table))?)?;
-    a.push(rbx)?;
-    a.mov(rbx, rsp)?;
-    a.and(rsp, -16)?;
-    a.sub(rsp, 512)?;
-    a.fxsave64(byte_ptr(rsp))?;
+    save_vectors(&mut a)?;
     a.add_instruction(Instruction::with1(Code::Call_rm64, rip(control + u64::from(control::CAPTURE)))?)?;
-    a.fxrstor64(byte_ptr(rsp))?;
-    a.mov(rsp, rbx)?;
-    a.pop(rbx)?;
+    restore_vectors(&mut a)?;
     for r in SAVED.iter().rev() {
         a.pop(*r)?;
     }
@@ -1588,6 +1581,59 @@ pub fn capture_stub(at: u64, control: u64, table: u64) -> R<Vec<u8>> {
     a.jmp(qword_ptr(rsp - 8))?;
     Ok(a.assemble(at)?)
 }
+
+/// The vector registers a runtime call may change: xmm0-15. The runtime is
+/// Rust built for baseline x86-64: it uses no x87 or MMX register, no
+/// register above xmm15, and leaves MXCSR and the x87 control word alone,
+/// so these 16 registers are all of the floating-point state a call into it
+/// can change. Sixteen aligned moves each way cost a fraction of an
+/// `fxsave64`/`fxrstor64` pair, which also copies the x87 and MXCSR state
+/// through 512 bytes of memory.
+const VECTORS: [AsmRegisterXmm; 16] =
+    [xmm0, xmm1, xmm2, xmm3, xmm4, xmm5, xmm6, xmm7, xmm8, xmm9, xmm10, xmm11, xmm12, xmm13, xmm14, xmm15];
+
+/// Aligns the stack to 16 bytes (the old rsp in rbx, pushed first) and
+/// stores [`VECTORS`] below it, leaving rsp aligned for a call.
+fn save_vectors(a: &mut CodeAssembler) -> R<()> {
+    a.push(rbx)?;
+    a.mov(rbx, rsp)?;
+    a.and(rsp, -16)?;
+    a.sub(rsp, 16 * VECTORS.len() as i32)?;
+    for (i, &x) in VECTORS.iter().enumerate() {
+        a.movaps(xmmword_ptr(rsp + 16 * i as i32), x)?;
+    }
+    Ok(())
+}
+
+/// Undoes [`save_vectors`].
+fn restore_vectors(a: &mut CodeAssembler) -> R<()> {
+    for (i, &x) in VECTORS.iter().enumerate() {
+        a.movaps(x, xmmword_ptr(rsp + 16 * i as i32))?;
+    }
+    a.mov(rsp, rbx)?;
+    a.pop(rbx)?;
+    Ok(())
+}
+
+/// The module's vector stub: calls the function whose address is in rax
+/// with the stack 16-byte aligned and xmm0-15 kept, for the trampolines
+/// in preserve mode (one copy per module instead of 32 moves in each
+/// trampoline). It starts `push rbx; mov rbx, rsp` and ends `mov rsp, rbx;
+/// pop rbx; ret` (the patcher's unwind entry for it counts on those
+/// lengths: [`VECTOR_STUB_PROLOGUE`], [`VECTOR_STUB_EPILOGUE`]).
+pub fn vector_stub(at: u64) -> R<Vec<u8>> {
+    let mut a = CodeAssembler::new(64)?;
+    save_vectors(&mut a)?;
+    a.call(rax)?;
+    restore_vectors(&mut a)?;
+    a.ret()?;
+    Ok(a.assemble(at)?)
+}
+
+/// Bytes of the vector stub's `push rbx; mov rbx, rsp`.
+pub const VECTOR_STUB_PROLOGUE: u32 = 4;
+/// Bytes of the vector stub's `mov rsp, rbx; pop rbx; ret`.
+pub const VECTOR_STUB_EPILOGUE: u32 = 5;
 
 /// Disassembles code in Intel syntax, one instruction per line with its
 /// address and bytes (the golden-file format).
@@ -1638,6 +1684,7 @@ pub(crate) mod golden {
             sig: entry(name).sig,
             index: 3,
             preserve,
+            vectors: VECTORS_AT,
             args: entry(name).args,
             control: CONTROL,
             shard_mask: 15,
@@ -1799,6 +1846,7 @@ pub(crate) mod golden {
     }
 
     const STUB: u64 = AT - 0x40;
+    const VECTORS_AT: u64 = AT - 0x200;
 
     fn cases() -> Vec<(&'static str, String)> {
         let mut v: Vec<(&'static str, String)> = specs().into_iter().map(|(file, s)| (file, listing(&s))).collect();
@@ -1808,7 +1856,25 @@ pub(crate) mod golden {
         let fini = init_stub(AT, CONTROL, 0x415040, crate::layout::api::UNREGISTER, None, None).unwrap();
         v.push(("fini-stub-no-original", disassemble(&fini, AT)));
         v.push(("capture-stub", disassemble(&capture_stub(STUB, CONTROL, 0x415040).unwrap(), STUB)));
+        v.push(("vector-stub", disassemble(&vector_stub(VECTORS_AT).unwrap(), VECTORS_AT)));
         v
+    }
+
+    /// The patcher's unwind entry for the vector stub counts on the
+    /// lengths of its prologue and epilogue.
+    #[test]
+    fn vector_stub_prologue_and_epilogue() {
+        use iced_x86::{Decoder, DecoderOptions, Mnemonic};
+        let code = vector_stub(VECTORS_AT).unwrap();
+        let insns: Vec<Instruction> =
+            Decoder::with_ip(64, &code, VECTORS_AT, DecoderOptions::NONE).into_iter().collect();
+        let head: Vec<Mnemonic> = insns[..2].iter().map(|i| i.mnemonic()).collect();
+        assert_eq!(head, [Mnemonic::Push, Mnemonic::Mov]);
+        assert_eq!(insns[2].ip() - VECTORS_AT, u64::from(VECTOR_STUB_PROLOGUE));
+        let tail = &insns[insns.len() - 3..];
+        let tail_mn: Vec<Mnemonic> = tail.iter().map(|i| i.mnemonic()).collect();
+        assert_eq!(tail_mn, [Mnemonic::Mov, Mnemonic::Pop, Mnemonic::Ret]);
+        assert_eq!(VECTORS_AT + code.len() as u64 - tail[0].ip(), u64::from(VECTOR_STUB_EPILOGUE));
     }
 
     const BLESS: &str = "ALLOCTRAMP_BLESS=1 cargo test -p alloctramp-trampolines --features codegen golden";
