@@ -1010,9 +1010,16 @@ impl Gen<'_> {
         self.a.jae(slow)?;
         self.with_control(Code::Mov_r64_rm64, Register::RDI, control::SHADOW)?;
         if !cas {
-            // No tracked object's record is there.
-            self.a.test(byte_ptr(rdi + rdx * 4), shadow::LIVE as i32)?;
-            self.a.jne(slow)?;
+            // No tracked object's record is there (LIVE was clear; it is
+            // set now, until the store below writes the record: no other
+            // thread reads an entry in the granule of an object being
+            // allocated). A read-modify-write rather than a read: the
+            // first touch of a shadow page is then a write fault, which
+            // maps a fresh page, instead of a read fault mapping the zero
+            // page and a write fault replacing it, which flushes the TLB
+            // of every CPU the process runs on.
+            self.a.bts(dword_ptr(rdi + rdx * 4), shadow::LIVE.trailing_zeros() as i32)?;
+            self.a.jb(slow)?;
         }
         self.a.shl(esi, shadow::SIZE_SHIFT)?;
         self.a.lea(ecx, qword_ptr(rcx + rsi + site))?;
