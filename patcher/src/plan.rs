@@ -361,8 +361,11 @@ pub struct Plan<'a> {
     /// segment.
     pub init: Code,
     pub fini: Code,
-    /// The stub every site's callers entry goes through (callers capture).
+    /// The stubs sites' callers entries go through (callers capture):
+    /// keeping the vector registers, and for calls of default entries
+    /// through the PLT or GOT, not (`codegen::capture_stub`).
     pub capture: Code,
+    pub capture_plain: Code,
     /// The stub through which trampolines in preserve mode call the
     /// runtime (`codegen::vector_stub`).
     pub vectors: Code,
@@ -452,15 +455,18 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         shards: layout::shard::COUNT,
         stride: mem.stride,
         capture: 0,
+        capture_plain: 0,
         vectors: 0,
     };
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
     let program = !matches!(elf.file_type, crate::elf::FileType::Shared);
-    let (init, fini, capture, vectors) = plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?;
+    let [init, fini, capture, capture_plain, vectors] =
+        plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?;
     ctx.vectors = vectors.addr.0;
     // Callers capture needs the module's unwind rows.
     if !a.unwind.is_empty() {
         ctx.capture = capture.addr.0;
+        ctx.capture_plain = capture_plain.addr.0;
     }
     let sources = ehframe::Sources::new(elf).ok();
     let unwinds = crate::charge::unwinds(elf);
@@ -524,6 +530,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         init,
         fini,
         capture,
+        capture_plain,
         vectors,
         text,
         eh_frame,
@@ -777,8 +784,9 @@ struct TextContext {
     table: u64,
     shards: u32,
     stride: u64,
-    /// The capture stub (0: sites get no callers entry).
+    /// The capture stubs (0: sites get no callers entry).
     capture: u64,
+    capture_plain: u64,
     /// The vector stub.
     vectors: u64,
 }
@@ -796,13 +804,7 @@ fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
 /// provides it; a program's saying why on stderr when that fails and
 /// `ALLOCTRAMP` is set) and continue to the input's DT_INIT and
 /// DT_FINI functions, if any.
-fn plan_stubs(
-    text: &mut Cursor,
-    ctx: &TextContext,
-    t: &Tables,
-    runtime: &str,
-    program: bool,
-) -> Result<(Code, Code, Code, Code)> {
+fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, program: bool) -> Result<[Code; 5]> {
     let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let mut stub = |api: i32, original: Option<u64>, load: Option<codegen::Load>| -> Result<Code> {
         let at = text.offset.wrapping_add(text.delta);
@@ -813,11 +815,12 @@ fn plan_stubs(
     let init = stub(layout::api::REGISTER, t.value(elf::DT_INIT), Some(load))?;
     let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI), None)?;
     let at = text.offset.wrapping_add(text.delta);
-    let capture = codegen::capture_stub(at, ctx.control, ctx.table).map_err(stub_err)?;
-    let capture = place_code(text, capture);
+    let capture = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, true).map_err(stub_err)?);
+    let at = text.offset.wrapping_add(text.delta);
+    let plain = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, false).map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
     let vectors = place_code(text, codegen::vector_stub(at).map_err(stub_err)?);
-    Ok((init, fini, capture, vectors))
+    Ok([init, fini, capture, plain, vectors])
 }
 
 /// The extents of the file's own definitions of default entry points
@@ -886,7 +889,13 @@ fn plan_sites(
             depth_bump,
             key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
             key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
-            capture: ctx.capture,
+            // A default entry called through the PLT or GOT takes no
+            // vector arguments and clobbers every vector register.
+            capture: if site.via != Via::Direct && site.entry < a.scan.user.start {
+                ctx.capture_plain
+            } else {
+                ctx.capture
+            },
             hook: matches!(site.charge, Charge::Hook { .. }),
             charge_check: site.under_hook,
             plain_store: a.scan.plain_store(site.entry),

@@ -1559,16 +1559,18 @@ fn write_stderr(a: &mut CodeAssembler) -> R<()> {
 
 /// The module's capture stub, reached from a trampoline's callers entry
 /// with the site's index pushed: saves what a call may clobber into a
-/// [`capture::Frame`](crate::layout::capture::Frame) (the vector state too:
-/// a direct call's callers may keep values in registers the callee leaves
-/// alone), calls the runtime's `capture(frame, control, rbp, table)`
+/// [`capture::Frame`](crate::layout::capture::Frame) (with `vectors`,
+/// xmm0-15 too: a direct call's callers may keep values in registers the
+/// callee leaves alone, and a wrapper may take vector arguments; a call of
+/// a default entry through the PLT or GOT reads none and clobbers them
+/// all, so its sites use the stub without), calls the runtime's `capture(frame, control, rbp, table)`
 /// (`table`: the module's site table, which names the continuation even
 /// before the runtime knows the module), which
 /// records the chain and replaces the index with the entry to continue at,
 /// restores everything and jumps there with the stack as it was at the
 /// site. The jump reads its target just below the stack pointer: the
 /// 128-byte red zone, which signal delivery leaves alone.
-pub fn capture_stub(at: u64, control: u64, table: u64) -> R<Vec<u8>> {
+pub fn capture_stub(at: u64, control: u64, table: u64, vectors: bool) -> R<Vec<u8>> {
     const SAVED: [AsmRegister64; 9] = [rax, rcx, rdx, rsi, rdi, r8, r9, r10, r11];
     let mut a = CodeAssembler::new(64)?;
     for r in SAVED {
@@ -1578,9 +1580,20 @@ pub fn capture_stub(at: u64, control: u64, table: u64) -> R<Vec<u8>> {
     a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RSI, rip(control))?)?;
     a.mov(rdx, rbp)?;
     a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(table))?)?;
-    save_vectors(&mut a)?;
+    if vectors {
+        save_vectors(&mut a)?;
+    } else {
+        a.push(rbx)?;
+        a.mov(rbx, rsp)?;
+        a.and(rsp, -16)?;
+    }
     a.add_instruction(Instruction::with1(Code::Call_rm64, rip(control + u64::from(control::CAPTURE)))?)?;
-    restore_vectors(&mut a)?;
+    if vectors {
+        restore_vectors(&mut a)?;
+    } else {
+        a.mov(rsp, rbx)?;
+        a.pop(rbx)?;
+    }
     for r in SAVED.iter().rev() {
         a.pop(*r)?;
     }
@@ -1862,7 +1875,8 @@ pub(crate) mod golden {
         v.push(("init-stub", disassemble(&init, AT)));
         let fini = init_stub(AT, CONTROL, 0x415040, crate::layout::api::UNREGISTER, None, None).unwrap();
         v.push(("fini-stub-no-original", disassemble(&fini, AT)));
-        v.push(("capture-stub", disassemble(&capture_stub(STUB, CONTROL, 0x415040).unwrap(), STUB)));
+        v.push(("capture-stub", disassemble(&capture_stub(STUB, CONTROL, 0x415040, true).unwrap(), STUB)));
+        v.push(("capture-stub-plain", disassemble(&capture_stub(STUB, CONTROL, 0x415040, false).unwrap(), STUB)));
         v.push(("vector-stub", disassemble(&vector_stub(VECTORS_AT).unwrap(), VECTORS_AT)));
         v
     }
