@@ -6,8 +6,7 @@
 //! While it is inside a call, its entry describes it as a frame of its own
 //! called from the site: its canonical frame address is 8 bytes above the
 //! site's stack pointer, as a callee's would be, every register is the
-//! site's (rsp by an explicit rule) (rbx from its save slot inside a
-//! realigned runtime call), and the return address is the one after the
+//! site's (rsp by an explicit rule), and the return address is the one after the
 //! site, computed from the call's own return address by a constant
 //! (`DW_CFA_val_expression`). An exception or panic thrown by the function
 //! a trampoline calls therefore unwinds into the site's function at the
@@ -25,7 +24,7 @@
 //! needs no relocation for them.
 
 use crate::elf::Elf;
-use alloctramp_trampolines::frames::{Call, Frames, Stack};
+use alloctramp_trampolines::frames::{Call, Frames};
 use alloctramp_trampolines::layout::{control, undo::UndoCall, undo::UndoHeader};
 use alloctramp_trampolines::pod;
 use gimli::{
@@ -60,9 +59,6 @@ pub struct SiteRow {
     /// instructions, and the registers they name.
     rules: Vec<u8>,
     regs: Vec<u16>,
-    /// The site's row gives rbx no rule: its value at the site is its
-    /// caller's.
-    rbx_unsaved: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -218,15 +214,11 @@ impl<'a> Sources<'a> {
         };
         let mut rules = Vec::new();
         let mut regs = Vec::new();
-        let mut rbx_unsaved = true;
         for (reg, rule) in row.registers() {
-            if *reg == X86_64::RBX {
-                rbx_unsaved = matches!(rule, RegisterRule::SameValue | RegisterRule::Undefined);
-            }
             self.rule(&mut rules, *reg, rule)?;
             regs.push(reg.0);
         }
-        Ok(SiteRow { cfa, rules, regs, rbx_unsaved })
+        Ok(SiteRow { cfa, rules, regs })
     }
 
     /// Appends the instruction that sets `reg`'s rule.
@@ -355,8 +347,7 @@ impl<'a> Sources<'a> {
 }
 
 /// Registers no trampoline changes: rules and CFAs naming them hold in a
-/// trampoline as at its site (rbx is saved around a realignment, rsp is
-/// tracked).
+/// trampoline as at its site (rsp is tracked).
 const KEPT: [Register; 5] = [X86_64::RBP, X86_64::R12, X86_64::R13, X86_64::R14, X86_64::R15];
 
 const DATA_ALIGN: i64 = -8;
@@ -475,14 +466,11 @@ impl CfaState {
         self.0 = Some((reg.0, off));
     }
 
-    /// The CFA at a row with the site's own CFA `site_off` above its stack
-    /// pointer (8 inside a call, where the trampoline is a frame of its
-    /// own).
-    fn stack(&mut self, out: &mut Vec<u8>, stack: Stack, site_off: u64) {
-        match stack {
-            Stack::Below(d) => self.set(out, X86_64::RSP, site_off + u64::from(d)),
-            Stack::ThroughRbx(b) => self.set(out, X86_64::RBX, site_off + u64::from(b)),
-        }
+    /// The CFA at a row `below` bytes under the site's stack pointer, with
+    /// the site's own CFA `site_off` above it (8 inside a call, where the
+    /// trampoline is a frame of its own).
+    fn stack(&mut self, out: &mut Vec<u8>, below: u32, site_off: u64) {
+        self.set(out, X86_64::RSP, site_off + u64::from(below))
     }
 }
 
@@ -503,7 +491,6 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
         (None, true) => (Some(8), vec![0x11, 16, 1]),
         (None, false) => (Some(0), vec![0x07, 16]),
     };
-    let rbx_unsaved = e.site.as_ref().is_none_or(|s| s.rbx_unsaved);
     out.extend_from_slice(&outside);
     // Change points: rows, and (but at a tail jump, whose trampoline is an
     // ordinary frame throughout) the start and end of every call of the
@@ -522,7 +509,6 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
     points.sort_unstable();
     points.dedup();
     let mut last = 0u32;
-    let mut rbx_rule = false;
     let mut in_call = false;
     // A copied CFA in another register or an expression is unknown here.
     let mut cfa = CfaState::default();
@@ -546,22 +532,17 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
             // frame whose CFA equaled its caller's stack pointer would
             // share its identity with its caller in the unwinder's phase 2
             // (libgcc compares CFAs to find the handler's frame).
-            cfa.stack(out, row.stack, 8);
+            cfa.stack(out, row.below, 8);
             out.extend_from_slice(&[0x15, 7, 1]); // DW_CFA_val_offset_sf rsp, CFA - 8
             // Every register is the site's: the trampoline changed none
-            // but rbx, whose own rule follows (rsp's and the return
-            // address's are set here).
+            // (rsp's and the return address's rules are set here).
             for &r in e.site.iter().flat_map(|s| &s.regs) {
                 if ![3, 7, 16].contains(&r) {
                     out.push(0x08);
                     uleb(out, u64::from(r));
                 }
             }
-            if row.rbx_saved && rbx_unsaved {
-                out.extend_from_slice(&[0x10, 3, 2, 0x73, 0]);
-            } else {
-                out.extend_from_slice(&[0x08, 3]);
-            }
+            out.extend_from_slice(&[0x08, 3]); // DW_CFA_same_value rbx
             // The return address: the call's own, at [rsp - 8] in this
             // frame, moved to the address after the site.
             let after_call = e.addr + u64::from(c.offset + c.len);
@@ -579,17 +560,7 @@ fn instructions(out: &mut Vec<u8>, e: &Entry) -> Result<(), Why> {
             continue;
         }
         if let Some(off) = site_off {
-            cfa.stack(out, row.stack, off);
-        }
-        let want = row.rbx_saved && rbx_unsaved;
-        if want != rbx_rule {
-            if want {
-                // DW_CFA_expression rbx: at [rbx + 0].
-                out.extend_from_slice(&[0x10, 3, 2, 0x73, 0]);
-            } else {
-                out.extend_from_slice(&[0x08, 3]);
-            }
-            rbx_rule = want;
+            cfa.stack(out, row.below, off);
         }
     }
     Ok(())

@@ -1580,20 +1580,10 @@ pub fn capture_stub(at: u64, control: u64, table: u64, vectors: bool) -> R<Vec<u
     a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RSI, rip(control))?)?;
     a.mov(rdx, rbp)?;
     a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RCX, rip(table))?)?;
-    if vectors {
-        save_vectors(&mut a)?;
-    } else {
-        a.push(rbx)?;
-        a.mov(rbx, rsp)?;
-        a.and(rsp, -16)?;
-    }
+    let kept = if vectors { &VECTORS[..] } else { &[] };
+    save_vectors(&mut a, kept)?;
     a.add_instruction(Instruction::with1(Code::Call_rm64, rip(control + u64::from(control::CAPTURE)))?)?;
-    if vectors {
-        restore_vectors(&mut a)?;
-    } else {
-        a.mov(rsp, rbx)?;
-        a.pop(rbx)?;
-    }
+    restore_vectors(&mut a, kept)?;
     for r in SAVED.iter().rev() {
         a.pop(*r)?;
     }
@@ -1613,21 +1603,23 @@ const VECTORS: [AsmRegisterXmm; 16] =
     [xmm0, xmm1, xmm2, xmm3, xmm4, xmm5, xmm6, xmm7, xmm8, xmm9, xmm10, xmm11, xmm12, xmm13, xmm14, xmm15];
 
 /// Aligns the stack to 16 bytes (the old rsp in rbx, pushed first) and
-/// stores [`VECTORS`] below it, leaving rsp aligned for a call.
-fn save_vectors(a: &mut CodeAssembler) -> R<()> {
+/// stores `kept` below it, leaving rsp aligned for a call.
+fn save_vectors(a: &mut CodeAssembler, kept: &[AsmRegisterXmm]) -> R<()> {
     a.push(rbx)?;
     a.mov(rbx, rsp)?;
     a.and(rsp, -16)?;
-    a.sub(rsp, 16 * VECTORS.len() as i32)?;
-    for (i, &x) in VECTORS.iter().enumerate() {
+    if !kept.is_empty() {
+        a.sub(rsp, 16 * kept.len() as i32)?;
+    }
+    for (i, &x) in kept.iter().enumerate() {
         a.movaps(xmmword_ptr(rsp + 16 * i as i32), x)?;
     }
     Ok(())
 }
 
 /// Undoes [`save_vectors`].
-fn restore_vectors(a: &mut CodeAssembler) -> R<()> {
-    for (i, &x) in VECTORS.iter().enumerate() {
+fn restore_vectors(a: &mut CodeAssembler, kept: &[AsmRegisterXmm]) -> R<()> {
+    for (i, &x) in kept.iter().enumerate() {
         a.movaps(x, xmmword_ptr(rsp + 16 * i as i32))?;
     }
     a.mov(rsp, rbx)?;
@@ -1643,9 +1635,9 @@ fn restore_vectors(a: &mut CodeAssembler) -> R<()> {
 /// lengths: [`VECTOR_STUB_PROLOGUE`], [`VECTOR_STUB_EPILOGUE`]).
 pub fn vector_stub(at: u64) -> R<Vec<u8>> {
     let mut a = CodeAssembler::new(64)?;
-    save_vectors(&mut a)?;
+    save_vectors(&mut a, &VECTORS)?;
     a.call(rax)?;
-    restore_vectors(&mut a)?;
+    restore_vectors(&mut a, &VECTORS)?;
     a.ret()?;
     Ok(a.assemble(at)?)
 }
@@ -1736,15 +1728,7 @@ pub(crate) mod golden {
         let f = crate::frames::frames(&t.code, AT, &entries, spec.target).unwrap();
         for row in &f.rows {
             let at = AT + u64::from(row.offset);
-            let saved = if row.rbx_saved { ", site rbx at [rbx]" } else { "" };
-            match row.stack {
-                crate::frames::Stack::Below(d) => {
-                    text.push_str(&format!("stack from {at:08x}: site rsp - {d}{saved}\n"))
-                }
-                crate::frames::Stack::ThroughRbx(d) => {
-                    text.push_str(&format!("stack from {at:08x}: realigned, rbx = site rsp - {d}{saved}\n"))
-                }
-            }
+            text.push_str(&format!("stack from {at:08x}: site rsp - {}\n", row.below));
         }
         let mut undo = t.undo.iter();
         for c in &f.calls {
@@ -1947,7 +1931,7 @@ pub(crate) mod golden {
             assert!(!calls.is_empty(), "{name}");
             for c in calls {
                 let row = f.rows.iter().rev().find(|r| r.offset <= c.offset).unwrap();
-                assert_eq!(row.stack, crate::frames::Stack::Below(0), "{name}: call at {:#x}", c.offset);
+                assert_eq!(row.below, 0, "{name}: call at {:#x}", c.offset);
             }
         }
     }

@@ -14,25 +14,12 @@
 
 use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, OpKind, Register};
 
-/// The stack at an instruction of a trampoline.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stack {
-    /// The stack pointer is this many bytes below the site's.
-    Below(u32),
-    /// The stack pointer was realigned: rbx is this many bytes below the
-    /// site's stack pointer, and its value at the site is saved at [rbx].
-    ThroughRbx(u32),
-}
-
 /// The frame from an offset of a trampoline to the next row's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Row {
     pub offset: u32,
-    pub stack: Stack,
-    /// rbx holds a stack address where its value at the site is saved
-    /// (the generator's `push rbx; mov rbx, rsp` before a realignment,
-    /// until `pop rbx`).
-    pub rbx_saved: bool,
+    /// The stack pointer is this many bytes below the site's.
+    pub below: u32,
 }
 
 /// A trampoline's stack, from each listed offset to the next.
@@ -67,16 +54,10 @@ impl std::fmt::Display for FramesError {
     }
 }
 
-/// The state the analysis carries: the stack, and where rbx points when
-/// it holds a stack address.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct State {
-    stack: Stack,
-    rbx: Option<u32>,
-}
-
 /// Follows the trampoline `code` placed at `at` from its `entries`
-/// (offsets; each starts on the site's stack). `target` is the site's call
+/// (offsets; each starts on the site's stack), tracking the bytes pushed
+/// below the site's stack pointer (a trampoline never realigns the stack:
+/// runtime calls that need it go through the module's vector stub). `target` is the site's call
 /// target: a near branch's destination, or the GOT slot a
 /// `call [rip+...]` reads.
 pub fn frames(code: &[u8], at: u64, entries: &[u32], target: u64) -> Result<Frames, FramesError> {
@@ -94,11 +75,11 @@ pub fn frames(code: &[u8], at: u64, entries: &[u32], target: u64) -> Result<Fram
     }
     let index_of = |addr: u64| insns.binary_search_by_key(&addr, |i| i.ip()).ok();
     let err = |i: &Instruction, what| FramesError { offset: (i.ip() - at) as u32, what };
-    let mut states: Vec<Option<State>> = vec![None; insns.len()];
-    let mut work: Vec<(usize, State)> = Vec::new();
+    let mut states: Vec<Option<u32>> = vec![None; insns.len()];
+    let mut work: Vec<(usize, u32)> = Vec::new();
     for &e in entries {
         let k = index_of(at + u64::from(e)).ok_or(FramesError { offset: e, what: "entry is not an instruction" })?;
-        work.push((k, State { stack: Stack::Below(0), rbx: None }));
+        work.push((k, 0));
     }
     let mut calls = Vec::new();
     let mut info = InstructionInfoFactory::new();
@@ -115,7 +96,7 @@ pub fn frames(code: &[u8], at: u64, entries: &[u32], target: u64) -> Result<Fram
         if matches!(i.flow_control(), FlowControl::Call | FlowControl::IndirectCall) {
             calls.push(Call { offset: (i.ip() - at) as u32, len: i.len() as u32, target: calls_target(i, target) });
         }
-        let follow = |addr: u64, work: &mut Vec<(usize, State)>| -> Result<(), FramesError> {
+        let follow = |addr: u64, work: &mut Vec<(usize, u32)>| -> Result<(), FramesError> {
             match index_of(addr) {
                 Some(j) => {
                     work.push((j, next));
@@ -139,10 +120,9 @@ pub fn frames(code: &[u8], at: u64, entries: &[u32], target: u64) -> Result<Fram
     calls.sort_unstable();
     let mut rows: Vec<Row> = Vec::new();
     for (i, s) in insns.iter().zip(&states) {
-        let Some(s) = s else { continue };
-        let row = Row { offset: (i.ip() - at) as u32, stack: s.stack, rbx_saved: s.rbx.is_some() };
-        if rows.last().is_none_or(|last| (last.stack, last.rbx_saved) != (row.stack, row.rbx_saved)) {
-            rows.push(row);
+        let Some(below) = *s else { continue };
+        if rows.last().is_none_or(|last| last.below != below) {
+            rows.push(Row { offset: (i.ip() - at) as u32, below });
         }
     }
     if let Some(first) = rows.first_mut() {
@@ -160,66 +140,29 @@ fn calls_target(i: &Instruction, target: u64) -> bool {
     }
 }
 
-/// The state after `i`.
-fn step(info: &mut InstructionInfoFactory, i: &Instruction, s: State) -> Result<State, &'static str> {
-    let mut n = s;
+/// The bytes below the site's stack pointer after `i`, from `below`
+/// before it.
+fn step(info: &mut InstructionInfoFactory, i: &Instruction, below: u32) -> Result<u32, &'static str> {
     let imm = || i.immediate(1) as i64;
-    let moved = |by: i64| -> Result<Stack, &'static str> {
-        match s.stack {
-            Stack::Below(d) => {
-                let d = i64::from(d) + by;
-                u32::try_from(d).map(Stack::Below).map_err(|_| "the stack pointer rises above the site's")
-            }
-            // Inside a realigned stretch the frame is found through rbx.
-            realigned @ Stack::ThroughRbx(_) => Ok(realigned),
-        }
+    let moved = |by: i64| -> Result<u32, &'static str> {
+        u32::try_from(i64::from(below) + by).map_err(|_| "the stack pointer rises above the site's")
     };
     match i.code() {
-        Code::Push_r64 | Code::Pushq_imm32 | Code::Pushq_imm8 | Code::Pushfq | Code::Push_rm64 => {
-            n.stack = moved(8)?;
-        }
-        Code::Pop_r64 | Code::Popfq => {
-            n.stack = moved(-8)?;
-            if i.op0_register() == Register::RBX {
-                n.rbx = None;
-            }
-        }
-        Code::Sub_rm64_imm32 | Code::Sub_rm64_imm8 if i.op0_register() == Register::RSP => n.stack = moved(imm())?,
-        Code::Add_rm64_imm32 | Code::Add_rm64_imm8 if i.op0_register() == Register::RSP => n.stack = moved(-imm())?,
+        Code::Push_r64 | Code::Pushq_imm32 | Code::Pushq_imm8 | Code::Pushfq | Code::Push_rm64 => moved(8),
+        Code::Pop_r64 | Code::Popfq => moved(-8),
+        Code::Sub_rm64_imm32 | Code::Sub_rm64_imm8 if i.op0_register() == Register::RSP => moved(imm()),
+        Code::Add_rm64_imm32 | Code::Add_rm64_imm8 if i.op0_register() == Register::RSP => moved(-imm()),
         Code::Lea_r64_m if i.op0_register() == Register::RSP => {
             if i.memory_base() != Register::RSP || i.memory_index() != Register::None {
                 return Err("rsp loaded from another register");
             }
-            n.stack = moved(-(i.memory_displacement64() as i64))?;
+            moved(-(i.memory_displacement64() as i64))
         }
-        Code::And_rm64_imm8 | Code::And_rm64_imm32 if i.op0_register() == Register::RSP => {
-            let Some(b) = s.rbx else { return Err("stack realigned without rbx holding the frame") };
-            n.stack = Stack::ThroughRbx(b);
+        _ if writes(info, i, Register::RSP) && i.flow_control() == FlowControl::Next => {
+            Err("rsp written in a way the rows cannot describe")
         }
-        Code::Mov_r64_rm64 | Code::Mov_rm64_r64
-            if i.op0_kind() == OpKind::Register
-                && i.op1_kind() == OpKind::Register
-                && (i.op0_register() == Register::RBX || i.op0_register() == Register::RSP) =>
-        {
-            match (i.op0_register(), i.op1_register(), s.stack) {
-                (Register::RBX, Register::RSP, Stack::Below(d)) => n.rbx = Some(d),
-                (Register::RSP, Register::RBX, _) => {
-                    let Some(b) = s.rbx else { return Err("rsp restored from rbx that holds no frame") };
-                    n.stack = Stack::Below(b);
-                }
-                _ => return Err("rsp or rbx moved in a way the rows cannot describe"),
-            }
-        }
-        _ => {
-            if writes(info, i, Register::RSP) && i.flow_control() == FlowControl::Next {
-                return Err("rsp written in a way the rows cannot describe");
-            }
-            if writes(info, i, Register::RBX) {
-                n.rbx = None;
-            }
-        }
+        _ => Ok(below),
     }
-    Ok(n)
 }
 
 /// Whether `i` writes `reg` (or a part of it). Only an instruction that
@@ -250,7 +193,7 @@ mod tests {
             let t = codegen::trampoline(&s, at).unwrap();
             let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
             let f = frames(&t.code, at, &entries, s.target).unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(f.rows[0], Row { offset: 0, stack: Stack::Below(0), rbx_saved: false }, "{name}");
+            assert_eq!(f.rows[0], Row { offset: 0, below: 0 }, "{name}");
             // A tail jump that observes nothing after it jumps to its target.
             assert!(s.form.is_tail() || f.calls.iter().any(|c| c.target), "{name}: no call of the target");
             // A call's stack is 16-byte aligned as at the site (8 below it
@@ -258,10 +201,7 @@ mod tests {
             let tail = if s.form.is_tail() { 8 } else { 0 };
             for c in f.calls.iter().filter(|c| c.target) {
                 let row = f.rows.iter().rev().find(|r| r.offset <= c.offset).unwrap();
-                match row.stack {
-                    Stack::Below(d) => assert_eq!((d + tail) % 16, 0, "{name}: call at {:#x}", c.offset),
-                    Stack::ThroughRbx(_) => panic!("{name}: a call of the target on a realigned stack"),
-                }
+                assert_eq!((row.below + tail) % 16, 0, "{name}: call at {:#x}", c.offset);
             }
         }
     }
@@ -272,6 +212,10 @@ mod tests {
         let code = [0x48, 0x89, 0xc4, 0xc3];
         let e = frames(&code, 0x1000, &[0], 0x2000).unwrap_err();
         assert_eq!(e.offset, 0);
+        // push rbx; mov rbx, rsp; and rsp, -16 (a realignment)
+        let code = [0x53, 0x48, 0x89, 0xe3, 0x48, 0x83, 0xe4, 0xf0, 0xc3];
+        let e = frames(&code, 0x1000, &[0], 0x2000).unwrap_err();
+        assert_eq!((e.offset, e.what), (4, "rsp written in a way the rows cannot describe"));
         // Two paths that meet with different stacks: push; jz L; push; L: ret
         let code = [0x50, 0x74, 0x01, 0x50, 0xc3];
         assert_eq!(frames(&code, 0x1000, &[0], 0x2000).unwrap_err().what, "reached with two different stacks");
