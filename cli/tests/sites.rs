@@ -98,6 +98,7 @@ fn unpatchable_expected(name: &str, _config: Config) -> usize {
     match name {
         "fnptr" => 2,
         "live" => 1,
+        "live_wide" => 2,
         _ => 0,
     }
 }

@@ -584,6 +584,13 @@ pub fn vector_stub_program(addr: u64, len: u64) -> Program {
     Program { addr, len, instructions: out, index: u32::MAX, undo: Vec::new() }
 }
 
+/// The entry of a stub that never moves the stack pointer (the wide-size
+/// stub, `codegen::wide_stub`): the CFA is rsp + 8 throughout.
+pub fn leaf_stub_program(addr: u64, len: u64) -> Program {
+    let out = vec![0x0c, 7, 8, 0x90, 1]; // CFA = rsp + 8; return address at CFA - 8
+    Program { addr, len, instructions: out, index: u32::MAX, undo: Vec::new() }
+}
+
 fn advance(out: &mut Vec<u8>, delta: u32) {
     match delta {
         0 => {}

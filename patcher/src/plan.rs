@@ -369,6 +369,9 @@ pub struct Plan<'a> {
     /// The stub through which trampolines in preserve mode call the
     /// runtime (`codegen::vector_stub`).
     pub vectors: Code,
+    /// The wide-size stub, which free trampolines call for a record of
+    /// size 0 (`codegen::wide_stub`).
+    pub wide: Code,
     /// All of the executable segment's code (.alloctramp.text).
     pub text: Region,
     /// The trampolines' unwind entries and the new .eh_frame_hdr that
@@ -457,12 +460,14 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         capture: 0,
         capture_plain: 0,
         vectors: 0,
+        wide: 0,
     };
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
     let program = !matches!(elf.file_type, crate::elf::FileType::Shared);
-    let [init, fini, capture, capture_plain, vectors] =
+    let [init, fini, capture, capture_plain, vectors, wide] =
         plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?;
     ctx.vectors = vectors.addr.0;
+    ctx.wide = wide.addr.0;
     // Callers capture needs the module's unwind rows.
     if !a.unwind.is_empty() {
         ctx.capture = capture.addr.0;
@@ -479,6 +484,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     // stub to the trampoline that called it.
     if !programs.is_empty() {
         programs.insert(0, ehframe::vector_stub_program(vectors.addr.0, vectors.bytes.len() as u64));
+        programs.insert(1, ehframe::leaf_stub_program(wide.addr.0, wide.bytes.len() as u64));
     }
     // A call to a wrapper that counts for what the wrapper allocates must
     // be patched: the calls inside the wrapper may count nothing.
@@ -532,6 +538,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         capture,
         capture_plain,
         vectors,
+        wide,
         text,
         eh_frame,
         dynamic: rw.dynamic,
@@ -789,6 +796,8 @@ struct TextContext {
     capture_plain: u64,
     /// The vector stub.
     vectors: u64,
+    /// The wide-size stub.
+    wide: u64,
 }
 
 /// Places generated code at the cursor; the next code starts 16-byte
@@ -804,7 +813,7 @@ fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
 /// provides it; a program's saying why on stderr when that fails and
 /// `ALLOCTRAMP` is set) and continue to the input's DT_INIT and
 /// DT_FINI functions, if any.
-fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, program: bool) -> Result<[Code; 5]> {
+fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, program: bool) -> Result<[Code; 6]> {
     let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let mut stub = |api: i32, original: Option<u64>, load: Option<codegen::Load>| -> Result<Code> {
         let at = text.offset.wrapping_add(text.delta);
@@ -820,7 +829,9 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, p
     let plain = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, false).map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
     let vectors = place_code(text, codegen::vector_stub(at).map_err(stub_err)?);
-    Ok([init, fini, capture, plain, vectors])
+    let at = text.offset.wrapping_add(text.delta);
+    let wide = place_code(text, codegen::wide_stub(at, ctx.control).map_err(stub_err)?);
+    Ok([init, fini, capture, plain, vectors, wide])
 }
 
 /// The extents of the file's own definitions of default entry points
@@ -881,6 +892,7 @@ fn plan_sites(
             // hook's trampoline uses r10 and r11 only.
             preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
             vectors: ctx.vectors,
+            wide: ctx.wide,
             args: entry.args,
             control: ctx.control,
             shard_mask: ctx.shards - 1,

@@ -260,7 +260,7 @@ fn sites_out_of_rel32_range_of_the_new_segments_are_skipped() {
     let p = plan_of(&data, &a, &opts()).unwrap();
     assert_eq!(
         p.text.size,
-        (p.vectors.addr.0 - p.text.addr.0) + (p.vectors.bytes.len() as u64).next_multiple_of(16),
+        (p.wide.addr.0 - p.text.addr.0) + (p.wide.bytes.len() as u64).next_multiple_of(16),
         "only the stubs"
     );
 }

@@ -7,8 +7,9 @@
 //! - The **shadow map** (layout in `layout::shadow`): one 32-bit entry per
 //!   32-byte granule of the address space below 2^47, in one reservation
 //!   that only the granules objects start in materialise. An entry holds
-//!   the allocating site's id, the requested size (below 1 KiB), bits 3-4
-//!   of the address and a LIVE bit. The trampolines write it after an
+//!   the allocating site's id, the requested size (below 1 KiB; from 1 KiB
+//!   a wide record keeps it in the next granule's entry), bits 3-4 of the
+//!   address and a LIVE bit. The trampolines write it after an
 //!   allocation and clear LIVE before a free inline, without a call, a lock
 //!   or a table walk, whichever thread frees; the allocator's own locality
 //!   (neighbouring objects, a freed chunk reused for the next allocation of
@@ -22,9 +23,9 @@
 //!   table. Either way only the owner of a live record writes
 //!   it: an allocation writes an entry only while LIVE is clear, so a
 //!   free's plain clear of LIVE races with nothing.
-//! - The **pointer table**, for the objects an entry cannot describe (1 KiB
-//!   or more, a module without site ids, an address above 2^47, a granule
-//!   another live object starts in): split into [`SHARDS`] shards by a hash
+//! - The **pointer table**, for the objects the map cannot describe (512
+//!   MiB or more, a module without site ids, an address above 2^47, a
+//!   granule another live object starts in): split into [`SHARDS`] shards by a hash
 //!   of the pointer; each is an open-addressing table (linear probing,
 //!   backward-shift deletion, no tombstones) in its own anonymous mapping,
 //!   guarded by its own spin lock.
@@ -496,13 +497,16 @@ pub fn reserve() -> Result<(), &'static str> {
     // process can reserve (under valgrind, the client's).
     let Some((sh, granules)) = (36..=shadow::ADDRESS_BITS).rev().find_map(|bits| {
         let granules = 1u64 << (bits - shadow::GRANULE_SHIFT);
-        map(granules * 4, libc::PROT_READ | libc::PROT_WRITE).map(|p| (p, granules))
+        // A spare page after the last entry: a free of an object of 0
+        // bytes in the last granule reads the next entry (see
+        // `layout::shadow`), which no record ever writes there.
+        map(granules * 4 + PAGE as u64, libc::PROT_READ | libc::PROT_WRITE).map(|p| (p, granules))
     }) else {
         return Err(
             "cannot reserve the shadow map for live tracking (address space limit or strict overcommit); counting only",
         );
     };
-    let bytes = granules as usize * 4;
+    let bytes = granules as usize * 4 + PAGE;
     let freed_bytes = u64::from(shadow::FREED_SHARDS) * shadow::FREED_SHARD_BYTES;
     let Some(fr) = map(freed_bytes, libc::PROT_NONE) else {
         // SAFETY: the reservation just made.
@@ -565,25 +569,109 @@ fn entry_of(ptr: u64) -> Option<&'static AtomicU32> {
     Some(unsafe { &*(at as *const AtomicU32) })
 }
 
-/// Records an object in the shadow map. False: the granule holds another
-/// live object's record (the pointer table takes this one).
+/// The entry of the granule after `e`'s (or the spare page's first word
+/// after the map's last).
+#[inline(always)]
+fn next_entry(e: &AtomicU32) -> &AtomicU32 {
+    // SAFETY: `e` is an entry of the reservation, which has a spare page
+    // after its last entry (see `reserve`).
+    unsafe { &*(e as *const AtomicU32).add(1) }
+}
+
+/// The size of the object whose record `old` (decoded with `ptr`) is in
+/// `e`: the record's own, or for a wide record its extension's, which this
+/// clears.
+fn take_size(e: &AtomicU32, old: u32, ptr: u64) -> u64 {
+    let size = shadow::size(old, ptr);
+    if size != 0 {
+        return size;
+    }
+    let next = next_entry(e);
+    let x = next.load(Ordering::Relaxed);
+    if !shadow::is_ext(x) {
+        return 0;
+    }
+    next.store(0, Ordering::Relaxed);
+    shadow::ext_size(x)
+}
+
+/// Granule `granule` holds `old`, which is live: if it is the record of an
+/// object that an object of `size` bytes at `ptr` overlaps, or an
+/// extension of a record such an object overlaps, that object was freed
+/// unseen: charges it and takes its record out. Returns whether the entry
+/// is free now (false: the live record of a neighbour `ptr` does not
+/// overlap, left alone).
+fn settle_overlapped(e: &AtomicU32, old: u32, granule: u64, ptr: u64, size: u64) -> bool {
+    if shadow::is_ext(old) {
+        // The record it extends is in the granule before, of an object at
+        // least SIZE_LIMIT long, which covers this granule.
+        if granule > 0 {
+            // SAFETY: the entry before `e` in the reservation.
+            let before = unsafe { &*(e as *const AtomicU32).sub(1) };
+            let b = before.load(Ordering::Relaxed);
+            if let Some(at) = shadow::live_record_at(b, granule - 1)
+                && shadow::size(b, at) == 0
+                && before.compare_exchange(b, b & !shadow::LIVE, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+            {
+                charge_id(shadow::id(b, at), shadow::ext_size(old));
+            }
+        }
+        // (A record gone meanwhile left its extension behind: stale.)
+        e.store(0, Ordering::Relaxed);
+        return true;
+    }
+    let Some(at) = shadow::live_record_at(old, granule) else { return true };
+    // Two objects overlap if either starts inside the other: the record's
+    // is wide (it covers its granule and more) or starts where ours
+    // starts, or ours covers its start.
+    let theirs_wide = shadow::size(old, at) == 0 && shadow::is_ext(next_entry(e).load(Ordering::Relaxed));
+    let overlaps =
+        at == ptr || (at < ptr && (theirs_wide || at + shadow::size(old, at) > ptr)) || (ptr < at && at - ptr < size);
+    if !overlaps {
+        return false;
+    }
+    if e.compare_exchange(old, old & !shadow::LIVE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+        charge_id(shadow::id(old, at), take_size(e, old, at));
+    }
+    true
+}
+
+/// Records an object in the shadow map (a wide record from
+/// [`shadow::SIZE_LIMIT`] bytes). False: the granule (or for a wide record
+/// the next) holds another live object's record (the pointer table takes
+/// this one).
 fn insert_shadow(e: &AtomicU32, ptr: u64, id: u32, size: u64) -> bool {
-    let new = shadow::entry(ptr, id, size);
-    let mut old = e.load(Ordering::Relaxed);
-    loop {
-        let stale = shadow::is_live(old);
-        if stale && !shadow::is_record_of(old, ptr) {
+    let granule = ptr >> shadow::GRANULE_SHIFT;
+    let wide = size >= shadow::SIZE_LIMIT;
+    if wide {
+        // The next granule lies inside the object: whatever live record
+        // or extension it holds is of an object freed unseen.
+        let next = next_entry(e);
+        let x = next.load(Ordering::Relaxed);
+        if shadow::is_live(x) && !settle_overlapped(next, x, granule + 1, ptr, size) {
             return false;
         }
-        match e.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => {
-                if stale {
-                    // The allocator handed out an address the map still
-                    // holds: that object was freed unseen.
-                    charge_id(shadow::id(old, ptr), shadow::size(old, ptr));
+    }
+    let new = shadow::entry(ptr, id, if wide { 0 } else { size });
+    let mut old = e.load(Ordering::Relaxed);
+    loop {
+        if shadow::is_live(old) {
+            if !settle_overlapped(e, old, granule, ptr, size) {
+                if wide {
+                    // No extension without its record.
+                    next_entry(e).store(0, Ordering::Relaxed);
                 }
-                return true;
+                return false;
             }
+            old = e.load(Ordering::Relaxed);
+            continue;
+        }
+        if wide {
+            // Before the record: a free that finds the record finds it.
+            next_entry(e).store(shadow::ext(size), Ordering::Relaxed);
+        }
+        match e.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return true,
             Err(now) => old = now,
         }
     }
@@ -598,7 +686,7 @@ fn remove_shadow(ptr: u64) -> Option<(u32, u64)> {
             return None;
         }
         match e.compare_exchange_weak(old, old & !shadow::LIVE, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return Some((shadow::id(old, ptr), shadow::size(old, ptr))),
+            Ok(_) => return Some((shadow::id(old, ptr), take_size(e, old, ptr))),
             Err(now) => old = now,
         }
     }
@@ -938,9 +1026,10 @@ fn charge(c: Charge, size: u64) {
 /// Records a new object.
 fn track(ptr: u64, o: Origin, size: u64) {
     if o.id != 0
-        && size < shadow::SIZE_LIMIT
+        && size < shadow::WIDE_LIMIT
         && ptr & 7 == 0
         && let Some(e) = entry_of(ptr)
+        && (size < shadow::SIZE_LIMIT || entry_of(ptr + (1 << shadow::GRANULE_SHIFT)).is_some())
         && insert_shadow(e, ptr, o.id, size)
     {
         return;
@@ -1234,6 +1323,34 @@ mod tests {
         }
         assert!(!shadow::is_record_of(e & !shadow::LIVE, p) && shadow::is_freed_record_of(e & !shadow::LIVE, p));
         assert!(!shadow::is_record_of(0, 0x5555_0000_1220) && !shadow::is_freed_record_of(0, 0x5555_0000_1220));
+    }
+
+    /// An extension, live or cleared by a free (bits 1 and 2, as the
+    /// wide-size stub does), is never a record, live or freed, of any
+    /// 8-aligned address of its granule, and a live one is never free
+    /// for an inline allocation (its bit 2 is set).
+    #[test]
+    fn extensions_are_not_records() {
+        let granule = 0x5555_0000_1240u64 >> shadow::GRANULE_SHIFT;
+        for size in [shadow::SIZE_LIMIT, 4000, 123_457, shadow::WIDE_LIMIT - 1] {
+            let x = shadow::ext(size);
+            assert!(shadow::is_ext(x) && shadow::is_live(x) && shadow::ext_size(x) == size);
+            let cleared = x & !(shadow::EXT_BIT | shadow::LIVE);
+            assert!(!shadow::is_ext(cleared) && !shadow::is_live(cleared));
+            for k in 0..4 {
+                let at = granule << shadow::GRANULE_SHIFT | k * 8;
+                for v in [x, cleared] {
+                    assert!(!shadow::is_record_of(v, at) && !shadow::is_freed_record_of(v, at), "{v:#x} at {at:#x}");
+                }
+            }
+            assert_eq!(shadow::live_record_at(x, granule), None);
+        }
+        // A wide record names its address and has size 0.
+        let p = 0x5555_0000_1258;
+        let e = shadow::entry(p, 777, 0);
+        assert_eq!(shadow::live_record_at(e, p >> shadow::GRANULE_SHIFT), Some(p));
+        assert_eq!((shadow::id(e, p), shadow::size(e, p)), (777, 0));
+        assert!(!shadow::is_ext(e) && !shadow::is_ext(e & !shadow::LIVE));
     }
 
     /// Cells for the test: the table only stores their addresses.

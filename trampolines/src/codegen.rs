@@ -35,6 +35,9 @@ pub struct TrampolineSpec {
     /// The module's vector stub (see [`vector_stub`]), through which a
     /// trampoline in preserve mode calls the runtime.
     pub vectors: u64,
+    /// The module's wide-size stub (see [`wide_stub`]), which a free's
+    /// inline path calls for a record of size 0.
+    pub wide: u64,
     /// Argument registers the target reads (kept around a runtime call
     /// made before the original call).
     pub args: u8,
@@ -1196,6 +1199,9 @@ impl Gen<'_> {
             self.a.mov(r11d, eax)?;
         }
         self.a.shr(eax, shadow::SIZE_SHIFT)?;
+        let (mut wide, mut sized) = (self.a.create_label(), self.a.create_label());
+        self.a.jz(wide)?;
+        self.a.set_label(&mut sized)?;
         self.a.and(r11d, shadow::ID_MASK as i32)?;
         if !shard {
             self.with_control(Code::Mov_r64_rm64, Register::R10, control::SHARD_TLS)?;
@@ -1239,11 +1245,23 @@ impl Gen<'_> {
         }
         self.pop_all(save)?;
         self.free_target()?;
+        self.wide_size(&mut wide, sized, freed)?;
         // Falls through to the runtime call, in the entry's state.
         if !save.is_empty() {
             self.a.set_label(&mut out)?;
             self.pop_all(save)?;
         }
+        Ok(())
+    }
+
+    /// At `wide`, on the free's inline path with a record of size 0 (see
+    /// [`Self::free_inline`]): eax = the object's size from the module's
+    /// [`wide_stub`], then back to `sized`.
+    fn wide_size(&mut self, wide: &mut CodeLabel, sized: CodeLabel, freed: AsmRegister64) -> R<()> {
+        self.a.set_label(wide)?;
+        self.a.mov(rax, freed)?;
+        self.a.call(self.s.wide)?;
+        self.a.jmp(sized)?;
         Ok(())
     }
 
@@ -1642,6 +1660,33 @@ pub fn vector_stub(at: u64) -> R<Vec<u8>> {
     Ok(a.assemble(at)?)
 }
 
+/// The module's wide-size stub, called by a free's inline path that found
+/// a record of size 0 (and cleared its LIVE) with the freed pointer in rax:
+/// returns in eax the size the next granule's entry holds if it is the
+/// record's extension, which it clears (the entry is the freeing thread's
+/// alone until the free), else 0 (an object of 0 bytes). Touches nothing
+/// but rax and the flags, and never the stack: its unwind entry is the
+/// one of a function's first instruction throughout.
+pub fn wide_stub(at: u64, control: u64) -> R<Vec<u8>> {
+    let mut a = CodeAssembler::new(64)?;
+    let mut empty = a.create_label();
+    let field = |code: Code, f: u32| Instruction::with2(code, Register::RAX, rip(control + u64::from(f)));
+    // rax = the granule's entry (as the inline path computed it).
+    a.add_instruction(field(Code::And_r64_rm64, control::SHADOW_MASK)?)?;
+    a.shr(rax, shadow::GRANULE_SHIFT - 2)?;
+    a.add_instruction(field(Code::Add_r64_rm64, control::SHADOW)?)?;
+    a.test(byte_ptr(rax + 4), shadow::EXT_BIT as i32)?;
+    a.jz(empty)?;
+    a.and(byte_ptr(rax + 4), !((shadow::EXT_BIT | shadow::LIVE) as u8) as i8 as i32)?;
+    a.mov(eax, dword_ptr(rax + 4))?;
+    a.shr(eax, shadow::EXT_SHIFT)?;
+    a.ret()?;
+    a.set_label(&mut empty)?;
+    a.xor(eax, eax)?;
+    a.ret()?;
+    Ok(a.assemble(at)?)
+}
+
 /// Bytes of the vector stub's `push rbx; mov rbx, rsp`.
 pub const VECTOR_STUB_PROLOGUE: u32 = 4;
 /// Bytes of the vector stub's `mov rsp, rbx; pop rbx; ret`.
@@ -1697,6 +1742,7 @@ pub(crate) mod golden {
             index: 3,
             preserve,
             vectors: VECTORS_AT,
+            wide: WIDE_AT,
             args: entry(name).args,
             control: CONTROL,
             shard_mask: 15,
@@ -1851,6 +1897,7 @@ pub(crate) mod golden {
 
     const STUB: u64 = AT - 0x40;
     const VECTORS_AT: u64 = AT - 0x200;
+    const WIDE_AT: u64 = AT - 0x100;
 
     fn cases() -> Vec<(&'static str, String)> {
         let mut v: Vec<(&'static str, String)> = specs().into_iter().map(|(file, s)| (file, listing(&s))).collect();
@@ -1862,6 +1909,7 @@ pub(crate) mod golden {
         v.push(("capture-stub", disassemble(&capture_stub(STUB, CONTROL, 0x415040, true).unwrap(), STUB)));
         v.push(("capture-stub-plain", disassemble(&capture_stub(STUB, CONTROL, 0x415040, false).unwrap(), STUB)));
         v.push(("vector-stub", disassemble(&vector_stub(VECTORS_AT).unwrap(), VECTORS_AT)));
+        v.push(("wide-stub", disassemble(&wide_stub(WIDE_AT, CONTROL).unwrap(), WIDE_AT)));
         v
     }
 

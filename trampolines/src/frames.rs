@@ -5,12 +5,12 @@
 //!
 //! A trampoline runs on its site's frame: every entry starts with the stack
 //! pointer as it was at the site. The analysis follows the code from its
-//! entries and tracks how many bytes lie below the site's stack pointer;
-//! where a runtime call realigns the stack, the frame is found through rbx,
-//! which holds the stack pointer from before the realignment (and whose
-//! own value was pushed just before). Every instruction that moves the
-//! stack pointer is one the generator emits; anything else is refused, so
-//! a change to the generator that the rows cannot describe fails loudly.
+//! entries and tracks how many bytes lie below the site's stack pointer (a
+//! trampoline never realigns the stack: the module's vector stub does that
+//! for the runtime calls that need it, under an unwind entry of its own).
+//! Every instruction that moves the stack pointer is one the generator
+//! emits; anything else is refused, so a change to the generator that the
+//! rows cannot describe fails loudly.
 
 use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, OpKind, Register};
 

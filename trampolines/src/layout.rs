@@ -249,11 +249,23 @@ pub mod undo {
 /// | 2 | [`LIVE`](shadow::LIVE): the object is tracked; clear on a freed object's entry |
 /// | 3-4 | zero |
 /// | 5-21 | the allocating site's id ([`ID_BITS`](shadow::ID_BITS) bits) |
-/// | 22-31 | the requested size (below [`SIZE_LIMIT`](shadow::SIZE_LIMIT)) |
+/// | 22-31 | the requested size (below [`SIZE_LIMIT`](shadow::SIZE_LIMIT)), or 0 for a wide record |
 ///
 /// so an entry decoded with the address of its object has bits 0-4 equal
 /// to 00100, and decoded with any other 8-aligned address of the granule
 /// it has not.
+///
+/// A **wide record** describes an object of [`SIZE_LIMIT`](shadow::SIZE_LIMIT)
+/// bytes or more (below [`WIDE_LIMIT`](shadow::WIDE_LIMIT)): its entry has
+/// size 0 and the entry of the next granule, which lies inside the object
+/// (so no other live object starts there), holds its size as an
+/// [extension](shadow::ext): `size << 3 | 0b111`. An extension's bit 2 is
+/// set, so an allocation that lands on its granule takes the runtime's
+/// path (the object it belonged to was freed unseen); its bit 1 tells it
+/// from a record (bits 0-2 of a live record are 100, of a freed one 000).
+/// A free clears bits 1 and 2 (leaving 001, which is neither a record nor
+/// an extension) or the whole entry; an entry of size 0 whose next
+/// granule holds no extension is an object of 0 bytes.
 ///
 /// A site's id indexes the freed view: [`FREED_SHARDS`](shadow::FREED_SHARDS)
 /// shards of [`FREED_SHARD_BYTES`](shadow::FREED_SHARD_BYTES), where the
@@ -277,8 +289,16 @@ pub mod shadow {
     pub const FIRST_ID: u32 = 64;
     pub const ID_MASK: u32 = ((1 << ID_BITS) - 1) << ID_SHIFT;
     pub const SIZE_SHIFT: u32 = 22;
-    /// Objects of this size or more go to the pointer table.
+    /// Objects of this size or more take a wide record.
     pub const SIZE_LIMIT: u64 = 1 << (32 - SIZE_SHIFT);
+    /// Objects of this size or more go to the pointer table.
+    pub const WIDE_LIMIT: u64 = 1 << (32 - EXT_SHIFT);
+    /// The low bits of an extension (see [`ext`]); a free clears bits 1
+    /// and 2.
+    pub const EXT_TAG: u32 = 0b111;
+    /// The bit set in an extension and clear in every record.
+    pub const EXT_BIT: u32 = 0b010;
+    pub const EXT_SHIFT: u32 = 3;
     pub const FREED_SHARDS: u32 = 16;
     /// log2 of [`FREED_SHARD_BYTES`].
     pub const FREED_SHARD_SHIFT: u32 = ID_BITS + 6;
@@ -304,9 +324,29 @@ pub mod shadow {
     pub fn id(entry: u32, ptr: u64) -> u32 {
         ((entry ^ ptr as u32) & ID_MASK) >> ID_SHIFT
     }
-    /// The size of `entry`, decoded with its object's address.
+    /// The size of `entry`, decoded with its object's address (0 for a
+    /// wide record).
     pub fn size(entry: u32, ptr: u64) -> u64 {
         u64::from((entry ^ ptr as u32) >> SIZE_SHIFT)
+    }
+    /// The extension of a wide record of `size` bytes (below
+    /// [`WIDE_LIMIT`]), in the entry of the granule after the record's.
+    pub fn ext(size: u64) -> u32 {
+        (size as u32) << EXT_SHIFT | EXT_TAG
+    }
+    /// Whether `entry` is an extension (of the record of the granule
+    /// before).
+    pub fn is_ext(entry: u32) -> bool {
+        entry & EXT_BIT != 0
+    }
+    /// The size an extension holds.
+    pub fn ext_size(entry: u32) -> u64 {
+        u64::from(entry >> EXT_SHIFT)
+    }
+    /// The address of the object whose live record `entry` (in granule
+    /// `granule`) is, if it is one.
+    pub fn live_record_at(entry: u32, granule: u64) -> Option<u64> {
+        (entry & 7 == LIVE).then(|| granule << GRANULE_SHIFT | u64::from(entry & 0x18))
     }
 }
 

@@ -1,11 +1,11 @@
-//! .alloctramp.text: the init, fini, capture (two) and vector stubs, then every patched site's
+//! .alloctramp.text: the init, fini, capture (two), vector and wide-size stubs, then every patched site's
 //! trampoline, each 16-byte aligned, with `int3` between them.
 
 use crate::plan::Plan;
 
 pub(super) fn text(plan: &Plan) -> Vec<u8> {
     let mut text = vec![0xcc; plan.text.size as usize];
-    let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors]
+    let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors, &plan.wide]
         .into_iter()
         .chain(plan.sites.iter().filter_map(|s| s.trampoline().map(|t| &t.code)));
     for code in codes {
