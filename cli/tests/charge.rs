@@ -532,3 +532,56 @@ fn exceptions_and_panics_unwind_through_trampolines_as_in_the_original() {
         }
     }
 }
+
+/// A program that links libstdc++ statically defines the operators it
+/// calls: its `operator new[]` calls its `operator new`, which calls
+/// `malloc`; its `operator delete[]` and sized delete call its `operator
+/// delete`, which calls `free`. Each allocation and free counts once, at
+/// the program's line; the calls inside the operators count only what
+/// reaches them without a site (operator new through a pointer).
+#[test]
+fn a_program_s_own_operators_count_each_allocation_once() {
+    let dir = scratch("static-cxx");
+    let exe = build_source("charge/static_cxx.cpp", &dir);
+    let patched = dir.join("static_cxx-patched");
+    patch_to(&exe, &patched, &[]);
+    let counters = counters_dir("static-cxx");
+    let env = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+    let original = run_program(&exe, &[], &[]);
+    let got = run_program(&patched, &[], &env);
+    assert_eq!((&got.0, got.2), (&original.0, 0), "{}", got.1);
+    let doc = report(only_counters_file(&counters).to_str().unwrap(), &counters);
+    let rows: Vec<&Value> =
+        doc["sites"].as_array().unwrap().iter().filter(|s| s["calls"].as_u64().unwrap() > 0).collect();
+    let num = |s: &Value, k: &str| s[k].as_u64().unwrap();
+    // The program's lines: exactly their markers.
+    for m in site_marks("charge/static_cxx.cpp") {
+        let r = rows.iter().find(|s| s["line"] == m.line && s["kind"] == "alloc").expect("a row");
+        assert_eq!((num(r, "calls"), num(r, "bytes")), (m.calls, m.bytes), "line {}", m.line);
+        assert_eq!(Some((num(r, "live_calls"), num(r, "live_bytes"))), m.live, "line {}", m.line);
+    }
+    // Every free once, at main's calls: 10 delete[], 8 sized deletes, 5
+    // deletes of the blocks from the pointer.
+    let frees: BTreeMap<String, u64> = rows
+        .iter()
+        .filter(|s| s["kind"] == "free")
+        .map(|s| (format!("{} {}", s["function"].as_str().unwrap(), s["line"]), num(s, "calls")))
+        .collect();
+    let want: BTreeMap<String, u64> =
+        [("main 30", 10), ("main 37", 8), ("main 42", 5)].into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    assert_eq!(frees, want);
+    // Inside the operators: only the malloc that the pointer's calls
+    // reached; besides, libstdc++'s start-up pool.
+    let inner: Vec<(String, u64, u64)> = rows
+        .iter()
+        .filter(|s| s["kind"] == "alloc" && s["line"].is_null())
+        .map(|s| (s["function"].as_str().unwrap().to_string(), num(s, "calls"), num(s, "bytes")))
+        .collect();
+    let layer = inner.iter().find(|r| r.0 == "operator new(unsigned long)");
+    assert_eq!(layer.map(|r| (r.1, r.2)), Some((5, 240)), "{inner:?}");
+    let others: Vec<_> = inner.iter().filter(|r| r.0 != "operator new(unsigned long)").collect();
+    assert!(others.len() == 1 && others[0].0.contains("eh_alloc") && others[0].1 == 1, "{inner:?}");
+    assert_eq!(num(&doc["totals"], "calls"), 20 + 8 + 5 + 1);
+    assert_eq!(num(&doc["totals"], "free_calls"), 10 + 8 + 5);
+    assert_eq!(num(&doc["totals"], "untracked_frees"), 0);
+}

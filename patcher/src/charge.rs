@@ -43,6 +43,10 @@ pub struct Charged {
     pub kind: Kind,
     /// Calls to it carry what it allocates.
     pub countable: bool,
+    /// The file's own definition of an entry point (`operator new` in a
+    /// program that links libstdc++ statically): calls to it are sites
+    /// whatever is decided of it; charged, the calls inside are layers.
+    pub definition: bool,
     /// Imported, and a hook in its library.
     pub imported_hook: bool,
     /// What it frees besides what it reallocates.
@@ -160,12 +164,40 @@ pub fn entries(
             open,
             kind: sig.kind,
             countable: countable.is_some(),
+            definition: false,
             imported_hook: w.hook && w.addr.is_none(),
             frees: w.frees,
             at: w.why.and_then(|why| why.at()),
             offsets: w.offsets,
         });
         entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6 });
+    }
+    // The file's own definitions of entry points (a program that links
+    // libstdc++ statically: its `operator new` calls `malloc`, its
+    // `operator delete[]` calls `operator delete`): a call to one counts
+    // at its site, so the calls inside are layers of the same allocation,
+    // counted there only when the definition was reached otherwise (from
+    // another module, through a pointer).
+    for s in &symbols {
+        let Some(entry) = entries.iter().position(|e| matches!(&e.target, Target::Symbol(n) if n == s.name)) else {
+            continue;
+        };
+        if s.size == 0 || out.iter().any(|c| c.entry == entry) {
+            continue;
+        }
+        out.push(Charged {
+            entry,
+            wrapper: None,
+            code: Some((s.value, s.value.saturating_add(s.size))),
+            open: exported.contains_key(&s.value),
+            kind: entries[entry].sig.kind,
+            countable: true,
+            definition: true,
+            imported_hook: false,
+            frees: Frees::default(),
+            at: None,
+            offsets: Offsets::default(),
+        });
     }
     // Plumbing that was not inlined (Rust's `finish_grow`, hashbrown's
     // `reserve_rehash`): its own calls are not allocations its callers
@@ -190,6 +222,7 @@ pub fn entries(
             open: true,
             kind: Kind::Alloc,
             countable: false,
+            definition: false,
             imported_hook: code.is_none(),
             frees: Frees::default(),
             at: None,
@@ -399,6 +432,12 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             ok[k] = false;
         }
     }
+    // So is the file's own definition of one, which throws itself.
+    for (k, c) in charged.iter().enumerate() {
+        if c.definition && !throwing_hooks && may_throw(&scan.entries[c.entry]) {
+            ok[k] = false;
+        }
+    }
     loop {
         let mut changed = false;
         for &(k, i) in &within {
@@ -471,8 +510,14 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             throws[k] = true;
         }
     }
-    let hookable =
-        |k: usize| hooks && !ok[k] && !throws[k] && charged[k].kind != Kind::Free && charged[k].code.is_some();
+    let hookable = |k: usize| {
+        hooks
+            && !ok[k]
+            && !throws[k]
+            && charged[k].kind != Kind::Free
+            && charged[k].code.is_some()
+            && !charged[k].definition
+    };
     loop {
         let mut changed = false;
         for &(k, i) in &within {
@@ -512,8 +557,9 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             break;
         }
     }
-    let dropped =
-        |s: &crate::scan::Site| by_entry.get(&s.entry).is_some_and(|&j| !ok[j] && (!hook[j] || s.form.is_tail()));
+    let dropped = |s: &crate::scan::Site| {
+        by_entry.get(&s.entry).is_some_and(|&j| !ok[j] && !charged[j].definition && (!hook[j] || s.form.is_tail()))
+    };
     for s in scan.sites.iter_mut() {
         let callee = by_entry.get(&s.entry).copied();
         let holder = inside(s.vaddr.0);
@@ -526,8 +572,8 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             },
             None => match callee {
                 Some(j) if ok[j] => Charge::Caller { bump: bump[j], external: external[j] },
-                Some(j) => Charge::Hook { external: hook_external[j] },
-                None => Charge::Own,
+                Some(j) if !charged[j].definition => Charge::Hook { external: hook_external[j] },
+                _ => Charge::Own,
             },
         };
         s.under_hook = holder.is_some_and(|k| hook[k])
@@ -542,7 +588,7 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
         }
     }
     scan.sites.retain(|s| !dropped(s));
-    scan.unpatchable.retain(|r| by_entry.get(&r.entry).is_none_or(|&j| ok[j]));
+    scan.unpatchable.retain(|r| by_entry.get(&r.entry).is_none_or(|&j| ok[j] || charged[j].definition));
 }
 
 #[cfg(test)]
@@ -572,6 +618,7 @@ mod tests {
                 open: false,
                 kind: Kind::Alloc,
                 countable: true,
+                definition: false,
                 imported_hook: false,
                 frees: Frees::default(),
                 at: None,
@@ -625,6 +672,39 @@ mod tests {
                 (0x9010, Charge::Caller { bump: true, external: true }),
             ]
         );
+    }
+
+    #[test]
+    fn a_definition_of_an_entry_point_charged_or_not() {
+        // d0 and d1 are the file's own definitions of entry points (as an
+        // operator new calling malloc@plt): d0 open (exported), d1 with an
+        // unpatchable reference inside, so not charged. The program calls
+        // both, and d0 is reached from d1.
+        let (mut scan, mut charged) = setup(2);
+        for c in charged.iter_mut() {
+            c.definition = true;
+            c.wrapper = None;
+        }
+        charged[0].open = true;
+        scan.unpatchable.push(Reference { vaddr: Vaddr(0x2020), offset: None, entry: 0, reason: Reason::ShortJump });
+        site(&mut scan, 0x1010, 0, Via::Plt);
+        site(&mut scan, 0x2010, 1, Via::Direct);
+        site(&mut scan, 0x9000, 1, Via::Direct);
+        site(&mut scan, 0x9010, 2, Via::Direct);
+        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        // d0's malloc counts only at depth 0; the calls of d1 stay sites
+        // of their own (neither dropped nor hooks), d1's call of d0 too.
+        let open = Charge::Inside { wrapper: usize::MAX, checked: true, bump: false, external: false };
+        assert_eq!(
+            charges(&scan),
+            [
+                (0x1010, open),
+                (0x2010, Charge::Caller { bump: true, external: true }),
+                (0x9000, Charge::Caller { bump: true, external: true }),
+                (0x9010, Charge::Own),
+            ]
+        );
+        assert_eq!(scan.unpatchable.len(), 1);
     }
 
     #[test]
