@@ -1338,7 +1338,7 @@ mod tests {
             let cleared = x & !(shadow::EXT_BIT | shadow::LIVE);
             assert!(!shadow::is_ext(cleared) && !shadow::is_live(cleared));
             for k in 0..4 {
-                let at = granule << shadow::GRANULE_SHIFT | k * 8;
+                let at = (granule << shadow::GRANULE_SHIFT) | (k * 8);
                 for v in [x, cleared] {
                     assert!(!shadow::is_record_of(v, at) && !shadow::is_freed_record_of(v, at), "{v:#x} at {at:#x}");
                 }
