@@ -178,11 +178,11 @@ pub fn entries(
     // at its site, so the calls inside are layers of the same allocation,
     // counted there only when the definition was reached otherwise (from
     // another module, through a pointer).
-    for s in &symbols {
+    for s in symbols.iter().filter(|s| s.size != 0 && names.contains(s.name)) {
         let Some(entry) = entries.iter().position(|e| matches!(&e.target, Target::Symbol(n) if n == s.name)) else {
             continue;
         };
-        if s.size == 0 || out.iter().any(|c| c.entry == entry) {
+        if out.iter().any(|c| c.entry == entry) {
             continue;
         }
         out.push(Charged {
