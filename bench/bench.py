@@ -1036,8 +1036,9 @@ def part_switch():
 def part_memory():
     sec = Section("Memory", "memory",
                   "Runtime memory per site: the process counters file holds a copy of each module's site table and "
-                  "its counters (shards x 64-byte cells); the file is sparse, so counters take memory only where "
-                  "they were touched. Size is what is reserved, allocated what the file system holds (st_blocks).")
+                  "its counters (shards x 64-byte cells), from when the module first switches on; the runtime reserves "
+                  "the storage of every byte it maps (a write fault on a full file system would be SIGBUS), so "
+                  "allocated (st_blocks) covers the size. On tmpfs that is memory.")
     SECTIONS.append(sec)
     rows = []
     # A module with many sites, switched on, nothing called yet.

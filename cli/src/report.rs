@@ -551,8 +551,14 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
             Some(b) => b.to_string(),
             None => "-".to_string(),
         };
-        let names: Vec<&str> = figs.modules.iter().map(|m| m.name.as_str()).collect();
-        let sites: u64 = figs.modules.iter().map(|m| m.sites as u64).sum();
+        // Modules not in the file yet (never switched on) count by number.
+        let mut names: Vec<String> = figs.modules.iter().map(|m| m.name.clone()).collect();
+        match pf.pending_modules {
+            0 => {}
+            n if names.is_empty() => names.push(format!("{n} module{}", if n == 1 { "" } else { "s" })),
+            n => names.push(format!("+{n}")),
+        }
+        let sites: u64 = figs.modules.iter().map(|m| m.sites as u64).sum::<u64>() + pf.pending_sites;
         let command = if pf.command.is_empty() { "?".to_string() } else { pf.command_line() };
         found.push((pid, format!("{pid:>8} {state:<8} {live:>12} {sites:>7} {:<24} {command}", names.join(","))));
     }

@@ -381,3 +381,85 @@ fn counters_files_of_processes_that_never_profiled_do_not_pile_up() {
     assert_eq!(next.finish().1, Some(0));
     assert!(counters_files(&dir).is_empty(), "{:?}", files_in(&dir));
 }
+
+/// The patched `reliability/rwx.c` beside its original's output.
+fn rwx(dir: &Path) -> (PathBuf, (String, String, i32)) {
+    let bin = build("rwx", dir);
+    let patched = dir.join("rwx.patched");
+    patch_to(&bin, &patched, &[]);
+    let original = run_program(&bin, &[], &[]);
+    assert_eq!(original.2, 0);
+    (patched, original)
+}
+
+/// A counters file on a file system with no room left: a program whose
+/// counters were mapped over pages without storage would die of SIGBUS at
+/// its first count. Swept over tmpfs sizes (mounted in a private mount
+/// namespace) from too small for the file's header to large enough for
+/// everything: every run must behave as the original, and the runs that
+/// lacked room must say so.
+#[test]
+fn a_full_file_system_never_kills_a_profiled_program() {
+    let dir = counters_dir("nospace");
+    let (patched, original) = rwx(&dir);
+    let mnt = dir.join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mut said = String::new();
+    for kib in (4..=64).step_by(4) {
+        let out = Command::new("unshare")
+            .args(["-rm", "sh", "-c", "mount -t tmpfs -o size=$2 tmpfs \"$1\" || exit 99; exec \"$3\"", "sh"])
+            .arg(&mnt)
+            .arg(format!("{kib}k"))
+            .arg(&patched)
+            .env("ALLOCTRAMP", "on")
+            .env("ALLOCTRAMP_DIR", mnt.join("d"))
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        if kib == 4 && (out.status.code() == Some(99) || err.starts_with("unshare:")) {
+            skip(test_name(), &format!("cannot mount a tmpfs in a user and mount namespace: {}", err.trim()));
+            return;
+        }
+        let got = (String::from_utf8_lossy(&out.stdout).into_owned(), out.status.code());
+        assert_eq!(got, (original.0.clone(), Some(0)), "tmpfs of {kib} KiB: {err}");
+        said.push_str(&err);
+    }
+    assert!(said.contains("no space left for the counters file in"), "the header never lacked room: {said}");
+    assert!(said.contains("(profiling is unavailable)"), "{said}");
+    assert!(said.contains("no space left for the counters file; a patched module counts, but no report can"), "{said}");
+}
+
+/// A process with a file-size limit (`ulimit -f`): growing the counters
+/// file past it would send SIGXFSZ, which kills. A limit below the header
+/// leaves the process without a file; one below its module's region
+/// leaves the module's counters private. Both runs behave as the original.
+#[test]
+fn a_file_size_limit_never_kills_a_profiled_program() {
+    use std::os::unix::process::CommandExt;
+    let dir = counters_dir("fsize");
+    let (patched, original) = rwx(&dir);
+    for (limit, says) in [(8u64 << 10, "profiling is unavailable"), (20 << 10, "counts, but no report can read")] {
+        let d = dir.join(format!("d{limit}"));
+        let mut cmd = Command::new(&patched);
+        cmd.env("ALLOCTRAMP", "on").env("ALLOCTRAMP_DIR", &d);
+        // SAFETY: setrlimit is async-signal-safe; the closure touches no
+        // memory the parent shares.
+        unsafe {
+            cmd.pre_exec(move || {
+                let rl = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &rl) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let out = cmd.output().unwrap();
+        let err = stderr(&out);
+        assert_eq!(
+            (String::from_utf8_lossy(&out.stdout).into_owned(), out.status.code()),
+            (original.0.clone(), Some(0)),
+            "limit {limit}: {err}"
+        );
+        assert!(err.contains("file-size limit (ulimit -f)") && err.contains(says), "limit {limit}: {err}");
+    }
+}

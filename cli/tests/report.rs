@@ -471,7 +471,11 @@ fn reports_of_a_running_process_follow_its_allocations() {
     let malloc = server_line("malloc", false);
     let calloc = server_line("calloc", false);
     assert_eq!(s.cmd("round"), "done");
-    assert_eq!(s.text(&[])[&malloc], (0, 0), "profiling off: nothing counted");
+    // A process that never profiled keeps its modules out of its file
+    // until they first switch on: nothing to show, and the report says so.
+    let o = s.alloctramp(&["report", &s.pid()]);
+    assert!(parse_text(&ok(&o, "report PID"), 0).is_empty(), "profiling never on: no rows");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nothing was counted"), "{o:?}");
 
     // The process list shows it, off.
     let list = ok(&s.alloctramp(&["report"]), "report (list)");
@@ -827,13 +831,15 @@ fn the_demo_runs_to_completion_and_shows_the_expected_top_sites() {
     }
 }
 
-/// Reading a running process's counters (enable, report, the process list,
-/// snapshot, disable) leaves the holes of its sparse counters file alone:
-/// on tmpfs, where counters files usually live, faulting a hole in through
-/// a mapping allocates it, and a reader that touched every page would give
-/// the process's counters their full size in memory.
+/// A profiled process's counters file has storage for every byte the
+/// process writes through its mappings (a write to a page without storage
+/// on a full tmpfs would kill it with SIGBUS): after the modules join the
+/// file (the first switch on) and after the callers region is added, the
+/// file's blocks cover its size. A process that never profiled holds only
+/// the header. Reading the file (report, the process list, snapshot) adds
+/// nothing. On tmpfs, where counters files usually live.
 #[test]
-fn reading_counters_allocates_none_of_their_holes() {
+fn a_profiled_process_s_counters_file_has_storage_for_every_byte() {
     let shm = Path::new("/dev/shm");
     // SAFETY: statfs fills the struct it is given.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
@@ -857,12 +863,16 @@ fn reading_counters_allocates_none_of_their_holes() {
     let d = dir.to_str().unwrap();
     let mut s = Server::start("holes", &[("ALLOCTRAMP_DIR", d)]);
     let file = dir.join(format!("{}.counters", s.pid()));
-    let blocks = || std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&file).unwrap());
-    // The file appears before the runtime has registered the modules (which
-    // writes their site tables into it): once the program answers, start-up
-    // is over. With profiling off, a round touches no counter.
+    let size = || std::fs::metadata(&file).unwrap().len();
+    let blocks = || std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&file).unwrap()) * 512;
+    let covered = |what: &str| {
+        let (size, blocks) = (size(), blocks());
+        assert!(blocks >= size, "{what}: {} has {blocks} bytes of storage for {size} bytes", file.display());
+    };
+    // Once the program answers, start-up is over.
     assert_eq!(s.cmd("round"), "done");
-    let before = blocks();
+    assert_eq!(size(), alloctramp_trampolines::process::PROC_HEADER_SIZE, "never profiled: the header only");
+    covered("never profiled");
     let run = |args: &[&str]| {
         let o = alloctramp().args(args).output().unwrap();
         assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
@@ -870,12 +880,20 @@ fn reading_counters_allocates_none_of_their_holes() {
     let pid = s.pid();
     let snap = dir.join("s.snapshot");
     run(&["enable", "--dir", d, &pid]);
+    assert!(size() > alloctramp_trampolines::process::PROC_HEADER_SIZE, "switched on: the modules joined the file");
+    covered("switched on");
+    assert_eq!(s.cmd("round"), "done");
+    run(&["callers", "--dir", d, &pid, "on"]);
+    assert_eq!(s.cmd("round"), "done");
+    covered("callers on");
+    let before = (size(), blocks());
     run(&["report", "--dir", d, &pid]);
     run(&["report", "--format", "json", "--dir", d, &pid]);
     run(&["report", "--dir", d]);
     run(&["snapshot", "--dir", d, &pid, "-o", snap.to_str().unwrap()]);
+    run(&["reset", "--dir", d, &pid]);
+    assert_eq!((size(), blocks()), before, "reading and resetting keep the file as it was");
     run(&["disable", "--dir", d, &pid]);
-    assert_eq!(blocks(), before, "reading {} allocated some of its holes", file.display());
     assert_eq!(s.cmd("round"), "done");
     drop(s);
 }

@@ -139,7 +139,11 @@ pub fn apply(cmd: Command) {
         Command::Toggle if state::is_on() => off(),
         Command::Do(Request::On) | Command::Toggle => {
             warning = registry::prepare_live().err();
-            registry::switch_all(Sites::On)
+            let r = registry::switch_all(Sites::On);
+            // A module that could not join the process file counts where
+            // no report reads it: the switch says why.
+            warning = warning.or(registry::take_place_error());
+            r
         }
         Command::Do(Request::OffNow) => {
             if live && !registry::nothing_tracked() {
@@ -218,12 +222,15 @@ fn reset_counters() {
         }
         // SAFETY: the runtime's own shared mapping of the module's counters
         // (never memory the module owns, and never unmapped but by a forked
-        // child replacing it before any request runs), `size` bytes; its
-        // pages read as zeros afterwards, through every mapping of the file.
-        unsafe {
-            if libc::madvise(base as *mut libc::c_void, size as usize, libc::MADV_REMOVE) != 0 {
-                let words = std::slice::from_raw_parts(base as *const AtomicU64, size as usize / 8);
-                for w in words {
+        // child replacing it before any request runs), `size` bytes.
+        let words = unsafe { std::slice::from_raw_parts(base as *const AtomicU64, size as usize / 8) };
+        // Only pages that counted are written: they have their storage
+        // already, and the file keeps what it reserved (punching the pages
+        // out would give it back, and a later count on a full file system
+        // would fault). Pages never written read as zeros.
+        for page in words.chunks(alloctramp_trampolines::layout::PAGE as usize / 8) {
+            if page.iter().any(|w| w.load(Ordering::Relaxed) != 0) {
+                for w in page {
                     w.store(0, Ordering::Relaxed);
                 }
             }

@@ -319,6 +319,9 @@ fn init() {
 
     let mode = switch_mode();
     let _ = MODE.set(mode);
+    // Modules join the process file when they first switch on, where the
+    // switch can take the registration lock: not in a signal handler.
+    registry::DEFER_PLACEMENT.store(!matches!(mode, Switch::Signal(_)), Ordering::Relaxed);
     if let Some(k) = std::env::var("ALLOCTRAMP_KEEP").ok().and_then(|k| k.parse().ok()) {
         KEEP.store(k, Ordering::Relaxed);
     }

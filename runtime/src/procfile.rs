@@ -1,6 +1,9 @@
 //! The per-process counters file (format in `alloctramp_trampolines::process`):
-//! created at start-up in a per-user directory, grown as modules register,
-//! its counter regions mapped over each module's counters.
+//! created at start-up in a per-user directory, grown as modules join it
+//! (when they first switch on, or at registration in a process that
+//! profiled), its counter regions mapped over each module's counters. Every
+//! byte the process writes through a mapping has its storage first
+//! ([`reserve`]).
 
 use crate::sys::{self, Buf, Fd};
 use alloctramp_trampolines::layout::PAGE;
@@ -78,6 +81,64 @@ fn create_file(path: &CStr) -> Result<i32, &'static str> {
     }
 }
 
+/// Gives the file storage for `len` bytes from `off`, growing it to at
+/// least `off + len`. Every byte the process writes through a shared
+/// mapping of the file must have its storage before the mapping is used: a
+/// write to a page without it faults, and the kernel answers a fault it
+/// cannot back (a full file system, a tmpfs at its size, a quota) with
+/// SIGBUS, which would kill the program. Growing the file past the
+/// process's file-size limit (`ulimit -f`) would send it SIGXFSZ, which
+/// kills too: that is refused before the kernel is asked. On failure the
+/// file is cut back to `off` (what was there before stays).
+fn reserve(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
+    let end = off.checked_add(len).ok_or("the counters file would be too large")?;
+    // SAFETY: getrlimit fills a plain struct.
+    let limit = unsafe {
+        let mut rl: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_FSIZE, &mut rl) == 0 { rl.rlim_cur } else { libc::RLIM_INFINITY }
+    };
+    if limit != libc::RLIM_INFINITY && end > limit {
+        return Err("the counters file would pass the process's file-size limit (ulimit -f)");
+    }
+    let Ok(start) = i64::try_from(off) else { return Err("the counters file would be too large") };
+    let Ok(n) = i64::try_from(len) else { return Err("the counters file would be too large") };
+    // SAFETY: fd is the caller's open descriptor of the counters file.
+    let r = unsafe { libc::fallocate(fd, 0, start, n) };
+    let e = if r == 0 { 0 } else { sys::errno() };
+    let e = if e == libc::EOPNOTSUPP { write_zeros(fd, off, len) } else { e };
+    if e == 0 {
+        return Ok(());
+    }
+    // SAFETY: as above; shrinking back to where the new region began.
+    unsafe { libc::ftruncate(fd, start) };
+    Err(match e {
+        libc::ENOSPC => "no space left for the counters file",
+        libc::EDQUOT => "the disk quota leaves no space for the counters file",
+        libc::EFBIG => "the counters file would be too large for its file system",
+        _ => "cannot reserve space for the counters file",
+    })
+}
+
+/// Writes zeros over `len` bytes from `off` (a file system without
+/// `fallocate`): the blocks are then the file's. Returns 0 or an errno.
+fn write_zeros(fd: i32, off: u64, len: u64) -> i32 {
+    static ZEROS: [u8; 4096] = [0; 4096];
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(ZEROS.len() as u64) as usize;
+        // SAFETY: pwrite reads `n` bytes of ZEROS.
+        let w = unsafe { libc::pwrite(fd, ZEROS.as_ptr().cast(), n, (off + done) as i64) };
+        if w < 0 && sys::errno() == libc::EINTR {
+            continue;
+        }
+        if w <= 0 {
+            return if w < 0 { sys::errno() } else { libc::ENOSPC };
+        }
+        done += w as u64;
+    }
+    0
+}
+
 fn identity(fd: i32) -> Option<(u64, u64)> {
     // SAFETY: fstat fills a plain struct.
     unsafe {
@@ -99,13 +160,14 @@ impl ProcFile {
         let fd = Fd(create_file(tmp.c_str())?);
         UNWIND_PATH.set(path_in(dir, pid_name(pid, ".unwind").bytes()).bytes());
         let Some((dev, ino)) = identity(fd.0) else { return Err("cannot create the counters file") };
+        if let Err(e) = reserve(fd.0, 0, PROC_HEADER_SIZE) {
+            // SAFETY: tmp is NUL-terminated.
+            unsafe { libc::unlink(tmp.c_str().as_ptr()) };
+            return Err(e);
+        }
         // SAFETY: fd is ours; the mapping covers the file's first
-        // PROC_HEADER_SIZE bytes, which ftruncate just created.
+        // PROC_HEADER_SIZE bytes, which `reserve` just gave storage.
         let header = unsafe {
-            if libc::ftruncate(fd.0, PROC_HEADER_SIZE as i64) != 0 {
-                libc::unlink(tmp.c_str().as_ptr());
-                return Err("cannot size the counters file");
-            }
             let p = libc::mmap(
                 std::ptr::null_mut(),
                 PROC_HEADER_SIZE as usize,
@@ -162,6 +224,11 @@ impl ProcFile {
         Ok(fd)
     }
 
+    /// The file's path (without its NUL).
+    pub fn path(&self) -> &[u8] {
+        self.path.bytes()
+    }
+
     /// Removes the file (a process that never profiled, at exit).
     pub fn remove(&mut self) {
         if let Ok(fd) = self.reopen() {
@@ -189,32 +256,35 @@ impl ProcFile {
 
     /// Adds a module: copies its site table into the file and maps the
     /// module's counters (`counters`, `counters_size` bytes at run time) onto
-    /// a fresh region of the file. Returns the module's slot and a second
-    /// mapping of the same counters that the runtime owns (it outlives the
-    /// module, so a late free of one of its objects still counts). Called
-    /// with the registration lock held.
+    /// a fresh region of the file, with storage for every byte of it. Returns
+    /// the module's slot and a second mapping of the same counters that the
+    /// runtime owns (it outlives the module, so a late free of one of its
+    /// objects still counts): at `own` if given (replacing the private
+    /// counters of a module that never counted, which become the file's
+    /// with the same address), else where the system puts it. Called with
+    /// the registration lock held.
     pub fn add_module(
         &mut self,
         table: &[u8],
         bias: u64,
         counters: u64,
         counters_size: u64,
+        own: Option<u64>,
     ) -> Result<(u32, u64), &'static str> {
         let index = self.header.module_count.load(Ordering::Acquire);
         let Some(s) = self.slot(index) else { return Err("too many patched modules") };
         let (table_off, counters_off, end) = process::module_region(table.len() as u64, counters_size, self.size);
-        let own;
+        let mapped;
         let file = self.reopen()?;
         let fd = file.0;
+        reserve(fd, self.size, end - self.size)?;
         // SAFETY: fd is ours; pwrite reads `table`; the mapping replaces the
         // module's counters pages (page-aligned and inside one of its
         // writable segments: checked at registration; nothing but the
         // trampolines of this module use them) with the file's region of the
-        // same size, which holds what they will count from now on.
+        // same size, which holds what they will count from now on. `own` is
+        // the runtime's private mapping of `counters_size` bytes (caller).
         unsafe {
-            if libc::ftruncate(fd, end as i64) != 0 {
-                return Err("cannot grow the counters file");
-            }
             let mut done = 0usize;
             while done < table.len() {
                 let n = libc::pwrite(
@@ -224,6 +294,7 @@ impl ProcFile {
                     (table_off + done as u64) as i64,
                 );
                 if n <= 0 {
+                    libc::ftruncate(fd, self.size as i64);
                     return Err("cannot write the counters file");
                 }
                 done += n as usize;
@@ -237,19 +308,21 @@ impl ProcFile {
                 counters_off as i64,
             );
             if p == libc::MAP_FAILED {
+                libc::ftruncate(fd, self.size as i64);
                 return Err("cannot map the counters");
             }
-            own = libc::mmap(
-                std::ptr::null_mut(),
+            mapped = libc::mmap(
+                own.unwrap_or(0) as *mut libc::c_void,
                 counters_size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | if own.is_some() { libc::MAP_FIXED } else { 0 },
                 fd,
                 counters_off as i64,
             );
-            if own == libc::MAP_FAILED {
+            if mapped == libc::MAP_FAILED {
                 // The runtime never counts through memory the module owns
                 // (an unload would take it away from under tracked objects).
+                libc::ftruncate(fd, self.size as i64);
                 return Err("cannot map the counters a second time");
             }
         }
@@ -260,7 +333,7 @@ impl ProcFile {
         s.counters_size.store(counters_size, Ordering::Relaxed);
         s.bias.store(bias, Ordering::Relaxed);
         self.header.module_count.store(index + 1, Ordering::Release);
-        Ok((index, own as u64))
+        Ok((index, mapped as u64))
     }
 
     /// Maps module `index`'s counters again, shared, `count` times: the
@@ -304,12 +377,10 @@ impl ProcFile {
         let size = process::callers_region_size(slots).div_ceil(PAGE) * PAGE;
         let at = self.size.div_ceil(PAGE) * PAGE;
         let file = self.reopen()?;
+        reserve(file.0, self.size, at + size - self.size)?;
         // SAFETY: fd is ours; a fresh shared mapping of the region just
         // added to the file.
         let p = unsafe {
-            if libc::ftruncate(file.0, (at + size) as i64) != 0 {
-                return Err("cannot grow the counters file");
-            }
             libc::mmap(
                 std::ptr::null_mut(),
                 size as usize,
@@ -320,6 +391,8 @@ impl ProcFile {
             )
         };
         if p == libc::MAP_FAILED {
+            // SAFETY: as above: back to the size before the region.
+            unsafe { libc::ftruncate(file.0, self.size as i64) };
             return Err("cannot map the callers region");
         }
         self.size = at + size;

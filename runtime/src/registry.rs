@@ -40,6 +40,11 @@ pub struct Slot {
     pub sites: AtomicU8,
     /// Index in the process file (u32::MAX: none).
     pub file_index: AtomicU32,
+    /// Registered while the process never profiled: its counters are a
+    /// private mapping, and neither its table nor its counters are in the
+    /// process file yet. They join it when its sites first leave Off
+    /// ([`place`]); its table's order is checked then too.
+    pending: AtomicBool,
     /// Run-time address and count of the module's unwind rows (0: none),
     /// and the run-time range of code they cover.
     unwind: AtomicUsize,
@@ -68,6 +73,7 @@ impl Slot {
             busy: AtomicBool::new(false),
             sites: AtomicU8::new(Sites::Off as u8),
             file_index: AtomicU32::new(u32::MAX),
+            pending: AtomicBool::new(false),
             unwind: AtomicUsize::new(0),
             unwind_count: AtomicU32::new(0),
             unwind_blocks: AtomicU32::new(0),
@@ -287,7 +293,10 @@ unsafe fn control_block<'a>(bias: u64, h: &layout::Header) -> &'a ControlBlock {
 pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
     // SAFETY: `room` bytes are mapped and read-only (caller).
     let bytes = unsafe { std::slice::from_raw_parts(table, module.room) };
-    let t = match Table::parse(bytes).and_then(|t| t.check_order().map(|()| t)) {
+    // A module that joins the process file later has its order checked
+    // then (a process never profiled reads no more of its table than this).
+    let defer = !inert && DEFER_PLACEMENT.load(Ordering::Relaxed);
+    let t = match Table::parse(bytes).and_then(|t| if defer { Ok(t) } else { t.check_order().map(|()| t) }) {
         Ok(t) => t,
         Err(e) => {
             let mut m = sys::Buf::<128>::new();
@@ -334,12 +343,29 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
             sys::log(b"too many patched modules; one is not profiled");
             return None;
         };
-        let placed = match proc.as_mut().map(|f| f.add_module(t.bytes(), bias, counters, h.counters_size)) {
-            Some(Ok(r)) => Some(r),
-            Some(Err(e)) => {
-                sys::log(e.as_bytes());
-                private_counters(h.counters_size).map(|own| (u32::MAX, own))
-            }
+        // A process that never profiled (and is switched from its watcher
+        // thread, which can take this lock) keeps the module out of its
+        // file until it first switches on: a program run a thousand times
+        // without profiling writes no table and reserves no counters.
+        let pending = defer && proc.is_some() && want() == Sites::Off && !state::PROFILED.load(Ordering::Relaxed);
+        if !pending
+            && defer
+            && let Err(e) = t.check_order()
+        {
+            let mut m = sys::Buf::<128>::new();
+            m.str("a patched module's site table is unreadable: ").str(e.as_str());
+            sys::log(m.bytes());
+            return None;
+        }
+        let placed = match proc.as_mut().filter(|_| !pending) {
+            _ if pending => private_counters(h.counters_size).map(|own| (u32::MAX, own)),
+            Some(f) => match f.add_module(t.bytes(), bias, counters, h.counters_size, None) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    log_unplaced(f, e);
+                    private_counters(h.counters_size).map(|own| (u32::MAX, own))
+                }
+            },
             None => private_counters(h.counters_size).map(|own| (u32::MAX, own)),
         };
         let Some((file_index, own)) = placed else {
@@ -370,6 +396,10 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         slot.text_lo.store(bias.wrapping_add(h.text_addr), Ordering::Relaxed);
         slot.text_hi.store(bias.wrapping_add(h.text_addr).wrapping_add(h.text_size), Ordering::Relaxed);
         slot.file_index.store(file_index, Ordering::Relaxed);
+        slot.pending.store(pending && file_index == u32::MAX, Ordering::Relaxed);
+        if pending && let Some(f) = proc.as_ref() {
+            count_pending(f, h.site_count, 1);
+        }
         set_unwind(slot, &t, table as u64, module.room);
         slot.busy.store(true, Ordering::Relaxed);
         slot.state.store(ACTIVE, Ordering::Release);
@@ -548,6 +578,9 @@ fn unwind_miss(pc: u64, cell: &AtomicU64) -> Option<Step> {
         }
     };
     if let Some(v) = pack_row(pc, row).filter(|_| cacheable) {
+        if !ROWS_CACHED.load(Ordering::SeqCst) {
+            ROWS_CACHED.store(true, Ordering::SeqCst);
+        }
         cell.store(v, Ordering::SeqCst);
         // Forgotten meanwhile (the answer may be stale): take it back.
         if ROW_CACHE_GENERATION.load(Ordering::SeqCst) != generation {
@@ -633,10 +666,20 @@ fn unpack_step(v: u64) -> Option<Step> {
 /// signal context: on the registration and switching paths.
 pub fn forget_rows() {
     ROW_CACHE_GENERATION.fetch_add(1, Ordering::SeqCst);
-    for c in &ROW_CACHE {
-        c.store(0, Ordering::SeqCst);
+    // A process that never recorded a chain has nothing to clear (and its
+    // exit touches none of the cache's pages).
+    if ROWS_CACHED.swap(false, Ordering::SeqCst) {
+        for c in &ROW_CACHE {
+            c.store(0, Ordering::SeqCst);
+        }
     }
 }
+
+/// Set before a lookup stores an answer in [`ROW_CACHE`], cleared by the
+/// [`forget_rows`] that clears it (a store after the clearing sees the
+/// new generation, as the cache's protocol requires, and takes its answer
+/// back).
+static ROWS_CACHED: AtomicBool = AtomicBool::new(false);
 
 /// The process-file index of the module in slot `slot` (its control
 /// block's `module_id`), if that slot is active and holds the site table
@@ -727,6 +770,10 @@ fn converge(slot: &Slot) {
 /// # Safety
 /// The slot must be held busy by the caller.
 unsafe fn switch(slot: &Slot, to: Sites) -> Result<(), &'static str> {
+    // SAFETY: held (caller), with its sites off if it is pending.
+    if to != Sites::Off && slot.pending.load(Ordering::Relaxed) && !unsafe { place(slot) } {
+        return Ok(());
+    }
     if to != Sites::Off && LIVE.load(Ordering::Relaxed) && live::reserved() {
         // SAFETY: held (caller); a slot leaves Off for the first time here.
         unsafe { enable_live(slot) };
@@ -740,6 +787,90 @@ unsafe fn switch(slot: &Slot, to: Sites) -> Result<(), &'static str> {
         Some(m) => unsafe { patching::switch_module(&m, to, crate::sys::barrier()) },
         None => Ok(()),
     }
+}
+
+/// Whether modules that register while the process never profiled stay
+/// out of its file until they first switch on (set at start-up where
+/// requests are carried out by a thread, which may take the registration
+/// lock; a signal handler may not).
+pub static DEFER_PLACEMENT: AtomicBool = AtomicBool::new(false);
+
+/// Why the last module that joined the process file could not (its
+/// counters stay private: it counts, and no report shows it), for the
+/// switch that tried to say.
+static PLACE_ERROR: SpinLock<Option<&'static str>> = SpinLock::new(None);
+
+/// Takes the reason the last placement failed, if one did.
+pub fn take_place_error() -> Option<&'static str> {
+    PLACE_ERROR.with(Option::take)
+}
+
+/// Adds `sign` times a module of `sites` sites to the file's count of
+/// modules not in it yet.
+fn count_pending(f: &ProcFile, sites: u32, sign: i32) {
+    let h = f.header;
+    if sign > 0 {
+        h.pending_modules.fetch_add(1, Ordering::Relaxed);
+        h.pending_sites.fetch_add(u64::from(sites), Ordering::Relaxed);
+    } else {
+        h.pending_modules.fetch_sub(1, Ordering::Relaxed);
+        h.pending_sites.fetch_sub(u64::from(sites), Ordering::Relaxed);
+    }
+}
+
+/// A pending module joins the process file as its sites first leave Off:
+/// its table is checked, then copied into the file, and the file's region
+/// is mapped over its private counters at the same address (they never
+/// counted, so nothing is lost, and every address the runtime recorded
+/// for them stays right). Returns false if the module must not switch: its
+/// table is out of order (it is then forgotten, with a message).
+///
+/// # Safety
+/// The slot must be held busy by the caller, with its sites off.
+unsafe fn place(slot: &Slot) -> bool {
+    // SAFETY: a held slot's module is mapped (caller).
+    let Some(t) = (unsafe { slot.table() }) else { return false };
+    let h = &t.header;
+    slot.pending.store(false, Ordering::Relaxed);
+    PROC.with(|proc| {
+        if let Some(f) = proc.as_ref() {
+            count_pending(f, h.site_count, -1);
+        }
+    });
+    if let Err(e) = t.check_order() {
+        let mut m = sys::Buf::<128>::new();
+        m.str("a patched module's site table is unreadable: ").str(e.as_str()).str("; it is not profiled");
+        sys::log(m.bytes());
+        slot.state.store(DEAD, Ordering::Release);
+        forget_rows();
+        return false;
+    }
+    let bias = slot.bias.load(Ordering::Relaxed);
+    let Some(i) = slots().position(|s| std::ptr::eq(s, slot)) else { return false };
+    let own = live::MODULES.get(i).map_or(0, |m| m.base.load(Ordering::Acquire));
+    if own == 0 {
+        return false;
+    }
+    let counters = bias.wrapping_add(h.counters_addr);
+    PROC.with(|proc| {
+        let Some(f) = proc.as_mut() else { return };
+        match f.add_module(t.bytes(), bias, counters, h.counters_size, Some(own)) {
+            Ok((idx, _)) => slot.file_index.store(idx, Ordering::Relaxed),
+            Err(e) => {
+                log_unplaced(f, e);
+                PLACE_ERROR.with(|p| *p = Some(e));
+            }
+        }
+    });
+    true
+}
+
+/// Says why a module could not join the process file: it counts into
+/// private memory, which no report reads.
+fn log_unplaced(f: &ProcFile, e: &str) {
+    let mut m = sys::Buf::<512>::new();
+    m.push(f.path()).str(": ").str(e).str("; a patched module counts, but no report can read its figures");
+    sys::log(m.bytes());
 }
 
 /// Where a thread that trapped on a site's INT3 goes: its trampoline.
@@ -843,9 +974,14 @@ pub fn unregister(table: *const u8) {
             foreign::close(i);
             forget_rows();
             let idx = slot.file_index.load(Ordering::Relaxed);
+            let pending = slot.pending.swap(false, Ordering::Relaxed);
+            let sites = slot.site_count.load(Ordering::Relaxed);
             PROC.with(|p| {
                 if let (Some(f), true) = (p.as_ref(), idx != u32::MAX) {
                     f.set_unloaded(idx);
+                }
+                if let (Some(f), true) = (p.as_ref(), pending) {
+                    count_pending(f, sites, -1);
                 }
             });
         }
@@ -950,14 +1086,23 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
         }
         // SAFETY: active slots' tables are mapped.
         let Some(t) = (unsafe { slot.table() }) else { continue };
+        if slot.pending.load(Ordering::Relaxed) {
+            // Its private counters, copied with the process, never counted:
+            // it joins the child's file as it would have joined the parent's.
+            if let Some(f) = &f {
+                count_pending(f, t.header.site_count, 1);
+            }
+            continue;
+        }
         let bias = slot.bias.load(Ordering::Relaxed);
         let counters = bias.wrapping_add(t.header.counters_addr);
         let size = t.header.counters_size;
-        let placed = match f.as_mut().map(|f| f.add_module(t.bytes(), bias, counters, size)) {
+        let placed = match f.as_mut().map(|f| f.add_module(t.bytes(), bias, counters, size, None).map_err(|e| (e, &*f)))
+        {
             Some(Ok(r)) => Some(r),
             other => {
-                if let Some(Err(e)) = other {
-                    sys::log(e.as_bytes());
+                if let Some(Err((e, f))) = other {
+                    log_unplaced(f, e);
                 }
                 private_counters(size).map(|own| (u32::MAX, own))
             }

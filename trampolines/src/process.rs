@@ -162,11 +162,16 @@ pub struct ProcHeader {
     /// Libraries whose rows the runtime opened from the process's unwind
     /// file ([`UnwindFileHeader`]) at the last [`Request::Callers`].
     pub unwind_file_libraries: AtomicU32,
-    pub reserved1: u32,
+    /// Patched modules registered but not in this file yet: a process
+    /// that never profiled keeps its modules out of its file until they
+    /// first switch on (they have counted nothing).
+    pub pending_modules: AtomicU32,
     /// Walks that ended at rows from the unwind file because their library
     /// was unloaded, or another loaded in its place, since they were built.
     pub callers_unloaded: AtomicU64,
-    pub reserved: [u8; 16],
+    /// The sites of those modules.
+    pub pending_sites: AtomicU64,
+    pub reserved: [u8; 8],
     /// The modules, [`module_count`](Self::module_count) of them published.
     pub modules: [ModuleSlot; 248],
 }
@@ -230,7 +235,9 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("callers_sites", offset_of!(ProcHeader, callers_sites), "[u64; 16]"),
     ("last_switch_time", offset_of!(ProcHeader, last_switch_time), "u64"),
     ("unwind_file_libraries", offset_of!(ProcHeader, unwind_file_libraries), "u32"),
+    ("pending_modules", offset_of!(ProcHeader, pending_modules), "u32"),
     ("callers_unloaded", offset_of!(ProcHeader, callers_unloaded), "u64"),
+    ("pending_sites", offset_of!(ProcHeader, pending_sites), "u64"),
     ("modules", offset_of!(ProcHeader, modules), "[slot; 248]"),
 ];
 
@@ -523,6 +530,10 @@ pub struct ProcessFile<'a> {
     pub arguments: Vec<String>,
     pub last_error: String,
     pub module_count: u32,
+    /// Modules registered but not in the file yet, and their sites (see
+    /// [`ProcHeader::pending_modules`]).
+    pub pending_modules: u32,
+    pub pending_sites: u64,
     pub last_switch_ns: u64,
     pub last_switch_sites: u64,
     pub last_switch_time: u64,
@@ -576,6 +587,8 @@ impl<'a> ProcessFile<'a> {
             last_switch_time: get64(&h.last_switch_time),
             last_error: ProcHeader::text(&h.last_error),
             module_count: h.published().len() as u32,
+            pending_modules: get32(&h.pending_modules),
+            pending_sites: get64(&h.pending_sites),
             flags: get32(&h.flags),
             untracked_allocs: get64(&h.untracked_allocs),
             table_bytes: get64(&h.table_bytes),
