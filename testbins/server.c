@@ -12,6 +12,9 @@
  *            strdup("hello") x1 (6 bytes), freed immediately   (sites 4, 5)
  *   free   frees every block kept alive by earlier rounds      (site 6)
  *          and replies "freed"
+ *   fork   forks: the child replies "child PID" and carries on the
+ *          conversation; the parent waits for it, then exits with its
+ *          status (no allocation)
  *   quit   exits with status 0 (so does end of input)
  *   other non-empty lines reply "unknown"
  *
@@ -28,6 +31,8 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 struct node {
@@ -168,6 +173,24 @@ static int read_line(char *line, size_t cap)
     }
 }
 
+__attribute__((noinline, noclone, noipa)) static void do_fork(void)
+{
+    pid_t p = fork();
+    if (p < 0)
+        die("fork failed");
+    if (p == 0) {
+        char b[32];
+        snprintf(b, sizeof b, "child %d", (int)getpid());
+        reply(b);
+        return;
+    }
+    int st = 0;
+    while (waitpid(p, &st, 0) < 0)
+        if (errno != EINTR)
+            die("waitpid failed");
+    exit(WIFEXITED(st) ? WEXITSTATUS(st) : 1);
+}
+
 /* Returns 0 to go on, 1 to quit. */
 static int command(char *cmd)
 {
@@ -182,6 +205,8 @@ static int command(char *cmd)
         do_round();
     else if (strcmp(cmd, "free") == 0)
         do_free();
+    else if (strcmp(cmd, "fork") == 0)
+        do_fork();
     else if (strcmp(cmd, "quit") == 0)
         return 1;
     else

@@ -676,6 +676,55 @@ fn forker_files(dir: &Path) -> (Vec<ForkerFile>, String) {
     (files, format!("{by_pid:?}"))
 }
 
+/// A process that never profiled keeps its modules out of its counters
+/// file (they join it at their first switch on), and so does a child it
+/// forks: switched on later, the child's figures are exact from zero, the
+/// parent's file still holds no module, and the parent, which never
+/// profiled, removes its file at exit.
+#[test]
+fn a_never_profiled_parent_s_forked_child_switched_on_later_counts_exactly() {
+    let mut s = Server::start("fork-later", &[]);
+    assert_eq!(s.cmd("round"), "done");
+    let parent = s.pid();
+    let pfile = s.dir.join(format!("{parent}.counters"));
+    let header_only =
+        |f: &Path| std::fs::metadata(f).unwrap().len() == alloctramp_trampolines::process::PROC_HEADER_SIZE;
+    assert!(header_only(&pfile), "never profiled: the header only");
+    let child = s.cmd("fork").strip_prefix("child ").expect("child PID").to_string();
+    let cfile = s.dir.join(format!("{child}.counters"));
+    assert!(header_only(&cfile), "the child of a process that never profiled: the header only");
+    // The process list counts the modules not in the files yet, and their
+    // sites: as many as once they joined.
+    let list = || {
+        let o = alloctramp().args(["report", "--dir"]).arg(&s.dir).output().unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let columns = |list: &str, pid: &str| -> Vec<String> {
+        let line = list.lines().find(|l| l.split_whitespace().next() == Some(pid)).expect("listed");
+        line.split_whitespace().map(str::to_string).collect()
+    };
+    let before = list();
+    let sites = columns(&before, &parent)[3].clone();
+    assert!(sites.parse::<u64>().unwrap() > 0, "{before}");
+    for pid in [&parent, &child] {
+        assert_eq!(columns(&before, pid)[1..6], ["off", "0", &sites, "1", "module"], "{before}");
+    }
+    let o = alloctramp().args(["enable", "--dir"]).arg(&s.dir).arg(&child).output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stderr).contains("profiling on"), "{o:?}");
+    assert!(!header_only(&cfile), "switched on: the child's modules joined its file");
+    let after = list();
+    assert_eq!(columns(&after, &child)[1..5], ["on", "0", &sites, "server"], "{after}");
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(figures(&report(&child, &s.dir)), round_figures(2), "the child's figures");
+    assert!(header_only(&pfile), "the parent's file is untouched");
+    let dir = s.dir.clone();
+    s.quit();
+    assert!(!pfile.exists(), "the parent never profiled: its file went at exit");
+    assert_eq!(figures(&report(cfile.to_str().unwrap(), &dir)), round_figures(2), "the child's final file");
+}
+
 #[test]
 fn a_forked_child_counts_into_its_own_file_from_zero() {
     let (out, dir) = run_forker("fork", &[]);
