@@ -12,9 +12,6 @@
  *            strdup("hello") x1 (6 bytes), freed immediately   (sites 4, 5)
  *   free   frees every block kept alive by earlier rounds      (site 6)
  *          and replies "freed"
- *   fork   forks: the child replies "child PID" and carries on the
- *          conversation; the parent waits for it, then exits with its
- *          status (no allocation)
  *   quit   exits with status 0 (so does end of input)
  *   other non-empty lines reply "unknown"
  *
@@ -31,8 +28,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <stdio.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 struct node {
@@ -172,6 +167,14 @@ static int read_line(char *line, size_t cap)
         inlen += (size_t)r;
     }
 }
+
+/*
+ * fork: the child replies "child PID" and carries on the conversation; the
+ * parent waits for it, then exits with its status. No allocation. (Its
+ * headers are here, below the marked lines the live tests name by number.)
+ */
+#include <stdio.h>
+#include <sys/wait.h>
 
 __attribute__((noinline, noclone, noipa)) static void do_fork(void)
 {
