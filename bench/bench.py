@@ -1036,9 +1036,10 @@ def part_switch():
 def part_memory():
     sec = Section("Memory", "memory",
                   "Runtime memory per site: the process counters file holds a copy of each module's site table and "
-                  "its counters (shards x 64-byte cells), from when the module first switches on; the runtime reserves "
-                  "the storage of every byte it maps (a write fault on a full file system would be SIGBUS), so "
-                  "allocated (st_blocks) covers the size. On tmpfs that is memory.")
+                  "its counters (shards x 64-byte cells), from when the module first switches on. The runtime reserves "
+                  "the storage of every byte a thread may write before it writes (a write fault on a full file system "
+                  "would be SIGBUS): the table, shard 0 and the shard of each thread given one. Size is what the file "
+                  "spans, allocated what the file system holds (st_blocks); on tmpfs that is memory.")
     SECTIONS.append(sec)
     rows = []
     # A module with many sites, switched on, nothing called yet.

@@ -396,37 +396,48 @@ fn rwx(dir: &Path) -> (PathBuf, (String, String, i32)) {
 /// counters were mapped over pages without storage would die of SIGBUS at
 /// its first count. Swept over tmpfs sizes (mounted in a private mount
 /// namespace) from too small for the file's header to large enough for
-/// everything: every run must behave as the original, and the runs that
-/// lacked room must say so.
+/// everything, with a program of one thread and one of four (each new
+/// thread's shard needs storage of its own): every run must behave as the
+/// original, and the runs that lacked room must say so.
 #[test]
 fn a_full_file_system_never_kills_a_profiled_program() {
     let dir = counters_dir("nospace");
-    let (patched, original) = rwx(&dir);
+    let (rwx, rwx_out) = rwx(&dir);
+    let threads = dir.join("threads.patched");
+    patch_to(&built(Config::default_o2()).path("threads"), &threads, &[]);
+    let threads_out = run_program(&built(Config::default_o2()).path("threads"), &[], &[]);
+    assert_eq!(threads_out.2, 0);
     let mnt = dir.join("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
     let mut said = String::new();
-    for kib in (4..=64).step_by(4) {
-        let out = Command::new("unshare")
-            .args(["-rm", "sh", "-c", "mount -t tmpfs -o size=$2 tmpfs \"$1\" || exit 99; exec \"$3\"", "sh"])
-            .arg(&mnt)
-            .arg(format!("{kib}k"))
-            .arg(&patched)
-            .env("ALLOCTRAMP", "on")
-            .env("ALLOCTRAMP_DIR", mnt.join("d"))
-            .output()
-            .unwrap();
-        let err = stderr(&out);
-        if kib == 4 && (out.status.code() == Some(99) || err.starts_with("unshare:")) {
-            skip(test_name(), &format!("cannot mount a tmpfs in a user and mount namespace: {}", err.trim()));
-            return;
+    for (program, original) in [(&rwx, &rwx_out), (&threads, &threads_out)] {
+        for kib in (4..=80).step_by(4) {
+            let out = Command::new("unshare")
+                .args(["-rm", "sh", "-c", "mount -t tmpfs -o size=$2 tmpfs \"$1\" || exit 99; exec \"$3\"", "sh"])
+                .arg(&mnt)
+                .arg(format!("{kib}k"))
+                .arg(program)
+                .env("ALLOCTRAMP", "on")
+                .env("ALLOCTRAMP_DIR", mnt.join("d"))
+                .output()
+                .unwrap();
+            let err = stderr(&out);
+            if said.is_empty() && kib == 4 && (out.status.code() == Some(99) || err.starts_with("unshare:")) {
+                skip(test_name(), &format!("cannot mount a tmpfs in a user and mount namespace: {}", err.trim()));
+                return;
+            }
+            let got = (String::from_utf8_lossy(&out.stdout).into_owned(), out.status.code());
+            assert_eq!(got, (original.0.clone(), Some(0)), "{} on a tmpfs of {kib} KiB: {err}", program.display());
+            said.push_str(&err);
         }
-        let got = (String::from_utf8_lossy(&out.stdout).into_owned(), out.status.code());
-        assert_eq!(got, (original.0.clone(), Some(0)), "tmpfs of {kib} KiB: {err}");
-        said.push_str(&err);
     }
     assert!(said.contains("no space left for the counters file in"), "the header never lacked room: {said}");
     assert!(said.contains("(profiling is unavailable)"), "{said}");
     assert!(said.contains("no space left for the counters file; a patched module counts, but no report can"), "{said}");
+    assert!(
+        said.contains("no space left for the counters file; threads without storage for a shard of their own share"),
+        "a thread's shard never lacked room: {said}"
+    );
 }
 
 /// A process with a file-size limit (`ulimit -f`): growing the counters

@@ -833,13 +833,15 @@ fn the_demo_runs_to_completion_and_shows_the_expected_top_sites() {
 
 /// A profiled process's counters file has storage for every byte the
 /// process writes through its mappings (a write to a page without storage
-/// on a full tmpfs would kill it with SIGBUS): after the modules join the
-/// file (the first switch on) and after the callers region is added, the
-/// file's blocks cover its size. A process that never profiled holds only
-/// the header. Reading the file (report, the process list, snapshot) adds
-/// nothing. On tmpfs, where counters files usually live.
+/// on a full tmpfs would kill it with SIGBUS), and for no counters shard
+/// that no thread was given: a process that never profiled holds only the
+/// header; switched on, its one counting thread's shard (1) and the shared
+/// one (0) have storage after the table copy, the other 14 shards are a
+/// hole; the callers region has storage once added. Reading the file
+/// (report, the process list, snapshot) and a reset change nothing. On
+/// tmpfs, where counters files usually live and storage is memory.
 #[test]
-fn a_profiled_process_s_counters_file_has_storage_for_every_byte() {
+fn a_profiled_process_s_counters_file_has_storage_for_what_its_threads_write() {
     let shm = Path::new("/dev/shm");
     // SAFETY: statfs fills the struct it is given.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
@@ -865,14 +867,13 @@ fn a_profiled_process_s_counters_file_has_storage_for_every_byte() {
     let file = dir.join(format!("{}.counters", s.pid()));
     let size = || std::fs::metadata(&file).unwrap().len();
     let blocks = || std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&file).unwrap()) * 512;
-    let covered = |what: &str| {
-        let (size, blocks) = (size(), blocks());
-        assert!(blocks >= size, "{what}: {} has {blocks} bytes of storage for {size} bytes", file.display());
-    };
     // Once the program answers, start-up is over.
     assert_eq!(s.cmd("round"), "done");
-    assert_eq!(size(), alloctramp_trampolines::process::PROC_HEADER_SIZE, "never profiled: the header only");
-    covered("never profiled");
+    let header = alloctramp_trampolines::process::PROC_HEADER_SIZE;
+    assert_eq!(size(), header, "never profiled: the header only");
+    // Blocks, not SEEK_DATA: tmpfs counts storage it gave (fallocate) but
+    // shows pages never written as holes.
+    assert_eq!(blocks(), header, "never profiled");
     let run = |args: &[&str]| {
         let o = alloctramp().args(args).output().unwrap();
         assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
@@ -880,12 +881,19 @@ fn a_profiled_process_s_counters_file_has_storage_for_every_byte() {
     let pid = s.pid();
     let snap = dir.join("s.snapshot");
     run(&["enable", "--dir", d, &pid]);
-    assert!(size() > alloctramp_trampolines::process::PROC_HEADER_SIZE, "switched on: the modules joined the file");
-    covered("switched on");
     assert_eq!(s.cmd("round"), "done");
+    let bytes = std::fs::read(&file).unwrap();
+    let pf = alloctramp_trampolines::process::ProcessFile::parse(&bytes).unwrap();
+    let slots = pf.header.published();
+    assert_eq!(slots.len(), 1, "switched on: the module joined the file");
+    let counters = slots[0].counters_offset.load(std::sync::atomic::Ordering::Relaxed);
+    let stride = slots[0].counters_size.load(std::sync::atomic::Ordering::Relaxed) / 16;
+    assert_eq!(size(), counters + 16 * stride, "the file ends with the module's counters");
+    assert_eq!(blocks(), counters + 2 * stride, "the header, the table, shards 0 and 1: not the other 14");
     run(&["callers", "--dir", d, &pid, "on"]);
     assert_eq!(s.cmd("round"), "done");
-    covered("callers on");
+    let callers = counters + 16 * stride;
+    assert_eq!(blocks(), counters + 2 * stride + size() - callers, "and the callers region");
     let before = (size(), blocks());
     run(&["report", "--dir", d, &pid]);
     run(&["report", "--format", "json", "--dir", d, &pid]);

@@ -207,10 +207,45 @@ fn monotonic_ns() -> u64 {
     }
 }
 
-/// Zeroes every counter in the process file: frees the pages of each
-/// module's counters region (`MADV_REMOVE` punches a hole in the file
-/// through the runtime's own shared mapping, so no descriptor is needed);
-/// a file system that cannot punch holes gets zeros written.
+/// Zeroes every counter in the process file, through the runtime's own
+/// shared mapping of each module's counters (no descriptor needed).
+/// Zeroes the words of the pages of `size` bytes at `base` (the runtime's
+/// own shared mapping of a module's counters, page-aligned) that hold one
+/// that is not zero. Only resident pages are read: a page never written
+/// is a hole of the file, or storage never touched, and reads as zero, and
+/// reading a hole of a tmpfs file would allocate it. Punching the written
+/// pages out instead (`MADV_REMOVE`) would give their storage back, and a
+/// later count on a full file system would fault.
+fn zero_written_pages(base: u64, size: u64) {
+    const CHUNK: u64 = 4096;
+    let page = alloctramp_trampolines::layout::PAGE;
+    let mut resident = [0u8; CHUNK as usize];
+    let mut from = 0u64;
+    while from < size {
+        let len = (size - from).min(CHUNK * page);
+        // SAFETY: a page-aligned range of the mapping; `resident` holds a
+        // byte per page of it.
+        if unsafe { libc::mincore((base + from) as *mut libc::c_void, len as usize, resident.as_mut_ptr()) } != 0 {
+            resident = [1; CHUNK as usize];
+        }
+        for (k, r) in resident.iter().take(len.div_ceil(page) as usize).enumerate() {
+            if r & 1 == 0 {
+                continue;
+            }
+            let at = base + from + k as u64 * page;
+            // SAFETY: a resident page of the mapping (never unmapped but by
+            // a forked child replacing it before any request runs).
+            let words = unsafe { std::slice::from_raw_parts(at as *const AtomicU64, page as usize / 8) };
+            if words.iter().any(|w| w.load(Ordering::Relaxed) != 0) {
+                for w in words {
+                    w.store(0, Ordering::Relaxed);
+                }
+            }
+        }
+        from += len;
+    }
+}
+
 fn reset_counters() {
     for (slot, m) in registry::slots().zip(&live::MODULES) {
         if slot.file_index.load(Ordering::Relaxed) == u32::MAX {
@@ -220,21 +255,7 @@ fn reset_counters() {
         if base == 0 || size == 0 {
             continue;
         }
-        // SAFETY: the runtime's own shared mapping of the module's counters
-        // (never memory the module owns, and never unmapped but by a forked
-        // child replacing it before any request runs), `size` bytes.
-        let words = unsafe { std::slice::from_raw_parts(base as *const AtomicU64, size as usize / 8) };
-        // Only pages that counted are written: they have their storage
-        // already, and the file keeps what it reserved (punching the pages
-        // out would give it back, and a later count on a full file system
-        // would fault). Pages never written read as zeros.
-        for page in words.chunks(alloctramp_trampolines::layout::PAGE as usize / 8) {
-            if page.iter().any(|w| w.load(Ordering::Relaxed) != 0) {
-                for w in page {
-                    w.store(0, Ordering::Relaxed);
-                }
-            }
-        }
+        zero_written_pages(base, size);
     }
     if let Some(h) = header() {
         h.reset_time.store(sys::now_secs(), Ordering::Relaxed);

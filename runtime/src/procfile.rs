@@ -6,7 +6,7 @@
 //! ([`reserve`]).
 
 use crate::sys::{self, Buf, Fd};
-use alloctramp_trampolines::layout::PAGE;
+use alloctramp_trampolines::layout::{PAGE, shard};
 use alloctramp_trampolines::pod;
 use alloctramp_trampolines::process::{self, ModuleSlot, PROC_HEADER_SIZE, ProcHeader};
 use std::ffi::CStr;
@@ -92,6 +92,37 @@ fn create_file(path: &CStr) -> Result<i32, &'static str> {
 /// file is cut back to `off` (what was there before stays).
 fn reserve(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
     let end = off.checked_add(len).ok_or("the counters file would be too large")?;
+    within_limit(end)?;
+    reserve_within(fd, off, len).inspect_err(|_| {
+        // SAFETY: fd is the caller's open descriptor; shrinking back to
+        // where the new region began.
+        unsafe { libc::ftruncate(fd, off as i64) };
+    })
+}
+
+/// Gives `len` bytes from `off` their storage, in a region no thread has
+/// written yet (zeros are written where the file system cannot allocate).
+/// The file keeps its size unless the region passes its end.
+fn reserve_within(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
+    let (Ok(start), Ok(n)) = (i64::try_from(off), i64::try_from(len)) else {
+        return Err("the counters file would be too large");
+    };
+    // SAFETY: fd is the caller's open descriptor of the counters file.
+    let r = unsafe { libc::fallocate(fd, 0, start, n) };
+    let e = if r == 0 { 0 } else { sys::errno() };
+    let e = if e == libc::EOPNOTSUPP { write_zeros(fd, off, len) } else { e };
+    match e {
+        0 => Ok(()),
+        libc::ENOSPC => Err("no space left for the counters file"),
+        libc::EDQUOT => Err("the disk quota leaves no space for the counters file"),
+        libc::EFBIG => Err("the counters file would be too large for its file system"),
+        _ => Err("cannot reserve space for the counters file"),
+    }
+}
+
+/// Refuses a file size past the process's file-size limit (`ulimit -f`):
+/// growing the file there would send SIGXFSZ.
+fn within_limit(end: u64) -> Result<(), &'static str> {
     // SAFETY: getrlimit fills a plain struct.
     let limit = unsafe {
         let mut rl: libc::rlimit = std::mem::zeroed();
@@ -100,23 +131,7 @@ fn reserve(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
     if limit != libc::RLIM_INFINITY && end > limit {
         return Err("the counters file would pass the process's file-size limit (ulimit -f)");
     }
-    let Ok(start) = i64::try_from(off) else { return Err("the counters file would be too large") };
-    let Ok(n) = i64::try_from(len) else { return Err("the counters file would be too large") };
-    // SAFETY: fd is the caller's open descriptor of the counters file.
-    let r = unsafe { libc::fallocate(fd, 0, start, n) };
-    let e = if r == 0 { 0 } else { sys::errno() };
-    let e = if e == libc::EOPNOTSUPP { write_zeros(fd, off, len) } else { e };
-    if e == 0 {
-        return Ok(());
-    }
-    // SAFETY: as above; shrinking back to where the new region began.
-    unsafe { libc::ftruncate(fd, start) };
-    Err(match e {
-        libc::ENOSPC => "no space left for the counters file",
-        libc::EDQUOT => "the disk quota leaves no space for the counters file",
-        libc::EFBIG => "the counters file would be too large for its file system",
-        _ => "cannot reserve space for the counters file",
-    })
+    Ok(())
 }
 
 /// Writes zeros over `len` bytes from `off` (a file system without
@@ -277,7 +292,20 @@ impl ProcFile {
         let mapped;
         let file = self.reopen()?;
         let fd = file.0;
-        reserve(fd, self.size, end - self.size)?;
+        // The table and the shards given out so far get their storage; the
+        // others get it as threads are given them (`reserve_shards`).
+        let stride = counters_size / u64::from(shard::COUNT);
+        let shards = u64::from(crate::shards::RESERVED.load(Ordering::Acquire).min(shard::COUNT));
+        within_limit(end)?;
+        reserve(fd, self.size, counters_off + shards * stride - self.size)?;
+        // SAFETY: fd is ours; the file grows to the end of the region (the
+        // rest of the counters, without storage yet, which no thread writes
+        // before its shard has it).
+        if unsafe { libc::ftruncate(fd, end as i64) } != 0 {
+            // SAFETY: as above.
+            unsafe { libc::ftruncate(fd, self.size as i64) };
+            return Err("cannot grow the counters file");
+        }
         // SAFETY: fd is ours; pwrite reads `table`; the mapping replaces the
         // module's counters pages (page-aligned and inside one of its
         // writable segments: checked at registration; nothing but the
@@ -334,6 +362,20 @@ impl ProcFile {
         s.bias.store(bias, Ordering::Relaxed);
         self.header.module_count.store(index + 1, Ordering::Release);
         Ok((index, mapped as u64))
+    }
+
+    /// Gives shards `from..to` of every module in the file their storage.
+    pub fn reserve_shards(&mut self, from: u32, to: u32) -> Result<(), &'static str> {
+        let file = self.reopen()?;
+        for s in self.header.published() {
+            let (off, size) = (s.counters_offset.load(Ordering::Relaxed), s.counters_size.load(Ordering::Relaxed));
+            let stride = size / u64::from(shard::COUNT);
+            let (from, to) = (u64::from(from.min(shard::COUNT)), u64::from(to.min(shard::COUNT)));
+            if from < to {
+                reserve_within(file.0, off + from * stride, (to - from) * stride)?;
+            }
+        }
+        Ok(())
     }
 
     /// Maps module `index`'s counters again, shared, `count` times: the

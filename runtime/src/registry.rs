@@ -241,30 +241,51 @@ pub fn nothing_tracked() -> bool {
     tracked_objects() == Some(0)
 }
 
-/// A spin lock for the registration path (never taken in signal context).
+/// A spin lock for the registration path (never taken in signal context,
+/// but by [`SpinLock::with_unless_mine`]).
 pub struct SpinLock<T> {
     locked: AtomicBool,
+    /// The holder's `pthread_self()` (0: none), for a thread that must not
+    /// wait for itself.
+    owner: AtomicUsize,
     value: UnsafeCell<T>,
 }
 
 // SAFETY: access to the value is serialized by `locked`.
 unsafe impl<T: Send> Sync for SpinLock<T> {}
 
+fn me() -> usize {
+    // SAFETY: pthread_self reads the thread pointer; no preconditions.
+    unsafe { libc::pthread_self() as usize }
+}
+
 impl<T> SpinLock<T> {
     pub const fn new(v: T) -> Self {
-        SpinLock { locked: AtomicBool::new(false), value: UnsafeCell::new(v) }
+        SpinLock { locked: AtomicBool::new(false), owner: AtomicUsize::new(0), value: UnsafeCell::new(v) }
     }
     pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
         while self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
             std::hint::spin_loop();
         }
+        self.owner.store(me(), Ordering::Relaxed);
         // SAFETY: the lock is held.
         let r = f(unsafe { &mut *self.value.get() });
+        self.owner.store(0, Ordering::Relaxed);
         self.locked.store(false, Ordering::Release);
         r
     }
+    /// As [`with`](Self::with), or `None` if the calling thread holds the
+    /// lock already (a signal handler that interrupted the holder, which
+    /// would wait for itself forever).
+    pub fn with_unless_mine<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
+        if self.locked.load(Ordering::Relaxed) && self.owner.load(Ordering::Relaxed) == me() {
+            return None;
+        }
+        Some(self.with(f))
+    }
     /// After fork, in the child, where no other thread can hold the lock.
     pub fn force_unlock(&self) {
+        self.owner.store(0, Ordering::Relaxed);
         self.locked.store(false, Ordering::Release);
     }
 }
@@ -799,6 +820,37 @@ pub static DEFER_PLACEMENT: AtomicBool = AtomicBool::new(false);
 /// counters stay private: it counts, and no report shows it), for the
 /// switch that tried to say.
 static PLACE_ERROR: SpinLock<Option<&'static str>> = SpinLock::new(None);
+
+/// Gives shards `shards::RESERVED..=s` their storage in every module of
+/// the process file, then raises `RESERVED` (see `shards`). Called as a
+/// thread is first given shard `s`: on any thread, perhaps in a signal
+/// handler, keeping errno. False (the thread shares shard 0) if the
+/// storage is refused, or the thread holds the registration lock already.
+pub fn reserve_shards(s: u32) -> bool {
+    let _errno = sys::ErrnoGuard::new();
+    PROC.with_unless_mine(|proc| {
+        let from = crate::shards::RESERVED.load(Ordering::Acquire);
+        if s < from {
+            return true;
+        }
+        if let Some(f) = proc.as_mut()
+            && let Err(e) = f.reserve_shards(from, s + 1)
+        {
+            if !SHARD_REFUSED.swap(true, Ordering::Relaxed) {
+                let mut m = sys::Buf::<512>::new();
+                m.push(f.path()).str(": ").str(e).str("; threads without storage for a shard of their own share one");
+                sys::log(m.bytes());
+            }
+            return false;
+        }
+        crate::shards::RESERVED.store(s + 1, Ordering::Release);
+        true
+    })
+    .unwrap_or(false)
+}
+
+/// A shard's storage was refused once (said once).
+static SHARD_REFUSED: AtomicBool = AtomicBool::new(false);
 
 /// Takes the reason the last placement failed, if one did.
 pub fn take_place_error() -> Option<&'static str> {

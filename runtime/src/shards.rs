@@ -13,6 +13,12 @@
 //! exits; the thread shares shard 0 from then on (its last destructors may
 //! still allocate).
 //!
+//! A shard is given out only once its counters have their storage in the
+//! process file ([`RESERVED`]): a module joining the file reserves the
+//! shards given out so far, and the first thread given a higher one
+//! reserves it in every module. A program with one thread holds 2 of the
+//! 16 shards' storage. If the storage is refused, the thread shares.
+//!
 //! The runtime's own additions (a free that the pointer table settles, an
 //! unwound call) go into the calling thread's shard with atomic adds, which
 //! the owner's plain adds on the same thread never race with. A figure
@@ -22,7 +28,37 @@
 use crate::tls;
 use alloctramp_trampolines::layout::{shadow, shard};
 use std::arch::global_asm;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+/// Shards `0..RESERVED` have their storage in the process file for every
+/// module it holds; a module joining it reserves as many. Shard 0 (shared)
+/// always has. Raised, under the registration lock, before a thread is
+/// given a shard at or above it.
+pub static RESERVED: AtomicU32 = AtomicU32::new(1);
+
+/// The function that reserves shards up to the one it is given (set at
+/// start-up; 0: none, no file to reserve in).
+static RESERVE: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the function that gives shards `RESERVED..=s` their storage in the
+/// process file and raises [`RESERVED`], or returns false.
+pub fn set_reserve(f: fn(u32) -> bool) {
+    RESERVE.store(f as usize, Ordering::Release);
+}
+
+/// Whether shard `s`'s counters have their storage (reserving it if not):
+/// a thread never counts into pages a full file system could not back.
+fn has_storage(s: u32) -> bool {
+    if s < RESERVED.load(Ordering::Acquire) {
+        return true;
+    }
+    let f = RESERVE.load(Ordering::Acquire);
+    if f == 0 {
+        return true;
+    }
+    // SAFETY: only ever set from a `fn(u32) -> bool` by `set_reserve`.
+    unsafe { std::mem::transmute::<usize, fn(u32) -> bool>(f)(s) }
+}
 
 /// Shards with an owner: bit `s` for shard `s`; shard 0 is never owned.
 static OWNED: AtomicU32 = AtomicU32::new(1);
@@ -70,7 +106,7 @@ extern "C" fn assign() {
     };
     // SAFETY: a key this runtime created; the value is a non-null token
     // (the shard plus one) that only `release` reads.
-    if unsafe { libc::pthread_setspecific(key, (s as usize + 1) as *const libc::c_void) } != 0 {
+    if !has_storage(s) || unsafe { libc::pthread_setspecific(key, (s as usize + 1) as *const libc::c_void) } != 0 {
         OWNED.fetch_and(!(1 << s), Ordering::Release);
         return;
     }
