@@ -127,11 +127,7 @@ fn calls_by_line(doc: &serde_json::Value, file: &str) -> std::collections::BTree
 #[test]
 fn a_writable_and_executable_segment_stays_writable_when_profiling_switches_on() {
     let dir = counters_dir("rwx");
-    let bin = build("rwx", &dir);
-    let patched = dir.join("rwx.patched");
-    patch_to(&bin, &patched, &[]);
-    let original = run_program(&bin, &[], &[]);
-    assert_eq!(original.2, 0);
+    let (patched, original) = rwx(&dir);
     let d = dir.to_str().unwrap();
     assert_eq!(run_program(&patched, &[], &[("ALLOCTRAMP_DIR", d)]), original, "off");
     assert_eq!(run_program(&patched, &[], &[("ALLOCTRAMP_DIR", d), ("ALLOCTRAMP", "on")]), original, "on");

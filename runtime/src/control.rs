@@ -207,8 +207,6 @@ fn monotonic_ns() -> u64 {
     }
 }
 
-/// Zeroes every counter in the process file, through the runtime's own
-/// shared mapping of each module's counters (no descriptor needed).
 /// Zeroes the words of the pages of `size` bytes at `base` (the runtime's
 /// own shared mapping of a module's counters, page-aligned) that hold one
 /// that is not zero. Only resident pages are read: a page never written
@@ -246,6 +244,8 @@ fn zero_written_pages(base: u64, size: u64) {
     }
 }
 
+/// Zeroes every counter in the process file, through the runtime's own
+/// shared mapping of each module's counters (no descriptor needed).
 fn reset_counters() {
     for (slot, m) in registry::slots().zip(&live::MODULES) {
         if slot.file_index.load(Ordering::Relaxed) == u32::MAX {

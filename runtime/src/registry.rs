@@ -244,14 +244,13 @@ pub fn nothing_tracked() -> bool {
 /// A spin lock for the registration path (never taken in signal context,
 /// but by [`SpinLock::with_unless_mine`]).
 pub struct SpinLock<T> {
-    locked: AtomicBool,
-    /// The holder's `pthread_self()` (0: none), for a thread that must not
-    /// wait for itself.
+    /// The holder's `pthread_self()` (0: free): taking the lock records
+    /// its holder in the same step, so a thread can tell that it holds it.
     owner: AtomicUsize,
     value: UnsafeCell<T>,
 }
 
-// SAFETY: access to the value is serialized by `locked`.
+// SAFETY: access to the value is serialized by `owner`.
 unsafe impl<T: Send> Sync for SpinLock<T> {}
 
 fn me() -> usize {
@@ -261,32 +260,30 @@ fn me() -> usize {
 
 impl<T> SpinLock<T> {
     pub const fn new(v: T) -> Self {
-        SpinLock { locked: AtomicBool::new(false), owner: AtomicUsize::new(0), value: UnsafeCell::new(v) }
+        SpinLock { owner: AtomicUsize::new(0), value: UnsafeCell::new(v) }
     }
     pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
-        while self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        let me = me();
+        while self.owner.compare_exchange_weak(0, me, Ordering::Acquire, Ordering::Relaxed).is_err() {
             std::hint::spin_loop();
         }
-        self.owner.store(me(), Ordering::Relaxed);
         // SAFETY: the lock is held.
         let r = f(unsafe { &mut *self.value.get() });
-        self.owner.store(0, Ordering::Relaxed);
-        self.locked.store(false, Ordering::Release);
+        self.owner.store(0, Ordering::Release);
         r
     }
     /// As [`with`](Self::with), or `None` if the calling thread holds the
     /// lock already (a signal handler that interrupted the holder, which
     /// would wait for itself forever).
     pub fn with_unless_mine<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
-        if self.locked.load(Ordering::Relaxed) && self.owner.load(Ordering::Relaxed) == me() {
+        if self.owner.load(Ordering::Relaxed) == me() {
             return None;
         }
         Some(self.with(f))
     }
     /// After fork, in the child, where no other thread can hold the lock.
     pub fn force_unlock(&self) {
-        self.owner.store(0, Ordering::Relaxed);
-        self.locked.store(false, Ordering::Release);
+        self.owner.store(0, Ordering::Release);
     }
 }
 
@@ -319,12 +316,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
     let defer = !inert && DEFER_PLACEMENT.load(Ordering::Relaxed);
     let t = match Table::parse(bytes).and_then(|t| if defer { Ok(t) } else { t.check_order().map(|()| t) }) {
         Ok(t) => t,
-        Err(e) => {
-            let mut m = sys::Buf::<128>::new();
-            m.str("a patched module's site table is unreadable: ").str(e.as_str());
-            sys::log(m.bytes());
-            return;
-        }
+        Err(e) => return log_unreadable(e),
     };
     let size = t.bytes().len();
     let bias = (table as u64).wrapping_sub(t.header.table_addr);
@@ -373,21 +365,21 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
             && defer
             && let Err(e) = t.check_order()
         {
-            let mut m = sys::Buf::<128>::new();
-            m.str("a patched module's site table is unreadable: ").str(e.as_str());
-            sys::log(m.bytes());
+            log_unreadable(e);
             return None;
         }
-        let placed = match proc.as_mut().filter(|_| !pending) {
-            _ if pending => private_counters(h.counters_size).map(|own| (u32::MAX, own)),
-            Some(f) => match f.add_module(t.bytes(), bias, counters, h.counters_size, None) {
-                Ok(r) => Some(r),
-                Err(e) => {
+        let placed = match proc
+            .as_mut()
+            .filter(|_| !pending)
+            .map(|f| (f.add_module(t.bytes(), bias, counters, h.counters_size, None), f))
+        {
+            Some((Ok(r), _)) => Some(r),
+            other => {
+                if let Some((Err(e), f)) = other {
                     log_unplaced(f, e);
-                    private_counters(h.counters_size).map(|own| (u32::MAX, own))
                 }
-            },
-            None => private_counters(h.counters_size).map(|own| (u32::MAX, own)),
+                private_counters(h.counters_size).map(|own| (u32::MAX, own))
+            }
         };
         let Some((file_index, own)) = placed else {
             sys::log(b"cannot map a patched module's counters; it is not profiled");
@@ -417,9 +409,9 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         slot.text_lo.store(bias.wrapping_add(h.text_addr), Ordering::Relaxed);
         slot.text_hi.store(bias.wrapping_add(h.text_addr).wrapping_add(h.text_size), Ordering::Relaxed);
         slot.file_index.store(file_index, Ordering::Relaxed);
-        slot.pending.store(pending && file_index == u32::MAX, Ordering::Relaxed);
+        slot.pending.store(pending, Ordering::Relaxed);
         if pending && let Some(f) = proc.as_ref() {
-            count_pending(f, h.site_count, 1);
+            count_pending(f, h.site_count, true);
         }
         set_unwind(slot, &t, table as u64, module.room);
         slot.busy.store(true, Ordering::Relaxed);
@@ -857,11 +849,11 @@ pub fn take_place_error() -> Option<&'static str> {
     PLACE_ERROR.with(Option::take)
 }
 
-/// Adds `sign` times a module of `sites` sites to the file's count of
-/// modules not in it yet.
-fn count_pending(f: &ProcFile, sites: u32, sign: i32) {
+/// Adds a module of `sites` sites to the file's count of modules not in
+/// it yet (`add`), or takes it away.
+fn count_pending(f: &ProcFile, sites: u32, add: bool) {
     let h = f.header;
-    if sign > 0 {
+    if add {
         h.pending_modules.fetch_add(1, Ordering::Relaxed);
         h.pending_sites.fetch_add(u64::from(sites), Ordering::Relaxed);
     } else {
@@ -884,28 +876,19 @@ unsafe fn place(slot: &Slot) -> bool {
     let Some(t) = (unsafe { slot.table() }) else { return false };
     let h = &t.header;
     slot.pending.store(false, Ordering::Relaxed);
-    PROC.with(|proc| {
-        if let Some(f) = proc.as_ref() {
-            count_pending(f, h.site_count, -1);
-        }
-    });
-    if let Err(e) = t.check_order() {
-        let mut m = sys::Buf::<128>::new();
-        m.str("a patched module's site table is unreadable: ").str(e.as_str()).str("; it is not profiled");
-        sys::log(m.bytes());
-        slot.state.store(DEAD, Ordering::Release);
-        forget_rows();
-        return false;
-    }
+    let ordered = t.check_order();
     let bias = slot.bias.load(Ordering::Relaxed);
-    let Some(i) = slots().position(|s| std::ptr::eq(s, slot)) else { return false };
-    let own = live::MODULES.get(i).map_or(0, |m| m.base.load(Ordering::Acquire));
-    if own == 0 {
-        return false;
-    }
     let counters = bias.wrapping_add(h.counters_addr);
+    let own = slots()
+        .position(|s| std::ptr::eq(s, slot))
+        .and_then(|i| live::MODULES.get(i))
+        .map_or(0, |m| m.base.load(Ordering::Acquire));
     PROC.with(|proc| {
         let Some(f) = proc.as_mut() else { return };
+        count_pending(f, h.site_count, false);
+        if ordered.is_err() || own == 0 {
+            return;
+        }
         match f.add_module(t.bytes(), bias, counters, h.counters_size, Some(own)) {
             Ok((idx, _)) => slot.file_index.store(idx, Ordering::Relaxed),
             Err(e) => {
@@ -914,7 +897,20 @@ unsafe fn place(slot: &Slot) -> bool {
             }
         }
     });
-    true
+    if let Err(e) = ordered {
+        log_unreadable(e);
+        slot.state.store(DEAD, Ordering::Release);
+        forget_rows();
+        return false;
+    }
+    own != 0
+}
+
+/// Says that a module's site table is unreadable: it is not profiled.
+fn log_unreadable(e: layout::TableError) {
+    let mut m = sys::Buf::<128>::new();
+    m.str("a patched module's site table is unreadable: ").str(e.as_str()).str("; it is not profiled");
+    sys::log(m.bytes());
 }
 
 /// Says why a module could not join the process file: it counts into
@@ -1033,7 +1029,7 @@ pub fn unregister(table: *const u8) {
                     f.set_unloaded(idx);
                 }
                 if let (Some(f), true) = (p.as_ref(), pending) {
-                    count_pending(f, sites, -1);
+                    count_pending(f, sites, false);
                 }
             });
         }
@@ -1142,7 +1138,7 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
             // Its private counters, copied with the process, never counted:
             // it joins the child's file as it would have joined the parent's.
             if let Some(f) = &f {
-                count_pending(f, t.header.site_count, 1);
+                count_pending(f, t.header.site_count, true);
             }
             continue;
         }
