@@ -194,6 +194,38 @@ __attribute__((noinline, noclone, noipa)) static void do_fork(void)
     exit(WIFEXITED(st) ? WEXITSTATUS(st) : 1);
 }
 
+/*
+ * spread: three threads, each allocating and freeing once, all alive until
+ * every one has (a barrier), then joined: for a moment they hold three
+ * counter shards besides the main thread's.
+ */
+#include <pthread.h>
+
+static pthread_barrier_t spread_barrier;
+static void *volatile spread_block[3];
+
+__attribute__((noinline, noclone, noipa)) static void *spread_one(void *arg)
+{
+    int i = (int)(long)arg;
+    spread_block[i] = malloc(24); /* @site malloc calls=0 bytes=0 */
+    free(spread_block[i]); /* @site free calls=0 bytes=0 */
+    pthread_barrier_wait(&spread_barrier);
+    return NULL;
+}
+
+static void do_spread(void)
+{
+    pthread_t t[3];
+    pthread_barrier_init(&spread_barrier, NULL, 3);
+    for (int i = 0; i < 3; i++)
+        if (pthread_create(&t[i], NULL, spread_one, (void *)(long)i) != 0)
+            die("pthread_create failed");
+    for (int i = 0; i < 3; i++)
+        pthread_join(t[i], NULL);
+    pthread_barrier_destroy(&spread_barrier);
+    reply("spread");
+}
+
 /* Returns 0 to go on, 1 to quit. */
 static int command(char *cmd)
 {
@@ -210,6 +242,8 @@ static int command(char *cmd)
         do_free();
     else if (strcmp(cmd, "fork") == 0)
         do_fork();
+    else if (strcmp(cmd, "spread") == 0)
+        do_spread();
     else if (strcmp(cmd, "quit") == 0)
         return 1;
     else

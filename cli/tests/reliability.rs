@@ -323,6 +323,18 @@ fn counters_files_of_processes_that_never_profiled_do_not_pile_up() {
     assert_eq!(counters_files(&dir).len(), 1);
     runs(5, &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_KEEP", "2")]);
     assert_eq!(counters_files(&dir).len(), 2, "ALLOCTRAMP_KEEP=2: {:?}", files_in(&dir));
+    // Past a bound of 8, the oldest go until an eighth fewer stay, so the
+    // next seven exits read no file. (`none`: no watcher thread, whose
+    // prune at start-up would race with the one at exit.)
+    let eight = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_KEEP", "8"), ("ALLOCTRAMP_SWITCH", "none")];
+    runs(6, &eight);
+    assert_eq!(counters_files(&dir).len(), 8, "within ALLOCTRAMP_KEEP=8: {:?}", files_in(&dir));
+    runs(1, &eight);
+    assert_eq!(counters_files(&dir).len(), 7, "past ALLOCTRAMP_KEEP=8: {:?}", files_in(&dir));
+    runs(1, &eight);
+    assert_eq!(counters_files(&dir).len(), 8, "{:?}", files_in(&dir));
+    runs(5, &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_KEEP", "2")]);
+    assert_eq!(counters_files(&dir).len(), 2, "ALLOCTRAMP_KEEP=2 again: {:?}", files_in(&dir));
 
     // A process killed before it could remove its file, and one still
     // running.

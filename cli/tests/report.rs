@@ -901,8 +901,23 @@ fn a_profiled_process_s_counters_file_has_storage_for_what_its_threads_write() {
     run(&["snapshot", "--dir", d, &pid, "-o", snap.to_str().unwrap()]);
     run(&["reset", "--dir", d, &pid]);
     assert_eq!((size(), blocks()), before, "reading and resetting keep the file as it was");
-    run(&["disable", "--dir", d, &pid]);
+    // Three more threads counting at once: three more shards.
+    assert_eq!(s.cmd("spread"), "spread");
+    assert_eq!(blocks(), before.1 + 3 * stride, "shards 2, 3 and 4 for the threads");
+    // A forked child's own file holds the shards its only thread needs
+    // (0 and its own), not every shard its parent reserved.
+    let child = s.cmd("fork");
+    let child_file = dir.join(format!("{}.counters", child.strip_prefix("child ").unwrap()));
+    let meta = std::fs::metadata(&child_file).unwrap();
+    assert_eq!(meta.len(), size(), "the child's file is laid out as its parent's");
+    let child_blocks = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
+    assert_eq!(
+        child_blocks,
+        counters + 2 * stride + meta.len() - callers,
+        "the forked child: header, table, shards 0 and 1, and the callers region"
+    );
     assert_eq!(s.cmd("round"), "done");
+    run(&["disable", "--dir", d, &pid]);
     drop(s);
 }
 

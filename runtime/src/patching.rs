@@ -201,18 +201,40 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     if !differs {
         return Ok(());
     }
-    if barrier == sys::Barrier::None {
+    // The only thread (a program switched on at start-up, before it
+    // starts any): nothing else runs this code, and with its signals
+    // blocked no handler on this thread runs a site half-written, so each
+    // site is written once, without the protocol's traps and barriers.
+    // Only this thread could start another, and it is busy here.
+    let alone = sys::threads() == Some(1);
+    if barrier == sys::Barrier::None && !alone {
         return Err("membarrier is not available: cannot switch safely");
     }
-    TRAP_HANDLER.ensure()?;
+    if !alone {
+        TRAP_HANDLER.ensure()?;
+    }
     let charges = layout::site_flags::HOOK | layout::site_flags::UNDER_HOOK;
     let waits = fault_handler_waits(table);
     if on != Sites::Off && !waits && table.sites().any(|s| active(&s) && s.flags & charges != 0) {
         FAULT_HANDLER.ensure()?;
     }
     let (lo, hi) = m.span;
+    let blocked = alone.then(sys::SignalsBlocked::new);
     let unprotected = Unprotected::new(lo, hi)?;
     populate(table.sites().filter(active).map(|s| at(&s) as u64));
+    if blocked.is_some() {
+        for s in table.sites().filter(active) {
+            let (p, w) = (at(&s), wanted(table, m.bias, &s, on));
+            // SAFETY: as below; no other code runs in the process.
+            if unsafe { read5(p) } != w {
+                // SAFETY: as above.
+                unsafe { std::ptr::write_volatile(p as *mut [u8; 5], w) };
+            }
+        }
+        // (Returning is a jump: enough for the code this thread wrote.)
+        unprotected.restore();
+        return Ok(());
+    }
     // The three passes of the protocol. SAFETY (every block below): the
     // site's five bytes are mapped (caller) and writable now (`unprotected`
     // covers the module's span of sites); each write stays within them.

@@ -120,6 +120,22 @@ fn reserve_within(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
     }
 }
 
+/// The runs of consecutive shards in `mask` (bit `s`: shard `s`), as
+/// `(first, past the last)`, in order.
+fn shard_runs(mask: u32) -> impl Iterator<Item = (u32, u32)> {
+    let mut s = 0u32;
+    std::iter::from_fn(move || {
+        let rest = mask.checked_shr(s).unwrap_or(0);
+        if s >= shard::COUNT || rest == 0 {
+            return None;
+        }
+        let from = s + rest.trailing_zeros();
+        let to = (from + (mask >> from).trailing_ones()).min(shard::COUNT);
+        s = to;
+        Some((from, to))
+    })
+}
+
 /// Refuses a file size past the process's file-size limit (`ulimit -f`):
 /// growing the file there would send SIGXFSZ.
 fn within_limit(end: u64) -> Result<(), &'static str> {
@@ -152,6 +168,20 @@ fn write_zeros(fd: i32, off: u64, len: u64) -> i32 {
         done += w as u64;
     }
     0
+}
+
+/// Tells the kernel that a shared mapping of the counters file is written
+/// page by page where counting happens, not read in sequence: a fault then
+/// brings in only its own page. Without it each first write to a counters
+/// page reads the pages around it too (up to 32 on ext4, where the file's
+/// reserved pages are unwritten extents, each zero-filled), several times
+/// the cost of the counting in a short-lived process.
+///
+/// # Safety
+/// `p..p+len` must be a mapping the caller made.
+unsafe fn no_readaround(p: *mut libc::c_void, len: usize) {
+    // SAFETY: the caller's mapping; MADV_RANDOM changes only how faults read.
+    unsafe { libc::madvise(p, len, libc::MADV_RANDOM) };
 }
 
 fn identity(fd: i32) -> Option<(u64, u64)> {
@@ -195,6 +225,7 @@ impl ProcFile {
                 libc::unlink(tmp.c_str().as_ptr());
                 return Err("cannot map the counters file");
             }
+            no_readaround(p, PROC_HEADER_SIZE as usize);
             // The magic, while no other process can see the file yet.
             std::ptr::copy_nonoverlapping(process::PROC_MAGIC.as_ptr(), p as *mut u8, 8);
             // SAFETY: a fresh page-aligned mapping of PROC_HEADER_SIZE bytes;
@@ -293,11 +324,20 @@ impl ProcFile {
         let file = self.reopen()?;
         let fd = file.0;
         // The table and the shards given out so far get their storage; the
-        // others get it as threads are given them (`reserve_shards`).
+        // others get it as threads are given them (`reserve_shard`).
         let stride = counters_size / u64::from(shard::COUNT);
-        let shards = u64::from(crate::shards::RESERVED.load(Ordering::Acquire).min(shard::COUNT));
         within_limit(end)?;
-        reserve(fd, self.size, counters_off + shards * stride - self.size)?;
+        let mut runs = shard_runs(crate::shards::RESERVED.load(Ordering::Acquire) | 1);
+        let (_, first) = runs.next().unwrap_or((0, 1));
+        reserve(fd, self.size, counters_off + u64::from(first) * stride - self.size)?;
+        for (from, to) in runs {
+            let at = counters_off + u64::from(from) * stride;
+            if let Err(e) = reserve_within(fd, at, u64::from(to - from) * stride) {
+                // SAFETY: fd is ours; back to the size before the region.
+                unsafe { libc::ftruncate(fd, self.size as i64) };
+                return Err(e);
+            }
+        }
         // SAFETY: fd is ours; the file grows to the end of the region (the
         // rest of the counters, without storage yet, which no thread writes
         // before its shard has it).
@@ -339,6 +379,7 @@ impl ProcFile {
                 libc::ftruncate(fd, self.size as i64);
                 return Err("cannot map the counters");
             }
+            no_readaround(p, counters_size as usize);
             mapped = libc::mmap(
                 own.unwrap_or(0) as *mut libc::c_void,
                 counters_size as usize,
@@ -353,6 +394,7 @@ impl ProcFile {
                 libc::ftruncate(fd, self.size as i64);
                 return Err("cannot map the counters a second time");
             }
+            no_readaround(mapped, counters_size as usize);
         }
         self.size = end;
         s.table_offset.store(table_off, Ordering::Relaxed);
@@ -364,15 +406,14 @@ impl ProcFile {
         Ok((index, mapped as u64))
     }
 
-    /// Gives shards `from..to` of every module in the file their storage.
-    pub fn reserve_shards(&mut self, from: u32, to: u32) -> Result<(), &'static str> {
+    /// Gives shard `s` of every module in the file its storage.
+    pub fn reserve_shard(&mut self, s: u32) -> Result<(), &'static str> {
         let file = self.reopen()?;
-        for s in self.header.published() {
-            let (off, size) = (s.counters_offset.load(Ordering::Relaxed), s.counters_size.load(Ordering::Relaxed));
+        for m in self.header.published() {
+            let (off, size) = (m.counters_offset.load(Ordering::Relaxed), m.counters_size.load(Ordering::Relaxed));
             let stride = size / u64::from(shard::COUNT);
-            let (from, to) = (u64::from(from.min(shard::COUNT)), u64::from(to.min(shard::COUNT)));
-            if from < to {
-                reserve_within(file.0, off + from * stride, (to - from) * stride)?;
+            if s < shard::COUNT {
+                reserve_within(file.0, off + u64::from(s) * stride, stride)?;
             }
         }
         Ok(())
@@ -409,6 +450,8 @@ impl ProcFile {
             if p == libc::MAP_FAILED {
                 return Err("cannot map a module's counters into the freed view");
             }
+            // SAFETY: the mapping just made.
+            unsafe { no_readaround(p, stride as usize) };
         }
         Ok(())
     }
@@ -437,6 +480,8 @@ impl ProcFile {
             unsafe { libc::ftruncate(file.0, self.size as i64) };
             return Err("cannot map the callers region");
         }
+        // SAFETY: the mapping just made.
+        unsafe { no_readaround(p, size as usize) };
         self.size = at + size;
         self.header.callers_slots.store(slots, Ordering::Relaxed);
         self.header.callers_offset.store(at, Ordering::Release);
@@ -526,7 +571,8 @@ fn counted_nothing(f: &std::fs::File) -> bool {
 /// Removes what [`process::files_to_remove`] says in `dir`: files of
 /// processes that ended without profiling, files of processes that counted
 /// nothing before they replaced their program (a forked child that ran
-/// another program), and all but the `keep` newest of the others, with
+/// another program), and all but the `process::prune_to(keep)` newest of
+/// the others, with
 /// their leftover control and temporary files. Reads each file's first
 /// page, and the counters of those whose process ended without exiting.
 /// With `within_bound` false, a directory with no more than `keep` counters
@@ -590,7 +636,7 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
         found.push((pid, state));
     }
     let states: Vec<process::FileState> = found.iter().map(|f| f.1).collect();
-    for (remove, (pid, _)) in process::files_to_remove(&states, keep).into_iter().zip(&found) {
+    for (remove, (pid, _)) in process::files_to_remove(&states, process::prune_to(keep)).into_iter().zip(&found) {
         if remove {
             let _ = std::fs::remove_file(format!("{dir}/{pid}.counters"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.control"));
@@ -632,4 +678,19 @@ pub fn clear_header() {
 /// Publishes the header that [`header`] returns.
 pub fn set_header(h: &'static ProcHeader) {
     HEADER.store(h as *const ProcHeader as usize, Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_runs_are_the_runs_of_set_bits() {
+        let runs = |m: u32| shard_runs(m).collect::<Vec<_>>();
+        assert_eq!(runs(0b11), [(0, 2)]);
+        assert_eq!(runs(1 | 1 << 15), [(0, 1), (15, 16)]);
+        assert_eq!(runs(0b1011_0001), [(0, 1), (4, 6), (7, 8)]);
+        assert_eq!(runs(u32::MAX), [(0, shard::COUNT)]);
+        assert_eq!(runs(0), []);
+    }
 }

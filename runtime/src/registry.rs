@@ -813,20 +813,19 @@ pub static DEFER_PLACEMENT: AtomicBool = AtomicBool::new(false);
 /// switch that tried to say.
 static PLACE_ERROR: SpinLock<Option<&'static str>> = SpinLock::new(None);
 
-/// Gives shards `shards::RESERVED..=s` their storage in every module of
-/// the process file, then raises `RESERVED` (see `shards`). Called as a
-/// thread is first given shard `s`: on any thread, perhaps in a signal
-/// handler, keeping errno. False (the thread shares shard 0) if the
-/// storage is refused, or the thread holds the registration lock already.
+/// Gives shard `s` its storage in every module of the process file, then
+/// sets its bit in `shards::RESERVED` (see `shards`). Called as a thread is
+/// first given shard `s`: on any thread, perhaps in a signal handler,
+/// keeping errno. False (the thread shares shard 0) if the storage is
+/// refused, or the thread holds the registration lock already.
 pub fn reserve_shards(s: u32) -> bool {
     let _errno = sys::ErrnoGuard::new();
     PROC.with_unless_mine(|proc| {
-        let from = crate::shards::RESERVED.load(Ordering::Acquire);
-        if s < from {
+        if crate::shards::RESERVED.load(Ordering::Acquire) & 1 << s != 0 {
             return true;
         }
         if let Some(f) = proc.as_mut()
-            && let Err(e) = f.reserve_shards(from, s + 1)
+            && let Err(e) = f.reserve_shard(s)
         {
             if !SHARD_REFUSED.swap(true, Ordering::Relaxed) {
                 let mut m = sys::Buf::<512>::new();
@@ -835,7 +834,7 @@ pub fn reserve_shards(s: u32) -> bool {
             }
             return false;
         }
-        crate::shards::RESERVED.store(s + 1, Ordering::Release);
+        crate::shards::RESERVED.fetch_or(1 << s, Ordering::Release);
         true
     })
     .unwrap_or(false)

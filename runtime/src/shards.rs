@@ -15,9 +15,11 @@
 //!
 //! A shard is given out only once its counters have their storage in the
 //! process file ([`RESERVED`]): a module joining the file reserves the
-//! shards given out so far, and the first thread given a higher one
+//! shards given out so far, and the first thread given another one
 //! reserves it in every module. A program with one thread holds 2 of the
-//! 16 shards' storage. If the storage is refused, the thread shares.
+//! 16 shards' storage, and so does a forked child (shard 0 and its only
+//! thread's, whatever its parent held). If the storage is refused, the
+//! thread shares.
 //!
 //! The runtime's own additions (a free that the pointer table settles, an
 //! unwound call) go into the calling thread's shard with atomic adds, which
@@ -30,18 +32,18 @@ use alloctramp_trampolines::layout::{shadow, shard};
 use std::arch::global_asm;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
-/// Shards `0..RESERVED` have their storage in the process file for every
-/// module it holds; a module joining it reserves as many. Shard 0 (shared)
-/// always has. Raised, under the registration lock, before a thread is
-/// given a shard at or above it.
+/// Bit `s` set: shard `s` has its storage in the process file for every
+/// module it holds; a module joining it reserves the same. Shard 0
+/// (shared) always has. A bit is set, under the registration lock, before
+/// a thread is given its shard.
 pub static RESERVED: AtomicU32 = AtomicU32::new(1);
 
 /// The function that reserves shards up to the one it is given (set at
 /// start-up; 0: none, no file to reserve in).
 static RESERVE: AtomicUsize = AtomicUsize::new(0);
 
-/// Sets the function that gives shards `RESERVED..=s` their storage in the
-/// process file and raises [`RESERVED`], or returns false.
+/// Sets the function that gives shard `s` its storage in the process file
+/// and sets its bit in [`RESERVED`], or returns false.
 pub fn set_reserve(f: fn(u32) -> bool) {
     RESERVE.store(f as usize, Ordering::Release);
 }
@@ -49,7 +51,7 @@ pub fn set_reserve(f: fn(u32) -> bool) {
 /// Whether shard `s`'s counters have their storage (reserving it if not):
 /// a thread never counts into pages a full file system could not back.
 fn has_storage(s: u32) -> bool {
-    if s < RESERVED.load(Ordering::Acquire) {
+    if RESERVED.load(Ordering::Acquire) & 1 << s != 0 {
         return true;
     }
     let f = RESERVE.load(Ordering::Acquire);
@@ -131,11 +133,13 @@ extern "C" fn release(token: *mut libc::c_void) {
 }
 
 /// In a forked child: its only thread keeps its shard; the parent's other
-/// threads' shards are free again.
+/// threads' shards are free again, and the child's own file (made next)
+/// reserves only shard 0 and that thread's.
 pub fn after_fork_in_child() {
     let w = tls::get(tls::SHARD);
     let mine = if w & shard::EXCLUSIVE != 0 { 1 << shard::index(w, shard::COUNT) } else { 0 };
     OWNED.store(1 | mine, Ordering::Relaxed);
+    RESERVED.store(1 | mine, Ordering::Relaxed);
 }
 
 /// The calling thread's shard (0 when it shares, or has none yet).

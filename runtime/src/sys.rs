@@ -273,6 +273,57 @@ pub fn disposition(sig: i32) -> Option<libc::sigaction> {
     }
 }
 
+/// How many threads the process has (`/proc/self/stat`'s twentieth
+/// field), read with a fixed buffer: safe in signal context. None if it
+/// cannot be read (no /proc).
+pub fn threads() -> Option<u64> {
+    // SAFETY: a NUL-terminated path; read fills at most the buffer.
+    let (buf, n) = unsafe {
+        let fd = libc::open(c"/proc/self/stat".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return None;
+        }
+        let fd = Fd(fd);
+        let mut buf = [0u8; 1024];
+        let n = libc::read(fd.0, buf.as_mut_ptr().cast(), buf.len());
+        (buf, usize::try_from(n).ok()?)
+    };
+    stat_threads(buf.get(..n)?)
+}
+
+/// The thread count in the text of a `/proc/PID/stat` file: the 18th
+/// field after the command name's closing parenthesis (the name may hold
+/// spaces and parentheses).
+fn stat_threads(stat: &[u8]) -> Option<u64> {
+    let close = stat.iter().rposition(|&c| c == b')')?;
+    let field = stat.get(close + 1..)?.split(|&c| c == b' ').filter(|f| !f.is_empty()).nth(17)?;
+    std::str::from_utf8(field).ok()?.parse().ok()
+}
+
+/// Every signal blocked on this thread while it lives; the mask it
+/// replaced comes back when it is dropped. Safe in signal context.
+pub struct SignalsBlocked(libc::sigset_t);
+
+impl SignalsBlocked {
+    pub fn new() -> SignalsBlocked {
+        // SAFETY: plain signal-mask calls on local, initialized sets.
+        unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+            SignalsBlocked(old)
+        }
+    }
+}
+
+impl Drop for SignalsBlocked {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask `new` saved.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut()) };
+    }
+}
+
 /// Calls `f(start, end, prot)` for each mapping of the process, in address
 /// order, from `/proc/self/maps` (read with a fixed buffer: safe in signal
 /// context). `f` returns false to stop. Returns false if the file could
@@ -467,6 +518,14 @@ mod tests {
         assert_eq!(anon.4, b"");
         let spaced = parse_maps_file_line(b"1000-2000 r-xp 0 08:01 5 /tmp/a b").unwrap();
         assert_eq!(spaced.4, b"/tmp/a b");
+    }
+
+    #[test]
+    fn stat_thread_counts() {
+        assert_eq!(stat_threads(b"4242 (git) S 1 4242 4242 0 -1 4194560 120 0 0 0 0 0 0 0 20 0 1 0 777 1 2"), Some(1));
+        assert_eq!(stat_threads(b"7 (a (b) c) R 1 7 7 0 -1 0 0 0 0 0 0 0 0 0 20 0 12 0 1 2"), Some(12));
+        assert_eq!(stat_threads(b"7 (x) R 1"), None);
+        assert!(threads().is_some_and(|n| n >= 1));
     }
 
     #[test]

@@ -796,6 +796,15 @@ impl Summary {
 /// (`ALLOCTRAMP_KEEP`).
 pub const DEFAULT_KEEP: usize = 64;
 
+/// How many files of ended processes a runtime's prune leaves, for a bound
+/// of `keep`: an eighth fewer (rounded down), so that a storm of short
+/// processes that profile (a build, `git gc`) reads the directory's files
+/// about once every `keep / 8` exits rather than at each one. `alloctramp clean
+/// --keep N` keeps N.
+pub fn prune_to(keep: usize) -> usize {
+    keep - keep / 8
+}
+
 /// File names in that directory.
 pub fn counters_file_name(pid: u32) -> String {
     format!("{pid}.counters")
@@ -992,6 +1001,7 @@ mod tests {
         let files = [f(false, true, 1), empty(false, 9), f(false, true, 3), empty(true, 8)];
         assert_eq!(files_to_remove(&files, 2), [false, true, false, false]);
         assert_eq!(files_to_remove(&files, 1), [true, true, false, false]);
+        assert_eq!([prune_to(64), prune_to(8), prune_to(7), prune_to(2), prune_to(0)], [56, 7, 7, 2, 0]);
     }
 
     #[test]
