@@ -471,14 +471,12 @@ extern "C" fn watch(first: *mut libc::c_void) -> *mut libc::c_void {
 /// before it waits for requests (work the program need not wait for).
 /// Returns false if the thread could not be created.
 pub fn start_watcher(first: fn()) -> bool {
-    // SAFETY: plain pthread and signal-mask calls on local, initialized
-    // structures; the thread's argument is `first`, a `fn()` that `watch`
-    // turns back into one.
+    // The new thread inherits the mask; this one gets its own back.
+    let _blocked = sys::SignalsBlocked::new();
+    // SAFETY: plain pthread calls on local, initialized structures; the
+    // thread's argument is `first`, a `fn()` that `watch` turns back into
+    // one.
     unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        let mut old: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
         let mut attr: libc::pthread_attr_t = std::mem::zeroed();
         libc::pthread_attr_init(&mut attr);
         libc::pthread_attr_setstacksize(&mut attr, 256 << 10);
@@ -486,7 +484,6 @@ pub fn start_watcher(first: fn()) -> bool {
         let mut t: libc::pthread_t = 0;
         let ok = libc::pthread_create(&mut t, &attr, watch, first as *mut libc::c_void) == 0;
         libc::pthread_attr_destroy(&mut attr);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
         ok
     }
 }

@@ -328,7 +328,7 @@ fn init() {
     let live = env_flag("ALLOCTRAMP_LIVE", ["1", "0"], true, "tracking live objects");
     state::LIVE.store(live, Ordering::Release);
     shards::init();
-    shards::set_reserve(registry::reserve_shards);
+    shards::set_reserve(registry::reserve_shard);
     let on = env_flag("ALLOCTRAMP", ["on", "off"], false, "profiling stays off");
 
     let dir = counters_dir();

@@ -818,7 +818,7 @@ static PLACE_ERROR: SpinLock<Option<&'static str>> = SpinLock::new(None);
 /// first given shard `s`: on any thread, perhaps in a signal handler,
 /// keeping errno. False (the thread shares shard 0) if the storage is
 /// refused, or the thread holds the registration lock already.
-pub fn reserve_shards(s: u32) -> bool {
+pub fn reserve_shard(s: u32) -> bool {
     let _errno = sys::ErrnoGuard::new();
     PROC.with_unless_mine(|proc| {
         if crate::shards::RESERVED.load(Ordering::Acquire) & 1 << s != 0 {

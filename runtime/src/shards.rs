@@ -38,8 +38,8 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 /// a thread is given its shard.
 pub static RESERVED: AtomicU32 = AtomicU32::new(1);
 
-/// The function that reserves shards up to the one it is given (set at
-/// start-up; 0: none, no file to reserve in).
+/// The function that reserves the shard it is given (set at start-up; 0:
+/// none, no file to reserve in).
 static RESERVE: AtomicUsize = AtomicUsize::new(0);
 
 /// Sets the function that gives shard `s` its storage in the process file

@@ -799,8 +799,8 @@ pub const DEFAULT_KEEP: usize = 64;
 /// How many files of ended processes a runtime's prune leaves, for a bound
 /// of `keep`: an eighth fewer (rounded down), so that a storm of short
 /// processes that profile (a build, `git gc`) reads the directory's files
-/// about once every `keep / 8` exits rather than at each one. `alloctramp clean
-/// --keep N` keeps N.
+/// about once every `keep / 8` exits rather than at each one.
+/// `alloctramp clean --keep N` keeps N.
 pub fn prune_to(keep: usize) -> usize {
     keep - keep / 8
 }
