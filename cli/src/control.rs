@@ -334,6 +334,8 @@ struct State {
     modules: usize,
     switch_ns: u64,
     live_objects: u64,
+    fail_specs: u32,
+    fail_sites: u32,
 }
 
 fn read_state(path: &Path) -> Result<State> {
@@ -363,6 +365,8 @@ fn read_state(path: &Path) -> Result<State> {
         modules: mods.len(),
         switch_ns: pf.last_switch_ns,
         live_objects,
+        fail_specs: pf.header.fail_specs.load(Relaxed),
+        fail_sites: pf.header.fail_sites.load(Relaxed),
     })
 }
 
@@ -430,6 +434,18 @@ fn switch_with(args: &SwitchArgs, request: Request, depth: u32, sites: &[u64]) -
                     if s.on { "" } else { "; profiling is off: `alloctramp enable` to count" }
                 ),
                 Request::NoCallers => format!("process {pid}: call chains no longer recorded ({where_}{took})"),
+                Request::Fail => {
+                    let (specs, sites) = (u64::from(s.fail_specs), u64::from(s.fail_sites));
+                    match specs {
+                        0 => format!("process {pid}: no call fails any more"),
+                        _ => format!(
+                            "process {pid}: {} in effect, naming {}{}",
+                            plural(specs, "fault spec"),
+                            plural(sites, "allocation site"),
+                            if s.on { "" } else { "; profiling is off" }
+                        ),
+                    }
+                }
                 Request::On if before.on => format!("process {pid}: profiling was already on ({where_})"),
                 Request::On => format!("process {pid}: profiling on ({where_}{took})"),
                 Request::Reset => {

@@ -6,6 +6,7 @@ mod clean;
 mod control;
 mod debuginfod;
 mod demo;
+mod fault;
 mod patch;
 mod report;
 mod run;
@@ -53,6 +54,8 @@ enum Command {
     /// Zero the counters of a running process.
     Reset(control::SwitchArgs),
     Callers(control::CallersArgs),
+    Fail(fault::FailArgs),
+    Faultsweep(fault::SweepArgs),
     Demo(demo::Args),
     Clean(clean::Args),
     /// Patch a library into `run`'s cache (run by the loader's audit
@@ -99,6 +102,8 @@ fn main() -> ExitCode {
         }
         Command::Reset(args) => control::run_switch(&args, Request::Reset),
         Command::Callers(args) => control::run_callers(&args),
+        Command::Fail(args) => fault::run_fail(&args),
+        Command::Faultsweep(args) => fault::run_sweep(args),
         Command::Demo(args) => demo::run(args),
         Command::Clean(args) => clean::run(args),
         Command::CacheLibrary { file } => run::cache_library(&file),

@@ -33,6 +33,10 @@ pub struct Args {
     /// Also count calls to this function (see `alloctramp sites --help`).
     #[arg(long = "entry", value_name = "SPEC")]
     pub entries: Vec<String>,
+    /// Fail the calls SPEC names (fault injection, WHERE:HOW; see
+    /// `alloctramp fail --help`); implies --on.
+    #[arg(long = "fail", value_name = "SPEC")]
+    pub fail: Vec<String>,
     /// Write the report to FILE instead of stderr.
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -276,6 +280,11 @@ pub fn run(mut args: Args) -> Result<()> {
     if args.tree && args.view.callers {
         bail!("--callers follows one process's call chains: --tree reports its sites");
     }
+    let fail = match args.fail.is_empty() {
+        true => None,
+        false => Some(crate::fault::check_specs(&args.fail)?),
+    };
+    args.on |= fail.is_some();
     let mut program_arg = args.command.remove(0);
     let mut program = find_program(&program_arg)?;
     // A script: its interpreter is the program, as the kernel runs it.
@@ -305,6 +314,9 @@ pub fn run(mut args: Args) -> Result<()> {
     cmd.arg0(&program_arg).args(&args.command);
     if args.on {
         cmd.env("ALLOCTRAMP", "on");
+    }
+    if let Some(f) = &fail {
+        cmd.env("ALLOCTRAMP_FAIL", f);
     }
     if args.view.callers && std::env::var_os("ALLOCTRAMP_CALLERS").is_none() {
         cmd.env("ALLOCTRAMP_CALLERS", "on");

@@ -314,7 +314,7 @@ fn report_of_each_program_matches_its_markers_in_text_json_and_csv() {
             csv.lines().next(),
             Some(
                 "module,build_id,address,function,file,line,entry,kind,form,calls,bytes,failed,live_calls,live_bytes,\
-                 freed_objects,freed_bytes,untracked_frees"
+                 freed_objects,freed_bytes,untracked_frees,injected"
             )
         );
         let recs = parse_csv(&csv);
@@ -328,6 +328,7 @@ fn report_of_each_program_matches_its_markers_in_text_json_and_csv() {
                 failed: r["failed"].parse().unwrap(),
             };
             assert_eq!(r["live_bytes"].is_empty(), !live);
+            assert_eq!(r["injected"], "0", "no call failed by injection");
             got.insert(k, e);
         }
         assert_eq!(got, exp, "{name}: CSV figures differ from the markers");

@@ -9,6 +9,7 @@ mod callers;
 mod charge;
 mod debuginfod;
 mod export;
+mod fault;
 mod live;
 mod malformed;
 mod patch;

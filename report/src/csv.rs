@@ -7,8 +7,17 @@ use crate::model::{GroupBy, Row};
 use std::io::{self, Write};
 
 /// The figures' columns, after the key columns.
-const FIGURES: [&str; 8] =
-    ["calls", "bytes", "failed", "live_calls", "live_bytes", "freed_objects", "freed_bytes", "untracked_frees"];
+const FIGURES: [&str; 9] = [
+    "calls",
+    "bytes",
+    "failed",
+    "live_calls",
+    "live_bytes",
+    "freed_objects",
+    "freed_bytes",
+    "untracked_frees",
+    "injected",
+];
 
 /// The columns, per grouping (`diff`: with `in_old` and `in_new`).
 pub fn columns(g: GroupBy, diff: bool) -> Vec<&'static str> {
@@ -67,6 +76,7 @@ pub fn write(w: &mut dyn Write, rows: &[Row], group: GroupBy, diff: bool) -> io:
                 "freed_objects" => d.freed_objects.to_string(),
                 "freed_bytes" => d.freed_bytes.to_string(),
                 "untracked_frees" => d.untracked_frees.to_string(),
+                "injected" => d.injected.to_string(),
                 "free_calls" => int(d.free_calls),
                 _ => String::new(),
             };
@@ -105,9 +115,9 @@ mod tests {
         let rows = group(f.sites, GroupBy::Site);
         assert_eq!(
             csv(&rows, GroupBy::Site, false),
-            "module,build_id,address,function,file,line,entry,kind,form,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees\n\
-             prog,b1d,16,\"std::map<int, \"\"a\"\">::insert\",main.c,16,operator new,alloc,call rel32,10,160,0,0,0,10,160,0\n\
-             prog,b1d,32,main,,,malloc,alloc,call rel32,3,3000,0,,,1,1000,0\n"
+            "module,build_id,address,function,file,line,entry,kind,form,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees,injected\n\
+             prog,b1d,16,\"std::map<int, \"\"a\"\">::insert\",main.c,16,operator new,alloc,call rel32,10,160,0,0,0,10,160,0,0\n\
+             prog,b1d,32,main,,,malloc,alloc,call rel32,3,3000,0,,,1,1000,0,0\n"
         );
     }
 
@@ -116,25 +126,25 @@ mod tests {
         let rows = group(figures().sites, GroupBy::Function);
         assert_eq!(
             csv(&rows[..2], GroupBy::Function, false),
-            "module,function,sites,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees,free_calls\n\
-             prog,main,3,13,3160,0,2,2000,11,1160,0,11\n\
-             prog,work,1,5,500,0,0,0,5,500,0,0\n"
+            "module,function,sites,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees,injected,free_calls\n\
+             prog,main,3,13,3160,0,2,2000,11,1160,0,0,11\n\
+             prog,work,1,5,500,0,0,0,5,500,0,0,0\n"
         );
         let mut new = figures();
         new.sites.remove(0);
         let rows = diff(&figures(), &new, false).select(&Default::default()).unwrap();
         assert_eq!(
             csv(&rows, GroupBy::Site, true),
-            "module,build_id,address,function,file,line,entry,kind,form,in_old,in_new,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees\n\
-             prog,b1d,16,main,main.c,16,malloc,alloc,call rel32,true,false,-10,-160,0,0,0,-10,-160,0\n"
+            "module,build_id,address,function,file,line,entry,kind,form,in_old,in_new,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees,injected\n\
+             prog,b1d,16,main,main.c,16,malloc,alloc,call rel32,true,false,-10,-160,0,0,0,-10,-160,0,0\n"
         );
         let rows = diff(&figures(), &new, false)
             .select(&crate::Selection { group_by: GroupBy::Module, ..Default::default() })
             .unwrap();
         assert_eq!(
             csv(&rows, GroupBy::Module, true),
-            "module,sites,in_old,in_new,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees,free_calls\n\
-             prog,1,,,-10,-160,0,0,0,-10,-160,0,0\n"
+            "module,sites,in_old,in_new,calls,bytes,failed,live_calls,live_bytes,freed_objects,freed_bytes,untracked_frees,injected,free_calls\n\
+             prog,1,,,-10,-160,0,0,0,-10,-160,0,0,0\n"
         );
     }
 }

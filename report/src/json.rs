@@ -44,6 +44,13 @@ pub struct RowDoc<'a> {
     pub untracked_frees: i128,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub free_calls: Option<i128>,
+    /// Calls failed by fault injection; left out where there were none.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub injected: i128,
+}
+
+fn is_zero(v: &i128) -> bool {
+    *v == 0
 }
 
 impl<'a> RowDoc<'a> {
@@ -76,6 +83,7 @@ impl<'a> RowDoc<'a> {
             freed_bytes: f.freed_bytes,
             untracked_frees: f.untracked_frees,
             free_calls: (!site).then_some(f.free_calls),
+            injected: f.injected,
         }
     }
 }

@@ -55,6 +55,8 @@ pub struct Fig {
     /// Calls of free sites.
     pub free_calls: i128,
     pub untracked_frees: i128,
+    /// Calls failed by fault injection (the allocator was not called).
+    pub injected: i128,
 }
 
 fn add_opt(a: Option<i128>, b: Option<i128>) -> Option<i128> {
@@ -80,6 +82,7 @@ impl Fig {
         self.freed_bytes += o.freed_bytes;
         self.free_calls += o.free_calls;
         self.untracked_frees += o.untracked_frees;
+        self.injected += o.injected;
     }
     pub fn sub(&self, o: &Fig) -> Fig {
         Fig {
@@ -93,6 +96,7 @@ impl Fig {
             freed_bytes: self.freed_bytes - o.freed_bytes,
             free_calls: self.free_calls - o.free_calls,
             untracked_frees: self.untracked_frees - o.untracked_frees,
+            injected: self.injected - o.injected,
         }
     }
     /// The allocinfo size column: live bytes, else the bytes requested.

@@ -108,6 +108,7 @@ pub fn figures<'a>(pf: &ProcessFile<'a>) -> Result<Figures<'a>, ProcessFileError
                     freed_bytes: signed(c.freed_bytes),
                     free_calls: 0,
                     untracked_frees: signed(c.untracked_frees),
+                    injected: signed(c.injected),
                 }
             } else {
                 Fig { free_calls: signed(c.calls), untracked_frees: signed(c.untracked_frees), ..Fig::zero(live) }
@@ -335,7 +336,8 @@ pub(crate) mod tests {
                 freed_objects: 1,
                 freed_bytes: 16,
                 free_calls: 0,
-                untracked_frees: 0
+                untracked_frees: 0,
+                injected: 0
             }
         );
         assert_eq!(f.sites[1].0.location(), "0x1010", "no line: the address");

@@ -63,9 +63,12 @@ pub fn write(w: &mut dyn Write, rows: &[Row], opts: &Options) -> io::Result<()> 
     };
     writeln!(w, "allocinfo - version: {}", if opts.version2 { "2.0" } else { "1.0" })?;
     writeln!(w, "{}", header(opts))?;
-    let pairs = if opts.version2 && opts.inaccurate { " accurate:no" } else { "" };
+    let accurate = if opts.version2 && opts.inaccurate { " accurate:no" } else { "" };
     for r in rows {
         let f = &r.fig;
+        // Calls failed by fault injection, where there were any.
+        let injected = if f.injected != 0 { format!(" injected:{}", num(f.injected, false)) } else { String::new() };
+        let pairs = format!("{injected}{accurate}");
         if opts.all_columns {
             let kind = if r.sites == 1 { r.site.kind.as_str().to_string() } else { format!("{}sites", r.sites) };
             let entry = if r.sites == 1 { format!(" entry:{}", r.site.entry) } else { String::new() };

@@ -57,11 +57,15 @@ unsafe fn read<T: pod::Pod>(addr: u64) -> T {
 /// and `table` the control block and site table of the module whose
 /// trampoline the thread came from (mapped: its code is running), and
 /// `frame.index` a site index of that table.
-pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBlock, rbp: u64, table: *const u8) {
+pub unsafe extern "C" fn capture(frame: *mut Frame, control: *const ControlBlock, rbp: u64, table: *const u8) {
     // SAFETY: the stub's frame (caller).
     let f = unsafe { &mut *frame };
     let index = f.index;
     let t = table as u64;
+    // SAFETY: forwarded from the caller.
+    if crate::fault::any() && unsafe { inject(f, control, t, index) } {
+        return;
+    }
     // Only the fields needed are read. SAFETY: the header's fields and
     // those of site `index` lie within the module's site table (checked at
     // registration; caller).
@@ -87,6 +91,67 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, _control: *const ControlBloc
     f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
     // SAFETY: forwarded.
     unsafe { record_chain::<false>(f, rbp, site, t, index) }
+}
+
+/// Fails the call if a fault spec says so: the frame then holds what the
+/// call returns and where it goes instead of the trampoline (the site's
+/// return address, or for a tail call a `ret`), and the call counts as
+/// injected. A throwing `operator new` instead calls its target with a
+/// size it must refuse, so that the C++ runtime throws `std::bad_alloc`
+/// from the call.
+///
+/// # Safety
+/// As for [`capture`].
+#[cold]
+#[inline(never)]
+unsafe fn inject(f: &mut Frame, control: *const ControlBlock, t: u64, index: u64) -> bool {
+    use alloctramp_trampolines::entry::Returns;
+    let Some(table) = registry::table_at(t) else { return false };
+    let Some(site) = table.get_site(index as usize) else { return false };
+    if !crate::fault::decide(&table, &site) {
+        return false;
+    }
+    let Some(form) = layout::SiteForm::from_code(site.form) else { return false };
+    let entry = table.entry(usize::from(site.entry));
+    let name = entry.and_then(|e| table.string(e.name)).unwrap_or_default();
+    let result = entry
+        .and_then(|e| layout::decode_sig(alloctramp_trampolines::entry::Kind::Alloc, e.sig))
+        .map_or(Returns::Ret, |s| s.result);
+    let bias = t.wrapping_sub(table.header.table_addr);
+    let at = bias.wrapping_add(site.addr);
+    let next = at.wrapping_add(u64::from(site.len));
+    if name.starts_with("operator new") && !name.contains("nothrow") {
+        // The operand is the instruction's last four bytes: a rel32 from
+        // the next instruction, or the displacement of its GOT slot.
+        let operand = site.original.get(usize::from(site.len).wrapping_sub(4)..usize::from(site.len));
+        let Some(d) = operand.and_then(|d| <[u8; 4]>::try_from(d).ok()) else { return false };
+        let d = i32::from_le_bytes(d) as i64 as u64;
+        let target = if form.through_got() {
+            // SAFETY: the GOT slot the site's instruction reads, in the
+            // module's mapped data (the dynamic linker filled it).
+            unsafe { std::ptr::read_volatile(next.wrapping_add(d) as *const u64) }
+        } else {
+            next.wrapping_add(d)
+        };
+        f.rdi = u64::MAX;
+        if form.is_tail() {
+            f.index = target;
+        } else {
+            (f.r10, f.r11, f.index) = (target, next, crate::fault::call_thunk());
+        }
+    } else {
+        if let Returns::OutArg(_) = result {
+            f.rax = libc::ENOMEM as u64;
+        } else {
+            f.rax = 0;
+            // SAFETY: the calling thread's errno.
+            unsafe { *libc::__errno_location() = libc::ENOMEM };
+        }
+        f.index = if form.is_tail() { crate::fault::return_thunk() } else { next };
+    }
+    // SAFETY: the module's control block (caller), `index` its site.
+    unsafe { crate::live::count_injected(index, control as *const u8) };
+    true
 }
 
 /// [`capture`] for a hook, a site under a hook or one inside a charged

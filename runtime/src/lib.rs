@@ -25,6 +25,7 @@
 
 mod callers;
 mod control;
+mod fault;
 mod foreign;
 mod live;
 mod patching;
@@ -228,6 +229,7 @@ extern "C" fn after_fork_in_child() {
     registry::reopen_after_fork(|| open_process_file(dir, mode));
     callers::after_fork_in_child();
     state::publish_state();
+    fault::publish();
     if mode == Switch::Thread && procfile::header().is_some() {
         start_watcher();
     }
@@ -335,9 +337,12 @@ fn init() {
     let f = open_process_file(&dir, mode);
     let have_file = f.is_some();
     PROC.with(|p| *p = f);
+    // Fault injection acts on sites that are on: specs at start switch
+    // profiling on.
+    let fail = have_file && std::env::var("ALLOCTRAMP_FAIL").is_ok_and(|v| fault::set_from_env(v.as_bytes()));
     // Without its file the process is not profiled: figures nobody can
     // read would cost the program what profiling costs.
-    let on = on && have_file;
+    let on = (on || fail) && have_file;
     if on {
         state::WANT.store(state::Sites::On as u8, Ordering::Release);
     }
@@ -375,6 +380,9 @@ fn init() {
     // child.
     unsafe { libc::pthread_atfork(None, Some(after_fork_in_parent), Some(after_fork_in_child)) };
     scan_loaded_modules(false);
+    if fault::any() {
+        registry::publish_fail_sites();
+    }
     if mode == Switch::Thread && have_file {
         start_watcher();
     }
@@ -564,7 +572,7 @@ const LAYERS: &[&[&str]] = &[
     &["sys", "tls"],
     &["shards"],
     &["procfile"],
-    &["state"],
+    &["state", "fault"],
     &["patching", "live", "foreign"],
     &["unwinding"],
     &["registry"],

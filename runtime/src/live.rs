@@ -936,6 +936,16 @@ pub unsafe fn count_unwound(index: u64, control: *const u8, size: Option<u64>) {
     }
 }
 
+/// A call failed by fault injection, in site `index`'s cell of the module
+/// whose control block is `control` (in the calling thread's shard).
+///
+/// # Safety
+/// As for [`cell_of`].
+pub unsafe fn count_injected(index: u64, control: *const u8) {
+    // SAFETY: forwarded from the caller.
+    add(unsafe { cell_of(index, control) }, cell::INJECTED, 1);
+}
+
 /// Counts an object as freed on the site that allocated it.
 #[inline(always)]
 fn charge_free(cell: u64, size: u64) {

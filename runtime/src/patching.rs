@@ -91,13 +91,19 @@ fn fault_handler_waits(table: &Table) -> bool {
 }
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
-/// (the callers entry while call chains are recorded, counting and
+/// (the callers entry while call chains are recorded or a fault spec names
+/// the site, counting and
 /// tracking, counting only when live tracking is off, or the drain entry of
 /// a free site while draining), or the original bytes.
 fn wanted(table: &Table, bias: u64, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
     let free = || table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
     let entry = match sites {
-        Sites::On if site.callers != 0 && records_chains(bias.wrapping_add(site.addr)) => Some(site.callers),
+        Sites::On
+            if site.callers != 0
+                && (records_chains(bias.wrapping_add(site.addr)) || crate::fault::routes(table, site)) =>
+        {
+            Some(site.callers)
+        }
         Sites::On if LIVE.load(Ordering::Relaxed) => Some(0),
         Sites::On => Some(site.count),
         Sites::Frees if free() && site.drain != 0 => Some(site.drain),

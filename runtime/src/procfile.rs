@@ -204,6 +204,7 @@ impl ProcFile {
         let mut path = path_in(dir, name.bytes());
         let fd = Fd(create_file(tmp.c_str())?);
         UNWIND_PATH.set(path_in(dir, pid_name(pid, ".unwind").bytes()).bytes());
+        FAIL_PATH.set(path_in(dir, pid_name(pid, ".fail").bytes()).bytes());
         let Some((dev, ino)) = identity(fd.0) else { return Err("cannot create the counters file") };
         if let Err(e) = reserve(fd.0, 0, PROC_HEADER_SIZE) {
             // SAFETY: tmp is NUL-terminated.
@@ -656,6 +657,14 @@ static UNWIND_PATH: sys::PathCell = sys::PathCell::new();
 
 pub fn unwind_path() -> Path {
     UNWIND_PATH.get()
+}
+
+/// The process's fail file (`PID.fail`: fault injection specs that
+/// `alloctramp fail` writes), next to its counters file.
+static FAIL_PATH: sys::PathCell = sys::PathCell::new();
+
+pub fn fail_path() -> Path {
+    FAIL_PATH.get()
 }
 
 /// The process file's header, once created: readable from signal handlers.

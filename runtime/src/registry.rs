@@ -704,6 +704,32 @@ pub fn file_index_of(slot: u64, table: usize) -> Option<u32> {
     (s.is_active() && s.table.load(Ordering::Relaxed) == table && i != u32::MAX).then_some(i)
 }
 
+/// The site table of the registered module whose table is at `t`.
+pub fn table_at<'a>(t: u64) -> Option<Table<'a>> {
+    // SAFETY: an active slot's module is mapped; the caller runs code of
+    // the module whose table it names, so it stays mapped meanwhile.
+    slots().find(|s| s.is_active() && s.table.load(Ordering::Relaxed) as u64 == t).and_then(|s| unsafe { s.table() })
+}
+
+/// Counts the sites fault specs route through the runtime, into the
+/// process file's header.
+pub fn publish_fail_sites() {
+    let mut n = 0u64;
+    for slot in slots() {
+        if !slot.try_hold() {
+            continue;
+        }
+        // SAFETY: the slot is held.
+        if let Some(t) = unsafe { slot.table() } {
+            n += t.sites().filter(|s| crate::fault::routes(&t, s)).count() as u64;
+        }
+        slot.release();
+    }
+    if let Some(h) = crate::procfile::header() {
+        h.fail_sites.store(n.min(u64::from(u32::MAX)) as u32, Ordering::Release);
+    }
+}
+
 /// Rewrites every module's sites to the entries they should hold now
 /// (after callers capture was switched): sites already right stay.
 pub fn refresh_all() -> Result<(), &'static str> {

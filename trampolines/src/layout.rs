@@ -112,6 +112,7 @@ pub mod cell {
     pub const FREED_BYTES: u32 = offset_of!(Cell, freed_bytes) as u32;
     pub const UNTRACKED_FREES: u32 = offset_of!(Cell, untracked_frees) as u32;
     pub const FAILED_BYTES: u32 = offset_of!(Cell, failed_bytes) as u32;
+    pub const INJECTED: u32 = offset_of!(Cell, injected) as u32;
 }
 
 /// A thread's shard word, which selects the counter shard its trampolines
@@ -664,7 +665,9 @@ pub struct Cell {
     pub freed_bytes: u64,
     /// Frees through this site of memory the runtime did not track.
     pub untracked_frees: u64,
-    pub reserved: u64,
+    /// Calls failed by fault injection (`alloctramp fail`): the allocator
+    /// was not called, so they are in none of the other figures.
+    pub injected: u64,
     /// Requested bytes of the failed calls, counted while live tracking is
     /// on (live bytes are bytes - failed_bytes - freed_bytes).
     pub failed_bytes: u64,
@@ -679,6 +682,7 @@ impl Cell {
         self.freed_objects = self.freed_objects.wrapping_add(o.freed_objects);
         self.freed_bytes = self.freed_bytes.wrapping_add(o.freed_bytes);
         self.untracked_frees = self.untracked_frees.wrapping_add(o.untracked_frees);
+        self.injected = self.injected.wrapping_add(o.injected);
         self.failed_bytes = self.failed_bytes.wrapping_add(o.failed_bytes);
     }
     /// Objects allocated here and not freed yet (live tracking; an
@@ -929,7 +933,7 @@ pub const CELL_FIELDS: &[(&str, usize, &str)] = &[
     ("freed_objects", offset_of!(Cell, freed_objects), "u64"),
     ("freed_bytes", offset_of!(Cell, freed_bytes), "u64"),
     ("untracked_frees", offset_of!(Cell, untracked_frees), "u64"),
-    ("reserved", offset_of!(Cell, reserved), "u64"),
+    ("injected", offset_of!(Cell, injected), "u64"),
     ("failed_bytes", offset_of!(Cell, failed_bytes), "u64"),
 ];
 pub const NO_STRING: u32 = u32::MAX;

@@ -3,6 +3,7 @@
 //! * [`entry`]: allocator entry points and their calling signatures.
 //! * [`addr`]: typed addresses (file offsets, virtual addresses in a file).
 //! * [`layout`]: the site table, module control block and counters.
+//! * [`fault`]: fault injection specs (which calls of which sites fail).
 //! * [`process`]: the per-process counters file the runtime shares.
 //! * [`pod`]: plain-data views, the one place bytes become structs.
 //! * `codegen` (feature `codegen`): the trampolines and stubs.
@@ -13,6 +14,7 @@ pub mod addr;
 #[cfg(feature = "codegen")]
 pub mod codegen;
 pub mod entry;
+pub mod fault;
 #[cfg(feature = "codegen")]
 pub mod frames;
 pub mod layout;

@@ -171,7 +171,11 @@ pub struct ProcHeader {
     pub callers_unloaded: AtomicU64,
     /// The sites of those modules.
     pub pending_sites: AtomicU64,
-    pub reserved: [u8; 8],
+    /// Fault injection specs in effect (`alloctramp fail`).
+    pub fail_specs: AtomicU32,
+    /// Sites of the registered modules they name, routed through the
+    /// runtime: counted at start-up and at each change of specs.
+    pub fail_sites: AtomicU32,
     /// The modules, [`module_count`](Self::module_count) of them published.
     pub modules: [ModuleSlot; 248],
 }
@@ -238,6 +242,8 @@ pub const HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("pending_modules", offset_of!(ProcHeader, pending_modules), "u32"),
     ("callers_unloaded", offset_of!(ProcHeader, callers_unloaded), "u64"),
     ("pending_sites", offset_of!(ProcHeader, pending_sites), "u64"),
+    ("fail_specs", offset_of!(ProcHeader, fail_specs), "u32"),
+    ("fail_sites", offset_of!(ProcHeader, fail_sites), "u32"),
     ("modules", offset_of!(ProcHeader, modules), "[slot; 248]"),
 ];
 
@@ -408,6 +414,9 @@ pub enum Request {
     Callers = 5,
     /// Stop recording call chains.
     NoCallers = 6,
+    /// Replace the fault injection specs with the fail file's
+    /// (`PID.fail` beside the process file; missing or empty: none).
+    Fail = 7,
 }
 
 impl Request {
@@ -419,6 +428,7 @@ impl Request {
             4 => Some(Request::Reset),
             5 => Some(Request::Callers),
             6 => Some(Request::NoCallers),
+            7 => Some(Request::Fail),
             _ => None,
         }
     }
@@ -432,6 +442,7 @@ impl Request {
             Request::Reset => "reset",
             Request::Callers => "callers",
             Request::NoCallers => "no callers",
+            Request::Fail => "fail",
         }
     }
 
@@ -813,6 +824,14 @@ pub fn counters_file_name(pid: u32) -> String {
 /// process has loaded without rows (see [`UnwindFileHeader`]).
 pub fn unwind_file_name(pid: u32) -> String {
     format!("{pid}.unwind")
+}
+
+/// The fail file `alloctramp fail` writes next to a process's counters
+/// file: fault injection specs (`SPEC;SPEC...`, text, at most
+/// [`crate::fault::MAX_TEXT`] bytes), which a [`Request::Fail`] puts in
+/// effect.
+pub fn fail_file_name(pid: u32) -> String {
+    format!("{pid}.fail")
 }
 /// The optional control file a person may write for a process that
 /// switches on a signal (`ALLOCTRAMP_SWITCH=signal`); the runtime never
