@@ -106,11 +106,11 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, control: *const ControlBlock
 #[inline(never)]
 unsafe fn inject(f: &mut Frame, control: *const ControlBlock, t: u64, index: u64) -> bool {
     use alloctramp_trampolines::entry::Returns;
-    let Some(table) = registry::table_at(t) else { return false };
-    let Some(site) = table.get_site(index as usize) else { return false };
-    if !crate::fault::decide(&table, &site) {
+    if !crate::fault::decide(t, index, || registry::table_at(t)) {
         return false;
     }
+    let Some(table) = registry::table_at(t) else { return false };
+    let Some(site) = table.get_site(index as usize) else { return false };
     let Some(form) = layout::SiteForm::from_code(site.form) else { return false };
     let entry = table.entry(usize::from(site.entry));
     let name = entry.and_then(|e| table.string(e.name)).unwrap_or_default();

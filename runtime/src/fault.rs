@@ -18,7 +18,7 @@ use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::fault::{self, MAX_SPECS, Spec, SpecError};
 use alloctramp_trampolines::layout::{Site, Table, site_flags};
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
 
 struct Bank {
     specs: UnsafeCell<[Spec; MAX_SPECS]>,
@@ -27,6 +27,56 @@ struct Bank {
     /// Calls each spec has seen, and the failures it injected.
     calls: [AtomicU64; MAX_SPECS],
     failures: [AtomicU64; MAX_SPECS],
+    /// Which specs name the sites called lately.
+    memo: [Memo; MEMO],
+}
+
+/// Memo entries per bank (direct-mapped by table and site).
+const MEMO: usize = 256;
+
+/// A site (its table's address and index) and the specs that name it (bit
+/// `i`: spec `i`), so that a call of a named site matches file names and
+/// functions once, not at every call. Written under a sequence count (odd
+/// while written; a writer that finds it odd skips), so a reader never
+/// takes one site's answer for another's.
+struct Memo {
+    seq: AtomicU32,
+    mask: AtomicU32,
+    table: AtomicU64,
+    index: AtomicU64,
+}
+
+impl Memo {
+    const fn new() -> Memo {
+        Memo { seq: AtomicU32::new(0), mask: AtomicU32::new(0), table: AtomicU64::new(0), index: AtomicU64::new(0) }
+    }
+
+    fn get(&self, table: u64, index: u64) -> Option<u32> {
+        let s = self.seq.load(Ordering::Acquire);
+        if s & 1 != 0 {
+            return None;
+        }
+        let (t, i, m) =
+            (self.table.load(Ordering::Relaxed), self.index.load(Ordering::Relaxed), self.mask.load(Ordering::Relaxed));
+        fence(Ordering::Acquire);
+        (self.seq.load(Ordering::Relaxed) == s && t == table && i == index).then_some(m)
+    }
+
+    fn put(&self, table: u64, index: u64, mask: u32) {
+        let s = self.seq.load(Ordering::Relaxed);
+        if s & 1 != 0 || self.seq.compare_exchange(s, s.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed).is_err() {
+            return;
+        }
+        fence(Ordering::Release);
+        self.table.store(table, Ordering::Relaxed);
+        self.index.store(index, Ordering::Relaxed);
+        self.mask.store(mask, Ordering::Relaxed);
+        self.seq.store(s.wrapping_add(2), Ordering::Release);
+    }
+}
+
+fn memo_slot(table: u64, index: u64) -> usize {
+    (table.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40 ^ index).wrapping_mul(0x2545_f491) as usize % MEMO
 }
 
 // SAFETY: `specs` is written only by the one writer (WRITING), while no
@@ -42,6 +92,7 @@ impl Bank {
             readers: AtomicU32::new(0),
             calls: [const { AtomicU64::new(0) }; MAX_SPECS],
             failures: [const { AtomicU64::new(0) }; MAX_SPECS],
+            memo: [const { Memo::new() }; MEMO],
         }
     }
 }
@@ -123,6 +174,9 @@ pub fn set(text: &[u8]) -> Result<usize, (usize, SpecError)> {
         c.store(0, Ordering::Relaxed);
         f.store(0, Ordering::Relaxed);
     }
+    for m in &bank.memo {
+        m.put(0, 0, 0);
+    }
     bank.n.store(n, Ordering::Release);
     ACTIVE.store(next, Ordering::SeqCst);
     COUNT.store(n, Ordering::Release);
@@ -174,18 +228,32 @@ fn failable(table: &Table, site: &Site) -> bool {
         && table.entry(usize::from(site.entry)).is_some_and(|e| e.kind != Kind::Free.code())
 }
 
-/// Counts a call of `site` for every spec that names it, and says whether
-/// the call fails. On the path of every call of a named site.
-pub fn decide(table: &Table, site: &Site) -> bool {
-    if !failable(table, site) {
-        return false;
-    }
+/// Counts a call of site `index` of the module whose table is at `t` for
+/// every spec that names it, and says whether the call fails. On the path
+/// of every call of a named site (and of every captured call while specs
+/// are in effect): the specs that name a site are matched once, then
+/// remembered (`table` gives the module's table for that).
+pub fn decide<'a>(t: u64, index: u64, table: impl FnOnce() -> Option<Table<'a>>) -> bool {
     let r = Reading::new();
-    let mut fail = false;
-    for (i, s) in r.specs().iter().enumerate() {
-        if !s.names(table, site) {
-            continue;
+    let memo = r.0.memo.get(memo_slot(t, index));
+    let mask = match memo.and_then(|m| m.get(t, index)) {
+        Some(m) => m,
+        None => {
+            let named = |table: &Table, site: Site| {
+                if !failable(table, &site) {
+                    return 0;
+                }
+                r.specs().iter().enumerate().filter(|(_, s)| s.names(table, &site)).fold(0, |m, (i, _)| m | 1 << i)
+            };
+            let m = table().and_then(|t| Some(named(&t, t.get_site(index as usize)?))).unwrap_or(0);
+            if let Some(memo) = memo {
+                memo.put(t, index, m);
+            }
+            m
         }
+    };
+    let mut fail = false;
+    for (i, s) in r.specs().iter().enumerate().filter(|(i, _)| mask & 1 << i != 0) {
         let (Some(calls), Some(failures)) = (r.0.calls.get(i), r.0.failures.get(i)) else { continue };
         let n = calls.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
         if s.fails(n) && (s.how.times == 0 || failures.fetch_add(1, Ordering::Relaxed) < s.how.times) {
@@ -193,6 +261,16 @@ pub fn decide(table: &Table, site: &Site) -> bool {
         }
     }
     fail
+}
+
+/// A module's table at `t` is going away (the module is unloaded): what
+/// the memos say of its sites could be taken for another module's later.
+pub fn forget_table(t: u64) {
+    for b in &BANKS {
+        for m in b.memo.iter().filter(|m| m.table.load(Ordering::Relaxed) == t) {
+            m.put(0, 0, 0);
+        }
+    }
 }
 
 /// Reads the fail file (`alloctramp fail`) and puts its specs in effect:

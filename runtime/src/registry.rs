@@ -1044,6 +1044,7 @@ pub fn unregister(table: *const u8) {
                 std::hint::spin_loop();
             }
             slot.state.store(DEAD, Ordering::Release);
+            crate::fault::forget_table(table as u64);
             foreign::close(i);
             forget_rows();
             let idx = slot.file_index.load(Ordering::Relaxed);
