@@ -7,7 +7,6 @@ use crate::run::{Cached, Role, cache_dir, cached_patch, find_program};
 use crate::util::{Snapshot, create_private_dir};
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::fault::{self, MAX_SPECS, Spec};
-use alloctramp_trampolines::layout::site_flags;
 use alloctramp_trampolines::process::{self, ProcessFile, Request};
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
@@ -266,8 +265,8 @@ impl Sweep<'_> {
 }
 
 /// The allocation sites of a counters file with their calls and injected
-/// failures (sites a fault spec can fail: not frees, not calls of wrappers
-/// charged to their callers).
+/// failures: the sites a fault spec can fail (not frees), wrappers' calls
+/// included (a hook's cell counts what its call allocated).
 fn read_sites(path: &Path) -> Result<Vec<(Reached, u64)>> {
     let m = Snapshot::read(path)?;
     let pf = ProcessFile::parse(&m.bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
@@ -275,7 +274,7 @@ fn read_sites(path: &Path) -> Result<Vec<(Reached, u64)>> {
     for md in pf.modules().map_err(|e| anyhow!("{}: {e}", path.display()))? {
         let t = &md.table;
         for (i, s) in t.sites().enumerate() {
-            if s.trampoline == 0 || s.callers == 0 || s.flags & site_flags::HOOK != 0 {
+            if s.trampoline == 0 || s.callers == 0 {
                 continue;
             }
             if t.entry_kind(s.entry) == Some(Kind::Free) {

@@ -256,3 +256,100 @@ fn fail_switches_a_running_process_s_calls_to_fail_and_back() {
     drop(p.child.stdin.take());
     assert_eq!(p.finish().1, Some(0));
 }
+
+#[test]
+fn a_wrapper_s_call_fails_as_its_own_allocation_failing_makes_it() {
+    let f = fixture("fault-wrapped");
+    let prog = build_source("fault/wrapped.c", &f.dir);
+    let [w1, w2, x, h1, h2] = ["W1", "W2", "X", "H1", "H2"].map(|n| line_of("wrapped.c", n));
+    let text_of = |file: &str, what: &str| {
+        let t = std::fs::read_to_string(testbins_dir().join("fault").join(file)).unwrap();
+        t.lines().position(|l| l.contains(what)).unwrap() as u32 + 1
+    };
+    let inner = text_of("wrapped.c", "void *p = malloc(n);");
+    let plain = std::process::Command::new(&prog).output().unwrap();
+    assert_eq!(text(&plain.stdout), "W1: ok\nW2: ok\nP: ok\nX: 3\nH1: ok\nH2: ok\n");
+
+    // Patched alone, xmalloc's malloc is a site that counts only outside a
+    // counted call of xmalloc (the call through a pointer): the call at
+    // W2 raises the wrapper depth, and the malloc inside it fails, so that
+    // xmalloc dies with its own message and W2's size.
+    let patched = f.dir.join("wrapped.patched");
+    patch_to(&prog, &patched, &[]);
+    let launch = |spec: &str| {
+        let child = std::process::Command::new(&patched)
+            .env_remove("ALLOCTRAMP")
+            .env("ALLOCTRAMP_DIR", &f.counters)
+            .env("ALLOCTRAMP_FAIL", spec)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id().to_string();
+        let o = child.wait_with_output().unwrap();
+        (o, by_line(&report(&pid, &f.counters), "fault/wrapped.c"))
+    };
+    let (o, got) = launch(&format!("wrapped.c:{w2}:nth=1"));
+    assert_eq!(o.status.code(), Some(128), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stdout), "W1: ok\n");
+    assert_eq!(text(&o.stderr), "fatal: out of memory allocating 200 bytes\n");
+    // The call at W2 was counted (xmalloc never returned from it); the
+    // failure is W2's.
+    assert_eq!(got[&w2], (1, 200, 0, 1));
+    assert_eq!(got[&w1], (1, 100, 0, 0));
+
+    // The second call of new_node (a hook: its callers take what it
+    // allocates) gets NULL from the calloc inside, which it handles.
+    let (o, got) = launch(&format!("wrapped.c:{h2}:nth=1"));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stdout), "W1: ok\nW2: ok\nP: ok\nX: 3\nH1: ok\nH2: NULL, handled\n");
+    assert_eq!(text(&o.stderr), "new_node: no memory\n");
+    assert_eq!((got[&h1], got[&h2]), ((1, 56, 0, 0), (0, 0, 0, 1)));
+
+    // xcalloc's calloc is no site (its callers count): the call at X is
+    // made past its trampoline with a size no allocator grants, and
+    // xcalloc dies as it would.
+    let (o, got) = launch(&format!("wrapped.c:{x}:nth=1"));
+    assert_eq!(o.status.code(), Some(128), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stderr), "fatal: out of memory allocating 1 x 9223372036854775808 bytes\n");
+    assert_eq!(got[&x], (0, 0, 0, 1));
+
+    // `run` (every module patched) fails the wrapper's call the same way.
+    let o = f.run(&["--fail", &format!("wrapped.c:{w1}:nth=1")], &prog, &[]);
+    assert_eq!(o.status.code(), Some(128), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("fatal: out of memory allocating 100 bytes"), "{}", text(&o.stderr));
+    assert_eq!(by_line(&f.report(), "fault/wrapped.c")[&w1], (1, 100, 0, 1));
+
+    // The sweep (the program patched alone) fails each wrapper call's
+    // allocation and the malloc inside xmalloc (reached through the
+    // pointer): the wrappers die four times, new_node's callers cope.
+    let o = alloctramp()
+        .args(["faultsweep", "--format", "json", "--cache"])
+        .arg(&f.cache)
+        .arg("-o")
+        .arg(f.dir.join("sweep"))
+        .arg("--")
+        .arg(&prog)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows: Vec<(u64, &str)> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["line"].as_u64().unwrap(), r["outcome"].as_str().unwrap()))
+        .collect();
+    let e128 = "exit 128";
+    assert_eq!(
+        rows,
+        [
+            (inner.into(), e128),
+            (w1.into(), e128),
+            (w2.into(), e128),
+            (x.into(), e128),
+            (h1.into(), "exit 0"),
+            (h2.into(), "exit 0")
+        ]
+    );
+}

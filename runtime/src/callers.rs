@@ -100,27 +100,122 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, control: *const ControlBlock
 /// size it must refuse, so that the C++ runtime throws `std::bad_alloc`
 /// from the call.
 ///
+/// The call of an allocation wrapper (a hook, or a wrapper whose own sites
+/// check the depth) is not failed itself: the first allocation the wrapper
+/// makes during the call is, so that the wrapper's own handling of a
+/// failure runs (git's `xmalloc` dies with its message, redis' `zmalloc`
+/// calls its out-of-memory handler). The thread's `FAIL_*` words say
+/// which call that is: for a hook, its charge names the call exactly;
+/// otherwise the first allocation inside a wrapper, below the site's stack
+/// pointer, while the wrapper depth is at least the call's.
+///
 /// # Safety
 /// As for [`capture`].
 #[cold]
 #[inline(never)]
 unsafe fn inject(f: &mut Frame, control: *const ControlBlock, t: u64, index: u64) -> bool {
-    use alloctramp_trampolines::entry::Returns;
+    use crate::tls;
+    let sp = f as *const Frame as u64 + size_of::<Frame>() as u64;
+    // SAFETY: the site's record lies within its table (caller).
+    let flags = unsafe {
+        let sites = u64::from(read::<u32>(t + offset_of!(Header, sites_offset) as u64));
+        read::<u8>(
+            t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64)) + offset_of!(Site, flags) as u64,
+        )
+    };
+    let fail_sp = tls::get(tls::FAIL_SP);
+    if fail_sp != 0 && flags & (site_flags::UNDER_HOOK | site_flags::DEPTH_CHECK) != 0 {
+        let depth = tls::get(tls::FAIL_DEPTH);
+        let inside = match depth {
+            0 => {
+                tls::in_hook_call(sp)
+                    && tls::get(tls::CHARGE_SP) == fail_sp
+                    && tls::get(tls::CHARGE) == tls::get(tls::FAIL_CELL)
+            }
+            d => sp < fail_sp && tls::get(tls::DEPTH) >= d,
+        };
+        if inside {
+            tls::set(tls::FAIL_SP, 0);
+            // SAFETY: forwarded from the caller.
+            return unsafe { fail(f, t, index, tls::get(tls::FAIL_CELL)) };
+        }
+        if sp >= fail_sp {
+            tls::set(tls::FAIL_SP, 0);
+        }
+    }
+    let wrapper = flags & (site_flags::HOOK | site_flags::DEPTH_BUMP) != 0;
     if !crate::fault::decide(t, index, || registry::table_at(t)) {
+        if wrapper && tls::get(tls::FAIL_SP) == sp {
+            tls::set(tls::FAIL_SP, 0);
+        }
         return false;
     }
+    // SAFETY: the module's control block (caller), `index` its site.
+    let cell = unsafe { crate::live::cell_address(index, control as *const u8) };
+    if wrapper {
+        let depth = if flags & site_flags::HOOK != 0 { 0 } else { tls::get(tls::DEPTH).wrapping_add(1) };
+        tls::set(tls::FAIL_DEPTH, depth);
+        tls::set(tls::FAIL_CELL, cell);
+        tls::set(tls::FAIL_SP, sp);
+        return false;
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { fail(f, t, index, cell) }
+}
+
+/// Fails the call of site `index` of the table at `t` (see [`inject`]),
+/// counting it in `cell`.
+///
+/// # Safety
+/// As for [`capture`].
+unsafe fn fail(f: &mut Frame, t: u64, index: u64, cell: u64) -> bool {
+    use alloctramp_trampolines::entry::{Returns, Size};
     let Some(table) = registry::table_at(t) else { return false };
     let Some(site) = table.get_site(index as usize) else { return false };
     let Some(form) = layout::SiteForm::from_code(site.form) else { return false };
     let entry = table.entry(usize::from(site.entry));
     let name = entry.and_then(|e| table.string(e.name)).unwrap_or_default();
-    let result = entry
-        .and_then(|e| layout::decode_sig(alloctramp_trampolines::entry::Kind::Alloc, e.sig))
-        .map_or(Returns::Ret, |s| s.result);
+    let sig = entry.and_then(|e| layout::decode_sig(alloctramp_trampolines::entry::Kind::Alloc, e.sig));
+    let wrapper = entry.is_some_and(|e| e.flags & layout::entry_flags::WRAPPER != 0);
     let bias = t.wrapping_sub(table.header.table_addr);
     let at = bias.wrapping_add(site.addr);
     let next = at.wrapping_add(u64::from(site.len));
-    if name.starts_with("operator new") && !name.contains("nothrow") {
+    // A wrapper must fail as its allocation failing makes it (it may die
+    // with its message, or return NULL): it is called with a size no
+    // allocator grants, 2^63 (no header a wrapper adds wraps it around). A
+    // throwing operator new is called with SIZE_MAX, and throws.
+    let refused = if wrapper {
+        let set = |f: &mut Frame, i: u8, v: u64| {
+            let r = match i {
+                0 => &mut f.rdi,
+                1 => &mut f.rsi,
+                2 => &mut f.rdx,
+                3 => &mut f.rcx,
+                4 => &mut f.r8,
+                5 => &mut f.r9,
+                _ => return false,
+            };
+            *r = v;
+            true
+        };
+        let ok = match sig.map(|s| s.size) {
+            Some(Size::Arg(i)) => set(f, i, 1 << 63),
+            Some(Size::Product(a, b)) => set(f, a, 1) && set(f, b, 1 << 63),
+            // A wrapper whose size no argument holds (strdup's) cannot be
+            // made to fail: the call goes on.
+            _ => false,
+        };
+        if !ok {
+            return false;
+        }
+        true
+    } else if name.starts_with("operator new") && !name.contains("nothrow") {
+        f.rdi = u64::MAX;
+        true
+    } else {
+        false
+    };
+    if refused {
         // The operand is the instruction's last four bytes: a rel32 from
         // the next instruction, or the displacement of its GOT slot.
         let operand = site.original.get(usize::from(site.len).wrapping_sub(4)..usize::from(site.len));
@@ -133,14 +228,16 @@ unsafe fn inject(f: &mut Frame, control: *const ControlBlock, t: u64, index: u64
         } else {
             next.wrapping_add(d)
         };
-        f.rdi = u64::MAX;
+        // Called as if from the site, past the trampoline (which would
+        // count the refused size): a wrapper calls an allocator, which
+        // may clobber r10 and r11, so its callers keep nothing there.
         if form.is_tail() {
             f.index = target;
         } else {
             (f.r10, f.r11, f.index) = (target, next, crate::fault::call_thunk());
         }
     } else {
-        if let Returns::OutArg(_) = result {
+        if let Some(Returns::OutArg(_)) = sig.map(|s| s.result) {
             f.rax = libc::ENOMEM as u64;
         } else {
             f.rax = 0;
@@ -149,8 +246,7 @@ unsafe fn inject(f: &mut Frame, control: *const ControlBlock, t: u64, index: u64
         }
         f.index = if form.is_tail() { crate::fault::return_thunk() } else { next };
     }
-    // SAFETY: the module's control block (caller), `index` its site.
-    unsafe { crate::live::count_injected(index, control as *const u8) };
+    crate::live::count_injected_at(cell);
     true
 }
 

@@ -167,9 +167,8 @@ pub fn apply(cmd: Command) {
         Command::Do(Request::NoCallers) => crate::callers::set_depth(0),
         Command::Do(Request::Fail) => {
             let set = crate::fault::set_from_file();
-            let switched = registry::refresh_all();
             registry::publish_fail_sites();
-            set.and(switched).map(|_| ())
+            set.and(registry::refresh_all()).map(|_| ())
         }
         Command::Do(Request::Reset) => {
             reset_counters();

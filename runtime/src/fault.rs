@@ -64,7 +64,8 @@ impl Memo {
 
     fn put(&self, table: u64, index: u64, mask: u32) {
         let s = self.seq.load(Ordering::Relaxed);
-        if s & 1 != 0 || self.seq.compare_exchange(s, s.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed).is_err() {
+        if s & 1 != 0 || self.seq.compare_exchange(s, s.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed).is_err()
+        {
             return;
         }
         fence(Ordering::Release);
@@ -215,17 +216,40 @@ pub fn log_error(source: &[u8], i: usize, e: &SpecError) {
 }
 
 /// Whether a spec names `site` and the site can be failed: an allocation
-/// or realloc site with a callers entry, not a call to a wrapper whose
-/// allocations its callers take (its failure is the allocation inside
-/// the wrapper, which a spec names by the wrapper's site).
-pub fn routes(table: &Table, site: &Site) -> bool {
+/// or realloc site with a callers entry, or a call of an allocation
+/// wrapper (a hook, or a wrapper whose own sites check the depth), whose
+/// failure is the first allocation the wrapper makes during the call.
+pub fn names(table: &Table, site: &Site) -> bool {
     any() && site.callers != 0 && failable(table, site) && Reading::new().specs().iter().any(|s| s.names(table, site))
 }
 
+/// Whether `site` jumps to its callers entry for fault injection: a site a
+/// spec names, or while a spec names a wrapper's call ([`WRAPPED`]), a
+/// site inside a wrapper (which may have to fail on that call's behalf).
+pub fn routes(table: &Table, site: &Site) -> bool {
+    let inside = site_flags::UNDER_HOOK | site_flags::DEPTH_CHECK;
+    if any() && site.callers != 0 && site.flags & inside != 0 && WRAPPED.load(Ordering::Relaxed) {
+        return failable(table, site);
+    }
+    names(table, site)
+}
+
+/// Whether a spec names a wrapper's call: set when the specs change (and
+/// at start-up) from the registered modules' sites, before they switch.
+static WRAPPED: AtomicBool = AtomicBool::new(false);
+
+/// Sets [`WRAPPED`]; says whether it changed.
+pub fn set_wrapped(v: bool) -> bool {
+    WRAPPED.swap(v, Ordering::Relaxed) != v
+}
+
+/// Whether `site` calls an allocation wrapper a spec names.
+pub fn names_wrapper(table: &Table, site: &Site) -> bool {
+    site.flags & (site_flags::HOOK | site_flags::DEPTH_BUMP) != 0 && names(table, site)
+}
+
 fn failable(table: &Table, site: &Site) -> bool {
-    site.trampoline != 0
-        && site.flags & site_flags::HOOK == 0
-        && table.entry(usize::from(site.entry)).is_some_and(|e| e.kind != Kind::Free.code())
+    site.trampoline != 0 && table.entry(usize::from(site.entry)).is_some_and(|e| e.kind != Kind::Free.code())
 }
 
 /// Counts a call of site `index` of the module whose table is at `t` for

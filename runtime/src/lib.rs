@@ -380,8 +380,11 @@ fn init() {
     // child.
     unsafe { libc::pthread_atfork(None, Some(after_fork_in_parent), Some(after_fork_in_child)) };
     scan_loaded_modules(false);
-    if fault::any() {
-        registry::publish_fail_sites();
+    if fault::any()
+        && registry::publish_fail_sites()
+        && let Err(e) = registry::refresh_all()
+    {
+        state::report_error(e);
     }
     if mode == Switch::Thread && have_file {
         start_watcher();

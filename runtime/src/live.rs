@@ -936,14 +936,20 @@ pub unsafe fn count_unwound(index: u64, control: *const u8, size: Option<u64>) {
     }
 }
 
-/// A call failed by fault injection, in site `index`'s cell of the module
-/// whose control block is `control` (in the calling thread's shard).
+/// Site `index`'s cell of the module whose control block is `control`, in
+/// the calling thread's shard (as the trampolines compute it).
 ///
 /// # Safety
 /// As for [`cell_of`].
-pub unsafe fn count_injected(index: u64, control: *const u8) {
+pub unsafe fn cell_address(index: u64, control: *const u8) -> u64 {
     // SAFETY: forwarded from the caller.
-    add(unsafe { cell_of(index, control) }, cell::INJECTED, 1);
+    unsafe { cell_of(index, control) }
+}
+
+/// A call failed by fault injection, counted in `cell`, which
+/// [`cell_address`] gave.
+pub fn count_injected_at(cell: u64) {
+    add(cell, cell::INJECTED, 1);
 }
 
 /// Counts an object as freed on the site that allocated it.

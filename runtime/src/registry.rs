@@ -711,23 +711,29 @@ pub fn table_at<'a>(t: u64) -> Option<Table<'a>> {
     slots().find(|s| s.is_active() && s.table.load(Ordering::Relaxed) as u64 == t).and_then(|s| unsafe { s.table() })
 }
 
-/// Counts the sites fault specs route through the runtime, into the
-/// process file's header.
-pub fn publish_fail_sites() {
-    let mut n = 0u64;
+/// Counts the sites fault specs name into the process file's header, and
+/// notes whether one is a wrapper's call (whose failure is an allocation
+/// inside the wrapper, so the sites inside wrappers must be routed too).
+/// Says whether that changed (the sites must then be switched again).
+pub fn publish_fail_sites() -> bool {
+    let (mut n, mut wrapped) = (0u64, false);
     for slot in slots() {
         if !slot.try_hold() {
             continue;
         }
         // SAFETY: the slot is held.
         if let Some(t) = unsafe { slot.table() } {
-            n += t.sites().filter(|s| crate::fault::routes(&t, s)).count() as u64;
+            for s in t.sites().filter(|s| crate::fault::names(&t, s)) {
+                n += 1;
+                wrapped |= crate::fault::names_wrapper(&t, &s);
+            }
         }
         slot.release();
     }
     if let Some(h) = crate::procfile::header() {
         h.fail_sites.store(n.min(u64::from(u32::MAX)) as u32, Ordering::Release);
     }
+    crate::fault::set_wrapped(wrapped)
 }
 
 /// Rewrites every module's sites to the entries they should hold now

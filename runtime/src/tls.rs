@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence ten words of
+//! `__tls_get_addr`, which a trampoline cannot call; hence thirteen words of
 //! `.tbss` declared here and read with `fs:`-relative moves. A library with
-//! static TLS loaded by `dlopen` takes its 80 bytes from the surplus glibc
+//! static TLS loaded by `dlopen` takes its 104 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,80",
+    ".size alloctramp_rt_tls,104",
     "alloctramp_rt_tls:",
-    ".zero 80",
+    ".zero 104",
     ".popsection",
 );
 
@@ -59,6 +59,15 @@ pub const SHARD: usize = 8;
 /// Word 9, right after it: the thread's shard's offset in the freed view
 /// (0 for shard 0).
 pub const FREED_SHARD: usize = 9;
+
+/// Words 10 to 12: a call of an allocation wrapper that fault injection
+/// fails (see `fault`): the stack pointer at its site (0: none), the
+/// wrapper depth inside its call (0: the call is a hook's, whose charge
+/// tells when it is under way), and the site's counter cell, which counts
+/// the failure. The first allocation inside the call fails.
+pub const FAIL_SP: usize = 10;
+pub const FAIL_DEPTH: usize = 11;
+pub const FAIL_CELL: usize = 12;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]

@@ -1388,7 +1388,8 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
     use crate::layout::site_flags;
     let flags = if spec.hook { site_flags::HOOK } else { 0 }
         | if spec.charge_check { site_flags::UNDER_HOOK } else { 0 }
-        | if spec.depth_check { site_flags::DEPTH_CHECK } else { 0 };
+        | if spec.depth_check { site_flags::DEPTH_CHECK } else { 0 }
+        | if spec.depth_bump { site_flags::DEPTH_BUMP } else { 0 };
     Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers, flags, undo: g.undo })
 }
 

@@ -378,6 +378,10 @@ pub mod site_flags {
     /// and counts only when the thread's wrapper depth is 0 (and records
     /// no call chain otherwise).
     pub const DEPTH_CHECK: u8 = 4;
+    /// The site calls such a wrapper: its trampoline raises the thread's
+    /// wrapper depth for the call (fault injection fails the wrapper's own
+    /// allocation then, not the call).
+    pub const DEPTH_BUMP: u8 = 8;
 }
 
 /// How a site's instruction reaches its entry point.
@@ -548,7 +552,17 @@ pub struct Entry {
     pub kind: u8,
     /// Encoded [`Signature`] (see [`encode_sig`]).
     pub sig: [u8; 6],
-    pub reserved: [u8; 5],
+    /// [`entry_flags`].
+    pub flags: u8,
+    pub reserved: [u8; 4],
+}
+
+/// Bits of [`Entry::flags`].
+pub mod entry_flags {
+    /// An allocation wrapper the patcher found, whose callers' sites count
+    /// what it allocates (not an allocator itself): fault injection fails
+    /// its allocation, not its call.
+    pub const WRAPPER: u8 = 1;
 }
 
 /// The module control block (`.alloctramp.data`): written by the dynamic
@@ -887,7 +901,8 @@ pub const ENTRY_FIELDS: &[(&str, usize, &str)] = &[
     ("name", offset_of!(Entry, name), "u32"),
     ("kind", offset_of!(Entry, kind), "u8"),
     ("sig", offset_of!(Entry, sig), "[u8; 6]"),
-    ("reserved", offset_of!(Entry, reserved), "[u8; 5]"),
+    ("flags", offset_of!(Entry, flags), "u8"),
+    ("reserved", offset_of!(Entry, reserved), "[u8; 4]"),
 ];
 pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("runtime", offset_of!(ControlBlock, runtime), "u64"),

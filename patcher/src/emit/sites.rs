@@ -64,10 +64,14 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
         .entries
         .iter()
         .zip(&s.entries)
-        .map(|(en, &name)| layout::Entry {
+        .enumerate()
+        .map(|(i, (en, &name))| layout::Entry {
             name,
             kind: en.sig.kind.code(),
             sig: layout::encode_sig(&en.sig),
+            // Entries past the defaults and the user's are the wrappers
+            // charging found.
+            flags: if i >= a.scan.user.end { layout::entry_flags::WRAPPER } else { 0 },
             ..layout::Entry::default()
         })
         .collect();
