@@ -77,7 +77,7 @@ pub fn run(args: Args) -> Result<()> {
         let Ok(pid) = pid.parse::<u32>() else { continue };
         match kind {
             "counters" => found.extend(examine(&e.path(), pid)),
-            "counters.new" | "control" | "unwind" if !process_exists(pid) => strays.push(e.path()),
+            "counters.new" | "control" | "unwind" | "fail" if !process_exists(pid) => strays.push(e.path()),
             _ => {}
         }
     }
@@ -89,6 +89,7 @@ pub fn run(args: Args) -> Result<()> {
             std::fs::remove_file(&f.path).map_err(|e| anyhow!("{}: cannot remove: {e}", f.path.display()))?;
             let _ = std::fs::remove_file(f.path.with_extension("control"));
             let _ = std::fs::remove_file(f.path.with_extension("unwind"));
+            let _ = std::fs::remove_file(f.path.with_extension("fail"));
         }
         n += 1;
         bytes += f.bytes;

@@ -49,7 +49,8 @@ pub struct FailArgs {
 pub fn check_specs(specs: &[String]) -> Result<String> {
     let mut all = Vec::new();
     for s in specs {
-        for part in s.split(';').filter(|p| !p.trim().is_empty()) {
+        // Split as the runtime splits them.
+        for part in s.split([';', '\n']).filter(|p| !p.trim().is_empty()) {
             Spec::parse(part.as_bytes()).map_err(|e| anyhow!("fault spec {part:?}: {e}"))?;
             all.push(part.trim());
         }
@@ -117,8 +118,8 @@ pub struct SweepArgs {
     pub jobs: Option<u64>,
     /// Seconds a run may take before it is killed (SIGKILL, to its process
     /// group).
-    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
-    pub timeout: f64,
+    #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = seconds)]
+    pub timeout: Duration,
     /// Where each run's output goes [default: ./alloctramp-faultsweep].
     #[arg(short, long = "output-dir", value_name = "DIR")]
     pub output_dir: Option<PathBuf>,
@@ -136,21 +137,53 @@ pub struct SweepArgs {
     pub command: Vec<OsString>,
 }
 
+/// `--timeout`: seconds above 0 that a `Duration` holds.
+fn seconds(s: &str) -> Result<Duration, String> {
+    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if v.is_nan() || v <= 0.0 {
+        return Err(format!("{s} seconds: give more than 0"));
+    }
+    Duration::try_from_secs_f64(v).map_err(|_| format!("{s} seconds is too long"))
+}
+
 /// How a run ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum End {
     Exit(i32),
     Signal(i32),
     Timeout,
+    /// It could not be run (the message says why).
+    Error(String),
 }
 
 impl End {
-    fn text(self) -> String {
+    fn text(&self) -> String {
         match self {
             End::Exit(c) => format!("exit {c}"),
-            End::Signal(s) => signal_name(s),
+            End::Signal(s) => signal_name(*s),
             End::Timeout => "timeout".to_string(),
+            End::Error(e) => format!("not run: {e}"),
         }
+    }
+}
+
+/// The process groups of the runs under way (0: a free slot), which an
+/// interrupt of the sweep kills with it.
+static GROUPS: [std::sync::atomic::AtomicI32; 256] = [const { std::sync::atomic::AtomicI32::new(0) }; 256];
+
+extern "C" fn on_interrupt(sig: i32) {
+    for g in &GROUPS {
+        let pgid = g.load(Relaxed);
+        if pgid > 0 {
+            // SAFETY: kill(2) is async-signal-safe.
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        }
+    }
+    // SAFETY: the default disposition back, then the signal again: the
+    // sweep ends as the signal would have ended it.
+    unsafe {
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
     }
 }
 
@@ -182,15 +215,6 @@ struct Reached {
     calls: u64,
 }
 
-impl Reached {
-    fn location(&self) -> String {
-        match &self.file {
-            Some(f) if self.line != 0 => format!("{f}:{}", self.line),
-            _ => format!("{}:{:#x}", self.module, self.address),
-        }
-    }
-}
-
 /// One run: its output files, how it ended, and its counters file's
 /// figures (module, address, calls, injected).
 struct Ran {
@@ -212,8 +236,8 @@ struct Sweep<'a> {
 
 impl Sweep<'_> {
     /// Runs the program once, profiling on, with `fail` (if any) in
-    /// effect; `label` names its files.
-    fn run(&self, label: &str, fail: Option<&str>) -> Result<Ran> {
+    /// effect; `label` names its files, `slot` its entry in [`GROUPS`].
+    fn run(&self, label: &str, fail: Option<&str>, slot: usize) -> Result<Ran> {
         let counters = self.out.join(".counters").join(label);
         let _ = std::fs::remove_dir_all(&counters);
         create_private_dir(&counters)?;
@@ -239,26 +263,44 @@ impl Sweep<'_> {
         }
         let mut child = cmd.spawn().with_context(|| format!("{}: cannot run", self.patched.display()))?;
         let pid = child.id();
-        let deadline = Instant::now() + self.timeout;
-        let end = loop {
-            if let Some(status) = child.try_wait()? {
-                break match (status.code(), status.signal()) {
-                    (Some(c), _) => End::Exit(c),
-                    (None, Some(s)) => End::Signal(s),
-                    (None, None) => End::Exit(-1),
-                };
+        let group = GROUPS.get(slot);
+        if let Some(g) = group {
+            g.store(pid as i32, Relaxed);
+        }
+        // No deadline past what an Instant holds.
+        let deadline = Instant::now().checked_add(self.timeout);
+        let timed_out = loop {
+            // Exited, not reaped yet: its pid still names the group.
+            // SAFETY: waitid(2) of our child into a zeroed siginfo.
+            let exited = unsafe {
+                let mut info: libc::siginfo_t = std::mem::zeroed();
+                libc::waitid(libc::P_PID, pid, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) == 0
+                    && info.si_pid() != 0
+            };
+            if exited {
+                break false;
             }
-            if Instant::now() > deadline {
-                // SAFETY: kill(2) of the run's process group (the child
-                // leads it), then reaping the child.
-                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-                let _ = child.wait();
-                break End::Timeout;
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                break true;
             }
             std::thread::sleep(Duration::from_millis(5));
         };
+        // What the run left behind (or all of it, on a timeout) goes with
+        // the group, before the child is reaped. SAFETY: kill(2).
+        unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+        let status = child.wait()?;
+        if let Some(g) = group {
+            g.store(0, Relaxed);
+        }
+        let end = match (timed_out, status.code(), status.signal()) {
+            (true, _, _) => End::Timeout,
+            (false, Some(c), _) => End::Exit(c),
+            (false, None, Some(s)) => End::Signal(s),
+            (false, None, None) => End::Exit(-1),
+        };
         let file = counters.join(process::counters_file_name(pid));
-        let sites = if file.is_file() { read_sites(&file)? } else { Vec::new() };
+        // A file that cannot be read counts as no call failed.
+        let sites = if file.is_file() { read_sites(&file).unwrap_or_default() } else { Vec::new() };
         let _ = std::fs::remove_dir_all(&counters);
         Ok(Ran { end, stdout, stderr, sites })
     }
@@ -344,9 +386,6 @@ pub fn run_sweep(mut args: SweepArgs) -> Result<()> {
         crate::util::write_atomic(&p, &data, 0o600)?;
         Some(p)
     };
-    if !(args.timeout > 0.0 && args.timeout.is_finite()) {
-        bail!("--timeout {}: a number of seconds above 0", args.timeout);
-    }
     let sweep = Sweep {
         program: &program,
         patched: &patched,
@@ -354,9 +393,15 @@ pub fn run_sweep(mut args: SweepArgs) -> Result<()> {
         args: &args.command,
         out: &out,
         stdin,
-        timeout: Duration::from_secs_f64(args.timeout),
+        timeout: args.timeout,
     };
-    let first = sweep.run("baseline", None)?;
+    // An interrupt of the sweep ends its runs too (each is in a process
+    // group of its own, which the terminal's signal does not reach).
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: a handler that makes only async-signal-safe calls.
+        unsafe { libc::signal(sig, on_interrupt as extern "C" fn(i32) as libc::sighandler_t) };
+    }
+    let first = sweep.run("baseline", None, 0)?;
     let mut reached: Vec<Reached> = first.sites.into_iter().map(|(r, _)| r).filter(|r| r.calls > 0).collect();
     reached.sort_by(|a, b| (&a.module, a.address).cmp(&(&b.module, b.address)));
     eprintln!(
@@ -373,12 +418,13 @@ pub fn run_sweep(mut args: SweepArgs) -> Result<()> {
         reached.iter().map(|_| std::sync::Mutex::new(None)).collect();
     let spec_of = |r: &Reached| format!("{}:{:#x}:nth={}", r.module, r.address, args.nth);
     std::thread::scope(|s| {
-        for _ in 0..jobs.min(reached.len()) {
-            s.spawn(|| {
+        for worker in 0..jobs.min(reached.len()) {
+            let (next, results, reached, sweep, spec_of) = (&next, &results, &reached, &sweep, &spec_of);
+            s.spawn(move || {
                 loop {
                     let i = next.fetch_add(1, Relaxed);
                     let Some(r) = reached.get(i) else { break };
-                    let ran = sweep.run(&format!("site-{}", i + 1), Some(&spec_of(r)));
+                    let ran = sweep.run(&format!("site-{}", i + 1), Some(&spec_of(r)), worker);
                     if let Some(slot) = results.get(i) {
                         *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(ran);
                     }
@@ -389,21 +435,39 @@ pub fn run_sweep(mut args: SweepArgs) -> Result<()> {
     let _ = std::fs::remove_dir(out.join(".counters"));
     let mut rows = Vec::new();
     for (r, slot) in reached.iter().zip(results) {
-        let ran = slot.into_inner().unwrap_or_else(|e| e.into_inner()).ok_or_else(|| anyhow!("a run was lost"))??;
+        let ran = match slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(ran)) => ran,
+            Some(Err(e)) => Ran {
+                end: End::Error(format!("{e:#}")),
+                stdout: PathBuf::new(),
+                stderr: PathBuf::new(),
+                sites: Vec::new(),
+            },
+            None => bail!("a run was lost"),
+        };
         let injected =
             ran.sites.iter().find(|(s, _)| s.module == r.module && s.address == r.address).map_or(0, |(_, n)| *n);
         rows.push((r.clone(), ran, injected));
     }
     // Crashes first, then timeouts, then runs that ended otherwise than
     // the first run, then the rest; in each, by place.
-    let rank = |ran: &Ran, injected: u64| match ran.end {
-        _ if injected == 0 => 4,
-        End::Signal(_) => 0,
-        End::Timeout => 1,
-        e if e != first.end => 2,
-        _ => 3,
+    let rank = |ran: &Ran, injected: u64| match &ran.end {
+        End::Signal(_) if injected != 0 => 0,
+        End::Timeout if injected != 0 => 1,
+        e if injected != 0 && *e != first.end => 2,
+        _ if injected != 0 => 3,
+        End::Error(_) => 5,
+        _ => 4,
     };
-    rows.sort_by_key(|(r, ran, injected)| (rank(ran, *injected), r.location()));
+    rows.sort_by(|(a, ra, ia), (b, rb, ib)| {
+        (rank(ra, *ia), &a.file, a.line, &a.module, a.address).cmp(&(
+            rank(rb, *ib),
+            &b.file,
+            b.line,
+            &b.module,
+            b.address,
+        ))
+    });
     let docs: Vec<RowDoc> = rows
         .iter()
         .map(|(r, ran, injected)| RowDoc {
@@ -413,7 +477,11 @@ pub fn run_sweep(mut args: SweepArgs) -> Result<()> {
             file: r.file.clone(),
             line: (r.line != 0).then_some(r.line),
             spec: spec_of(r),
-            outcome: if *injected == 0 { "not failed".to_string() } else { ran.end.text() },
+            outcome: match &ran.end {
+                End::Error(_) => ran.end.text(),
+                _ if *injected == 0 => "not failed".to_string(),
+                e => e.text(),
+            },
             exit_status: match ran.end {
                 End::Exit(c) => Some(c),
                 _ => None,

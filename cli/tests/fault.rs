@@ -122,21 +122,31 @@ fn run_fail_fails_exactly_the_named_calls_and_counts_them_injected() {
 }
 
 #[test]
-fn operator_new_throws_bad_alloc_and_nothrow_new_returns_null() {
+fn operator_new_throws_bad_alloc_aligned_or_not_and_nothrow_new_returns_null() {
     let f = fixture("fault-cxx");
     let prog = build_source("fault/faults_new.cpp", &f.dir);
-    let [n, t] = ["N", "T"].map(|x| line_of("faults_new.cpp", x));
+    let [n, t, v] = ["N", "T", "V"].map(|x| line_of("faults_new.cpp", x));
     let plain = std::process::Command::new(&prog).output().unwrap();
-    assert_eq!(text(&plain.stdout), "T: ok\ncaught 0\n");
+    assert_eq!(text(&plain.stdout), "T: ok\nV: ok\ncaught 0\n");
     let o = f.run(
-        &["--fail", &format!("faults_new.cpp:{n}:nth=2"), "--fail", &format!("faults_new.cpp:{t}:nth=1")],
+        &[
+            "--fail",
+            &format!("faults_new.cpp:{n}:nth=2"),
+            "--fail",
+            &format!("faults_new.cpp:{t}:nth=1"),
+            "--fail",
+            &format!("faults_new.cpp:{v}:nth=1"),
+        ],
         &prog,
         &[],
     );
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
-    assert_eq!(text(&o.stdout), "N: bad_alloc caught in round 1\nT: nothrow new returned NULL\ncaught 1\n");
+    assert_eq!(
+        text(&o.stdout),
+        "N: bad_alloc caught in round 1\nT: nothrow new returned NULL\nV: bad_alloc caught\ncaught 2\n"
+    );
     let got = by_line(&f.report(), "fault/faults_new.cpp");
-    assert_eq!(got, [(n, (2, 200, 0, 1)), (t, (0, 0, 0, 1))].into_iter().collect());
+    assert_eq!(got, [(n, (2, 200, 0, 1)), (t, (0, 0, 0, 1)), (v, (0, 0, 0, 1))].into_iter().collect());
 }
 
 #[test]

@@ -182,8 +182,9 @@ unsafe fn fail(f: &mut Frame, t: u64, index: u64, cell: u64) -> bool {
     let next = at.wrapping_add(u64::from(site.len));
     // A wrapper must fail as its allocation failing makes it (it may die
     // with its message, or return NULL): it is called with a size no
-    // allocator grants, 2^63 (no header a wrapper adds wraps it around). A
-    // throwing operator new is called with SIZE_MAX, and throws.
+    // allocator grants, 2^63 (no header a wrapper adds, nor an alignment
+    // it rounds up to, wraps it around); so is a throwing operator new,
+    // which throws.
     let refused = if wrapper {
         let set = |f: &mut Frame, i: u8, v: u64| {
             let r = match i {
@@ -210,7 +211,9 @@ unsafe fn fail(f: &mut Frame, t: u64, index: u64, cell: u64) -> bool {
         }
         true
     } else if name.starts_with("operator new") && !name.contains("nothrow") {
-        f.rdi = u64::MAX;
+        // Not SIZE_MAX: an aligned operator new rounds the size up to its
+        // alignment, which would wrap SIZE_MAX around to 0 (a block).
+        f.rdi = 1 << 63;
         true
     } else {
         false

@@ -5,7 +5,8 @@
 //! A site a spec names jumps to its callers entry while profiling is on, so
 //! that each call reaches `callers::capture`, which asks
 //! [`decide`] before anything else. Sites no spec names keep the entry they
-//! had and pay nothing.
+//! had (those whose chains callers capture records pass through
+//! [`decide`] too, since they reach the same call-out).
 //!
 //! The specs are two banks: a change writes the bank no reader is in, then
 //! publishes it. A reader announces itself in the bank it found active and
@@ -181,11 +182,20 @@ pub fn set(text: &[u8]) -> Result<usize, (usize, SpecError)> {
     bank.n.store(n, Ordering::Release);
     ACTIVE.store(next, Ordering::SeqCst);
     COUNT.store(n, Ordering::Release);
-    WRITING.store(false, Ordering::Release);
     if let Some(h) = procfile::header() {
         h.fail_specs.store(n as u32, Ordering::Release);
     }
+    WRITING.store(false, Ordering::Release);
     Ok(n)
+}
+
+/// In a forked child, whose only thread is in no bank and writes no spec:
+/// the counts the parent's other threads left are not the child's.
+pub fn after_fork_in_child() {
+    for b in &BANKS {
+        b.readers.store(0, Ordering::Relaxed);
+    }
+    WRITING.store(false, Ordering::Relaxed);
 }
 
 /// Writes the number of specs in effect into the process file's header

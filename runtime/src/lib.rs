@@ -223,6 +223,7 @@ extern "C" fn after_fork_in_parent() {
 extern "C" fn after_fork_in_child() {
     FORKED.store(false, Ordering::Relaxed);
     shards::after_fork_in_child();
+    fault::after_fork_in_child();
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
     // The child profiled only if its sites are on now.
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
@@ -230,6 +231,9 @@ extern "C" fn after_fork_in_child() {
     callers::after_fork_in_child();
     state::publish_state();
     fault::publish();
+    if fault::any() {
+        registry::publish_fail_sites();
+    }
     if mode == Switch::Thread && procfile::header().is_some() {
         start_watcher();
     }

@@ -604,7 +604,7 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
         let Ok(pid) = pid.parse::<u32>() else { continue };
         match kind {
             "counters" => {}
-            "counters.new" | "control" | "unwind" => {
+            "counters.new" | "control" | "unwind" | "fail" => {
                 if !runs(pid, (0, 0)) {
                     strays.push(path);
                 }
@@ -643,6 +643,7 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
             let _ = std::fs::remove_file(format!("{dir}/{pid}.counters"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.control"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.unwind"));
+            let _ = std::fs::remove_file(format!("{dir}/{pid}.fail"));
         }
     }
     for p in strays {

@@ -2,12 +2,18 @@
 /*
  * faults_new: C++ allocations for fault injection. N: a throwing
  * operator new[] in a loop of three rounds, whose std::bad_alloc the
- * program catches; T: a nothrow operator new, whose NULL it checks.
+ * program catches; T: a nothrow operator new, whose NULL it checks; V:
+ * the aligned operator new of an over-aligned type, whose std::bad_alloc
+ * it catches.
  */
 #include <cstdio>
 #include <new>
 
 static char *volatile sink;
+
+struct alignas(64) Block {
+    char bytes[4096];
+};
 
 int main()
 {
@@ -29,6 +35,16 @@ int main()
         sink = q;
         delete[] q;
         std::puts("T: ok");
+    }
+    try {
+        Block *v = new Block; /* @site operator new calls=1 bytes=4096 */ /* V */
+        v->bytes[0] = 1;
+        sink = v->bytes;
+        delete v;
+        std::puts("V: ok");
+    } catch (const std::bad_alloc &) {
+        std::puts("V: bad_alloc caught");
+        caught++;
     }
     std::printf("caught %d\n", caught);
     return 0;

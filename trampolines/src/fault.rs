@@ -134,9 +134,14 @@ impl Spec {
         how: How { nth: 0, every: 0, after: 0, times: 0, prob: u64::MAX, seed: 0 },
     };
 
-    /// Parses one `WHERE:HOW`.
+    /// Parses one `WHERE:HOW` (an error's byte counts from the start of
+    /// `s`, white space before the spec included).
     pub fn parse(s: &[u8]) -> Result<Spec, SpecError> {
-        let s = s.trim_ascii();
+        let lead = s.len() - s.trim_ascii_start().len();
+        Spec::parse_trimmed(s.trim_ascii()).map_err(|e| SpecError { at: e.at + lead, ..e })
+    }
+
+    fn parse_trimmed(s: &[u8]) -> Result<Spec, SpecError> {
         let Some(colon) = s.iter().rposition(|&c| c == b':') else {
             return err("expected WHERE:HOW (for example parse.c:120:nth=2)", 0);
         };
@@ -260,16 +265,24 @@ pub fn parse_list(text: &[u8], out: &mut [Spec; MAX_SPECS]) -> Result<usize, (us
 /// `path` is `suffix`, or ends with `/` and `suffix`.
 fn path_ends_with(path: &str, suffix: &[u8]) -> bool {
     let p = path.as_bytes();
-    p.ends_with(suffix)
-        && (p.len() == suffix.len()
-            || suffix.first() == Some(&b'/')
-            || p.get(p.len() - suffix.len() - 1) == Some(&b'/'))
+    let Some(start) = p.len().checked_sub(suffix.len()) else { return false };
+    same(p.get(start..).unwrap_or_default(), suffix)
+        && (start == 0 || suffix.first() == Some(&b'/') || p.get(start - 1) == Some(&b'/'))
 }
 
 /// `name` is `f`, or `f` followed by its parameters (a demangled C++ name).
 fn function_is(name: &str, f: &[u8]) -> bool {
     let n = name.as_bytes();
-    n.starts_with(f) && matches!(n.get(f.len()), None | Some(b'('))
+    n.get(..f.len()).is_some_and(|head| same(head, f)) && matches!(n.get(f.len()), None | Some(b'('))
+}
+
+/// Byte-wise equality without the C library's `memcmp`, whose vector
+/// variants use registers the runtime promises to leave alone (the
+/// runtime matches specs on the allocation path; see the runtime's
+/// `fault`).
+#[inline(never)]
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| std::hint::black_box(*x) == *y)
 }
 
 /// A call number's draw: splitmix64 of the seed and the number.
@@ -311,6 +324,7 @@ mod tests {
         assert!(Spec::parse(b"main:seed=4").is_err());
         assert!(Spec::parse(b":nth=1").is_err());
         assert!(Spec::parse(b"0xzz:nth=1").is_err());
+        assert_eq!(Spec::parse(b"  main:bogus=1").unwrap_err().at, 7, "counted from the first byte given");
         let mut out = [Spec::default(); MAX_SPECS];
         assert_eq!(parse_list(b"a:nth=1; b:nth=2 ;", &mut out), Ok(2));
         assert_eq!(parse_list(b"a:nth=1;b", &mut out).unwrap_err().0, 1);
