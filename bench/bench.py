@@ -1238,6 +1238,45 @@ def part_callers():
              "capture: the counting row is that cost.")
 
 
+def part_fault():
+    """Fault injection: what a spec costs the sites it names (when no call fails), and the others."""
+    loop, ploop = build_and_patch("malloc_loop.c", "fault", "-pthread")
+    n1, n2 = CALLGRIND_PAIRS, 2 * CALLGRIND_PAIRS
+    sec = Section(
+        "Fault injection", "fault",
+        "`bench/malloc_loop.c` (malloc and free in `work`), N pairs, counting only (`ALLOCTRAMP=on "
+        "ALLOCTRAMP_LIVE=0`), without a fault spec, with one that names no site of the program (`main:nth=1`: "
+        "`main` allocates nothing itself), and with one that names the loop's malloc but fails none of its calls "
+        "(`work:after=1000000000000`: every call is counted and decided); instructions of the loop "
+        f"(`valgrind --tool=callgrind --toggle-collect=work`) at {n1:,} and {n2:,} pairs.",
+    )
+    SECTIONS.append(sec)
+    counting = {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0"}
+    variants = [("unpatched", loop, {}), ("counting", ploop, counting),
+                ("counting, a spec naming no site", ploop, dict(counting, ALLOCTRAMP_FAIL="main:nth=1")),
+                ("counting, a spec naming the malloc site", ploop,
+                 dict(counting, ALLOCTRAMP_FAIL="work:after=1000000000000"))]
+    runs = {}
+    for name, exe, extra in variants:
+        for n in (n1, n2):
+            log(f"callgrind: fault {name}, {n} pairs")
+            runs[name, n] = callgrind([exe, str(n), "1"], base_env(extra), toggle="work")
+    per = {name: (runs[name, n2] - runs[name, n1]) / (n2 - n1) for name, _, _ in variants}
+    rows = []
+    for name, exe, extra in variants:
+        shown = " ".join(f"{k}={v}" for k, v in extra.items())
+        where = "$W/fault/" if exe == ploop else "$W/"
+        cmd = f"`{shown + ' ' if shown else ''}valgrind --tool=callgrind --toggle-collect=work {where}malloc_loop N 1`"
+        rows.append([name, cmd, f"{runs[name, n1]:,}", f"{runs[name, n2]:,}", f"{per[name]:.2f}"])
+    sec.table(["variant", "command", f"loop, N={n1:,}", f"loop, N={n2:,}", "per pair"], rows)
+    unnamed = per["counting, a spec naming no site"] - per["counting"]
+    named = per["counting, a spec naming the malloc site"] - per["counting"]
+    target(sec, "fault spec in effect: extra instructions per pair at sites it does not name", f"{unnamed:+.2f}",
+           "0", abs(unnamed) < 0.5)
+    target(sec, "fault spec: extra instructions per call of a site it names (no call failing)", f"{named:+.1f}",
+           "<= 300", named <= 300)
+
+
 PERL_SCRIPT = """my %h;
 for my $i (1 .. 200000) { $h{"key$i"} = [$i, "v" x ($i % 50)]; }
 my $n = 0;
@@ -1415,6 +1454,7 @@ PARTS = {
     "attribution": part_attribution,
     "wrappers": part_wrappers,
     "callers": part_callers,
+    "fault": part_fault,
     "scan": part_scan,
     "patch": part_patch,
     "instructions": part_instructions,
@@ -1427,7 +1467,7 @@ PARTS = {
     "lifetimes": part_lifetimes,
     "redis": part_redis,
 }
-ALL = ["instructions", "lifetimes", "wrappers", "callers", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch",
+ALL = ["instructions", "lifetimes", "wrappers", "callers", "fault", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch",
        "memory"]
 ALIASES = {"all": ALL, "runtime": ["instructions", "loop", "switch"]}
 
