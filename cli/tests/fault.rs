@@ -363,3 +363,40 @@ fn a_wrapper_s_call_fails_as_its_own_allocation_failing_makes_it() {
         ]
     );
 }
+
+#[test]
+fn a_failed_realloc_keeps_its_block_and_a_sweep_ends_a_run_that_hangs() {
+    let f = fixture("fault-edge");
+    let prog = build_source("fault/edge.c", &f.dir);
+    let [r, s] = ["R", "S"].map(|n| line_of("edge.c", n));
+    let o = f.run(&["--fail", &format!("edge.c:{r}:nth=1")], &prog, &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert_eq!(text(&o.stdout), "R: realloc failed, the old block still holds \"kept\"\nS: ok\n");
+    let got = by_line(&f.report(), "fault/edge.c");
+    assert_eq!(got[&r], (0, 0, 0, 1));
+
+    // The run whose malloc at S fails waits for ever: the sweep kills it
+    // after --timeout and says so, after the program's own 0 exit.
+    let started = std::time::Instant::now();
+    let o = alloctramp()
+        .args(["faultsweep", "--timeout", "1", "--format", "json", "--cache"])
+        .arg(&f.cache)
+        .arg("-o")
+        .arg(f.dir.join("sweep"))
+        .arg("--")
+        .arg(&prog)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows: Vec<(u64, &str, bool)> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["line"] == r || x["line"] == s)
+        .map(|x| (x["line"].as_u64().unwrap(), x["outcome"].as_str().unwrap(), x["timed_out"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(rows, [(s.into(), "timeout", true), (r.into(), "exit 0", false)]);
+}
