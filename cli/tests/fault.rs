@@ -400,3 +400,34 @@ fn a_failed_realloc_keeps_its_block_and_a_sweep_ends_a_run_that_hangs() {
         .collect();
     assert_eq!(rows, [(s.into(), "timeout", true), (r.into(), "exit 0", false)]);
 }
+
+#[test]
+fn fail_reaches_a_process_switched_by_its_control_signal() {
+    // The request is carried out in the control signal's handler: the
+    // specs are read and parsed there, without allocating.
+    let f = fixture("fault-signal");
+    let a = line_of("faults.c", "A");
+    let patched = f.dir.join("faults.patched");
+    patch_to(&f.faults, &patched, &[]);
+    let dir = f.counters.to_str().unwrap().to_string();
+    let mut p = Talk::start(&patched, &["serve"], &[("ALLOCTRAMP_DIR", &dir), ("ALLOCTRAMP_SWITCH", "signal")]);
+    assert_eq!(p.line(), "ready\n");
+    let pid = p.child.id().to_string();
+    let o = alloctramp().args(["fail", "--dir", &dir, &pid, &format!("faults.c:{a}:nth=3")]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("naming 1 allocation site"), "{}", text(&o.stderr));
+    p.send("go");
+    let mut lines = Vec::new();
+    loop {
+        let l = p.line();
+        if l == "pass done\n" || l.is_empty() {
+            break;
+        }
+        lines.push(l);
+    }
+    assert_eq!(lines, ["A: no memory in round 2 (ENOMEM)\n", "B: ok\n", "C: ok\n", "D: 7\n"]);
+    drop(p.child.stdin.take());
+    assert_eq!(p.finish().1, Some(0));
+    let got = by_line(&report(&pid, &f.counters), "fault/faults.c");
+    assert_eq!(got[&a], (2, 128, 0, 1));
+}
