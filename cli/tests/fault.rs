@@ -56,6 +56,33 @@ impl Fixture {
     }
 }
 
+/// `faults serve`, patched, started with `env` (profiling off): the
+/// process, its pid and the counters directory.
+fn serve(f: &Fixture, env: &[(&str, &str)]) -> (Talk, String, String) {
+    let patched = f.dir.join("faults.patched");
+    patch_to(&f.faults, &patched, &[]);
+    let dir = f.counters.to_str().unwrap().to_string();
+    let mut env = env.to_vec();
+    env.push(("ALLOCTRAMP_DIR", &dir));
+    let mut p = Talk::start(&patched, &["serve"], &env);
+    assert_eq!(p.line(), "ready\n");
+    let pid = p.child.id().to_string();
+    (p, pid, dir)
+}
+
+/// One pass of `faults serve`: the lines it printed before "pass done".
+fn pass(p: &mut Talk) -> Vec<String> {
+    p.send("go");
+    let mut lines = Vec::new();
+    loop {
+        let l = p.line();
+        if l == "pass done\n" || l.is_empty() {
+            return lines;
+        }
+        lines.push(l);
+    }
+}
+
 /// Per line of FILE: (calls, bytes, failed, injected) of its allocation
 /// sites in a report.
 fn by_line(report: &Value, file: &str) -> std::collections::BTreeMap<u32, (u64, u64, u64, u64)> {
@@ -215,23 +242,7 @@ fn faultsweep_names_the_two_sites_that_crash_and_the_two_that_handle_it() {
 fn fail_switches_a_running_process_s_calls_to_fail_and_back() {
     let f = fixture("fault-pid");
     let a = line_of("faults.c", "A");
-    let patched = f.dir.join("faults.patched");
-    patch_to(&f.faults, &patched, &[]);
-    let dir = f.counters.to_str().unwrap().to_string();
-    let mut p = Talk::start(&patched, &["serve"], &[("ALLOCTRAMP_DIR", &dir)]);
-    assert_eq!(p.line(), "ready\n");
-    let pid = p.child.id().to_string();
-    let pass = |p: &mut Talk| {
-        p.send("go");
-        let mut lines = Vec::new();
-        loop {
-            let l = p.line();
-            if l == "pass done\n" || l.is_empty() {
-                return lines;
-            }
-            lines.push(l);
-        }
-    };
+    let (mut p, pid, dir) = serve(&f, &[]);
     let fail = |args: &[&str]| alloctramp().args(["fail", "--dir", &dir, &pid]).args(args).output().unwrap();
 
     // Profiling was off: `fail` puts the spec in effect and switches on.
@@ -407,24 +418,11 @@ fn fail_reaches_a_process_switched_by_its_control_signal() {
     // specs are read and parsed there, without allocating.
     let f = fixture("fault-signal");
     let a = line_of("faults.c", "A");
-    let patched = f.dir.join("faults.patched");
-    patch_to(&f.faults, &patched, &[]);
-    let dir = f.counters.to_str().unwrap().to_string();
-    let mut p = Talk::start(&patched, &["serve"], &[("ALLOCTRAMP_DIR", &dir), ("ALLOCTRAMP_SWITCH", "signal")]);
-    assert_eq!(p.line(), "ready\n");
-    let pid = p.child.id().to_string();
+    let (mut p, pid, dir) = serve(&f, &[("ALLOCTRAMP_SWITCH", "signal")]);
     let o = alloctramp().args(["fail", "--dir", &dir, &pid, &format!("faults.c:{a}:nth=3")]).output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("naming 1 allocation site"), "{}", text(&o.stderr));
-    p.send("go");
-    let mut lines = Vec::new();
-    loop {
-        let l = p.line();
-        if l == "pass done\n" || l.is_empty() {
-            break;
-        }
-        lines.push(l);
-    }
+    let lines = pass(&mut p);
     assert_eq!(lines, ["A: no memory in round 2 (ENOMEM)\n", "B: ok\n", "C: ok\n", "D: 7\n"]);
     drop(p.child.stdin.take());
     assert_eq!(p.finish().1, Some(0));
