@@ -176,8 +176,8 @@ pub struct CallersArgs {
     pub depth: u32,
     /// Only the sites SPEC names (any number of times, 16 sites at most):
     /// FILE:LINE (a file name or a path suffix), a function name, or
-    /// 0xADDRESS (in its module's file, or at run time). Default: every
-    /// site.
+    /// [MODULE:]0xADDRESS (in its module's file, or at run time). Default:
+    /// every site.
     #[arg(long = "site", value_name = "SPEC")]
     pub sites: Vec<String>,
 }
@@ -279,21 +279,14 @@ fn select_sites(args: &SwitchArgs, specs: &[String]) -> Result<Vec<u64>> {
     let mut out = Vec::new();
     for spec in specs {
         let before = out.len();
-        let (file_line, addr) = parse_site_spec(spec);
+        let place = alloctramp_trampolines::fault::Spec::parse_where(spec.as_bytes())
+            .map_err(|e| anyhow!("--site {spec}: {e}"))?;
         for md in modules.iter().filter(|m| !m.unloaded) {
-            let t = &md.table;
-            for s in t.sites().filter(|s| s.trampoline != 0 && s.callers != 0) {
+            for s in md.table.sites().filter(|s| s.trampoline != 0 && s.callers != 0) {
                 let run = md.bias.wrapping_add(s.addr);
-                let hit = match (&file_line, addr) {
-                    (_, Some(a)) => a == s.addr || a == run,
-                    (Some((file, line)), None) => {
-                        s.line == *line
-                            && t.string(s.file).is_some_and(|f| f == file || f.ends_with(&format!("/{file}")))
-                    }
-                    (None, None) => {
-                        t.string(s.function).is_some_and(|f| f == spec || f.split('(').next() == Some(spec))
-                    }
-                };
+                // A site by its place, or by its run-time address.
+                let hit = place.names(&md.table, &s)
+                    || matches!(place.place, alloctramp_trampolines::fault::Where::Address(a) if a == run);
                 if hit && !out.contains(&run) {
                     out.push(run);
                 }
@@ -307,19 +300,6 @@ fn select_sites(args: &SwitchArgs, specs: &[String]) -> Result<Vec<u64>> {
         bail!("--site names {} sites; at most {} at once", out.len(), process::MAX_CALLERS_SITES);
     }
     Ok(out)
-}
-
-/// `FILE:LINE` or `0xADDRESS` (else a function name).
-fn parse_site_spec(spec: &str) -> (Option<(String, u32)>, Option<u64>) {
-    if let Some(hex) = spec.strip_prefix("0x") {
-        return (None, u64::from_str_radix(hex, 16).ok());
-    }
-    match spec.rsplit_once(':') {
-        Some((file, line)) if !file.is_empty() && !file.ends_with(':') => {
-            (line.parse().ok().map(|l| (file.to_string(), l)), None)
-        }
-        _ => (None, None),
-    }
 }
 
 struct State {

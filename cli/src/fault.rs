@@ -188,7 +188,6 @@ extern "C" fn on_interrupt(sig: i32) {
 }
 
 fn signal_name(s: i32) -> String {
-    // SAFETY: strsignal returns a static or thread-local string (or NULL).
     let name = match s {
         libc::SIGSEGV => "SIGSEGV",
         libc::SIGABRT => "SIGABRT",

@@ -147,6 +147,18 @@ impl Spec {
         };
         let (place_text, how_text) = (s.get(..colon).unwrap_or_default(), s.get(colon + 1..).unwrap_or_default());
         let how = How::parse(how_text, colon + 1)?;
+        Spec::at_place(place_text, how)
+    }
+
+    /// Parses a WHERE alone (`alloctramp callers --site`): a spec that
+    /// names sites and fails no call.
+    pub fn parse_where(s: &[u8]) -> Result<Spec, SpecError> {
+        let lead = s.len() - s.trim_ascii_start().len();
+        let never = How { prob: 0, ..How::default() };
+        Spec::at_place(s.trim_ascii(), never).map_err(|e| SpecError { at: e.at + lead, ..e })
+    }
+
+    fn at_place(place_text: &[u8], how: How) -> Result<Spec, SpecError> {
         let mut spec = Spec { how, ..Spec::default() };
         if place_text.is_empty() {
             return err("WHERE is empty (FILE:LINE, a function or 0xADDRESS)", 0);
@@ -310,6 +322,9 @@ mod tests {
         assert_eq!((s.place, s.text()), (Where::Address(0x1a2f), &b"libfoo.so"[..]));
         let s = Spec::parse(b"ns::Parser::load:nth=1").unwrap();
         assert_eq!((s.place, s.text()), (Where::Function, &b"ns::Parser::load"[..]));
+        let s = Spec::parse_where(b"src/a.c:7").unwrap();
+        assert_eq!((s.place, s.text()), (Where::Line(7), &b"src/a.c"[..]));
+        assert!((1..100).all(|n| !s.fails(n)), "a WHERE alone fails no call");
         let s = Spec::parse(b"src/a.c:7:prob=0.25,seed=3").unwrap();
         assert_eq!((s.place, s.how.prob, s.how.seed), (Where::Line(7), 1 << 30, 3));
     }
