@@ -4,6 +4,7 @@
 
 mod util;
 
+mod allocators;
 mod bad_input;
 mod callers;
 mod charge;

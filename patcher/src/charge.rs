@@ -24,7 +24,7 @@ use crate::elf::Elf;
 use crate::plumbing::Plumbing;
 use crate::scan::{Charge, Keys, Scan, Via};
 use crate::wrappers::{Frees, Offsets};
-use alloctramp_trampolines::entry::{EntryPoint, Kind, Signature, Size, Target};
+use alloctramp_trampolines::entry::{EntryPoint, Heap, Kind, Signature, Size, Target};
 use std::collections::{HashMap, HashSet};
 
 /// A wrapper (or a function of allocation plumbing) whose calls are entry
@@ -170,7 +170,7 @@ pub fn entries(
             at: w.why.and_then(|why| why.at()),
             offsets: w.offsets,
         });
-        entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6 });
+        entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6, heap: Heap::Malloc });
     }
     // The file's own definitions of entry points (a program that links
     // libstdc++ statically: its `operator new` calls `malloc`, its
@@ -228,7 +228,7 @@ pub fn entries(
             at: None,
             offsets: Offsets::default(),
         });
-        entries.push(EntryPoint { target, display, sig: Signature::alloc(Size::None), args: 6 });
+        entries.push(EntryPoint { target, display, sig: Signature::alloc(Size::None), args: 6, heap: Heap::Malloc });
     };
     for name in imports {
         add(None, Target::Symbol(name.to_string()), crate::symbols::demangle(name));
@@ -607,6 +607,7 @@ mod tests {
             display: "malloc".into(),
             sig: Signature::alloc(Size::Arg(0)),
             args: 1,
+            heap: Heap::Malloc,
         }];
         let mut charged = Vec::new();
         for k in 0..wrappers {
@@ -629,6 +630,7 @@ mod tests {
                 display: format!("w{k}"),
                 sig: Signature::alloc(Size::Arg(0)),
                 args: 6,
+                heap: Heap::Malloc,
             });
         }
         (Scan { entries, ..Scan::default() }, charged)
@@ -756,12 +758,14 @@ mod tests {
             display: "operator new".into(),
             sig: Signature::alloc(Size::Arg(0)),
             args: 1,
+            heap: Heap::Malloc,
         });
         scan.entries.push(EntryPoint {
             target: Target::Symbol("free".into()),
             display: "free".into(),
             sig: Signature::free(0),
             args: 1,
+            heap: Heap::Malloc,
         });
         site(&mut scan, 0x1010, 0, Via::Plt);
         site(&mut scan, 0x2010, 5, Via::Plt);

@@ -287,8 +287,14 @@ pub(crate) struct SiteStrings {
     pub module: u32,
     /// Per site: function, file, line.
     pub sites: Vec<(u32, u32, u32)>,
-    /// Per entry point: its display name.
+    /// The entry points the table lists (those a site calls; the others,
+    /// such as the allocator APIs a file does not use, would only add
+    /// bytes): their indices in the scan's entries, in its order.
+    pub table_entries: Vec<usize>,
+    /// Their display names.
     pub entries: Vec<u32>,
+    /// A scan entry's index in the table (u16::MAX: not listed).
+    pub entry_slot: Vec<u16>,
 }
 
 impl fmt::Debug for SiteStrings {
@@ -310,13 +316,23 @@ impl SiteStrings {
                 (f, file, line)
             })
             .collect();
-        let entries = a.scan.entries.iter().map(|en| strings.add(&en.display)).collect();
+        let mut entry_slot = vec![u16::MAX; a.scan.entries.len()];
+        for site in &a.scan.sites {
+            if let Some(slot) = entry_slot.get_mut(site.entry) {
+                *slot = 0;
+            }
+        }
+        let table_entries: Vec<usize> = (0..entry_slot.len()).filter(|&i| entry_slot[i] == 0).collect();
+        for (k, &i) in table_entries.iter().enumerate() {
+            entry_slot[i] = u16::try_from(k).unwrap_or(u16::MAX);
+        }
+        let entries = table_entries.iter().map(|&i| strings.add(&a.scan.entries[i].display)).collect();
         if !a.unwind.is_empty() {
             for f in foreign {
                 strings.add(&f.path);
             }
         }
-        SiteStrings { strings, module, sites, entries }
+        SiteStrings { strings, module, sites, table_entries, entries, entry_slot }
     }
 }
 
@@ -443,7 +459,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     let (ro_addr, max_align) = new_base(elf, &tables)?;
     let phnum = elf.file.elf_program_headers().len() + 3;
     let table_len = layout::table_and_unwind_size(
-        layout::table_size(a.scan.sites.len(), a.scan.entries.len(), strings.strings.len()),
+        layout::table_size(a.scan.sites.len(), strings.table_entries.len(), strings.strings.len()),
         a.unwind.len(),
         layout::unwind_block_index(&a.unwind).len(),
         &opts.foreign_unwind,

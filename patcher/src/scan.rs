@@ -5,7 +5,7 @@
 use crate::elf::{Elf, FileType, Section};
 use crate::error::{Error, ErrorKind, Location, Result};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
-use alloctramp_trampolines::entry::{EntryPoint, Target};
+use alloctramp_trampolines::entry::{EntryPoint, Heap, Target};
 use alloctramp_trampolines::layout::SiteForm;
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
 use std::collections::HashMap;
@@ -135,15 +135,27 @@ pub struct Scan {
     /// The file defines a default entry itself (its own malloc or
     /// operator new, which may be another allocator).
     pub own_allocator: bool,
+    /// The file reaches a default entry of another heap than the
+    /// process's malloc ([`Heap::Other`]: jemalloc's `mallocx`,
+    /// mimalloc's `mi_malloc`).
+    pub other_heap: bool,
 }
 
 impl Scan {
     /// Whether entry `entry` allocates from the process's malloc (which
-    /// the runtime checks is glibc's): a default entry, or a wrapper found
-    /// while the user named none (one found around a user-named allocator
-    /// is not known to), in a file that defines no default entry itself.
+    /// the runtime checks is glibc's), in a file that defines no default
+    /// entry itself: a default entry of [`Heap::Malloc`], or a wrapper
+    /// found where every entry the file reaches is one (a wrapper found
+    /// around a user-named allocator or another allocator's API is not
+    /// known to be).
     pub fn plain_store(&self, entry: usize) -> bool {
-        !self.own_allocator && (entry < self.user.start || self.user.is_empty())
+        if self.own_allocator || self.user.contains(&entry) {
+            return false;
+        }
+        if entry < self.user.start {
+            return self.entries.get(entry).is_some_and(|e| e.heap == Heap::Malloc);
+        }
+        self.user.is_empty() && !self.other_heap
     }
 }
 
@@ -299,11 +311,13 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
 pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -> Result<Scan> {
     let (targets, found) = resolve_targets(elf, &entries);
     let own_allocator = targets.code.values().any(|&(i, via)| via == Via::Direct && i < user.start);
+    let other_heap = (0..user.start).any(|i| found.get(i) == Some(&true) && entries[i].heap == Heap::Other);
     let mut out = Scan {
         unresolved: user.clone().filter(|&i| !found[i]).collect(),
         entries,
         user,
         own_allocator,
+        other_heap,
         ..Scan::default()
     };
     if targets.got.is_empty() && targets.code.is_empty() {
@@ -531,5 +545,53 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
                 unpatchable(entry, Reason::AddressTaken, out);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloctramp_trampolines::entry;
+
+    /// The defaults, two user entries, then two wrappers charging found.
+    fn scan(own_allocator: bool, other_heap: bool, user: bool) -> Scan {
+        let mut entries = entry::defaults();
+        let first_user = entries.len();
+        if user {
+            entries.push(entry::parse_spec("pool_alloc:alloc").unwrap());
+            entries.push(entry::parse_spec("pool_free:free").unwrap());
+        }
+        let user = first_user..entries.len();
+        entries.extend(entries[..2].to_vec());
+        Scan { entries, user, own_allocator, other_heap, ..Scan::default() }
+    }
+
+    fn index(s: &Scan, name: &str) -> usize {
+        s.entries.iter().position(|e| e.target == Target::Symbol(name.into())).unwrap()
+    }
+
+    #[test]
+    fn plain_stores_only_for_the_process_malloc() {
+        let s = scan(false, false, false);
+        let wrapper = s.entries.len() - 1;
+        assert!(s.plain_store(index(&s, "malloc")));
+        assert!(s.plain_store(index(&s, "_ZdlPv")));
+        assert!(s.plain_store(wrapper));
+        for other in ["mallocx", "mi_malloc", "tc_new", "_rjem_malloc", "je_free"] {
+            assert!(!s.plain_store(index(&s, other)), "{other}");
+        }
+        // A file that reaches another allocator's API: its wrappers may
+        // wrap that allocator.
+        let s = scan(false, true, false);
+        assert!(s.plain_store(index(&s, "malloc")));
+        assert!(!s.plain_store(s.entries.len() - 1));
+        // Entries the user names, and wrappers around them.
+        let s = scan(false, false, true);
+        assert!(!s.plain_store(s.user.start));
+        assert!(!s.plain_store(s.entries.len() - 1));
+        assert!(s.plain_store(index(&s, "calloc")));
+        // A file with its own allocator.
+        let s = scan(true, false, false);
+        assert!(!s.plain_store(index(&s, "malloc")));
     }
 }

@@ -183,9 +183,10 @@ unsafe fn fail(f: &mut Frame, t: u64, index: u64, cell: u64) -> bool {
     // A wrapper must fail as its allocation failing makes it (it may die
     // with its message, or return NULL): it is called with a size no
     // allocator grants, 2^63 (no header a wrapper adds, nor an alignment
-    // it rounds up to, wraps it around); so is a throwing operator new,
-    // which throws.
-    let refused = if wrapper {
+    // it rounds up to, wraps it around, as SIZE_MAX would); so is a
+    // throwing operator new (or mimalloc's and tcmalloc's `new`), which
+    // throws.
+    let refused = if wrapper || alloctramp_trampolines::entry::throws(name) {
         let set = |f: &mut Frame, i: u8, v: u64| {
             let r = match i {
                 0 => &mut f.rdi,
@@ -209,11 +210,6 @@ unsafe fn fail(f: &mut Frame, t: u64, index: u64, cell: u64) -> bool {
         if !ok {
             return false;
         }
-        true
-    } else if name.starts_with("operator new") && !name.contains("nothrow") {
-        // Not SIZE_MAX: an aligned operator new rounds the size up to its
-        // alignment, which would wrap SIZE_MAX around to 0 (a block).
-        f.rdi = 1 << 63;
         true
     } else {
         false

@@ -131,6 +131,23 @@ pub struct EntryPoint {
     /// trampoline keeps intact around a call into the runtime made before
     /// the original call.
     pub args: u8,
+    /// Whose memory it hands out or takes back.
+    pub heap: Heap,
+}
+
+/// Whose memory an entry point hands out or takes back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Heap {
+    /// The process's malloc: the C allocator's functions and C++'s global
+    /// operators (and the wrappers found around them), which the runtime
+    /// checks are glibc's before it lets trampolines record objects by
+    /// plain store.
+    Malloc,
+    /// An allocator's own API (jemalloc's `mallocx`, mimalloc's
+    /// `mi_malloc`, tcmalloc's `tc_malloc`) or an entry the user names: it
+    /// may put objects smaller than 32 bytes side by side whatever malloc
+    /// is, so its objects are recorded by compare-and-swap.
+    Other,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -150,9 +167,18 @@ impl fmt::Display for Target {
 
 const A0: Size = Size::Arg(0);
 
-/// The entry points known without being named: the C allocator and every
-/// C++ global operator new and delete.
+/// The entry points known without being named: the C allocator, every
+/// C++ global operator new and delete, and the own APIs of jemalloc,
+/// tcmalloc (gperftools) and mimalloc ([`allocator_apis`]).
 pub fn defaults() -> Vec<EntryPoint> {
+    let mut out = process_malloc();
+    out.extend(allocator_apis());
+    out
+}
+
+/// The C allocator (with C23's `free_sized` and `free_aligned_sized`) and
+/// C++'s global operators: the process's malloc.
+fn process_malloc() -> Vec<EntryPoint> {
     use Size::{Arg, Product, ResultStrlen};
     let c: &[(&str, Signature, u8)] = &[
         ("malloc", Signature::alloc(A0), 1),
@@ -171,6 +197,8 @@ pub fn defaults() -> Vec<EntryPoint> {
         ("pvalloc", Signature::alloc(A0), 1),
         ("strdup", Signature::alloc(ResultStrlen), 1),
         ("strndup", Signature::alloc(ResultStrlen), 2),
+        ("free_sized", Signature::free(0), 2),
+        ("free_aligned_sized", Signature::free(0), 3),
     ];
     let mut out: Vec<EntryPoint> = c
         .iter()
@@ -179,6 +207,7 @@ pub fn defaults() -> Vec<EntryPoint> {
             display: (*name).to_string(),
             sig: *sig,
             args: *args,
+            heap: Heap::Malloc,
         })
         .collect();
 
@@ -192,6 +221,7 @@ pub fn defaults() -> Vec<EntryPoint> {
                     display: format!("operator new{arr}(unsigned long{aname}{nname})"),
                     sig: Signature::alloc(A0),
                     args: 1 + u8::from(!aligned.is_empty()) + u8::from(!nothrow.is_empty()),
+                    heap: Heap::Malloc,
                 });
             }
         }
@@ -213,12 +243,174 @@ pub fn defaults() -> Vec<EntryPoint> {
                             + u8::from(!sized.is_empty())
                             + u8::from(!aligned.is_empty())
                             + u8::from(!nothrow.is_empty()),
+                        heap: Heap::Malloc,
                     });
                 }
             }
         }
     }
     out
+}
+
+/// An allocator's own API as entry points: `(name, signature, argument
+/// registers read)`.
+type Api = &'static [(&'static str, Signature, u8)];
+
+const fn out_arg(out: Arg, size: Arg) -> Signature {
+    Signature { kind: Kind::Alloc, size: Size::Arg(size), result: Returns::OutArg(out), freed: None }
+}
+
+/// jemalloc's non-standard API. Programs that link jemalloc under a prefix
+/// (`je_` when built with `--with-jemalloc-prefix`, `_rjem_` in Rust's
+/// tikv-jemallocator) reach its standard functions under the prefix too.
+const JEMALLOC: Api = &[
+    ("mallocx", Signature::alloc(A0), 2),
+    ("rallocx", Signature::realloc(0, Size::Arg(1)), 3),
+    ("sdallocx", Signature::free(0), 3),
+    ("dallocx", Signature::free(0), 2),
+];
+const JEMALLOC_STANDARD: Api = &[
+    ("malloc", Signature::alloc(A0), 1),
+    ("calloc", Signature::alloc(Size::Product(0, 1)), 2),
+    ("realloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("free", Signature::free(0), 1),
+    ("posix_memalign", out_arg(0, 2), 3),
+    ("aligned_alloc", Signature::alloc(Size::Arg(1)), 2),
+    ("memalign", Signature::alloc(Size::Arg(1)), 2),
+    ("valloc", Signature::alloc(A0), 1),
+];
+
+/// gperftools' tcmalloc (`gperftools/tcmalloc.h`); its `sdallocx` is
+/// jemalloc's.
+const TCMALLOC: Api = &[
+    ("tc_malloc", Signature::alloc(A0), 1),
+    ("tc_malloc_skip_new_handler", Signature::alloc(A0), 1),
+    ("tc_calloc", Signature::alloc(Size::Product(0, 1)), 2),
+    ("tc_realloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("tc_free", Signature::free(0), 1),
+    ("tc_cfree", Signature::free(0), 1),
+    ("tc_free_sized", Signature::free(0), 2),
+    ("tc_memalign", Signature::alloc(Size::Arg(1)), 2),
+    ("tc_posix_memalign", out_arg(0, 2), 3),
+    ("tc_valloc", Signature::alloc(A0), 1),
+    ("tc_pvalloc", Signature::alloc(A0), 1),
+    ("tc_new", Signature::alloc(A0), 1),
+    ("tc_newarray", Signature::alloc(A0), 1),
+    ("tc_new_nothrow", Signature::alloc(A0), 2),
+    ("tc_newarray_nothrow", Signature::alloc(A0), 2),
+    ("tc_new_aligned", Signature::alloc(A0), 2),
+    ("tc_newarray_aligned", Signature::alloc(A0), 2),
+    ("tc_new_aligned_nothrow", Signature::alloc(A0), 3),
+    ("tc_newarray_aligned_nothrow", Signature::alloc(A0), 3),
+    ("tc_delete", Signature::free(0), 1),
+    ("tc_deletearray", Signature::free(0), 1),
+    ("tc_delete_sized", Signature::free(0), 2),
+    ("tc_deletearray_sized", Signature::free(0), 2),
+    ("tc_delete_nothrow", Signature::free(0), 2),
+    ("tc_deletearray_nothrow", Signature::free(0), 2),
+    ("tc_delete_aligned", Signature::free(0), 2),
+    ("tc_deletearray_aligned", Signature::free(0), 2),
+    ("tc_delete_sized_aligned", Signature::free(0), 3),
+    ("tc_deletearray_sized_aligned", Signature::free(0), 3),
+    ("tc_delete_aligned_nothrow", Signature::free(0), 3),
+    ("tc_deletearray_aligned_nothrow", Signature::free(0), 3),
+];
+
+/// mimalloc (`mimalloc.h`), with its heap functions (the heap is the
+/// first argument). Left out: `mi_expand` (resizes in place and returns
+/// NULL when it cannot, so no kind here describes it) and `mi_reallocf`
+/// (frees its argument when it fails, unlike a realloc).
+const MIMALLOC: Api = &[
+    ("mi_malloc", Signature::alloc(A0), 1),
+    ("mi_zalloc", Signature::alloc(A0), 1),
+    ("mi_malloc_small", Signature::alloc(A0), 1),
+    ("mi_zalloc_small", Signature::alloc(A0), 1),
+    ("mi_calloc", Signature::alloc(Size::Product(0, 1)), 2),
+    ("mi_mallocn", Signature::alloc(Size::Product(0, 1)), 2),
+    ("mi_realloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("mi_rezalloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("mi_reallocn", Signature::realloc(0, Size::Product(1, 2)), 3),
+    ("mi_recalloc", Signature::realloc(0, Size::Product(1, 2)), 3),
+    ("mi_reallocarray", Signature::realloc(0, Size::Product(1, 2)), 3),
+    ("mi_strdup", Signature::alloc(Size::ResultStrlen), 1),
+    ("mi_strndup", Signature::alloc(Size::ResultStrlen), 2),
+    ("mi_malloc_aligned", Signature::alloc(A0), 2),
+    ("mi_malloc_aligned_at", Signature::alloc(A0), 3),
+    ("mi_zalloc_aligned", Signature::alloc(A0), 2),
+    ("mi_zalloc_aligned_at", Signature::alloc(A0), 3),
+    ("mi_calloc_aligned", Signature::alloc(Size::Product(0, 1)), 3),
+    ("mi_calloc_aligned_at", Signature::alloc(Size::Product(0, 1)), 4),
+    ("mi_realloc_aligned", Signature::realloc(0, Size::Arg(1)), 3),
+    ("mi_realloc_aligned_at", Signature::realloc(0, Size::Arg(1)), 4),
+    ("mi_rezalloc_aligned", Signature::realloc(0, Size::Arg(1)), 3),
+    ("mi_recalloc_aligned", Signature::realloc(0, Size::Product(1, 2)), 4),
+    ("mi_posix_memalign", out_arg(0, 2), 3),
+    ("mi_aligned_alloc", Signature::alloc(Size::Arg(1)), 2),
+    ("mi_memalign", Signature::alloc(Size::Arg(1)), 2),
+    ("mi_valloc", Signature::alloc(A0), 1),
+    ("mi_pvalloc", Signature::alloc(A0), 1),
+    ("mi_free", Signature::free(0), 1),
+    ("mi_cfree", Signature::free(0), 1),
+    ("mi_free_size", Signature::free(0), 2),
+    ("mi_free_aligned", Signature::free(0), 2),
+    ("mi_free_size_aligned", Signature::free(0), 3),
+    ("mi_new", Signature::alloc(A0), 1),
+    ("mi_new_nothrow", Signature::alloc(A0), 1),
+    ("mi_new_aligned", Signature::alloc(A0), 2),
+    ("mi_new_aligned_nothrow", Signature::alloc(A0), 2),
+    ("mi_new_n", Signature::alloc(Size::Product(0, 1)), 2),
+    ("mi_new_realloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("mi_new_reallocn", Signature::realloc(0, Size::Product(1, 2)), 3),
+    ("mi_heap_malloc", Signature::alloc(Size::Arg(1)), 2),
+    ("mi_heap_zalloc", Signature::alloc(Size::Arg(1)), 2),
+    ("mi_heap_malloc_small", Signature::alloc(Size::Arg(1)), 2),
+    ("mi_heap_calloc", Signature::alloc(Size::Product(1, 2)), 3),
+    ("mi_heap_mallocn", Signature::alloc(Size::Product(1, 2)), 3),
+    ("mi_heap_malloc_aligned", Signature::alloc(Size::Arg(1)), 3),
+    ("mi_heap_zalloc_aligned", Signature::alloc(Size::Arg(1)), 3),
+    ("mi_heap_calloc_aligned", Signature::alloc(Size::Product(1, 2)), 4),
+    ("mi_heap_strdup", Signature::alloc(Size::ResultStrlen), 2),
+    ("mi_heap_strndup", Signature::alloc(Size::ResultStrlen), 3),
+    ("mi_heap_realloc", Signature::realloc(1, Size::Arg(2)), 3),
+    ("mi_heap_rezalloc", Signature::realloc(1, Size::Arg(2)), 3),
+    ("mi_heap_reallocn", Signature::realloc(1, Size::Product(2, 3)), 4),
+    ("mi_heap_realloc_aligned", Signature::realloc(1, Size::Arg(2)), 4),
+];
+
+/// The own APIs of other allocators, entry points by default:
+/// [`JEMALLOC`] unprefixed and with its prefixes `je_` and `_rjem_` (with
+/// its standard functions under them), [`TCMALLOC`] and [`MIMALLOC`].
+/// Their heap is [`Heap::Other`].
+pub fn allocator_apis() -> Vec<EntryPoint> {
+    let mut out = Vec::new();
+    let mut add = |prefix: &str, api: Api| {
+        for (name, sig, args) in api {
+            let name = format!("{prefix}{name}");
+            out.push(EntryPoint {
+                target: Target::Symbol(name.clone()),
+                display: name,
+                sig: *sig,
+                args: *args,
+                heap: Heap::Other,
+            });
+        }
+    };
+    add("", JEMALLOC);
+    for prefix in ["je_", "_rjem_"] {
+        add(prefix, JEMALLOC_STANDARD);
+        add(prefix, JEMALLOC);
+    }
+    add("", TCMALLOC);
+    add("", MIMALLOC);
+    out
+}
+
+/// Whether a call of the entry point named `display` must fail by
+/// throwing (C++'s throwing `operator new`, and the allocators' own
+/// throwing `new`): it is called with a size it refuses, and throws.
+pub fn throws(display: &str) -> bool {
+    let new = display.starts_with("operator new") || display.starts_with("tc_new") || display.starts_with("mi_new");
+    new && !display.contains("nothrow")
 }
 
 /// An error in an `--entry` specification.
@@ -318,7 +510,7 @@ pub fn parse_spec(spec: &str) -> std::result::Result<EntryPoint, SpecError> {
         return Err(err(format!("size=strlen needs a returned string, not out=arg{o}")));
     }
     let display = name.unwrap_or_else(|| target.to_string());
-    Ok(EntryPoint { target, display, sig, args: 6 })
+    Ok(EntryPoint { target, display, sig, args: 6, heap: Heap::Other })
 }
 
 #[cfg(test)]
@@ -335,8 +527,15 @@ mod tests {
                 Target::Address(_) => unreachable!(),
             })
             .collect();
-        // 12 C functions, 8 new, 2 * (2*2*2 - 2) = 12 delete.
-        assert_eq!(d.len(), 12 + 8 + 12);
+        // 14 C functions, 8 new, 2 * (2*2*2 - 2) = 12 delete, then the
+        // other allocators' APIs.
+        assert_eq!(d.len(), 14 + 8 + 12 + allocator_apis().len());
+        assert!(d[..34].iter().all(|e| e.heap == Heap::Malloc));
+        assert!(d[34..].iter().all(|e| e.heap == Heap::Other));
+        let mut unique = names.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "an entry point is named twice");
         for must in [
             "_Znwm",
             "_ZnamRKSt9nothrow_t",
@@ -344,11 +543,44 @@ mod tests {
             "_ZdlPvm",
             "_ZdaPvmSt11align_val_t",
             "_ZdlPvSt11align_val_tRKSt9nothrow_t",
+            "free_sized",
+            "mallocx",
+            "_rjem_sdallocx",
+            "je_calloc",
+            "tc_delete_sized_aligned",
+            "mi_heap_realloc",
         ] {
             assert!(names.iter().any(|n| n == must), "{must} missing");
         }
         let new = d.iter().find(|e| e.target == Target::Symbol("_ZnwmSt11align_val_t".into())).unwrap();
         assert_eq!(new.display, "operator new(unsigned long, std::align_val_t)");
+    }
+
+    #[test]
+    fn allocator_apis_read_their_arguments() {
+        let d = defaults();
+        let get = |n: &str| d.iter().find(|e| e.target == Target::Symbol(n.into())).unwrap().clone();
+        let e = get("sdallocx");
+        assert_eq!((e.sig, e.args, e.heap), (Signature::free(0), 3, Heap::Other));
+        assert_eq!(get("_rjem_rallocx").sig, Signature::realloc(0, Size::Arg(1)));
+        assert_eq!(get("je_posix_memalign").sig.result, Returns::OutArg(0));
+        assert_eq!(get("mi_calloc").sig.size, Size::Product(0, 1));
+        let e = get("mi_heap_realloc");
+        assert_eq!((e.sig.freed, e.sig.size), (Some(1), Size::Arg(2)));
+        assert_eq!(get("free_aligned_sized").heap, Heap::Malloc);
+        for e in &d {
+            assert!(e.sig.args_read().all(|a| a < e.args), "{}: reads past its {} arguments", e.display, e.args);
+        }
+        for (name, throws_) in [
+            ("operator new(unsigned long)", true),
+            ("operator new(unsigned long, std::nothrow_t const&)", false),
+            ("mi_new_n", true),
+            ("mi_new_aligned_nothrow", false),
+            ("tc_newarray", true),
+            ("malloc", false),
+        ] {
+            assert_eq!(throws(name), throws_, "{name}");
+        }
     }
 
     #[test]

@@ -47,7 +47,7 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
                 original,
                 len: site.len,
                 form: site.form as u8,
-                entry: site.entry as u16,
+                entry: s.entry_slot.get(site.entry).copied().unwrap_or(u16::MAX),
                 function,
                 file,
                 line,
@@ -59,13 +59,12 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
             }
         })
         .collect();
-    let entries: Vec<layout::Entry> = a
-        .scan
-        .entries
+    let entries: Vec<layout::Entry> = s
+        .table_entries
         .iter()
         .zip(&s.entries)
-        .enumerate()
-        .map(|(i, (en, &name))| layout::Entry {
+        .map(|(&i, &name)| (i, &a.scan.entries[i], name))
+        .map(|(i, en, name)| layout::Entry {
             name,
             kind: en.sig.kind.code(),
             sig: layout::encode_sig(&en.sig),
