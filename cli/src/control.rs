@@ -426,6 +426,11 @@ fn switch_with(args: &SwitchArgs, request: Request, depth: u32, sites: &[u64]) -
                         ),
                     }
                 }
+                Request::Trace => format!(
+                    "process {pid}: recording events ({where_}{took}{})",
+                    if before.on { "" } else { "; profiling switched on for the trace" }
+                ),
+                Request::NoTrace => format!("process {pid}: events no longer recorded"),
                 Request::On if before.on => format!("process {pid}: profiling was already on ({where_})"),
                 Request::On => format!("process {pid}: profiling on ({where_}{took})"),
                 Request::Reset => {

@@ -14,6 +14,7 @@ mod serve;
 mod sites;
 mod snapshot;
 mod top;
+mod trace;
 mod util;
 
 use alloctramp_trampolines::process::Request;
@@ -56,6 +57,7 @@ enum Command {
     Callers(control::CallersArgs),
     Fail(fault::FailArgs),
     Faultsweep(fault::SweepArgs),
+    Trace(trace::TraceArgs),
     Demo(demo::Args),
     Clean(clean::Args),
     /// Patch a library into `run`'s cache (run by the loader's audit
@@ -104,6 +106,7 @@ fn main() -> ExitCode {
         Command::Callers(args) => control::run_callers(&args),
         Command::Fail(args) => fault::run_fail(&args),
         Command::Faultsweep(args) => fault::run_sweep(args),
+        Command::Trace(args) => trace::run_trace(&args),
         Command::Demo(args) => demo::run(args),
         Command::Clean(args) => clean::run(args),
         Command::CacheLibrary { file } => run::cache_library(&file),

@@ -37,6 +37,11 @@ pub struct Args {
     /// `alloctramp fail --help`); implies --on.
     #[arg(long = "fail", value_name = "SPEC")]
     pub fail: Vec<String>,
+    /// Record every allocation, free and realloc as an event into the
+    /// CTF trace directory DIR (see `alloctramp trace --help`); implies
+    /// --on.
+    #[arg(long = "trace", value_name = "DIR")]
+    pub trace: Option<PathBuf>,
     /// Write the report to FILE instead of stderr.
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -284,7 +289,8 @@ pub fn run(mut args: Args) -> Result<()> {
         true => None,
         false => Some(crate::fault::check_specs(&args.fail)?),
     };
-    args.on |= fail.is_some();
+    args.on |= fail.is_some() || args.trace.is_some();
+    let trace_partial = args.trace.as_deref().map(crate::trace::start_output).transpose()?;
     let mut program_arg = args.command.remove(0);
     let mut program = find_program(&program_arg)?;
     // A script: its interpreter is the program, as the kernel runs it.
@@ -318,6 +324,9 @@ pub fn run(mut args: Args) -> Result<()> {
     if let Some(f) = &fail {
         cmd.env("ALLOCTRAMP_FAIL", f);
     }
+    if trace_partial.is_some() {
+        cmd.env("ALLOCTRAMP_TRACE", "on");
+    }
     if args.view.callers && std::env::var_os("ALLOCTRAMP_CALLERS").is_none() {
         cmd.env("ALLOCTRAMP_CALLERS", "on");
     }
@@ -343,7 +352,24 @@ pub fn run(mut args: Args) -> Result<()> {
     if !args.view.quiet {
         eprintln!("alloctramp: running {} as pid {pid}, {on}", program.display());
     }
-    let status = child.wait().context("waiting for the program")?;
+    let status = match (&trace_partial, &args.trace) {
+        (Some(partial), Some(output)) => {
+            let traced = trace_child(&mut child, &dir, partial);
+            let status = child.wait().context("waiting for the program")?;
+            match traced {
+                Ok(summary) => {
+                    crate::trace::finish_output(partial, output)?;
+                    eprintln!("alloctramp: {}", summary.text(output));
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(partial);
+                    eprintln!("alloctramp: no trace: {e:#}");
+                }
+            }
+            status
+        }
+        _ => child.wait().context("waiting for the program")?,
+    };
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
     let file = dir.join(alloctramp_trampolines::process::counters_file_name(pid));
     let files = match args.tree {
@@ -406,6 +432,29 @@ pub fn run(mut args: Args) -> Result<()> {
         }
     }
     std::process::exit(code)
+}
+
+/// Drains the events of `child` (started with `ALLOCTRAMP_TRACE=on`)
+/// into the trace directory `partial` until it exits.
+fn trace_child(child: &mut std::process::Child, dir: &Path, partial: &Path) -> Result<crate::trace::Summary> {
+    let pid = child.id();
+    let trace_path = dir.join(alloctramp_trampolines::trace::file_name(pid));
+    let counters = dir.join(alloctramp_trampolines::process::counters_file_name(pid));
+    // The runtime makes the file at start-up, and keeps it at exit for us.
+    let mut file = loop {
+        let exited = child.try_wait()?.is_some();
+        match crate::trace::TraceFile::open(&trace_path) {
+            Ok(f) => break f,
+            Err(e) if exited => return Err(e),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
+        }
+    };
+    let start = file.start_tsc();
+    let mut d = crate::trace::Drainer::new(partial, start);
+    while child.try_wait()?.is_none() {
+        d.drain_and_wait(&mut file)?;
+    }
+    crate::trace::finish_trace(d, &mut file, &trace_path, &counters, pid)
 }
 
 /// The counters files of a run's tree: the root's first, then the others

@@ -19,4 +19,5 @@ mod report;
 mod run;
 mod runtime;
 mod sites;
+mod trace;
 mod view;

@@ -165,6 +165,12 @@ pub fn apply(cmd: Command) {
             crate::callers::set_depth(depth)
         }
         Command::Do(Request::NoCallers) => crate::callers::set_depth(0),
+        Command::Do(Request::Trace) => start_trace(),
+        Command::Do(Request::NoTrace) => {
+            crate::trace::stop();
+            registry::set_tracing_all(false);
+            Ok(())
+        }
         Command::Do(Request::Fail) => {
             let set = crate::fault::set_from_file();
             registry::publish_fail_sites();
@@ -201,6 +207,17 @@ pub fn apply(cmd: Command) {
     if let Some(h) = header() {
         h.generation.fetch_add(1, Ordering::AcqRel);
     }
+}
+
+/// Starts recording events (and profiling, if it was off).
+pub fn start_trace() -> Result<(), &'static str> {
+    if !LIVE.load(Ordering::Relaxed) {
+        return Err("tracing needs live tracking (the process was started with ALLOCTRAMP_LIVE=0)");
+    }
+    registry::prepare_live()?;
+    crate::trace::start()?;
+    registry::set_tracing_all(true);
+    if state::is_on() { Ok(()) } else { registry::switch_all(Sites::On) }
 }
 
 fn monotonic_ns() -> u64 {

@@ -19,7 +19,9 @@
 //! `ALLOCTRAMP_SIGNAL`, default `SIGRTMAX-7`, see
 //! [`DEFAULT_SIGNAL_FROM_RTMAX`]; `none`: only the environment),
 //! `ALLOCTRAMP_DIR` (where the counters files go), `ALLOCTRAMP_KEEP` (how
-//! many files of ended processes stay there).
+//! many files of ended processes stay there), `ALLOCTRAMP_TRACE=on`
+//! (record every allocation and free as an event from the start, for
+//! `alloctramp trace` or `alloctramp run --trace` to drain; see `trace`).
 
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc, clippy::indexing_slicing)]
 
@@ -35,6 +37,7 @@ mod shards;
 mod state;
 mod sys;
 mod tls;
+mod trace;
 mod unwinding;
 
 use alloctramp_trampolines::layout::{self, API_VERSION};
@@ -224,6 +227,10 @@ extern "C" fn after_fork_in_child() {
     FORKED.store(false, Ordering::Relaxed);
     shards::after_fork_in_child();
     fault::after_fork_in_child();
+    if trace::ON.load(Ordering::Relaxed) {
+        trace::after_fork_in_child();
+        registry::set_tracing_all(false);
+    }
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
     // The child profiled only if its sites are on now.
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
@@ -344,9 +351,10 @@ fn init() {
     // Fault injection acts on sites that are on: specs at start switch
     // profiling on.
     let fail = have_file && std::env::var("ALLOCTRAMP_FAIL").is_ok_and(|v| fault::set_from_env(v.as_bytes()));
+    let traced = have_file && live && env_flag("ALLOCTRAMP_TRACE", ["on", "off"], false, "no events recorded");
     // Without its file the process is not profiled: figures nobody can
     // read would cost the program what profiling costs.
-    let on = (on || fail) && have_file;
+    let on = (on || fail || traced) && have_file;
     if on {
         state::WANT.store(state::Sites::On as u8, Ordering::Release);
     }
@@ -358,6 +366,11 @@ fn init() {
         && (on || matches!(mode, Switch::Signal(_)))
         && let Err(e) = registry::prepare_live()
     {
+        state::report_error(e);
+    }
+    // Before any module registers: each turns tracing on as it turns live
+    // tracking on.
+    if traced && let Err(e) = trace::start() {
         state::report_error(e);
     }
     registry::CAPTURE.store(callers::capture as *const () as usize as u64, Ordering::Relaxed);
@@ -463,6 +476,11 @@ static FINI: extern "C" fn() = {
                 f.remove();
             }
         });
+        // A trace under way keeps its file: the drainer reads the last
+        // events after the process is gone, and removes it.
+        if !trace::ON.load(Ordering::Relaxed) {
+            procfile::remove_trace_file();
+        }
         // A process that keeps its file keeps the directory within its
         // bound; others leave that to the watcher threads.
         if state::PROFILED.load(Ordering::Relaxed) {
@@ -579,7 +597,7 @@ const LAYERS: &[&[&str]] = &[
     &["sys", "tls"],
     &["shards"],
     &["procfile"],
-    &["state", "fault"],
+    &["state", "fault", "trace"],
     &["patching", "live", "foreign"],
     &["unwinding"],
     &["registry"],

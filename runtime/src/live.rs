@@ -56,9 +56,10 @@
 //! starts with an empty map (`MADV_WIPEONFORK`).
 
 use crate::procfile::{ProcFile, header};
-use crate::tls;
+use crate::{tls, trace};
 use alloctramp_trampolines::layout::shadow;
 use alloctramp_trampolines::layout::{CELL_SIZE, ControlBlock, cell};
+use alloctramp_trampolines::trace::kind as trace_kind;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -763,7 +764,7 @@ fn give_ids(control: &ControlBlock, slot: usize, file: Option<(&mut ProcFile, u3
     let fits = n > 0
         && FREED.load(r) != 0
         && u64::from(first) + u64::from(n) <= 1 << shadow::ID_BITS
-        && file.is_some_and(|(f, index)| alias_freed(f, index, first, stride, mask));
+        && file.is_some_and(|(f, index)| alias_freed(f, index, first, stride, mask) && f.set_first_id(index, first));
     if !fits {
         m.first_id.store(0, r);
         no_inline_records(control);
@@ -857,6 +858,153 @@ pub unsafe fn enable_in(control: &ControlBlock, slot: u64, file: Option<(&mut Pr
         .shadow_mask
         .store((granules << shadow::GRANULE_SHIFT).wrapping_sub(1) & !((1 << shadow::GRANULE_SHIFT) - 1), r);
     give_ids(control, slot as usize, file);
+    if trace::ON.load(Ordering::Acquire) {
+        // SAFETY: the module's control block, live tracking just on.
+        unsafe { set_tracing(control, slot as usize, true) };
+    }
+}
+
+/// Switches a module's trampolines to tracing (`on`) or back: while
+/// tracing, they leave every record to the runtime, whose tracing
+/// functions record each event (see `trace`). No trampoline runs a
+/// tracing instruction otherwise. The fields change one by one under
+/// running trampolines, and every mix of old and new values is correct:
+/// the limits only choose between the inline path and the runtime's, the
+/// mask 0 sends a free's inline lookup to the entry of the map's first
+/// granule (which no object starts in, so it finds no record and calls
+/// the runtime, whose lookup uses the whole map), and either set of
+/// functions tracks objects the same way. A module without ids (its
+/// frees could not name the allocating site) is not traced.
+///
+/// # Safety
+/// `control` must be the module's control block, with live tracking on.
+pub unsafe fn set_tracing(control: &ControlBlock, slot: usize, on: bool) {
+    let r = Ordering::Relaxed;
+    let has_ids = MODULES.get(slot).is_some_and(|m| m.first_id.load(Ordering::Acquire) != 0);
+    if control.track_alloc.load(r) == 0 || !has_ids {
+        return;
+    }
+    if on {
+        control.track_alloc.store(trace_alloc as *const () as u64, r);
+        control.track_free.store(trace_free as *const () as u64, r);
+        control.track_realloc_begin.store(trace_realloc_begin as *const () as u64, r);
+        control.track_realloc_end.store(trace_realloc_end as *const () as u64, r);
+        control.inline_limit.store(0, r);
+        control.cas_limit.store(0, r);
+        control.shadow_mask.store(0, r);
+    } else {
+        let granules = GRANULES.load(r);
+        control
+            .shadow_mask
+            .store((granules << shadow::GRANULE_SHIFT).wrapping_sub(1) & !((1 << shadow::GRANULE_SHIFT) - 1), r);
+        control.cas_limit.store(shadow::SIZE_LIMIT, r);
+        control.inline_limit.store(if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 }, r);
+        control.track_alloc.store(track_alloc as *const () as u64, r);
+        control.track_free.store(track_free as *const () as u64, r);
+        control.track_realloc_begin.store(track_realloc_begin as *const () as u64, r);
+        control.track_realloc_end.store(track_realloc_end as *const () as u64, r);
+    }
+}
+
+/// The process-wide id of a counter cell's site (shard 0's copy, or a
+/// cell of the freed view), as traces name sites; 0: not known.
+fn id_of_cell(cell: u64) -> u32 {
+    let id = id_of_freed_cell(cell);
+    if id != 0 {
+        return id;
+    }
+    for m in &MODULES {
+        let base = m.base.load(Ordering::Acquire);
+        let (size, stride) = (m.size.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed));
+        let first = m.first_id.load(Ordering::Relaxed);
+        if base != 0 && stride != 0 && first != 0 && cell >= base && cell - base < size {
+            return first + ((cell - base) % stride / CELL_SIZE as u64) as u32;
+        }
+    }
+    0
+}
+
+fn charge_site(c: Charge) -> u32 {
+    match c {
+        Charge::Id(id) => id,
+        Charge::Cell(cell) => id_of_cell(cell),
+    }
+}
+
+/// [`track_alloc`], recording the event.
+///
+/// # Safety
+/// As for [`track_alloc`].
+unsafe extern "C" fn trace_alloc(ptr: u64, size: u64, index: u64, control: *const u8) -> u64 {
+    // SAFETY: forwarded from the caller.
+    let o = unsafe { origin(index, control) };
+    track(ptr, o, size);
+    trace::record(trace_kind::ALLOC, o.id, 0, ptr, size);
+    ptr
+}
+
+/// [`track_free`], recording the event (with the site that allocated
+/// the object, when known).
+///
+/// # Safety
+/// As for [`track_free`].
+unsafe extern "C" fn trace_free(ptr: u64, index: u64, control: *const u8) -> u64 {
+    // SAFETY: forwarded from the caller.
+    let site = unsafe { origin(index, control) }.id;
+    if ptr == 0 {
+        trace::record(trace_kind::FREE, site, 0, 0, 0);
+        return 0;
+    }
+    if DRAINING.load(Ordering::Relaxed) {
+        return free_draining(ptr);
+    }
+    match remove(ptr) {
+        Some((c, size)) => {
+            charge(c, size);
+            trace::record(trace_kind::FREE, site, charge_site(c), ptr, size);
+        }
+        None if nested(ptr) => {}
+        None => {
+            untracked_free(index, control);
+            trace::record(trace_kind::FREE, site, 0, ptr, 0);
+        }
+    }
+    ptr
+}
+
+/// [`track_realloc_begin`], keeping the old pointer for the event.
+///
+/// # Safety
+/// As for [`track_realloc_begin`].
+unsafe extern "C" fn trace_realloc_begin(old: u64, token: *mut u64, index: u64, control: *const u8) -> u64 {
+    tls::set(tls::TRACE_OLD, old);
+    // SAFETY: forwarded from the caller.
+    unsafe { track_realloc_begin(old, token, index, control) }
+}
+
+/// [`track_realloc_end`], recording the event when the realloc moved or
+/// freed the object.
+///
+/// # Safety
+/// As for [`track_realloc_end`].
+unsafe extern "C" fn trace_realloc_end(
+    result: u64,
+    token: *const u64,
+    size: u64,
+    index: u64,
+    control: *const u8,
+) -> u64 {
+    // SAFETY: the token the trampoline passed to track_realloc_begin.
+    let old = unsafe { Entry { key: token.read(), value: token.add(1).read() } };
+    let (alloc_site, old_size) = if old.key != 0 { (id_of_cell(old.cell()), old.size()) } else { (0, 0) };
+    // SAFETY: forwarded from the caller.
+    let site = unsafe { origin(index, control) }.id;
+    // SAFETY: forwarded from the caller.
+    let r = unsafe { track_realloc_end(result, token, size, index, control) };
+    if result != 0 || size == 0 {
+        trace::record_realloc(site, alloc_site, tls::get(tls::TRACE_OLD), old_size, result, size);
+    }
+    r
 }
 
 /// The cell a record names when it can name no site's: a free of it counts

@@ -205,6 +205,7 @@ impl ProcFile {
         let fd = Fd(create_file(tmp.c_str())?);
         UNWIND_PATH.set(path_in(dir, pid_name(pid, ".unwind").bytes()).bytes());
         FAIL_PATH.set(path_in(dir, pid_name(pid, ".fail").bytes()).bytes());
+        TRACE_PATH.set(path_in(dir, pid_name(pid, ".trace").bytes()).bytes());
         let Some((dev, ino)) = identity(fd.0) else { return Err("cannot create the counters file") };
         if let Err(e) = reserve(fd.0, 0, PROC_HEADER_SIZE) {
             // SAFETY: tmp is NUL-terminated.
@@ -405,6 +406,16 @@ impl ProcFile {
         s.bias.store(bias, Ordering::Relaxed);
         self.header.module_count.store(index + 1, Ordering::Release);
         Ok((index, mapped as u64))
+    }
+
+    /// Publishes module `index`'s first site id (see
+    /// [`ModuleSlot::first_id`]); true (the module's figures stay right
+    /// whether or not its slot says).
+    pub fn set_first_id(&self, index: u32, first: u32) -> bool {
+        if let Some(s) = self.slot(index) {
+            s.first_id.store(first, Ordering::Release);
+        }
+        true
     }
 
     /// Gives shard `s` of every module in the file its storage.
@@ -666,6 +677,53 @@ static FAIL_PATH: sys::PathCell = sys::PathCell::new();
 
 pub fn fail_path() -> Path {
     FAIL_PATH.get()
+}
+
+/// The process's trace file (`PID.trace`: see `trace`), next to its
+/// counters file.
+static TRACE_PATH: sys::PathCell = sys::PathCell::new();
+
+/// Creates the trace file (replacing one an earlier process with the same
+/// pid left), `size` bytes with their storage, and maps it shared, not
+/// inherited by a forked child: its address. Async-signal-safe.
+pub fn create_trace_file(size: u64) -> Result<u64, &'static str> {
+    let mut path = TRACE_PATH.get();
+    if path.bytes().is_empty() {
+        return Err("no trace file: the process has no counters file");
+    }
+    let fd = Fd(create_file(path.c_str()).map_err(|_| "cannot create the trace file")?);
+    if let Err(e) = reserve(fd.0, 0, size) {
+        // SAFETY: the path is NUL-terminated.
+        unsafe { libc::unlink(path.c_str().as_ptr()) };
+        return Err(e);
+    }
+    // SAFETY: fd is ours; `reserve` gave the whole file its storage. The
+    // mapping is never unmapped (threads keep pointers into it).
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            size as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.0,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            libc::unlink(path.c_str().as_ptr());
+            return Err("cannot map the trace file");
+        }
+        libc::madvise(p, size as usize, libc::MADV_DONTFORK);
+        Ok(p as u64)
+    }
+}
+
+/// Removes the trace file, if the process made one (at exit).
+pub fn remove_trace_file() {
+    let mut path = TRACE_PATH.get();
+    if !path.bytes().is_empty() {
+        // SAFETY: the path is NUL-terminated.
+        unsafe { libc::unlink(path.c_str().as_ptr()) };
+    }
 }
 
 /// The process file's header, once created: readable from signal handlers.

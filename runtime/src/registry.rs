@@ -1105,6 +1105,26 @@ unsafe fn enable_live(slot: &Slot) {
     });
 }
 
+/// Switches the trampolines of every module with live tracking to
+/// tracing or back (see `live::set_tracing`). Modules that turn live
+/// tracking on later follow the trace's state (`live::enable_in`).
+pub fn set_tracing_all(on: bool) {
+    for (i, slot) in slots().enumerate() {
+        if !slot.try_hold() {
+            continue;
+        }
+        // SAFETY: a held slot's table is mapped.
+        if let Some(t) = unsafe { slot.table() } {
+            // SAFETY: as above: the module is loaded.
+            let control = unsafe { control_block(slot.bias.load(Ordering::Relaxed), &t.header) };
+            // SAFETY: the module's control block (a module without live
+            // tracking is left alone).
+            unsafe { live::set_tracing(control, i, on) };
+        }
+        slot.release();
+    }
+}
+
 /// Switches every module; modules busy elsewhere converge by themselves.
 /// On an error, every module goes back to the state it had before and the
 /// first error is returned.

@@ -227,6 +227,16 @@ pub fn serialize(b: Barrier) -> bool {
     }
 }
 
+/// A clock's time in nanoseconds.
+pub fn clock_ns(clock: libc::clockid_t) -> u64 {
+    // SAFETY: clock_gettime writes the timespec.
+    unsafe {
+        let mut ts: libc::timespec = std::mem::zeroed();
+        libc::clock_gettime(clock, &mut ts);
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+}
+
 pub fn now_secs() -> u64 {
     // SAFETY: time(NULL) has no memory effects.
     unsafe { libc::time(std::ptr::null_mut()) as u64 }

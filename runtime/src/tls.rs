@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence thirteen words of
+//! `__tls_get_addr`, which a trampoline cannot call; hence fifteen words of
 //! `.tbss` declared here and read with `fs:`-relative moves. A library with
-//! static TLS loaded by `dlopen` takes its 104 bytes from the surplus glibc
+//! static TLS loaded by `dlopen` takes its 120 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,104",
+    ".size alloctramp_rt_tls,120",
     "alloctramp_rt_tls:",
-    ".zero 104",
+    ".zero 120",
     ".popsection",
 );
 
@@ -68,6 +68,13 @@ pub const FREED_SHARD: usize = 9;
 pub const FAIL_SP: usize = 10;
 pub const FAIL_DEPTH: usize = 11;
 pub const FAIL_CELL: usize = 12;
+
+/// Word 13: the thread's ring in the trace file while events are
+/// recorded (0: none claimed yet; 1: none free, see `trace`).
+pub const TRACE_RING: usize = 13;
+/// Word 14: the old pointer of the thread's realloc under way, while
+/// events are recorded.
+pub const TRACE_OLD: usize = 14;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]

@@ -5,6 +5,7 @@
 //! * [`layout`]: the site table, module control block and counters.
 //! * [`fault`]: fault injection specs (which calls of which sites fail).
 //! * [`process`]: the per-process counters file the runtime shares.
+//! * [`trace`]: event traces: the trace file's rings and the CTF trace.
 //! * [`pod`]: plain-data views, the one place bytes become structs.
 //! * `codegen` (feature `codegen`): the trampolines and stubs.
 //! * `frames` (feature `codegen`): where a trampoline keeps the stack, for
@@ -20,3 +21,4 @@ pub mod frames;
 pub mod layout;
 pub mod pod;
 pub mod process;
+pub mod trace;

@@ -195,7 +195,11 @@ pub struct ModuleSlot {
     pub unloaded: AtomicU32,
     /// 1 while the module's sites are switched on.
     pub on: AtomicU32,
-    pub reserved: [u8; 16],
+    /// The process-wide id of its site 0 (site `i` is `first_id + i`, as
+    /// event traces name sites); 0: none (no live tracking, or a file
+    /// written before the field).
+    pub first_id: AtomicU32,
+    pub reserved: [u8; 12],
 }
 
 // SAFETY: repr(C), integers, atomics of integers and byte arrays only.
@@ -417,6 +421,12 @@ pub enum Request {
     /// Replace the fault injection specs with the fail file's
     /// (`PID.fail` beside the process file; missing or empty: none).
     Fail = 7,
+    /// Record every allocation, free and realloc as an event in the trace
+    /// file (`PID.trace` beside the process file; see `trace`), and switch
+    /// profiling on.
+    Trace = 8,
+    /// Stop recording events.
+    NoTrace = 9,
 }
 
 impl Request {
@@ -429,6 +439,8 @@ impl Request {
             5 => Some(Request::Callers),
             6 => Some(Request::NoCallers),
             7 => Some(Request::Fail),
+            8 => Some(Request::Trace),
+            9 => Some(Request::NoTrace),
             _ => None,
         }
     }
@@ -443,15 +455,26 @@ impl Request {
             Request::Callers => "callers",
             Request::NoCallers => "no callers",
             Request::Fail => "fail",
+            Request::Trace => "trace",
+            Request::NoTrace => "no trace",
         }
     }
 
     /// Parses a control file's words (surrounding white space ignored).
     pub fn parse(text: &[u8]) -> Option<Request> {
         let t = text.trim_ascii();
-        [Request::On, Request::Off, Request::OffNow, Request::Reset, Request::Callers, Request::NoCallers]
-            .into_iter()
-            .find(|r| r.text().as_bytes() == t)
+        [
+            Request::On,
+            Request::Off,
+            Request::OffNow,
+            Request::Reset,
+            Request::Callers,
+            Request::NoCallers,
+            Request::Trace,
+            Request::NoTrace,
+        ]
+        .into_iter()
+        .find(|r| r.text().as_bytes() == t)
     }
 }
 
@@ -509,6 +532,8 @@ pub struct Module<'a> {
     pub bias: u64,
     pub unloaded: bool,
     pub on: bool,
+    /// See [`ModuleSlot::first_id`].
+    pub first_id: u32,
     counters: &'a [u8],
 }
 
@@ -690,6 +715,7 @@ impl<'a> ProcessFile<'a> {
                 bias: sl.bias.load(Ordering::Relaxed),
                 unloaded: sl.unloaded.load(Ordering::Relaxed) == 1,
                 on: sl.on.load(Ordering::Relaxed) == 1,
+                first_id: sl.first_id.load(Ordering::Relaxed),
                 counters: cb,
             });
         }

@@ -1,0 +1,188 @@
+//! Event traces: `alloctramp trace PID` on a running process and `run
+//! --trace` from the start write CTF traces that babeltrace2 reads; every
+//! event is in the trace or counted lost.
+
+use crate::patch::patch_to;
+use crate::runtime::counters_dir;
+use crate::util::*;
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// The line of the site marked `NAME */` in testbins/trace/pairs.c.
+fn line_of(name: &str) -> u32 {
+    let text = std::fs::read_to_string(testbins_dir().join("trace/pairs.c")).unwrap();
+    let tag = format!(" {name} */");
+    let lines: Vec<usize> =
+        text.lines().enumerate().filter(|(_, l)| l.contains("@site") && l.contains(&tag)).map(|(i, _)| i + 1).collect();
+    assert_eq!(lines.len(), 1, "one {tag}");
+    lines[0] as u32
+}
+
+/// An event as babeltrace2 prints it: its name and fields.
+type Event = (String, HashMap<String, String>);
+
+/// `babeltrace2 DIR`: its events and what it said on stderr.
+fn babeltrace(dir: &Path) -> (Vec<Event>, String) {
+    ensure_tool("babeltrace2", "babeltrace2");
+    let o = Command::new("babeltrace2").arg(dir).output().unwrap();
+    assert!(o.status.success(), "babeltrace2 {}: {}", dir.display(), String::from_utf8_lossy(&o.stderr));
+    let mut events = Vec::new();
+    for l in String::from_utf8_lossy(&o.stdout).lines() {
+        // [time] (+delta) procname NAME: { tid = N }, { f = v, ... }
+        let Some((head, body)) = l.split_once(": { ") else { panic!("an event line: {l}") };
+        let name = head.rsplit(' ').next().unwrap().to_string();
+        let fields = body
+            .split(", ")
+            .flat_map(|kv| kv.trim_matches(|c| c == '{' || c == '}' || c == ' ').split_once(" = "))
+            .map(|(k, v)| (k.trim_start_matches("{ ").to_string(), v.trim_matches('"').to_string()))
+            .collect();
+        events.push((name, fields));
+    }
+    (events, String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// The site ids the trace's `site` events give the lines of pairs.c.
+fn sites_by_line(events: &[Event]) -> HashMap<u32, String> {
+    events
+        .iter()
+        .filter(|(n, f)| n == "site" && f["file"].ends_with("trace/pairs.c"))
+        .map(|(_, f)| (f["line"].parse().unwrap(), f["site"].clone()))
+        .collect()
+}
+
+#[test]
+fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
+    let dir = scratch("trace-pairs");
+    let counters = counters_dir("trace-pairs");
+    let bin = build_source("trace/pairs.c", &dir);
+    let patched = dir.join("pairs.patched");
+    patch_to(&bin, &patched, &[]);
+    let mut p = Talk::start(&patched, &[], &[("ALLOCTRAMP_DIR", counters.to_str().unwrap())]);
+    assert_eq!(p.line(), "ready\n");
+    let pid = p.child.id().to_string();
+    let out = dir.join("trace");
+    let _ = std::fs::remove_dir_all(&out);
+    let mut tracer = alloctramp()
+        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(tracer.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    assert!(first.contains("recording events"), "{first}");
+    assert!(first.contains("profiling switched on for the trace"), "{first}");
+    p.send("go 1000");
+    assert_eq!(p.line(), "done\n");
+    p.send("realloc");
+    assert_eq!(p.line(), "done\n");
+    // SAFETY: kill(2) on the tracer's pid.
+    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    assert!(tracer.wait().unwrap().success(), "{rest}");
+    assert!(rest.contains("no event lost"), "{rest}");
+    // The process goes on untraced, profiling off again.
+    p.send("go 10");
+    assert_eq!(p.line(), "done\n");
+    drop(p.child.stdin.take());
+    assert_eq!(p.finish(), (String::new(), Some(0)));
+
+    let (events, warnings) = babeltrace(&out);
+    assert_eq!(warnings, "", "babeltrace2 reads the trace without a warning");
+    let sites = sites_by_line(&events);
+    let [a, f, r0, r1, r2, r3] = ["A", "F", "R0", "R1", "R2", "R3"].map(|n| sites[&line_of(n)].clone());
+    let count = |name: &str, k: &str, v: &str| events.iter().filter(|(n, f)| n == name && f[k] == v).count();
+    assert_eq!(count("alloc", "site", &a), 1000);
+    assert!(events.iter().filter(|(n, f)| n == "alloc" && f["site"] == a).all(|(_, f)| f["size"] == "48"));
+    assert_eq!(count("free", "alloc_site", &a), 1000);
+    assert_eq!(count("free", "site", &f), 1000);
+    // Every pointer allocated at A is freed at F once.
+    let mut at_a: Vec<&String> =
+        events.iter().filter(|(n, f)| n == "alloc" && f["site"] == a).map(|(_, f)| &f["ptr"]).collect();
+    let mut freed: Vec<&String> =
+        events.iter().filter(|(n, f)| n == "free" && f["alloc_site"] == a).map(|(_, f)| &f["ptr"]).collect();
+    at_a.sort();
+    freed.sort();
+    assert_eq!(at_a, freed);
+    // The realloc chain: R0's object grown at R1, then at R2, freed at R3.
+    let reallocs: Vec<&HashMap<String, String>> =
+        events.iter().filter(|(n, _)| n == "realloc").map(|(_, f)| f).collect();
+    assert_eq!(reallocs.len(), 2);
+    let pick =
+        |f: &HashMap<String, String>| [&f["site"], &f["alloc_site"], &f["size"], &f["old_size"]].map(|s| s.to_string());
+    assert_eq!(pick(reallocs[0]), [r1.clone(), r0.clone(), "100".into(), "10".into()]);
+    assert_eq!(pick(reallocs[1]), [r2.clone(), r1, "5000".into(), "100".into()]);
+    assert_eq!(reallocs[1]["ptr"], count_free_ptr(&events, &r3, &r2));
+    // Nothing else: 1,001 allocations, 1,001 frees, 2 reallocs.
+    let kinds = |n: &str| events.iter().filter(|(k, _)| k == n).count();
+    assert_eq!((kinds("alloc"), kinds("free"), kinds("realloc")), (1001, 1001, 2));
+    // The site's description names its file and line.
+    let desc = &events.iter().find(|(n, f)| n == "site" && f["site"] == a).unwrap().1;
+    assert_eq!((desc["function"].as_str(), desc["module"].as_str()), ("main", "pairs"));
+}
+
+/// The pointer of the one free at `site` of an object from `alloc_site`.
+fn count_free_ptr(events: &[Event], site: &str, alloc_site: &str) -> String {
+    let v: Vec<&String> = events
+        .iter()
+        .filter(|(n, f)| n == "free" && f["site"] == site && f["alloc_site"] == alloc_site)
+        .map(|(_, f)| &f["ptr"])
+        .collect();
+    assert_eq!(v.len(), 1);
+    v[0].clone()
+}
+
+#[test]
+fn eight_threads_traced_from_the_start_events_plus_lost_equal_calls() {
+    let b = built(Config::default_o2());
+    let dir = scratch("trace-stress");
+    let counters = counters_dir("trace-stress");
+    let out = dir.join("trace");
+    let _ = std::fs::remove_dir_all(&out);
+    let report = dir.join("report.json");
+    let o = alloctramp()
+        .args(["run", "--top", "0", "--format", "json", "-o"])
+        .arg(&report)
+        .arg("--cache")
+        .arg(dir.join("cache"))
+        .arg("--trace")
+        .arg(&out)
+        .arg("--")
+        .arg(b.path("live_stress"))
+        .env("ALLOCTRAMP_DIR", &counters)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let calls: u64 = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["calls"].as_u64().unwrap_or(0) + s["free_calls"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(calls > 1_800_000, "{calls}");
+    // "DIR: N events in T thread streams, S sites described; L events lost" or "no event lost".
+    let line = stderr.lines().find(|l| l.contains(" events in ")).expect("the trace's summary");
+    let number = |after: &str| -> u64 {
+        let at = line.find(after).unwrap();
+        line[..at].rsplit(' ').next().unwrap().replace(',', "").parse().unwrap()
+    };
+    let events = number(" events in ");
+    let lost = if line.contains("no event lost") { 0 } else { number(" events lost") };
+    assert_eq!(events + lost, calls, "{line}");
+    // The trace holds the events it says, and says what it lost per stream.
+    let (trace, warnings) = babeltrace(&out);
+    let in_trace = trace.iter().filter(|(n, _)| n != "site").count() as u64;
+    assert_eq!(in_trace, events);
+    let discarded: u64 = warnings
+        .lines()
+        .filter_map(|l| l.strip_prefix("WARNING: Tracer discarded "))
+        .map(|l| l.split(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(discarded, lost, "{warnings}");
+    assert!(warnings.lines().all(|l| l.starts_with("WARNING: Tracer discarded ")), "{warnings}");
+}

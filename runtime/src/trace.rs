@@ -1,0 +1,230 @@
+//! Event recording (`alloctramp trace`): while a trace is on, every
+//! allocation, free and realloc that reaches the runtime (see `live`: the
+//! trampolines of a traced module leave every record to it) becomes a
+//! record in the calling thread's ring of the trace file, `PID.trace`
+//! beside the process file (layout in `alloctramp_trampolines::trace`),
+//! which a drainer outside the process copies into a CTF trace.
+//!
+//! A thread claims a free ring at its first event (a compare-and-swap on
+//! the ring's owner) and marks it exited when it ends; the drainer frees
+//! exited rings once it has read them. A thread that finds no free ring,
+//! or its ring full, drops the event and counts it, never waiting for the
+//! drainer. The file is made at the first trace and stays mapped for the
+//! process's lifetime (rings are never unmapped under a writer); it is
+//! not inherited by a forked child (`MADV_DONTFORK`), which starts
+//! untraced.
+
+use crate::{procfile, sys, tls};
+use alloctramp_trampolines::pod;
+use alloctramp_trampolines::trace::{self, Record, RingHeader, TraceHeader, kind};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Events are recorded (the trampolines of traced modules call the
+/// runtime's tracing functions whether or not this is set, for a moment
+/// after a trace stops; they record nothing then).
+pub static ON: AtomicBool = AtomicBool::new(false);
+/// The trace file's mapping (0: none yet).
+static BASE: AtomicU64 = AtomicU64::new(0);
+/// The thread-exit key that marks a thread's ring exited.
+static KEY: AtomicU64 = AtomicU64::new(u64::MAX);
+/// No ring was free for the thread.
+const NO_RING: u64 = 1;
+
+fn header() -> Option<&'static TraceHeader> {
+    let b = BASE.load(Ordering::Acquire);
+    // SAFETY: the trace file's mapping, never unmapped once published.
+    (b != 0).then(|| unsafe { pod::at::<TraceHeader>(b as usize) })
+}
+
+fn ring(i: usize) -> Option<&'static RingHeader> {
+    let b = BASE.load(Ordering::Acquire);
+    // SAFETY: ring `i` lies in the mapping (i < RINGS).
+    (b != 0 && i < trace::RINGS).then(|| unsafe { pod::at::<RingHeader>((b + trace::ring_offset(i)) as usize) })
+}
+
+/// The time stamp counter and the CPU (Linux keeps the CPU's number in
+/// the low 12 bits of `TSC_AUX`).
+#[inline(always)]
+fn rdtscp() -> (u64, u64) {
+    let mut aux = 0u32;
+    // SAFETY: rdtscp reads the counter and TSC_AUX; x86-64 Linux enables it.
+    let t = unsafe { core::arch::x86_64::__rdtscp(&mut aux) };
+    (t, u64::from(aux & 0xfff))
+}
+
+/// Starts recording: makes the trace file at the first trace, frees the
+/// rings of threads that exited since the last drain, zeroes the loss
+/// counts and stamps the start. Async-signal-safe.
+pub fn start() -> Result<(), &'static str> {
+    if BASE.load(Ordering::Acquire) == 0 {
+        let base = procfile::create_trace_file(trace::FILE_SIZE)?;
+        // SAFETY: the header lies at the start of the fresh mapping.
+        let h = unsafe { pod::at::<TraceHeader>(base as usize) };
+        h.version.store(trace::VERSION, Ordering::Relaxed);
+        h.rings.store(trace::RINGS as u32, Ordering::Relaxed);
+        h.ring_records.store(trace::RING_RECORDS as u32, Ordering::Relaxed);
+        h.record_size.store(std::mem::size_of::<Record>() as u32, Ordering::Relaxed);
+        // SAFETY: getpid has no preconditions.
+        h.pid.store(unsafe { libc::getpid() } as u32, Ordering::Relaxed);
+        BASE.store(base, Ordering::Release);
+    }
+    let Some(h) = header() else { return Err("no trace file") };
+    for r in (0..trace::RINGS).filter_map(ring) {
+        if r.exited.load(Ordering::Acquire) == 1 {
+            r.tail.store(r.head.load(Ordering::Acquire), Ordering::Release);
+            r.lost.store(0, Ordering::Relaxed);
+            r.exited.store(0, Ordering::Relaxed);
+            r.owner.store(0, Ordering::Release);
+        }
+        r.lost.store(0, Ordering::Relaxed);
+    }
+    h.lost_no_ring.store(0, Ordering::Relaxed);
+    h.start_monotonic.store(sys::clock_ns(libc::CLOCK_MONOTONIC), Ordering::Relaxed);
+    h.start_realtime.store(sys::clock_ns(libc::CLOCK_REALTIME), Ordering::Relaxed);
+    h.start_tsc.store(rdtscp().0, Ordering::Relaxed);
+    h.on.store(1, Ordering::Release);
+    h.generation.fetch_add(1, Ordering::AcqRel);
+    // The magic last: a reader of a file it finds takes it once complete.
+    // SAFETY: the header's first 8 bytes, written by this process only.
+    unsafe { std::ptr::write_volatile(h.magic.as_ptr() as *mut [u8; 8], trace::MAGIC) };
+    ON.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Stops recording. Async-signal-safe.
+pub fn stop() {
+    ON.store(false, Ordering::Release);
+    if let Some(h) = header() {
+        h.on.store(0, Ordering::Release);
+        h.generation.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// In a forked child: the trace file is not mapped there, and nothing is
+/// recorded.
+pub fn after_fork_in_child() {
+    ON.store(false, Ordering::Relaxed);
+    BASE.store(0, Ordering::Relaxed);
+    tls::set(tls::TRACE_RING, 0);
+}
+
+/// The calling thread's ring, claimed at its first event.
+#[cold]
+#[inline(never)]
+fn claim() -> u64 {
+    let Some(base) = header().map(|h| h as *const TraceHeader as u64) else { return NO_RING };
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() } as u32;
+    for i in 0..trace::RINGS {
+        let Some(r) = ring(i) else { break };
+        if r.owner.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            let at = base + trace::ring_offset(i);
+            tls::set(tls::TRACE_RING, at);
+            watch_exit(i);
+            return at;
+        }
+    }
+    tls::set(tls::TRACE_RING, NO_RING);
+    NO_RING
+}
+
+/// Has the thread's exit mark ring `i` exited (a pthread key's destructor,
+/// as `shards` gives shards back).
+fn watch_exit(i: usize) {
+    let mut key = KEY.load(Ordering::Acquire);
+    if key == u64::MAX {
+        let mut k: libc::pthread_key_t = 0;
+        // SAFETY: creates a key with a destructor of the right type.
+        if unsafe { libc::pthread_key_create(&mut k, Some(exited)) } != 0 {
+            return;
+        }
+        key = match KEY.compare_exchange(u64::MAX, u64::from(k), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => u64::from(k),
+            Err(other) => {
+                // SAFETY: the key just created, unused.
+                unsafe { libc::pthread_key_delete(k) };
+                other
+            }
+        };
+    }
+    // SAFETY: a key this runtime created; the value (ring + 1) is non-null.
+    unsafe { libc::pthread_setspecific(key as libc::pthread_key_t, (i + 1) as *const libc::c_void) };
+}
+
+extern "C" fn exited(token: *mut libc::c_void) {
+    tls::set(tls::TRACE_RING, NO_RING);
+    if let Some(r) = ring((token as usize).wrapping_sub(1)) {
+        r.exited.store(1, Ordering::Release);
+    }
+}
+
+/// Reserves `n` records in the calling thread's ring: where the first
+/// goes and the head to publish after them; None when the event is lost
+/// (counted).
+#[inline(always)]
+fn reserve(n: u64) -> Option<(*mut Record, &'static RingHeader, u64)> {
+    let mut at = tls::get(tls::TRACE_RING);
+    if at == 0 {
+        at = claim();
+    }
+    if at == NO_RING {
+        if let Some(h) = header() {
+            h.lost_no_ring.fetch_add(1, Ordering::Relaxed);
+        }
+        return None;
+    }
+    // SAFETY: the thread's own ring in the trace file's mapping.
+    let r = unsafe { pod::at::<RingHeader>(at as usize) };
+    let head = r.head.load(Ordering::Relaxed);
+    if head.wrapping_sub(r.tail.load(Ordering::Acquire)) + n > trace::RING_RECORDS as u64 {
+        r.lost.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
+    let slot = head as usize & (trace::RING_RECORDS - 1);
+    let first = (at + trace::RING_HEADER_SIZE) as *mut Record;
+    // SAFETY: slot < RING_RECORDS: a record of the ring.
+    Some((unsafe { first.add(slot) }, r, head))
+}
+
+/// Records an allocation or a free of site `site` (`alloc_site`: the site
+/// that allocated the object freed, 0 if not known).
+#[inline(always)]
+pub fn record(k: u64, site: u32, alloc_site: u32, ptr: u64, size: u64) {
+    if !ON.load(Ordering::Relaxed) {
+        return;
+    }
+    let Some((rec, r, head)) = reserve(1) else { return };
+    let (tsc, cpu) = rdtscp();
+    // SAFETY: a record the ring's reader does not read until head moves.
+    unsafe { rec.write(Record { tsc, ptr, size, word: Record::pack(k, cpu, site, alloc_site) }) };
+    r.head.store(head + 1, Ordering::Release);
+}
+
+/// Records a realloc at `site` of `old` (`old_size` bytes from
+/// `alloc_site`) into `ptr` of `size` bytes: two records, published
+/// together.
+pub fn record_realloc(site: u32, alloc_site: u32, old: u64, old_size: u64, ptr: u64, size: u64) {
+    if !ON.load(Ordering::Relaxed) {
+        return;
+    }
+    let Some((rec, r, head)) = reserve(2) else { return };
+    let (tsc, cpu) = rdtscp();
+    let next = if (head + 1) as usize & (trace::RING_RECORDS - 1) == 0 {
+        // SAFETY: the ring's first record (the reservation wrapped).
+        unsafe { rec.sub(trace::RING_RECORDS - 1) }
+    } else {
+        // SAFETY: the next record of the ring.
+        unsafe { rec.add(1) }
+    };
+    // SAFETY: two records the reader does not read until head moves.
+    unsafe {
+        rec.write(Record {
+            tsc,
+            ptr: old,
+            size: old_size,
+            word: Record::pack(kind::REALLOC_OLD, cpu, site, alloc_site),
+        });
+        next.write(Record { tsc, ptr, size, word: Record::pack(kind::REALLOC, cpu, site, alloc_site) });
+    }
+    r.head.store(head + 2, Ordering::Release);
+}

@@ -1,0 +1,536 @@
+//! Event traces: the trace file a traced process records its events in
+//! (`PID.trace`: one ring of fixed records per thread, in shared memory),
+//! and the CTF 1.8 trace a drainer writes from it ([`ctf`]).
+//!
+//! A ring has one writer, its thread, and one reader, the drainer: the
+//! writer fills the record at `head` and publishes it by advancing `head`
+//! (release); the reader copies records up to `head` (acquire) and gives
+//! them back by advancing `tail` (release). A writer that finds its ring
+//! full drops the event and counts it in the ring's `lost`.
+
+use crate::pod::Pod;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+pub const MAGIC: [u8; 8] = *b"ATRACE\0\x01";
+pub const VERSION: u32 = 1;
+/// Threads with a ring at once; a thread that finds none counts its events
+/// in [`TraceHeader::lost_no_ring`].
+pub const RINGS: usize = 64;
+/// Records per ring (a power of two): 256 KiB of records.
+pub const RING_RECORDS: usize = 8192;
+pub const HEADER_SIZE: u64 = 4096;
+pub const RING_HEADER_SIZE: u64 = 64;
+pub const RING_SIZE: u64 = RING_HEADER_SIZE + (RING_RECORDS * std::mem::size_of::<Record>()) as u64;
+/// The trace file's size.
+pub const FILE_SIZE: u64 = HEADER_SIZE + RINGS as u64 * RING_SIZE;
+
+/// The trace file's header (4096 bytes).
+#[repr(C)]
+pub struct TraceHeader {
+    pub magic: [u8; 8],
+    pub version: AtomicU32,
+    pub rings: AtomicU32,
+    pub ring_records: AtomicU32,
+    pub record_size: AtomicU32,
+    /// 1 while a trace is recorded.
+    pub on: AtomicU32,
+    pub pid: AtomicU32,
+    /// Raised at each start and stop of a trace.
+    pub generation: AtomicU64,
+    /// At the trace's start: the time stamp counter, CLOCK_MONOTONIC and
+    /// CLOCK_REALTIME (ns). Events older than `start_tsc` are from an
+    /// earlier trace and are dropped.
+    pub start_tsc: AtomicU64,
+    pub start_monotonic: AtomicU64,
+    pub start_realtime: AtomicU64,
+    /// Events of threads that found no free ring.
+    pub lost_no_ring: AtomicU64,
+    pub reserved: [u8; 4024],
+}
+
+/// A ring's header (64 bytes), followed by its records.
+#[repr(C)]
+pub struct RingHeader {
+    /// The thread writing it (0: free).
+    pub owner: AtomicU32,
+    /// 1 once its thread exited: the drainer frees it once it is empty.
+    pub exited: AtomicU32,
+    /// Records written, and records read (both only grow).
+    pub head: AtomicU64,
+    pub tail: AtomicU64,
+    /// Events dropped because the ring was full.
+    pub lost: AtomicU64,
+    pub reserved: [u8; 32],
+}
+
+/// One event as the runtime records it (32 bytes). A realloc takes two
+/// records: [`kind::REALLOC_OLD`] (the old pointer, the site that
+/// allocated it and its size) then [`kind::REALLOC`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Record {
+    /// The time stamp counter (`rdtscp`).
+    pub tsc: u64,
+    pub ptr: u64,
+    pub size: u64,
+    /// Bits 0-2 the kind, 3-14 the CPU, 15-31 the site, 32-48 the site
+    /// that allocated the object freed (0: not known).
+    pub word: u64,
+}
+
+pub mod kind {
+    pub const ALLOC: u64 = 0;
+    pub const FREE: u64 = 1;
+    pub const REALLOC_OLD: u64 = 2;
+    pub const REALLOC: u64 = 3;
+}
+
+impl Record {
+    pub fn pack(kind: u64, cpu: u64, site: u32, alloc_site: u32) -> u64 {
+        kind & 7 | (cpu & 0xfff) << 3 | u64::from(site & 0x1ffff) << 15 | u64::from(alloc_site & 0x1ffff) << 32
+    }
+    pub fn kind(&self) -> u64 {
+        self.word & 7
+    }
+    pub fn cpu(&self) -> u16 {
+        (self.word >> 3 & 0xfff) as u16
+    }
+    pub fn site(&self) -> u32 {
+        (self.word >> 15 & 0x1ffff) as u32
+    }
+    pub fn alloc_site(&self) -> u32 {
+        (self.word >> 32 & 0x1ffff) as u32
+    }
+}
+
+// SAFETY: repr(C) structures of integers and atomics, every bit pattern
+// valid, no padding (checked below).
+unsafe impl Pod for TraceHeader {}
+// SAFETY: as above.
+unsafe impl Pod for RingHeader {}
+// SAFETY: as above.
+unsafe impl Pod for Record {}
+
+const _: () = assert!(std::mem::size_of::<TraceHeader>() == HEADER_SIZE as usize);
+const _: () = assert!(std::mem::size_of::<RingHeader>() == RING_HEADER_SIZE as usize);
+const _: () = assert!(std::mem::size_of::<Record>() == 32);
+const _: () = assert!(RING_RECORDS.is_power_of_two());
+
+/// Offset of ring `i` in the trace file.
+pub const fn ring_offset(i: usize) -> u64 {
+    HEADER_SIZE + i as u64 * RING_SIZE
+}
+
+/// The trace file's name beside the process's counters file.
+pub fn file_name(pid: u32) -> String {
+    format!("{pid}.trace")
+}
+
+/// What a trace says about one site (the `site` event).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SiteInfo {
+    pub id: u32,
+    pub address: u64,
+    pub function: String,
+    pub file: String,
+    pub line: u32,
+    pub module: String,
+}
+
+/// The CTF 1.8 trace written from the records (format in docs/formats.md,
+/// "Event traces"): a metadata file in TSDL, a stream file per thread
+/// (stream class 0: `alloc`, `alloc_large`, `free`, `realloc`) and the
+/// `sites` stream (class 1: `site` events), every packet headed by the CTF
+/// magic, the trace's UUID and the stream class.
+pub mod ctf {
+    use super::{Record, SiteInfo, kind};
+
+    pub const MAGIC: u32 = 0xc1fc_1fc1;
+    /// The format's version, in the metadata's `env`.
+    pub const FORMAT_VERSION: u32 = 1;
+    pub mod event {
+        pub const ALLOC: u32 = 0;
+        pub const ALLOC_LARGE: u32 = 1;
+        pub const FREE: u32 = 2;
+        pub const REALLOC: u32 = 3;
+        pub const SITE: u32 = 4;
+    }
+    /// The compact event header's id that says an extended header follows.
+    const EXTENDED: u8 = 31;
+    /// Bytes of a packet's header and context.
+    pub const PACKET_HEAD: usize = 24 + 44;
+
+    /// What the metadata says of the trace.
+    pub struct Meta<'a> {
+        pub uuid: [u8; 16],
+        /// Time stamp counter ticks per second.
+        pub freq: u64,
+        /// The epoch time (ns) of counter value 0.
+        pub offset_ns: i128,
+        pub pid: u32,
+        pub command: &'a str,
+    }
+
+    fn uuid_text(u: &[u8; 16]) -> String {
+        let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
+        format!(
+            "{}-{}-{}-{}-{}",
+            h[..4].concat(),
+            h[4..6].concat(),
+            h[6..8].concat(),
+            h[8..10].concat(),
+            h[10..].concat()
+        )
+    }
+
+    fn escape(s: &str) -> String {
+        s.chars()
+            .flat_map(|c| match c {
+                '"' | '\\' => vec!['\\', c],
+                c if c.is_control() => vec!['?'],
+                c => vec![c],
+            })
+            .collect()
+    }
+
+    /// The TSDL metadata.
+    pub fn metadata(m: &Meta<'_>) -> String {
+        let offset_s = m.offset_ns.div_euclid(1_000_000_000);
+        let offset_cycles = (m.offset_ns.rem_euclid(1_000_000_000) * i128::from(m.freq) / 1_000_000_000) as u64;
+        format!(
+            r#"/* CTF 1.8 */
+
+typealias integer {{ size = 8; align = 8; signed = false; }} := uint8_t;
+typealias integer {{ size = 16; align = 8; signed = false; }} := uint16_t;
+typealias integer {{ size = 32; align = 8; signed = false; }} := uint32_t;
+typealias integer {{ size = 64; align = 8; signed = false; }} := uint64_t;
+typealias integer {{ size = 64; align = 8; signed = false; base = 16; }} := hex64_t;
+typealias integer {{ size = 5; align = 1; signed = false; }} := uint5_t;
+
+trace {{
+	major = 1;
+	minor = 8;
+	uuid = "{uuid}";
+	byte_order = le;
+	packet.header := struct {{
+		uint32_t magic;
+		uint8_t uuid[16];
+		uint32_t stream_id;
+	}};
+}};
+
+env {{
+	tracer_name = "alloctramp";
+	trace_format = "alloctramp-trace";
+	trace_format_version = {version};
+	pid = {pid};
+	procname = "{command}";
+}};
+
+clock {{
+	name = "tsc";
+	uuid = "{uuid}";
+	description = "x86-64 time stamp counter (rdtscp)";
+	freq = {freq};
+	precision = 1;
+	offset_s = {offset_s};
+	offset = {offset_cycles};
+	absolute = false;
+}};
+
+typealias integer {{ size = 27; align = 1; signed = false; map = clock.tsc.value; }} := uint27_clock_tsc_t;
+typealias integer {{ size = 64; align = 8; signed = false; map = clock.tsc.value; }} := uint64_clock_tsc_t;
+
+struct packet_context {{
+	uint64_clock_tsc_t timestamp_begin;
+	uint64_clock_tsc_t timestamp_end;
+	uint64_t content_size;
+	uint64_t packet_size;
+	uint64_t events_discarded;
+	uint32_t tid;
+}};
+
+struct event_header_compact {{
+	enum : uint5_t {{ compact = 0 ... 30, extended = 31 }} id;
+	variant <id> {{
+		struct {{
+			uint27_clock_tsc_t timestamp;
+		}} compact;
+		struct {{
+			uint32_t id;
+			uint64_clock_tsc_t timestamp;
+		}} extended;
+	}} v;
+}} align(8);
+
+stream {{
+	id = 0;
+	event.header := struct event_header_compact;
+	packet.context := struct packet_context;
+}};
+
+stream {{
+	id = 1;
+	event.header := struct event_header_compact;
+	packet.context := struct packet_context;
+}};
+
+event {{
+	name = "alloc";
+	id = {alloc};
+	stream_id = 0;
+	fields := struct {{
+		uint32_t site;
+		hex64_t ptr;
+		uint32_t size;
+		uint16_t cpu;
+	}};
+}};
+
+event {{
+	name = "alloc_large";
+	id = {alloc_large};
+	stream_id = 0;
+	fields := struct {{
+		uint32_t site;
+		hex64_t ptr;
+		uint64_t size;
+		uint16_t cpu;
+	}};
+}};
+
+event {{
+	name = "free";
+	id = {free};
+	stream_id = 0;
+	fields := struct {{
+		uint32_t site;
+		uint32_t alloc_site;
+		hex64_t ptr;
+		uint16_t cpu;
+	}};
+}};
+
+event {{
+	name = "realloc";
+	id = {realloc};
+	stream_id = 0;
+	fields := struct {{
+		uint32_t site;
+		uint32_t alloc_site;
+		hex64_t ptr;
+		hex64_t old_ptr;
+		uint64_t size;
+		uint64_t old_size;
+		uint16_t cpu;
+	}};
+}};
+
+event {{
+	name = "site";
+	id = {site};
+	stream_id = 1;
+	fields := struct {{
+		uint32_t site;
+		hex64_t address;
+		string function;
+		string file;
+		uint32_t line;
+		string module;
+	}};
+}};
+"#,
+            uuid = uuid_text(&m.uuid),
+            version = FORMAT_VERSION,
+            pid = m.pid,
+            command = escape(m.command),
+            freq = m.freq.max(1),
+            alloc = event::ALLOC,
+            alloc_large = event::ALLOC_LARGE,
+            free = event::FREE,
+            realloc = event::REALLOC,
+            site = event::SITE,
+        )
+    }
+
+    /// One stream's writer: events go into a packet, which
+    /// [`Stream::finish_packet`] closes into bytes for the stream's file.
+    pub struct Stream {
+        uuid: [u8; 16],
+        class: u32,
+        tid: u32,
+        /// The clock's value after the last event written (the packets'
+        /// timestamps and compact headers follow it).
+        last: u64,
+        begin: u64,
+        events: Vec<u8>,
+        /// Events discarded in the stream so far.
+        pub discarded: u64,
+        /// Events written in the current packet.
+        pub count: u64,
+        /// The old half of a realloc, waiting for the new half.
+        pending: Option<Record>,
+    }
+
+    impl Stream {
+        pub fn new(uuid: [u8; 16], class: u32, tid: u32, start: u64) -> Stream {
+            Stream {
+                uuid,
+                class,
+                tid,
+                last: start,
+                begin: start,
+                events: Vec::new(),
+                discarded: 0,
+                count: 0,
+                pending: None,
+            }
+        }
+
+        fn header(&mut self, id: u32, ts: u64) {
+            // A later time than the last: the reader adds whole wraps of
+            // the compact header's 27 bits, so a gap of 2^27 or more
+            // takes the extended header's full value.
+            let ts = ts.max(self.last);
+            if id < u32::from(EXTENDED) && ts - self.last < 1 << 27 {
+                let v = id | ((ts & ((1 << 27) - 1)) as u32) << 5;
+                self.events.extend_from_slice(&v.to_le_bytes());
+            } else {
+                self.events.push(EXTENDED);
+                self.events.extend_from_slice(&id.to_le_bytes());
+                self.events.extend_from_slice(&ts.to_le_bytes());
+            }
+            if self.count == 0 {
+                self.begin = self.last;
+            }
+            self.last = ts;
+            self.count += 1;
+        }
+
+        /// Appends a record's event (a realloc's old half waits for its
+        /// new half).
+        pub fn record(&mut self, r: &Record) {
+            let cpu = r.cpu().to_le_bytes();
+            match r.kind() {
+                kind::ALLOC => {
+                    let small = u32::try_from(r.size).ok();
+                    self.header(if small.is_some() { event::ALLOC } else { event::ALLOC_LARGE }, r.tsc);
+                    self.events.extend_from_slice(&r.site().to_le_bytes());
+                    self.events.extend_from_slice(&r.ptr.to_le_bytes());
+                    match small {
+                        Some(s) => self.events.extend_from_slice(&s.to_le_bytes()),
+                        None => self.events.extend_from_slice(&r.size.to_le_bytes()),
+                    }
+                    self.events.extend_from_slice(&cpu);
+                }
+                kind::FREE => {
+                    self.header(event::FREE, r.tsc);
+                    self.events.extend_from_slice(&r.site().to_le_bytes());
+                    self.events.extend_from_slice(&r.alloc_site().to_le_bytes());
+                    self.events.extend_from_slice(&r.ptr.to_le_bytes());
+                    self.events.extend_from_slice(&cpu);
+                }
+                kind::REALLOC_OLD => self.pending = Some(*r),
+                _ => {
+                    let old = self.pending.take().unwrap_or_default();
+                    self.header(event::REALLOC, r.tsc);
+                    self.events.extend_from_slice(&r.site().to_le_bytes());
+                    self.events.extend_from_slice(&old.alloc_site().to_le_bytes());
+                    self.events.extend_from_slice(&r.ptr.to_le_bytes());
+                    self.events.extend_from_slice(&old.ptr.to_le_bytes());
+                    self.events.extend_from_slice(&r.size.to_le_bytes());
+                    self.events.extend_from_slice(&old.size.to_le_bytes());
+                    self.events.extend_from_slice(&cpu);
+                }
+            }
+        }
+
+        /// Appends a site's description.
+        pub fn site(&mut self, s: &SiteInfo, ts: u64) {
+            self.header(event::SITE, ts);
+            self.events.extend_from_slice(&s.id.to_le_bytes());
+            self.events.extend_from_slice(&s.address.to_le_bytes());
+            for text in [&s.function, &s.file] {
+                self.events.extend(text.bytes().filter(|&b| b != 0));
+                self.events.push(0);
+            }
+            self.events.extend_from_slice(&s.line.to_le_bytes());
+            self.events.extend(s.module.bytes().filter(|&b| b != 0));
+            self.events.push(0);
+        }
+
+        /// Bytes in the current packet's events.
+        pub fn pending_bytes(&self) -> usize {
+            self.events.len()
+        }
+
+        /// The current packet, closed (its header, context and events),
+        /// ending at `end` (not before its last event); empty when it holds
+        /// no event and nothing was discarded since the last packet.
+        pub fn finish_packet(&mut self, end: u64, discarded_before: u64) -> Vec<u8> {
+            if self.count == 0 && self.discarded == discarded_before {
+                return Vec::new();
+            }
+            self.packet(end)
+        }
+
+        /// An empty packet at the stream's start, with nothing discarded
+        /// yet: the reader counts later losses from it.
+        pub fn first_packet(&mut self) -> Vec<u8> {
+            let discarded = std::mem::take(&mut self.discarded);
+            let p = self.packet(self.last);
+            self.discarded = discarded;
+            p
+        }
+
+        fn packet(&mut self, end: u64) -> Vec<u8> {
+            if self.count == 0 {
+                self.begin = self.last;
+            }
+            let end = end.max(self.last);
+            let size = (PACKET_HEAD + self.events.len()) as u64 * 8;
+            let mut p = Vec::with_capacity(PACKET_HEAD + self.events.len());
+            p.extend_from_slice(&MAGIC.to_le_bytes());
+            p.extend_from_slice(&self.uuid);
+            p.extend_from_slice(&self.class.to_le_bytes());
+            p.extend_from_slice(&self.begin.to_le_bytes());
+            p.extend_from_slice(&end.to_le_bytes());
+            p.extend_from_slice(&size.to_le_bytes());
+            p.extend_from_slice(&size.to_le_bytes());
+            p.extend_from_slice(&self.discarded.to_le_bytes());
+            p.extend_from_slice(&self.tid.to_le_bytes());
+            debug_assert_eq!(p.len(), PACKET_HEAD);
+            p.append(&mut self.events);
+            self.last = end;
+            self.begin = end;
+            self.count = 0;
+            p
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_pack_their_fields() {
+        let w = Record::pack(kind::FREE, 4095, 0x1_2345, 0x1_fffe);
+        let r = Record { tsc: 1, ptr: 2, size: 3, word: w };
+        assert_eq!((r.kind(), r.cpu(), r.site(), r.alloc_site()), (kind::FREE, 4095, 0x1_2345, 0x1_fffe));
+    }
+
+    #[test]
+    fn compact_headers_until_a_gap_of_2_27() {
+        let mut s = ctf::Stream::new([0; 16], 0, 7, 1000);
+        let rec = |tsc, k| Record { tsc, ptr: 0x10, size: 24, word: Record::pack(k, 1, 70, 0) };
+        s.record(&rec(1000 + 5, kind::ALLOC));
+        assert_eq!(s.pending_bytes(), 4 + 4 + 8 + 4 + 2);
+        s.record(&rec(1000 + 5 + (1 << 27), kind::FREE));
+        assert_eq!(s.pending_bytes(), 22 + 13 + 4 + 4 + 8 + 2);
+        let p = s.finish_packet(0, 0);
+        assert_eq!(u32::from_le_bytes(p[..4].try_into().unwrap()), ctf::MAGIC);
+        assert_eq!(p.len(), ctf::PACKET_HEAD + 22 + 31);
+        assert!(s.finish_packet(0, 0).is_empty());
+    }
+}
