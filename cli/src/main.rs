@@ -1,6 +1,7 @@
 //! The `alloctramp` command: glue between the command line, files, and the
 //! libraries that do the work.
 
+mod analyze;
 mod callers;
 mod clean;
 mod control;
@@ -58,6 +59,7 @@ enum Command {
     Fail(fault::FailArgs),
     Faultsweep(fault::SweepArgs),
     Trace(trace::TraceArgs),
+    Analyze(analyze::Args),
     Demo(demo::Args),
     Clean(clean::Args),
     /// Patch a library into `run`'s cache (run by the loader's audit
@@ -107,6 +109,7 @@ fn main() -> ExitCode {
         Command::Fail(args) => fault::run_fail(&args),
         Command::Faultsweep(args) => fault::run_sweep(args),
         Command::Trace(args) => trace::run_trace(&args),
+        Command::Analyze(args) => analyze::run(args),
         Command::Demo(args) => demo::run(args),
         Command::Clean(args) => clean::run(args),
         Command::CacheLibrary { file } => run::cache_library(&file),

@@ -78,6 +78,8 @@ fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
     assert_eq!(p.line(), "done\n");
     p.send("realloc");
     assert_eq!(p.line(), "done\n");
+    p.send("keep 5");
+    assert_eq!(p.line(), "done\n");
     // SAFETY: kill(2) on the tracer's pid.
     unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
     let mut rest = String::new();
@@ -116,12 +118,52 @@ fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
     assert_eq!(pick(reallocs[0]), [r1.clone(), r0.clone(), "100".into(), "10".into()]);
     assert_eq!(pick(reallocs[1]), [r2.clone(), r1, "5000".into(), "100".into()]);
     assert_eq!(reallocs[1]["ptr"], count_free_ptr(&events, &r3, &r2));
-    // Nothing else: 1,001 allocations, 1,001 frees, 2 reallocs.
+    // Nothing else: 1,006 allocations, 1,001 frees, 2 reallocs.
     let kinds = |n: &str| events.iter().filter(|(k, _)| k == n).count();
-    assert_eq!((kinds("alloc"), kinds("free"), kinds("realloc")), (1001, 1001, 2));
+    assert_eq!((kinds("alloc"), kinds("free"), kinds("realloc")), (1006, 1001, 2));
     // The site's description names its file and line.
     let desc = &events.iter().find(|(n, f)| n == "site" && f["site"] == a).unwrap().1;
     assert_eq!((desc["function"].as_str(), desc["module"].as_str()), ("main", "pairs"));
+
+    // The analysis: A's 1,000 objects all freed (the last one before any
+    // other allocation: temporary), K's 5 still live, the peak A's 48,000
+    // bytes; and a timeline of them.
+    let svg = dir.join("live.svg");
+    let o = alloctramp().arg("analyze").arg(&out).args(["--format", "json", "--svg"]).arg(&svg).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((doc["format"].as_str(), doc["version"].as_u64()), (Some("alloctramp-analysis"), Some(1)));
+    assert_eq!((doc["events"].as_u64(), doc["peak_bytes"].as_u64()), (Some(2009), Some(48_000)));
+    let row = |line: u32| {
+        doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["line"] == line)
+            .unwrap_or_else(|| panic!("line {line}"))
+            .clone()
+    };
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    let a_row = row(line_of("A"));
+    let got = ["allocations", "bytes", "freed", "live_objects", "temporary", "bytes_at_peak"].map(|k| n(&a_row, k));
+    assert_eq!(got, [1000, 48_000, 1000, 0, 1, 48_000]);
+    let life = &a_row["lifetime_ns"];
+    assert!(n(life, "median") <= n(life, "p90") && n(life, "p90") <= n(life, "max") && n(life, "median") > 0);
+    let k_row = row(line_of("K"));
+    assert_eq!(["allocations", "live_objects", "live_bytes", "freed"].map(|k| n(&k_row, k)), [5, 5, 320, 0]);
+    assert!(k_row["lifetime_ns"].is_null());
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{svg}");
+    assert!(svg.matches("<polyline").count() >= 2, "the total and A");
+    assert!(svg.contains("pairs.c:21") || svg.contains(&format!("pairs.c:{}", line_of("A"))));
+
+    // Bad input: one line and status 2.
+    std::fs::write(out.join("thread-1"), [b'x'; 100]).unwrap();
+    let o = alloctramp().arg("analyze").arg(&out).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("thread-1: offset 0x0: no CTF magic"), "{err}");
 }
 
 /// The pointer of the one free at `site` of an object from `alloc_site`.

@@ -13,11 +13,15 @@
 //!   chains of [`chains`] as stacks; [`openmetrics`]: the figures of
 //!   processes as OpenMetrics or Prometheus text, for `alloctramp serve`.
 //!
+//! - [`events`]: event traces read back and analysed (lifetimes, leaks
+//!   within the trace, temporary allocations, the peak of live bytes).
+//!
 //! No I/O of its own: finding a process's file, reading it and printing are
 //! the caller's (the `alloctramp` command).
 
 pub mod chains;
 pub mod csv;
+pub mod events;
 pub mod history;
 pub mod json;
 pub mod model;
