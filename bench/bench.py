@@ -1277,6 +1277,64 @@ def part_fault():
            "<= 300", named <= 300)
 
 
+TRACE_EVENTS = setting("BENCH_TRACE_EVENTS", 10_000_000, 2_000_000)
+
+
+def part_trace():
+    """Event traces: instructions per traced event on top of counting, and bytes per event on disk."""
+    loop, ploop = build_and_patch("malloc_loop.c", "trace", "-pthread")
+    # Below a ring's 8,192 records, so that no event is dropped without a
+    # drainer (callgrind runs the program alone).
+    n1, n2 = 1000, 3000
+    sec = Section(
+        "Event traces", "trace",
+        "`bench/malloc_loop.c` (malloc and free in `work`), N pairs on one thread, profiling on from the start "
+        "counting only (`ALLOCTRAMP_LIVE=0`), with live tracking (the default), and traced from the start "
+        "(`ALLOCTRAMP_TRACE=on`: every allocation and free is recorded in the thread's ring of the trace file; "
+        f"{n1:,} and {n2:,} pairs fit in a ring, so no event is dropped and none is drained); instructions of the "
+        "loop (`valgrind --tool=callgrind --toggle-collect=work`). Then the same loop of "
+        f"{TRACE_EVENTS // 2:,} pairs traced by `alloctramp run --trace DIR` (release build, the drainer beside "
+        "the program): the trace's bytes on disk (every file of DIR) per event in it.",
+    )
+    SECTIONS.append(sec)
+    variants = [("counting", {"ALLOCTRAMP": "on", "ALLOCTRAMP_LIVE": "0"}), ("live tracking", {"ALLOCTRAMP": "on"}),
+                ("traced", {"ALLOCTRAMP_TRACE": "on"})]
+    runs = {}
+    for name, extra in variants:
+        for n in (n1, n2):
+            log(f"callgrind: trace {name}, {n} pairs")
+            runs[name, n] = callgrind([ploop, str(n), "1"], base_env(extra), toggle="work")
+    per = {name: (runs[name, n2] - runs[name, n1]) / (n2 - n1) for name, _ in variants}
+    rows = []
+    for name, extra in variants:
+        shown = " ".join(f"{k}={v}" for k, v in extra.items())
+        cmd = f"`{shown} valgrind --tool=callgrind --toggle-collect=work $W/trace/malloc_loop N 1`"
+        rows.append([name, cmd, f"{runs[name, n1]:,}", f"{runs[name, n2]:,}", f"{per[name]:.2f}"])
+    sec.table(["variant", "command", f"loop, N={n1:,}", f"loop, N={n2:,}", "per pair"], rows)
+    extra = (per["traced"] - per["counting"]) / 2
+    target(sec, "traced: extra instructions per event on top of counting", f"{extra:+.1f}", "<= 60", extra <= 60)
+
+    out = os.path.join(WORK, "trace", "out")
+    shutil.rmtree(out, ignore_errors=True)
+    pairs = TRACE_EVENTS // 2
+    cmd = [AT, "run", "-q", "--top", "0", "--cache", os.path.join(WORK, "trace", "cache"), "--trace", out, "--",
+           loop, str(pairs), "1"]
+    log(f"trace: {pairs} pairs")
+    r = subprocess.run(cmd, env=base_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{show(cmd)}: {r.stderr[-600:]}")
+    m = re.search(r": (\d+) events in .*?(no event lost|(\d+) events lost)", r.stderr)
+    if not m:
+        raise RuntimeError(f"{show(cmd)}: no summary in {r.stderr[-600:]}")
+    events, lost = int(m.group(1)), int(m.group(3) or 0)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    sec.table(["command", "events in the trace", "lost", "bytes on disk", "bytes per event"],
+              [[f"`alloctramp run --trace DIR -- malloc_loop {pairs} 1`", f"{events:,}", f"{lost:,}", f"{size:,}",
+                f"{size / max(events, 1):.2f}"]])
+    target(sec, "trace: bytes on disk per event", f"{size / max(events, 1):.2f}", "<= 24", size / max(events, 1) <= 24)
+    shutil.rmtree(out, ignore_errors=True)
+
+
 PERL_SCRIPT = """my %h;
 for my $i (1 .. 200000) { $h{"key$i"} = [$i, "v" x ($i % 50)]; }
 my $n = 0;
@@ -1455,6 +1513,7 @@ PARTS = {
     "wrappers": part_wrappers,
     "callers": part_callers,
     "fault": part_fault,
+    "trace": part_trace,
     "scan": part_scan,
     "patch": part_patch,
     "instructions": part_instructions,
@@ -1467,7 +1526,7 @@ PARTS = {
     "lifetimes": part_lifetimes,
     "redis": part_redis,
 }
-ALL = ["instructions", "lifetimes", "wrappers", "callers", "fault", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch",
+ALL = ["instructions", "lifetimes", "wrappers", "callers", "fault", "trace", "loop", "cxx", "cc1plus", "git", "attribution", "scan", "patch", "switch",
        "memory"]
 ALIASES = {"all": ALL, "runtime": ["instructions", "loop", "switch"]}
 

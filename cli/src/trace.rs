@@ -170,7 +170,7 @@ impl TraceFile {
     }
 
     fn record(&self, i: usize, n: u64) -> Record {
-        let at = trace::ring_offset(i) + trace::RING_HEADER_SIZE + (n as usize & (trace::RING_RECORDS - 1)) as u64 * 32;
+        let at = trace::records_offset(i) + (n as usize & (trace::RING_RECORDS - 1)) as u64 * 32;
         // SAFETY: a record of ring i, below its published head.
         unsafe { std::ptr::read_volatile(self.map.as_ptr().add(at as usize) as *const Record) }
     }
@@ -269,10 +269,14 @@ impl Drainer {
         file.write_all(bytes).with_context(|| format!("{}: cannot write", path.display()))
     }
 
-    /// Drains, then waits [`DRAIN_EVERY`] unless a ring was filling up.
+    /// Drains, then waits [`DRAIN_EVERY`] unless a ring was filling up
+    /// (an eighth of it since the last drain), and a 20th of that if one
+    /// had news.
     pub fn drain_and_wait(&mut self, t: &mut TraceFile) -> Result<()> {
-        if self.drain(t)? < trace::RING_RECORDS as u64 / 8 {
-            std::thread::sleep(DRAIN_EVERY);
+        match self.drain(t)? {
+            0 => std::thread::sleep(DRAIN_EVERY),
+            n if n < trace::RING_RECORDS as u64 / 8 => std::thread::sleep(DRAIN_EVERY / 20),
+            _ => {}
         }
         Ok(())
     }

@@ -129,7 +129,7 @@ pub fn read_stream(b: &[u8], uuid: Option<[u8; 16]>) -> Result<Stream, Bad> {
                 let mask = (1u64 << 27) - 1;
                 let mut ts = clock & !mask | low;
                 if low < clock & mask {
-                    ts += 1 << 27;
+                    ts = ts.wrapping_add(1 << 27);
                 }
                 (u32::from(id5), ts)
             };
@@ -194,14 +194,22 @@ pub fn read_metadata(text: &str) -> Result<([u8; 16], u64, i128), String> {
     if uuid_text.len() != 32 {
         return Err(format!("bad uuid {uuid_text:?} in the metadata"));
     }
-    for (i, b) in uuid.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&uuid_text[2 * i..2 * i + 2], 16).map_err(|_| "bad uuid in the metadata")?;
+    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    for (b, pair) in uuid.iter_mut().zip(uuid_text.as_bytes().chunks(2)) {
+        *b = match pair {
+            [h, l] => hex(*h).zip(hex(*l)).map(|(h, l)| h << 4 | l).ok_or("bad uuid in the metadata")?,
+            _ => return Err("bad uuid in the metadata".into()),
+        };
     }
     let freq = num("freq = ")?;
     if freq <= 0 {
         return Err("a clock frequency of 0 in the metadata".into());
     }
-    let offset_ns = num("offset_s = ")? * 1_000_000_000 + num("offset = ")? * 1_000_000_000 / freq;
+    let offset_ns = num("offset_s = ")?
+        .checked_mul(1_000_000_000)
+        .zip(num("offset = ")?.checked_mul(1_000_000_000))
+        .and_then(|(s, c)| s.checked_add(c / freq))
+        .ok_or("a clock offset out of range in the metadata")?;
     Ok((uuid, freq as u64, offset_ns))
 }
 

@@ -931,15 +931,46 @@ fn charge_site(c: Charge) -> u32 {
     }
 }
 
-/// [`track_alloc`], recording the event.
+/// The id of site `index` of a traced module (one with ids: see
+/// [`set_tracing`]) from its control block's entry base, or the hook's
+/// (`control` 0).
+///
+/// # Safety
+/// As for [`cell_of`].
+#[inline(always)]
+unsafe fn traced_id(index: u64, control: *const u8) -> u32 {
+    if control.is_null() {
+        // SAFETY: forwarded from the caller.
+        return unsafe { origin(index, control) }.id;
+    }
+    // SAFETY: a registered module's control block (caller).
+    let c = unsafe { alloctramp_trampolines::pod::at::<ControlBlock>(control as usize) };
+    (c.entry_base.load(Ordering::Relaxed) >> shadow::ID_SHIFT) as u32 + index as u32
+}
+
+/// [`track_alloc`], recording the event. The common case first: an
+/// 8-aligned object below the inline limit whose granule holds no live
+/// record, recorded by compare-and-swap as a trampoline would.
 ///
 /// # Safety
 /// As for [`track_alloc`].
 unsafe extern "C" fn trace_alloc(ptr: u64, size: u64, index: u64, control: *const u8) -> u64 {
     // SAFETY: forwarded from the caller.
-    let o = unsafe { origin(index, control) };
-    track(ptr, o, size);
-    trace::record(trace_kind::ALLOC, o.id, 0, ptr, size);
+    let id = unsafe { traced_id(index, control) };
+    let quick = !control.is_null()
+        && id != 0
+        && size < shadow::SIZE_LIMIT
+        && ptr & 7 == 0
+        && entry_of(ptr).is_some_and(|e| {
+            let old = e.load(Ordering::Relaxed);
+            !shadow::is_live(old)
+                && e.compare_exchange(old, shadow::entry(ptr, id, size), Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        });
+    if !quick {
+        // SAFETY: forwarded from the caller.
+        track(ptr, unsafe { origin(index, control) }, size);
+    }
+    trace::record(trace_kind::ALLOC, id, 0, ptr, size);
     ptr
 }
 
@@ -950,7 +981,7 @@ unsafe extern "C" fn trace_alloc(ptr: u64, size: u64, index: u64, control: *cons
 /// As for [`track_free`].
 unsafe extern "C" fn trace_free(ptr: u64, index: u64, control: *const u8) -> u64 {
     // SAFETY: forwarded from the caller.
-    let site = unsafe { origin(index, control) }.id;
+    let site = unsafe { traced_id(index, control) };
     if ptr == 0 {
         trace::record(trace_kind::FREE, site, 0, 0, 0);
         return 0;
@@ -998,7 +1029,7 @@ unsafe extern "C" fn trace_realloc_end(
     let old = unsafe { Entry { key: token.read(), value: token.add(1).read() } };
     let (alloc_site, old_size) = if old.key != 0 { (id_of_cell(old.cell()), old.size()) } else { (0, 0) };
     // SAFETY: forwarded from the caller.
-    let site = unsafe { origin(index, control) }.id;
+    let site = unsafe { traced_id(index, control) };
     // SAFETY: forwarded from the caller.
     let r = unsafe { track_realloc_end(result, token, size, index, control) };
     if result != 0 || size == 0 {

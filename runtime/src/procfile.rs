@@ -684,21 +684,28 @@ pub fn fail_path() -> Path {
 static TRACE_PATH: sys::PathCell = sys::PathCell::new();
 
 /// Creates the trace file (replacing one an earlier process with the same
-/// pid left), `size` bytes with their storage, and maps it shared, not
-/// inherited by a forked child: its address. Async-signal-safe.
-pub fn create_trace_file(size: u64) -> Result<u64, &'static str> {
+/// pid left), `size` bytes of which the first `reserved` have their
+/// storage, and maps it shared, not inherited by a forked child: its
+/// address. Async-signal-safe.
+pub fn create_trace_file(size: u64, reserved: u64) -> Result<u64, &'static str> {
     let mut path = TRACE_PATH.get();
     if path.bytes().is_empty() {
         return Err("no trace file: the process has no counters file");
     }
+    within_limit(size)?;
     let fd = Fd(create_file(path.c_str()).map_err(|_| "cannot create the trace file")?);
-    if let Err(e) = reserve(fd.0, 0, size) {
+    // SAFETY: fd is ours; growing the file (within RLIMIT_FSIZE, checked).
+    if let Err(e) = reserve(fd.0, 0, reserved).and_then(|()| match unsafe { libc::ftruncate(fd.0, size as i64) } {
+        0 => Ok(()),
+        _ => Err("cannot grow the trace file"),
+    }) {
         // SAFETY: the path is NUL-terminated.
         unsafe { libc::unlink(path.c_str().as_ptr()) };
         return Err(e);
     }
-    // SAFETY: fd is ours; `reserve` gave the whole file its storage. The
-    // mapping is never unmapped (threads keep pointers into it).
+    // SAFETY: fd is ours; what is written before `reserve_trace` gives it
+    // storage is the first `reserved` bytes. The mapping is never
+    // unmapped (threads keep pointers into it).
     unsafe {
         let p = libc::mmap(
             std::ptr::null_mut(),
@@ -715,6 +722,19 @@ pub fn create_trace_file(size: u64) -> Result<u64, &'static str> {
         libc::madvise(p, size as usize, libc::MADV_DONTFORK);
         Ok(p as u64)
     }
+}
+
+/// Gives `len` bytes of the trace file from `off` their storage (a ring's
+/// records, as a thread claims it).
+pub fn reserve_trace(off: u64, len: u64) -> Result<(), &'static str> {
+    let mut path = TRACE_PATH.get();
+    // SAFETY: the path is NUL-terminated.
+    let fd = unsafe { libc::open(path.c_str().as_ptr(), libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err("cannot open the trace file");
+    }
+    let fd = Fd(fd);
+    reserve_within(fd.0, off, len)
 }
 
 /// Removes the trace file, if the process made one (at exit).

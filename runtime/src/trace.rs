@@ -57,7 +57,7 @@ fn rdtscp() -> (u64, u64) {
 /// counts and stamps the start. Async-signal-safe.
 pub fn start() -> Result<(), &'static str> {
     if BASE.load(Ordering::Acquire) == 0 {
-        let base = procfile::create_trace_file(trace::FILE_SIZE)?;
+        let base = procfile::create_trace_file(trace::FILE_SIZE, trace::RECORDS_OFFSET)?;
         // SAFETY: the header lies at the start of the fresh mapping.
         let h = unsafe { pod::at::<TraceHeader>(base as usize) };
         h.version.store(trace::VERSION, Ordering::Relaxed);
@@ -108,20 +108,25 @@ pub fn after_fork_in_child() {
     tls::set(tls::TRACE_RING, 0);
 }
 
-/// The calling thread's ring, claimed at its first event.
+/// The calling thread's ring, claimed at its first event (its records
+/// given their storage then): the TLS word's value, the ring's index plus
+/// 2, or [`NO_RING`].
 #[cold]
 #[inline(never)]
 fn claim() -> u64 {
-    let Some(base) = header().map(|h| h as *const TraceHeader as u64) else { return NO_RING };
     // SAFETY: gettid has no preconditions.
     let tid = unsafe { libc::gettid() } as u32;
     for i in 0..trace::RINGS {
         let Some(r) = ring(i) else { break };
         if r.owner.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            let at = base + trace::ring_offset(i);
-            tls::set(tls::TRACE_RING, at);
+            if procfile::reserve_trace(trace::records_offset(i), trace::RING_BYTES).is_err() {
+                r.owner.store(0, Ordering::Release);
+                break;
+            }
+            let word = i as u64 + 2;
+            tls::set(tls::TRACE_RING, word);
             watch_exit(i);
-            return at;
+            return word;
         }
     }
     tls::set(tls::TRACE_RING, NO_RING);
@@ -163,26 +168,29 @@ extern "C" fn exited(token: *mut libc::c_void) {
 /// (counted).
 #[inline(always)]
 fn reserve(n: u64) -> Option<(*mut Record, &'static RingHeader, u64)> {
-    let mut at = tls::get(tls::TRACE_RING);
-    if at == 0 {
-        at = claim();
+    let mut word = tls::get(tls::TRACE_RING);
+    if word == 0 {
+        word = claim();
     }
-    if at == NO_RING {
+    let base = BASE.load(Ordering::Relaxed);
+    if word == NO_RING || base == 0 {
         if let Some(h) = header() {
             h.lost_no_ring.fetch_add(1, Ordering::Relaxed);
         }
         return None;
     }
-    // SAFETY: the thread's own ring in the trace file's mapping.
-    let r = unsafe { pod::at::<RingHeader>(at as usize) };
+    let i = (word - 2) as usize % trace::RINGS;
+    // SAFETY: the thread's own ring's header in the trace file's mapping.
+    let r = unsafe { pod::at::<RingHeader>((base + trace::ring_offset(i)) as usize) };
     let head = r.head.load(Ordering::Relaxed);
     if head.wrapping_sub(r.tail.load(Ordering::Acquire)) + n > trace::RING_RECORDS as u64 {
         r.lost.fetch_add(1, Ordering::Relaxed);
         return None;
     }
     let slot = head as usize & (trace::RING_RECORDS - 1);
-    let first = (at + trace::RING_HEADER_SIZE) as *mut Record;
-    // SAFETY: slot < RING_RECORDS: a record of the ring.
+    let first = (base + trace::records_offset(i)) as *mut Record;
+    // SAFETY: slot < RING_RECORDS: a record of the ring, whose storage
+    // its claim reserved.
     Some((unsafe { first.add(slot) }, r, head))
 }
 

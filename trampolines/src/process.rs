@@ -260,6 +260,7 @@ pub const SLOT_FIELDS: &[(&str, usize, &str)] = &[
     ("bias", offset_of!(ModuleSlot, bias), "u64"),
     ("unloaded", offset_of!(ModuleSlot, unloaded), "u32"),
     ("on", offset_of!(ModuleSlot, on), "u32"),
+    ("first_id", offset_of!(ModuleSlot, first_id), "u32"),
 ];
 
 // The layout is a file format: these offsets are documented and must not

@@ -2,6 +2,9 @@
 //! (`PID.trace`: one ring of fixed records per thread, in shared memory),
 //! and the CTF 1.8 trace a drainer writes from it ([`ctf`]).
 //!
+//! Layout: the header (4096 bytes), the rings' headers ([`RINGS`] of 64
+//! bytes), then each ring's [`RING_RECORDS`] records.
+//!
 //! A ring has one writer, its thread, and one reader, the drainer: the
 //! writer fills the record at `head` and publishes it by advancing `head`
 //! (release); the reader copies records up to `head` (acquire) and gives
@@ -16,13 +19,18 @@ pub const VERSION: u32 = 1;
 /// Threads with a ring at once; a thread that finds none counts its events
 /// in [`TraceHeader::lost_no_ring`].
 pub const RINGS: usize = 64;
-/// Records per ring (a power of two): 256 KiB of records.
-pub const RING_RECORDS: usize = 8192;
+/// Records per ring (a power of two): 2 MiB of records.
+pub const RING_RECORDS: usize = 65536;
 pub const HEADER_SIZE: u64 = 4096;
 pub const RING_HEADER_SIZE: u64 = 64;
-pub const RING_SIZE: u64 = RING_HEADER_SIZE + (RING_RECORDS * std::mem::size_of::<Record>()) as u64;
-/// The trace file's size.
-pub const FILE_SIZE: u64 = HEADER_SIZE + RINGS as u64 * RING_SIZE;
+/// The ring headers follow the header; the rings' records follow them.
+pub const RECORDS_OFFSET: u64 = HEADER_SIZE + RINGS as u64 * RING_HEADER_SIZE;
+pub const RING_BYTES: u64 = (RING_RECORDS * std::mem::size_of::<Record>()) as u64;
+/// The trace file's size. Only the header and the ring headers have their
+/// storage from the start; a ring's records get theirs when a thread
+/// claims the ring (a write to a page without storage could raise
+/// SIGBUS).
+pub const FILE_SIZE: u64 = RECORDS_OFFSET + RINGS as u64 * RING_BYTES;
 
 /// The trace file's header (4096 bytes).
 #[repr(C)]
@@ -116,9 +124,14 @@ const _: () = assert!(std::mem::size_of::<RingHeader>() == RING_HEADER_SIZE as u
 const _: () = assert!(std::mem::size_of::<Record>() == 32);
 const _: () = assert!(RING_RECORDS.is_power_of_two());
 
-/// Offset of ring `i` in the trace file.
+/// Offset of ring `i`'s header in the trace file.
 pub const fn ring_offset(i: usize) -> u64 {
-    HEADER_SIZE + i as u64 * RING_SIZE
+    HEADER_SIZE + i as u64 * RING_HEADER_SIZE
+}
+
+/// Offset of ring `i`'s records in the trace file.
+pub const fn records_offset(i: usize) -> u64 {
+    RECORDS_OFFSET + i as u64 * RING_BYTES
 }
 
 /// The trace file's name beside the process's counters file.
