@@ -77,7 +77,9 @@ pub fn run(args: Args) -> Result<()> {
         let Ok(pid) = pid.parse::<u32>() else { continue };
         match kind {
             "counters" => found.extend(examine(&e.path(), pid)),
-            "counters.new" | "control" | "unwind" | "fail" | "trace" if !process_exists(pid) => strays.push(e.path()),
+            "counters.new" | "control" | "unwind" | "fail" | "trace" | "tracesites" if !process_exists(pid) => {
+                strays.push(e.path())
+            }
             _ => {}
         }
     }
@@ -91,6 +93,7 @@ pub fn run(args: Args) -> Result<()> {
             let _ = std::fs::remove_file(f.path.with_extension("unwind"));
             let _ = std::fs::remove_file(f.path.with_extension("fail"));
             let _ = std::fs::remove_file(f.path.with_extension("trace"));
+            let _ = std::fs::remove_file(f.path.with_extension("tracesites"));
         }
         n += 1;
         bytes += f.bytes;

@@ -4,7 +4,7 @@
 
 use crate::control::{self, SwitchArgs, counters_dir, pid_file};
 use alloctramp_trampolines::process::{ProcessFile, Request};
-use alloctramp_trampolines::trace::{self, Record, RingHeader, SiteInfo, TraceHeader, ctf};
+use alloctramp_trampolines::trace::{self, Rings, SiteInfo, ctf};
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::HashMap;
 use std::io::Write;
@@ -32,6 +32,11 @@ pub struct TraceArgs {
     /// Seconds to trace [default: until Ctrl-C or the process exits].
     #[arg(long, value_name = "SECONDS")]
     pub duration: Option<f64>,
+    /// Record only the sites SPEC names (FILE:LINE, a function, or
+    /// [MODULE:]0xADDRESS, as `alloctramp fail` names them), and the frees
+    /// of what they allocate; repeatable [default: every site].
+    #[arg(long = "site", value_name = "SPEC")]
+    pub sites: Vec<String>,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -61,11 +66,33 @@ fn trace_process(args: &TraceArgs, partial: &Path) -> Result<()> {
         // SAFETY: a handler that only stores to an atomic.
         unsafe { libc::signal(sig, on_interrupt as extern "C" fn(i32) as libc::sighandler_t) };
     }
+    // The sites to record, for the runtime to read with the request.
+    let sites_path = dir.join(trace::sites_file_name(pid));
+    if args.sites.is_empty() {
+        let _ = std::fs::remove_file(&sites_path);
+    } else {
+        // Sites have their ids once profiling went on (a process that
+        // never profiled has none yet).
+        if !was_on {
+            control::switch(&args.switch, Request::On)?;
+        }
+        let m = crate::util::Snapshot::read(&path)?;
+        let pf = ProcessFile::parse(&m.bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let ids = select_ids(&pf, &args.sites, pid).inspect_err(|_| {
+            if !was_on {
+                let _ = control::switch(&args.switch, Request::Off);
+            }
+        })?;
+        let text: String = ids.iter().map(|id| format!("{id}\n")).collect();
+        let owner = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&path)?);
+        let give = (control::euid() == 0 && owner != 0).then_some(owner);
+        crate::util::write_atomic_as(&sites_path, text.as_bytes(), 0o600, give)?;
+    }
     let msg = control::switch(&args.switch, Request::Trace)?;
     eprintln!("alloctramp: {msg}");
     let trace_path = dir.join(trace::file_name(pid));
     let mut file = TraceFile::open(&trace_path)?;
-    let mut d = Drainer::new(partial, file.header().start_tsc.load(Ordering::Acquire));
+    let mut d = Drainer::new(partial, file.start_tsc());
     let deadline = args.duration.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
     let alive = |pid: u32| control::process_exists(pid);
     while !INTERRUPTED.load(Ordering::Relaxed) && deadline.is_none_or(|d| Instant::now() < d) && alive(pid) {
@@ -80,6 +107,7 @@ fn trace_process(args: &TraceArgs, partial: &Path) -> Result<()> {
         // Events under way when the trace stopped.
         std::thread::sleep(DRAIN_EVERY);
     }
+    let _ = std::fs::remove_file(&sites_path);
     let summary = finish_trace(d, &mut file, &trace_path, &path, pid)?;
     finish_output(partial, &args.output)?;
     eprintln!("alloctramp: {}", summary.text(&args.output));
@@ -128,7 +156,8 @@ pub fn finish_output(partial: &Path, output: &Path) -> Result<()> {
 
 /// A shared mapping of a process's trace file.
 pub struct TraceFile {
-    map: memmap2::MmapMut,
+    _map: memmap2::MmapMut,
+    rings: Rings,
 }
 
 impl TraceFile {
@@ -146,8 +175,11 @@ impl TraceFile {
         // ring's published head.
         let map = unsafe { memmap2::MmapOptions::new().len(trace::FILE_SIZE as usize).map_mut(&f) }
             .with_context(|| format!("{}: cannot map", path.display()))?;
-        let t = TraceFile { map };
-        if t.header().magic != trace::MAGIC || t.header().version.load(Ordering::Relaxed) != trace::VERSION {
+        // SAFETY: the mapping of FILE_SIZE bytes, kept with the view.
+        let rings = unsafe { Rings::new(map.as_ptr()) };
+        let t = TraceFile { _map: map, rings };
+        let h = t.rings.header();
+        if h.magic != trace::MAGIC || h.version.load(Ordering::Relaxed) != trace::VERSION {
             bail!("{}: not a trace file of this version", path.display());
         }
         Ok(t)
@@ -155,46 +187,15 @@ impl TraceFile {
 
     /// The time stamp counter at the trace's start.
     pub fn start_tsc(&self) -> u64 {
-        self.header().start_tsc.load(Ordering::Acquire)
-    }
-
-    fn header(&self) -> &TraceHeader {
-        // SAFETY: the file's first 4096 bytes (checked length), a Pod of
-        // atomics and bytes.
-        unsafe { &*(self.map.as_ptr() as *const TraceHeader) }
-    }
-
-    fn ring(&self, i: usize) -> &RingHeader {
-        // SAFETY: ring i < RINGS lies within the mapping (FILE_SIZE bytes).
-        unsafe { &*(self.map.as_ptr().add(trace::ring_offset(i) as usize) as *const RingHeader) }
-    }
-
-    fn record(&self, i: usize, n: u64) -> Record {
-        let at = trace::records_offset(i) + (n as usize & (trace::RING_RECORDS - 1)) as u64 * 32;
-        // SAFETY: a record of ring i, below its published head.
-        unsafe { std::ptr::read_volatile(self.map.as_ptr().add(at as usize) as *const Record) }
+        self.rings.header().start_tsc.load(Ordering::Acquire)
     }
 }
 
-/// One ring's stream while its thread owns it.
-struct Open {
-    tid: u32,
-    stream: ctf::Stream,
-    /// The ring's losses written in earlier packets.
-    discarded: u64,
-    file: std::fs::File,
-}
-
-/// Copies the rings' records into CTF streams.
+/// Drains a trace file into a trace directory's stream files.
 pub struct Drainer {
     dir: PathBuf,
-    uuid: [u8; 16],
-    start: u64,
-    open: HashMap<usize, Open>,
-    pub events: u64,
-    /// Losses of streams closed.
-    lost_closed: u64,
-    streams: u32,
+    d: trace::Drainer,
+    files: HashMap<String, std::fs::File>,
     sites: u32,
 }
 
@@ -255,18 +256,10 @@ impl Drainer {
     pub fn new(dir: &Path, start: u64) -> Drainer {
         Drainer {
             dir: dir.to_path_buf(),
-            uuid: random_uuid(),
-            start,
-            open: HashMap::new(),
-            events: 0,
-            lost_closed: 0,
-            streams: 0,
+            d: trace::Drainer::new(random_uuid(), start),
+            files: HashMap::new(),
             sites: 0,
         }
-    }
-
-    fn append(file: &mut std::fs::File, bytes: &[u8], path: &Path) -> Result<()> {
-        file.write_all(bytes).with_context(|| format!("{}: cannot write", path.display()))
     }
 
     /// Drains, then waits [`DRAIN_EVERY`] unless a ring was filling up
@@ -281,124 +274,84 @@ impl Drainer {
         Ok(())
     }
 
-    /// Reads every ring up to its head into its stream, writes a packet per
-    /// stream that has news, and frees the rings of threads that exited.
-    /// Returns the most records read from one ring.
-    pub fn drain(&mut self, t: &mut TraceFile) -> Result<u64> {
-        let mut most = 0;
-        for i in 0..trace::RINGS {
-            let r = t.ring(i);
-            let owner = r.owner.load(Ordering::Acquire);
-            if self.open.get(&i).is_some_and(|o| o.tid != owner) {
-                self.close(i)?;
-            }
-            if owner == 0 {
-                continue;
-            }
-            if !self.open.contains_key(&i) {
-                let name = format!("thread-{owner}");
-                let path = self.dir.join(&name);
-                let file = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&path)
-                    .with_context(|| format!("{}: cannot create", path.display()))?;
-                self.streams += 1;
-                let mut stream = ctf::Stream::new(self.uuid, 0, owner, self.start);
-                let mut file = file;
-                Self::append(&mut file, &stream.first_packet(), &path)?;
-                self.open.insert(i, Open { tid: owner, stream, discarded: 0, file });
-            }
-            let exited = r.exited.load(Ordering::Acquire) == 1;
-            let head = r.head.load(Ordering::Acquire);
-            let tail = r.tail.load(Ordering::Relaxed);
-            let Some(o) = self.open.get_mut(&i) else { continue };
-            most = most.max(head.wrapping_sub(tail));
-            for n in tail..head {
-                let rec = t.record(i, n);
-                if rec.tsc < self.start {
-                    continue;
-                }
-                if rec.kind() != trace::kind::REALLOC_OLD {
-                    self.events += 1;
-                }
-                o.stream.record(&rec);
-                if o.stream.pending_bytes() > 1 << 20 {
-                    let p = o.stream.finish_packet(0, o.discarded);
-                    Self::append(&mut o.file, &p, &self.dir)?;
-                    o.discarded = o.stream.discarded;
-                }
-            }
-            r.tail.store(head, Ordering::Release);
-            o.stream.discarded = r.lost.load(Ordering::Relaxed);
-            let p = o.stream.finish_packet(rdtsc(), o.discarded);
-            Self::append(&mut o.file, &p, &self.dir)?;
-            o.discarded = o.stream.discarded;
-            if exited && r.head.load(Ordering::Acquire) == head {
-                self.close(i)?;
-                r.lost.store(0, Ordering::Relaxed);
-                r.exited.store(0, Ordering::Relaxed);
-                r.owner.store(0, Ordering::Release);
-            }
-        }
-        Ok(most)
-    }
-
-    fn close(&mut self, i: usize) -> Result<()> {
-        if let Some(mut o) = self.open.remove(&i) {
-            let p = o.stream.finish_packet(0, o.discarded);
-            Self::append(&mut o.file, &p, &self.dir)?;
-            self.lost_closed += o.stream.discarded;
-        }
-        Ok(())
+    fn drain(&mut self, t: &mut TraceFile) -> Result<u64> {
+        let (dir, files) = (&self.dir, &mut self.files);
+        let mut sink = |name: &str, bytes: &[u8]| append(dir, files, name, bytes);
+        self.d.drain(&t.rings, rdtsc(), &mut sink)
     }
 
     /// Writes the `sites` stream: every site of every module the process
     /// file holds with ids.
-    pub fn write_sites(&mut self, pf: &ProcessFile) -> Result<u32> {
+    fn write_sites(&mut self, pf: &ProcessFile) -> Result<()> {
         let sites = site_infos(pf)?;
-        let mut s = ctf::Stream::new(self.uuid, 1, 0, self.start);
-        for info in &sites {
-            s.site(info, self.start);
-        }
-        let p = s.finish_packet(self.start, 0);
         let path = self.dir.join("sites");
-        std::fs::write(&path, &p).with_context(|| format!("{}: cannot write", path.display()))?;
+        std::fs::write(&path, self.d.sites(&sites)).with_context(|| format!("{}: cannot write", path.display()))?;
         self.sites = sites.len() as u32;
-        Ok(self.sites)
+        Ok(())
     }
 
-    /// Closes every stream and writes the metadata (the clock measured
-    /// against CLOCK_MONOTONIC since the trace's start).
+    /// Closes every stream and writes the metadata.
     fn finish(mut self, t: &TraceFile, pid: u32, command: &str) -> Result<Summary> {
-        for i in self.open.keys().copied().collect::<Vec<_>>() {
-            self.close(i)?;
-        }
-        let h = t.header();
-        let (tsc0, mono0, real0) = (
-            h.start_tsc.load(Ordering::Relaxed),
-            h.start_monotonic.load(Ordering::Relaxed),
-            h.start_realtime.load(Ordering::Relaxed),
-        );
-        // At least 10 ms between the two readings, for a precise rate.
-        let (mut tsc1, mut mono1) = (rdtsc(), clock_ns(libc::CLOCK_MONOTONIC));
-        if mono1.saturating_sub(mono0) < 10_000_000 {
+        let (dir, files) = (&self.dir, &mut self.files);
+        let mut sink = |name: &str, bytes: &[u8]| append(dir, files, name, bytes);
+        self.d.close_all(&mut sink)?;
+        let h = t.rings.header();
+        if clock_ns(libc::CLOCK_MONOTONIC).saturating_sub(h.start_monotonic.load(Ordering::Relaxed)) < 10_000_000 {
             std::thread::sleep(Duration::from_millis(10));
-            (tsc1, mono1) = (rdtsc(), clock_ns(libc::CLOCK_MONOTONIC));
         }
-        let freq = (u128::from(tsc1.saturating_sub(tsc0)) * 1_000_000_000
-            / u128::from(mono1.saturating_sub(mono0).max(1))) as u64;
-        let offset_ns = i128::from(real0) - i128::from(tsc0) * 1_000_000_000 / i128::from(freq.max(1));
-        let meta = ctf::metadata(&ctf::Meta { uuid: self.uuid, freq, offset_ns, pid, command });
+        let (freq, offset_ns) = trace::clock(h, rdtsc(), clock_ns(libc::CLOCK_MONOTONIC));
+        let meta = ctf::metadata(&ctf::Meta { uuid: self.d.uuid(), freq, offset_ns, pid, command });
         let path = self.dir.join("metadata");
         std::fs::write(&path, meta).with_context(|| format!("{}: cannot write", path.display()))?;
-        Ok(Summary {
-            events: self.events,
-            lost: self.lost_closed + h.lost_no_ring.load(Ordering::Relaxed),
-            streams: self.streams,
-            sites: self.sites,
-        })
+        Ok(Summary { events: self.d.events, lost: self.d.lost(&t.rings), streams: self.d.streams, sites: self.sites })
     }
+}
+
+/// Appends a packet to a stream file of `dir` (opened once).
+fn append(dir: &Path, files: &mut HashMap<String, std::fs::File>, name: &str, bytes: &[u8]) -> Result<()> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    let path = dir.join(name);
+    let f = match files.entry(name.to_string()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .with_context(|| format!("{}: cannot create", path.display()))?,
+        ),
+    };
+    f.write_all(bytes).with_context(|| format!("{}: cannot write", path.display()))
+}
+
+/// The ids of the sites `specs` name in the process file's modules with
+/// ids (an error for a spec that names none).
+fn select_ids(pf: &ProcessFile, specs: &[String], pid: u32) -> Result<Vec<u32>> {
+    let modules = pf.modules().map_err(|e| anyhow!("{e}"))?;
+    let mut out = Vec::new();
+    for spec in specs {
+        let place = alloctramp_trampolines::fault::Spec::parse_where(spec.as_bytes())
+            .map_err(|e| anyhow!("--site {spec}: {e}"))?;
+        let before = out.len();
+        for m in modules.iter().filter(|m| m.first_id != 0) {
+            for (i, s) in m.table.sites().enumerate() {
+                let run = m.bias.wrapping_add(s.addr);
+                let hit = place.names(&m.table, &s)
+                    || matches!(place.place, alloctramp_trampolines::fault::Where::Address(a) if a == run);
+                if hit {
+                    out.push(m.first_id + i as u32);
+                }
+            }
+        }
+        if out.len() == before {
+            bail!("--site {spec}: no site of process {pid} with live tracking matches");
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
 }
 
 /// What the trace says of each site: every site of the modules with ids.

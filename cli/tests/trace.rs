@@ -61,30 +61,8 @@ fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
     patch_to(&bin, &patched, &[]);
     let mut p = Talk::start(&patched, &[], &[("ALLOCTRAMP_DIR", counters.to_str().unwrap())]);
     assert_eq!(p.line(), "ready\n");
-    let pid = p.child.id().to_string();
     let out = dir.join("trace");
-    let _ = std::fs::remove_dir_all(&out);
-    let mut tracer = alloctramp()
-        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", out.to_str().unwrap()])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(tracer.stderr.take().unwrap());
-    let mut first = String::new();
-    err.read_line(&mut first).unwrap();
-    assert!(first.contains("recording events"), "{first}");
-    assert!(first.contains("profiling switched on for the trace"), "{first}");
-    p.send("go 1000");
-    assert_eq!(p.line(), "done\n");
-    p.send("realloc");
-    assert_eq!(p.line(), "done\n");
-    p.send("keep 5");
-    assert_eq!(p.line(), "done\n");
-    // SAFETY: kill(2) on the tracer's pid.
-    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
-    assert!(tracer.wait().unwrap().success(), "{rest}");
+    let rest = traced(&mut p, &counters, &out, &[], &["go 1000", "realloc", "keep 5"]);
     assert!(rest.contains("no event lost"), "{rest}");
     // The process goes on untraced, profiling off again.
     p.send("go 10");
@@ -166,6 +144,74 @@ fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
     assert!(err.contains("thread-1: offset 0x0: no CTF magic"), "{err}");
 }
 
+/// `alloctramp trace` of the running `p` into `out` (with `extra`
+/// arguments) while `p` carries out `commands`, ended by Ctrl-C: what the
+/// tracer said after its first line.
+fn traced(p: &mut Talk, counters: &Path, out: &Path, extra: &[&str], commands: &[&str]) -> String {
+    let _ = std::fs::remove_dir_all(out);
+    let pid = p.child.id().to_string();
+    let mut tracer = alloctramp()
+        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(tracer.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    assert!(first.contains("recording events"), "{first}");
+    if extra.is_empty() {
+        assert!(first.contains("profiling switched on for the trace"), "{first}");
+    }
+    for c in commands {
+        p.send(c);
+        assert_eq!(p.line(), "done\n");
+    }
+    // SAFETY: kill(2) on the tracer's pid.
+    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    assert!(tracer.wait().unwrap().success(), "{rest}");
+    rest
+}
+
+#[test]
+fn trace_site_records_only_the_sites_it_names_and_the_frees_of_their_objects() {
+    let dir = scratch("trace-site");
+    let counters = counters_dir("trace-site");
+    let bin = build_source("trace/pairs.c", &dir);
+    let patched = dir.join("pairs.patched");
+    patch_to(&bin, &patched, &[]);
+    let mut p = Talk::start(&patched, &[], &[("ALLOCTRAMP_DIR", counters.to_str().unwrap())]);
+    assert_eq!(p.line(), "ready\n");
+    let out = dir.join("trace");
+    let a = format!("pairs.c:{}", line_of("A"));
+    traced(&mut p, &counters, &out, &["--site", &a], &["go 100", "keep 4", "realloc"]);
+    let (events, warnings) = babeltrace(&out);
+    assert_eq!(warnings, "");
+    let sites = sites_by_line(&events);
+    let (sa, sf) = (sites[&line_of("A")].clone(), sites[&line_of("F")].clone());
+    let kinds: Vec<(&str, &str)> =
+        events.iter().filter(|(n, _)| n != "site").map(|(n, f)| (n.as_str(), f["site"].as_str())).collect();
+    // A's 100 allocations and their 100 frees at F; nothing of K or R.
+    assert_eq!(kinds.len(), 200, "{kinds:?}");
+    assert!(kinds.iter().all(|&(n, s)| (n, s) == ("alloc", sa.as_str()) || (n, s) == ("free", sf.as_str())));
+    // Every site is still described.
+    assert_eq!(sites.len(), 7);
+    // A spec that names no site: one line, status 2, no trace.
+    let o = alloctramp()
+        .args(["trace", &p.child.id().to_string(), "--dir", counters.to_str().unwrap(), "--site", "nosuch.c:1", "-o"])
+        .arg(dir.join("none"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!((o.status.code(), err.lines().count()), (Some(2), 1), "{err}");
+    assert!(err.contains("--site nosuch.c:1: no site"), "{err}");
+    assert!(!dir.join("none").exists());
+    drop(p.child.stdin.take());
+    assert_eq!(p.finish(), (String::new(), Some(0)));
+}
+
 /// The pointer of the one free at `site` of an object from `alloc_site`.
 fn count_free_ptr(events: &[Event], site: &str, alloc_site: &str) -> String {
     let v: Vec<&String> = events
@@ -227,4 +273,40 @@ fn eight_threads_traced_from_the_start_events_plus_lost_equal_calls() {
         .sum();
     assert_eq!(discarded, lost, "{warnings}");
     assert!(warnings.lines().all(|l| l.starts_with("WARNING: Tracer discarded ")), "{warnings}");
+}
+
+#[test]
+fn alloctramp_trace_dir_makes_the_process_drain_its_own_trace() {
+    let dir = scratch("trace-env");
+    let counters = counters_dir("trace-env");
+    let bin = build_source("trace/pairs.c", &dir);
+    let patched = dir.join("pairs.patched");
+    patch_to(&bin, &patched, &[]);
+    let out = dir.join("traces");
+    let _ = std::fs::remove_dir_all(&out);
+    let mut p = Talk::start(
+        &patched,
+        &[],
+        &[("ALLOCTRAMP_DIR", counters.to_str().unwrap()), ("ALLOCTRAMP_TRACE", out.to_str().unwrap())],
+    );
+    assert_eq!(p.line(), "ready\n");
+    let pid = p.child.id();
+    p.send("go 1000");
+    assert_eq!(p.line(), "done\n");
+    p.send("keep 3");
+    assert_eq!(p.line(), "done\n");
+    drop(p.child.stdin.take());
+    assert_eq!(p.finish(), (String::new(), Some(0)));
+    // DIR/PID, complete at exit; the process's trace file is gone.
+    let trace = out.join(pid.to_string());
+    let (events, warnings) = babeltrace(&trace);
+    assert_eq!(warnings, "");
+    let sites = sites_by_line(&events);
+    let (a, k) = (sites[&line_of("A")].clone(), sites[&line_of("K")].clone());
+    let count = |name: &str, key: &str, v: &str| events.iter().filter(|(n, f)| n == name && f[key] == v).count();
+    assert_eq!(
+        (count("alloc", "site", &a), count("free", "alloc_site", &a), count("alloc", "site", &k)),
+        (1000, 1000, 3)
+    );
+    assert!(!counters.join(format!("{pid}.trace")).exists());
 }

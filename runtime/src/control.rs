@@ -215,6 +215,7 @@ pub fn start_trace() -> Result<(), &'static str> {
         return Err("tracing needs live tracking (the process was started with ALLOCTRAMP_LIVE=0)");
     }
     registry::prepare_live()?;
+    crate::trace::select_sites()?;
     crate::trace::start()?;
     registry::set_tracing_all(true);
     if state::is_on() { Ok(()) } else { registry::switch_all(Sites::On) }
@@ -485,7 +486,14 @@ extern "C" fn watch(first: *mut libc::c_void) -> *mut libc::c_void {
         }
         // A requester stores the request, increments the word, then wakes:
         // if it did so since `seen` was read, the wait returns at once.
-        sys::futex_wait(wake, seen);
+        if crate::drain::active() {
+            match crate::drain::next_wait(crate::drain::run(false)) {
+                0 => {}
+                ns => sys::futex_wait_for(wake, seen, ns),
+            }
+        } else {
+            sys::futex_wait(wake, seen);
+        }
     }
 }
 

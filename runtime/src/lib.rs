@@ -21,12 +21,15 @@
 //! `ALLOCTRAMP_DIR` (where the counters files go), `ALLOCTRAMP_KEEP` (how
 //! many files of ended processes stay there), `ALLOCTRAMP_TRACE=on`
 //! (record every allocation and free as an event from the start, for
-//! `alloctramp trace` or `alloctramp run --trace` to drain; see `trace`).
+//! `alloctramp trace` or `alloctramp run --trace` to drain; see `trace`)
+//! or `ALLOCTRAMP_TRACE=DIR` (the same, drained by the process itself into
+//! `DIR/PID`; see `drain`).
 
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc, clippy::indexing_slicing)]
 
 mod callers;
 mod control;
+mod drain;
 mod fault;
 mod foreign;
 mod live;
@@ -229,6 +232,7 @@ extern "C" fn after_fork_in_child() {
     fault::after_fork_in_child();
     if trace::ON.load(Ordering::Relaxed) {
         trace::after_fork_in_child();
+        drain::after_fork_in_child();
         registry::set_tracing_all(false);
     }
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
@@ -351,7 +355,11 @@ fn init() {
     // Fault injection acts on sites that are on: specs at start switch
     // profiling on.
     let fail = have_file && std::env::var("ALLOCTRAMP_FAIL").is_ok_and(|v| fault::set_from_env(v.as_bytes()));
-    let traced = have_file && live && env_flag("ALLOCTRAMP_TRACE", ["on", "off"], false, "no events recorded");
+    // ALLOCTRAMP_TRACE=on records for a drainer outside; =DIR drains too.
+    let trace_dir = std::env::var("ALLOCTRAMP_TRACE").ok().filter(|v| !["", "on", "off"].contains(&v.as_str()));
+    let traced = have_file
+        && live
+        && (trace_dir.is_some() || env_flag("ALLOCTRAMP_TRACE", ["on", "off"], false, "no events recorded"));
     // Without its file the process is not profiled: figures nobody can
     // read would cost the program what profiling costs.
     let on = (on || fail || traced) && have_file;
@@ -402,6 +410,16 @@ fn init() {
         && let Err(e) = registry::refresh_all()
     {
         state::report_error(e);
+    }
+    if let Some(dir) = trace_dir.filter(|_| traced && trace::ON.load(Ordering::Relaxed)) {
+        if mode == Switch::Thread {
+            drain::start(&dir);
+        } else {
+            sys::log(
+                b"ALLOCTRAMP_TRACE=DIR: the process drains its trace on its watcher thread, which \
+                ALLOCTRAMP_SWITCH=signal or none does not start; `alloctramp trace PID -o DIR` drains it",
+            );
+        }
     }
     if mode == Switch::Thread && have_file {
         start_watcher();
@@ -477,7 +495,12 @@ static FINI: extern "C" fn() = {
             }
         });
         // A trace under way keeps its file: the drainer reads the last
-        // events after the process is gone, and removes it.
+        // events after the process is gone, and removes it, unless the
+        // process is its own drainer.
+        if drain::active() {
+            drain::finish();
+            trace::stop();
+        }
         if !trace::ON.load(Ordering::Relaxed) {
             procfile::remove_trace_file();
         }
@@ -601,7 +624,7 @@ const LAYERS: &[&[&str]] = &[
     &["patching", "live", "foreign"],
     &["unwinding"],
     &["registry"],
-    &["callers"],
+    &["callers", "drain"],
     &["control"],
     &["lib"],
 ];

@@ -206,6 +206,7 @@ impl ProcFile {
         UNWIND_PATH.set(path_in(dir, pid_name(pid, ".unwind").bytes()).bytes());
         FAIL_PATH.set(path_in(dir, pid_name(pid, ".fail").bytes()).bytes());
         TRACE_PATH.set(path_in(dir, pid_name(pid, ".trace").bytes()).bytes());
+        TRACE_SITES_PATH.set(path_in(dir, pid_name(pid, ".tracesites").bytes()).bytes());
         let Some((dev, ino)) = identity(fd.0) else { return Err("cannot create the counters file") };
         if let Err(e) = reserve(fd.0, 0, PROC_HEADER_SIZE) {
             // SAFETY: tmp is NUL-terminated.
@@ -682,6 +683,14 @@ pub fn fail_path() -> Path {
 /// The process's trace file (`PID.trace`: see `trace`), next to its
 /// counters file.
 static TRACE_PATH: sys::PathCell = sys::PathCell::new();
+
+/// The sites a trace records (`PID.tracesites`, written by `alloctramp
+/// trace --site`).
+static TRACE_SITES_PATH: sys::PathCell = sys::PathCell::new();
+
+pub fn trace_sites_path() -> Path {
+    TRACE_SITES_PATH.get()
+}
 
 /// Creates the trace file (replacing one an earlier process with the same
 /// pid left), `size` bytes of which the first `reserved` have their

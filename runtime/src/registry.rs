@@ -1105,6 +1105,35 @@ unsafe fn enable_live(slot: &Slot) {
     });
 }
 
+/// What an event trace says of each site: every site of the registered
+/// modules with ids (see `live::MODULES`).
+pub fn site_infos() -> Vec<alloctramp_trampolines::trace::SiteInfo> {
+    let mut out = Vec::new();
+    for (i, slot) in slots().enumerate() {
+        let first = live::MODULES.get(i).map_or(0, |m| m.first_id.load(Ordering::Acquire));
+        if first == 0 || !slot.try_hold() {
+            continue;
+        }
+        // SAFETY: a held slot's table is mapped.
+        if let Some(t) = unsafe { slot.table() } {
+            let bias = slot.bias.load(Ordering::Relaxed);
+            let module = t.module_name().to_string();
+            for (k, s) in t.sites().enumerate() {
+                out.push(alloctramp_trampolines::trace::SiteInfo {
+                    id: first + k as u32,
+                    address: s.addr.wrapping_add(bias),
+                    function: t.string(s.function).unwrap_or("").to_string(),
+                    file: t.string(s.file).unwrap_or("").to_string(),
+                    line: s.line,
+                    module: module.clone(),
+                });
+            }
+        }
+        slot.release();
+    }
+    out
+}
+
 /// Switches the trampolines of every module with live tracking to
 /// tracing or back (see `live::set_tracing`). Modules that turn live
 /// tracking on later follow the trace's state (`live::enable_in`).

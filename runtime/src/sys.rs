@@ -253,6 +253,15 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32) {
     }
 }
 
+/// [`futex_wait`], for at most `ns` nanoseconds.
+pub fn futex_wait_for(word: &std::sync::atomic::AtomicU32, expected: u32, ns: u64) {
+    let ts = libc::timespec { tv_sec: (ns / 1_000_000_000) as libc::time_t, tv_nsec: (ns % 1_000_000_000) as i64 };
+    // SAFETY: FUTEX_WAIT on a valid, aligned u32 with a relative timeout.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec);
+    }
+}
+
 /// A function a higher layer gives a lower one at start-up (so that the
 /// lower one calls up without importing it). Safe in signal context.
 pub struct Hook(std::sync::atomic::AtomicUsize);

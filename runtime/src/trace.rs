@@ -29,6 +29,53 @@ static BASE: AtomicU64 = AtomicU64::new(0);
 static KEY: AtomicU64 = AtomicU64::new(u64::MAX);
 /// No ring was free for the thread.
 const NO_RING: u64 = 1;
+/// Only the sites [`SELECTED`] holds are recorded (and frees of what they
+/// allocated).
+static FILTER: AtomicBool = AtomicBool::new(false);
+/// A bit per site id.
+static SELECTED: [AtomicU64; 2048] = [const { AtomicU64::new(0) }; 2048];
+
+fn selected(id: u32) -> bool {
+    SELECTED.get(id as usize / 64).is_some_and(|w| w.load(Ordering::Relaxed) & 1 << (id % 64) != 0)
+}
+
+/// Records only the sites the sites file lists (see
+/// `alloctramp_trampolines::trace::sites_file_name`), or every site
+/// without one. Async-signal-safe.
+pub fn select_sites() -> Result<(), &'static str> {
+    for w in &SELECTED {
+        w.store(0, Ordering::Relaxed);
+    }
+    let mut path = procfile::trace_sites_path();
+    // SAFETY: the path is NUL-terminated.
+    let fd = unsafe { libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+    if fd < 0 {
+        FILTER.store(false, Ordering::Release);
+        return Ok(());
+    }
+    let fd = sys::Fd(fd);
+    let mut set = |id: u32| {
+        if let Some(w) = SELECTED.get(id as usize / 64) {
+            w.fetch_or(1 << (id % 64), Ordering::Relaxed);
+        }
+    };
+    let mut parser = trace::SitesParser::default();
+    let mut buf = [0u8; 4096];
+    loop {
+        // SAFETY: reads into the local buffer.
+        let n = unsafe { libc::read(fd.0, buf.as_mut_ptr() as *mut libc::c_void, buf.len()) };
+        if n <= 0 {
+            break;
+        }
+        parser.feed(buf.get(..n as usize).unwrap_or_default(), &mut set);
+    }
+    if !parser.finish(&mut set) {
+        FILTER.store(false, Ordering::Release);
+        return Err("bad site id in the trace's sites file");
+    }
+    FILTER.store(true, Ordering::Release);
+    Ok(())
+}
 
 fn header() -> Option<&'static TraceHeader> {
     let b = BASE.load(Ordering::Acquire);
@@ -42,10 +89,17 @@ fn ring(i: usize) -> Option<&'static RingHeader> {
     (b != 0 && i < trace::RINGS).then(|| unsafe { pod::at::<RingHeader>((b + trace::ring_offset(i)) as usize) })
 }
 
+/// The trace file's mapping, once made.
+pub fn rings() -> Option<trace::Rings> {
+    let b = BASE.load(Ordering::Acquire);
+    // SAFETY: the trace file's mapping of FILE_SIZE bytes, never unmapped.
+    (b != 0).then(|| unsafe { trace::Rings::new(b as *const u8) })
+}
+
 /// The time stamp counter and the CPU (Linux keeps the CPU's number in
 /// the low 12 bits of `TSC_AUX`).
 #[inline(always)]
-fn rdtscp() -> (u64, u64) {
+pub fn rdtscp() -> (u64, u64) {
     let mut aux = 0u32;
     // SAFETY: rdtscp reads the counter and TSC_AUX; x86-64 Linux enables it.
     let t = unsafe { core::arch::x86_64::__rdtscp(&mut aux) };
@@ -198,7 +252,7 @@ fn reserve(n: u64) -> Option<(*mut Record, &'static RingHeader, u64)> {
 /// that allocated the object freed, 0 if not known).
 #[inline(always)]
 pub fn record(k: u64, site: u32, alloc_site: u32, ptr: u64, size: u64) {
-    if !ON.load(Ordering::Relaxed) {
+    if !ON.load(Ordering::Relaxed) || FILTER.load(Ordering::Relaxed) && !selected(site) && !selected(alloc_site) {
         return;
     }
     let Some((rec, r, head)) = reserve(1) else { return };
@@ -212,7 +266,7 @@ pub fn record(k: u64, site: u32, alloc_site: u32, ptr: u64, size: u64) {
 /// `alloc_site`) into `ptr` of `size` bytes: two records, published
 /// together.
 pub fn record_realloc(site: u32, alloc_site: u32, old: u64, old_size: u64, ptr: u64, size: u64) {
-    if !ON.load(Ordering::Relaxed) {
+    if !ON.load(Ordering::Relaxed) || FILTER.load(Ordering::Relaxed) && !selected(site) && !selected(alloc_site) {
         return;
     }
     let Some((rec, r, head)) = reserve(2) else { return };

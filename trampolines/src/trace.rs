@@ -139,6 +139,49 @@ pub fn file_name(pid: u32) -> String {
     format!("{pid}.trace")
 }
 
+/// The file `alloctramp trace --site` writes beside the process's counters
+/// file before it asks for a trace: the ids of the sites to record
+/// (decimal, separated by white space; missing: every site).
+pub fn sites_file_name(pid: u32) -> String {
+    format!("{pid}.tracesites")
+}
+
+/// Reads a sites file's text in pieces: its site ids, each passed to
+/// `set`. Allocates nothing.
+#[derive(Default)]
+pub struct SitesParser {
+    n: Option<u32>,
+    bad: bool,
+}
+
+impl SitesParser {
+    /// The next piece of the text.
+    pub fn feed(&mut self, text: &[u8], set: &mut impl FnMut(u32)) {
+        for &c in text {
+            match c {
+                _ if self.bad => return,
+                b'0'..=b'9' => {
+                    let v = self.n.unwrap_or(0).saturating_mul(10).saturating_add(u32::from(c - b'0'));
+                    self.bad = v >= 1 << 17;
+                    self.n = Some(v);
+                }
+                b' ' | b'\n' | b'\t' | b'\r' => {
+                    if let Some(v) = self.n.take() {
+                        set(v);
+                    }
+                }
+                _ => self.bad = true,
+            }
+        }
+    }
+
+    /// The end of the text: false if it held anything but ids below 2^17.
+    pub fn finish(mut self, set: &mut impl FnMut(u32)) -> bool {
+        self.feed(b" ", set);
+        !self.bad
+    }
+}
+
 /// What a trace says about one site (the `site` event).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SiteInfo {
@@ -148,6 +191,202 @@ pub struct SiteInfo {
     pub file: String,
     pub line: u32,
     pub module: String,
+}
+
+/// A view of a trace file's mapping: its header, ring headers and records.
+pub struct Rings {
+    base: usize,
+}
+
+impl Rings {
+    /// # Safety
+    /// `base` must be a mapping of [`FILE_SIZE`] bytes of a trace file
+    /// (shared with its writer), live as long as the view.
+    pub unsafe fn new(base: *const u8) -> Rings {
+        Rings { base: base as usize }
+    }
+
+    pub fn header(&self) -> &TraceHeader {
+        // SAFETY: the file's first 4096 bytes (caller of `new`).
+        unsafe { &*(self.base as *const TraceHeader) }
+    }
+
+    pub fn ring(&self, i: usize) -> &RingHeader {
+        // SAFETY: ring i % RINGS's header lies within the mapping.
+        unsafe { &*((self.base + ring_offset(i % RINGS) as usize) as *const RingHeader) }
+    }
+
+    /// Record `n` of ring `i` (read below the ring's published head).
+    pub fn record(&self, i: usize, n: u64) -> Record {
+        let at = records_offset(i % RINGS) as usize + (n as usize & (RING_RECORDS - 1)) * std::mem::size_of::<Record>();
+        // SAFETY: a record of the ring, within the mapping; the writer
+        // published it before moving the head the caller read.
+        unsafe { std::ptr::read_volatile((self.base + at) as *const Record) }
+    }
+}
+
+/// The name of the stream file of thread `tid`.
+pub fn stream_name(tid: u32) -> String {
+    format!("thread-{tid}")
+}
+
+/// The clock's rate (ticks per second) and the epoch time (ns) of its
+/// value 0, from the trace's start stamps and a later reading of the
+/// counter and CLOCK_MONOTONIC (10 ms apart at least, for precision).
+pub fn clock(h: &TraceHeader, now_tsc: u64, now_monotonic: u64) -> (u64, i128) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (tsc0, mono0, real0) =
+        (h.start_tsc.load(Relaxed), h.start_monotonic.load(Relaxed), h.start_realtime.load(Relaxed));
+    let ticks = u128::from(now_tsc.saturating_sub(tsc0));
+    let freq = (ticks * 1_000_000_000 / u128::from(now_monotonic.saturating_sub(mono0).max(1))) as u64;
+    let offset_ns = i128::from(real0) - i128::from(tsc0) * 1_000_000_000 / i128::from(freq.max(1));
+    (freq, offset_ns)
+}
+
+/// One ring's stream while its thread owns it.
+struct Open {
+    tid: u32,
+    /// Its file's name: `thread-TID`, with `-N` for the Nth stream of a
+    /// thread id used again.
+    name: String,
+    stream: ctf::Stream,
+    /// The ring's losses written in earlier packets.
+    discarded: u64,
+}
+
+/// Copies the rings' records into CTF streams, handing each packet to a
+/// sink with its stream file's name (the caller's I/O).
+pub struct Drainer {
+    uuid: [u8; 16],
+    start: u64,
+    open: Vec<Option<Open>>,
+    /// Events written.
+    pub events: u64,
+    /// Losses of streams closed.
+    lost_closed: u64,
+    /// Streams opened.
+    pub streams: u32,
+    names: std::collections::HashSet<String>,
+}
+
+/// Where a drainer's packets go: the stream file's name and the bytes to
+/// append to it.
+pub type Sink<'a, E> = &'a mut dyn FnMut(&str, &[u8]) -> Result<(), E>;
+
+impl Drainer {
+    pub fn new(uuid: [u8; 16], start: u64) -> Drainer {
+        Drainer {
+            uuid,
+            start,
+            open: (0..RINGS).map(|_| None).collect(),
+            events: 0,
+            lost_closed: 0,
+            streams: 0,
+            names: Default::default(),
+        }
+    }
+
+    pub fn uuid(&self) -> [u8; 16] {
+        self.uuid
+    }
+
+    /// Reads every ring up to its head into its stream and writes a
+    /// packet per stream that has news (ending at `now`), and frees the
+    /// rings of threads that exited. Returns the most records read from
+    /// one ring.
+    pub fn drain<E>(&mut self, r: &Rings, now: u64, out: Sink<'_, E>) -> Result<u64, E> {
+        use std::sync::atomic::Ordering;
+        let mut most = 0;
+        for i in 0..RINGS {
+            let ring = r.ring(i);
+            let owner = ring.owner.load(Ordering::Acquire);
+            if self.open[i].as_ref().is_some_and(|o| o.tid != owner) {
+                self.close(i, out)?;
+            }
+            if owner == 0 {
+                continue;
+            }
+            if self.open[i].is_none() {
+                let mut name = stream_name(owner);
+                let mut k = 1;
+                while self.names.contains(&name) {
+                    k += 1;
+                    name = format!("{}-{k}", stream_name(owner));
+                }
+                self.names.insert(name.clone());
+                let mut stream = ctf::Stream::new(self.uuid, 0, owner, self.start);
+                out(&name, &stream.first_packet())?;
+                self.streams += 1;
+                self.open[i] = Some(Open { tid: owner, name, stream, discarded: 0 });
+            }
+            let exited = ring.exited.load(Ordering::Acquire) == 1;
+            let head = ring.head.load(Ordering::Acquire);
+            let tail = ring.tail.load(Ordering::Relaxed);
+            let Some(o) = self.open[i].as_mut() else { continue };
+            most = most.max(head.wrapping_sub(tail));
+            let name = o.name.clone();
+            for n in tail..head {
+                let rec = r.record(i, n);
+                if rec.tsc < self.start {
+                    continue;
+                }
+                if rec.kind() != kind::REALLOC_OLD {
+                    self.events += 1;
+                }
+                o.stream.record(&rec);
+                if o.stream.pending_bytes() > 1 << 20 {
+                    out(&name, &o.stream.finish_packet(0, o.discarded))?;
+                    o.discarded = o.stream.discarded;
+                }
+            }
+            ring.tail.store(head, Ordering::Release);
+            o.stream.discarded = ring.lost.load(Ordering::Relaxed);
+            let p = o.stream.finish_packet(now, o.discarded);
+            out(&name, &p)?;
+            o.discarded = o.stream.discarded;
+            if exited && ring.head.load(Ordering::Acquire) == head {
+                self.close(i, out)?;
+                ring.lost.store(0, Ordering::Relaxed);
+                ring.exited.store(0, Ordering::Relaxed);
+                ring.owner.store(0, Ordering::Release);
+            }
+        }
+        Ok(most)
+    }
+
+    fn close<E>(&mut self, i: usize, out: Sink<'_, E>) -> Result<(), E> {
+        if let Some(mut o) = self.open[i].take() {
+            let p = o.stream.finish_packet(0, o.discarded);
+            out(&o.name, &p)?;
+            self.lost_closed += o.stream.discarded;
+        }
+        Ok(())
+    }
+
+    /// Closes every stream.
+    pub fn close_all<E>(&mut self, out: Sink<'_, E>) -> Result<(), E> {
+        for i in 0..RINGS {
+            self.close(i, out)?;
+        }
+        Ok(())
+    }
+
+    /// Events lost so far: those of the streams (closed or open) and of
+    /// threads that found no ring.
+    pub fn lost(&self, r: &Rings) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let open: u64 = self.open.iter().flatten().map(|o| o.stream.discarded).sum();
+        self.lost_closed + open + r.header().lost_no_ring.load(Relaxed)
+    }
+
+    /// The `sites` stream file's bytes.
+    pub fn sites(&self, sites: &[SiteInfo]) -> Vec<u8> {
+        let mut s = ctf::Stream::new(self.uuid, 1, 0, self.start);
+        for info in sites {
+            s.site(info, self.start);
+        }
+        s.finish_packet(self.start, 0)
+    }
 }
 
 /// The CTF 1.8 trace written from the records (format in docs/formats.md,
@@ -525,6 +764,22 @@ event {{
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sites_files_list_ids() {
+        let parse = |pieces: &[&[u8]]| {
+            let mut got = Vec::new();
+            let mut p = SitesParser::default();
+            for piece in pieces {
+                p.feed(piece, &mut |v| got.push(v));
+            }
+            p.finish(&mut |v| got.push(v)).then_some(got)
+        };
+        assert_eq!(parse(&[b"70 7", b"1\n131071"]), Some(vec![70, 71, 131071]));
+        assert_eq!(parse(&[b"131072"]), None);
+        assert_eq!(parse(&[b"7x"]), None);
+        assert_eq!(parse(&[b""]), Some(vec![]));
+    }
 
     #[test]
     fn records_pack_their_fields() {
