@@ -441,12 +441,15 @@ fn trace_child(child: &mut std::process::Child, dir: &Path, partial: &Path) -> R
     let trace_path = dir.join(alloctramp_trampolines::trace::file_name(pid));
     let counters = dir.join(alloctramp_trampolines::process::counters_file_name(pid));
     // The runtime makes the file at start-up, and keeps it at exit for us.
+    // (the child's own: one an earlier process of the same pid left names
+    // another pid until the child replaces it).
     let mut file = loop {
         let exited = child.try_wait()?.is_some();
         match crate::trace::TraceFile::open(&trace_path) {
-            Ok(f) => break f,
+            Ok(f) if f.pid() == pid => break f.claim()?,
+            Ok(_) if exited => anyhow::bail!("{}: another process's trace file", trace_path.display()),
             Err(e) if exited => return Err(e),
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
+            _ => std::thread::sleep(std::time::Duration::from_millis(2)),
         }
     };
     let start = file.start_tsc();

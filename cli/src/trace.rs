@@ -88,18 +88,32 @@ fn trace_process(args: &TraceArgs, partial: &Path) -> Result<()> {
         let give = (control::euid() == 0 && owner != 0).then_some(owner);
         crate::util::write_atomic_as(&sites_path, text.as_bytes(), 0o600, give)?;
     }
+    let trace_path = dir.join(trace::file_name(pid));
+    // A trace the process records already (`ALLOCTRAMP_TRACE=on`) goes
+    // on after this command, as it found it.
+    let traced_before = TraceFile::open(&trace_path).is_ok_and(|f| f.rings.header().on.load(Ordering::Acquire) == 1);
     let msg = control::switch(&args.switch, Request::Trace)?;
     eprintln!("alloctramp: {msg}");
-    let trace_path = dir.join(trace::file_name(pid));
-    let mut file = TraceFile::open(&trace_path)?;
+    // Undoes the requests when the trace cannot be drained.
+    let undo = |e: anyhow::Error| {
+        if !traced_before {
+            let _ = control::switch(&args.switch, Request::NoTrace);
+        }
+        if !was_on {
+            let _ = control::switch(&args.switch, Request::Off);
+        }
+        let _ = std::fs::remove_file(&sites_path);
+        e
+    };
+    let mut file = TraceFile::open(&trace_path).and_then(|f| f.claim()).map_err(undo)?;
     let mut d = Drainer::new(partial, file.start_tsc());
     let deadline = args.duration.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
     let alive = |pid: u32| control::process_exists(pid);
     while !INTERRUPTED.load(Ordering::Relaxed) && deadline.is_none_or(|d| Instant::now() < d) && alive(pid) {
-        d.drain_and_wait(&mut file)?;
+        d.drain_and_wait(&mut file).map_err(undo)?;
     }
     if alive(pid) {
-        let stopped = control::switch(&args.switch, Request::NoTrace);
+        let stopped = if traced_before { Ok(String::new()) } else { control::switch(&args.switch, Request::NoTrace) };
         if !was_on {
             let _ = control::switch(&args.switch, Request::Off);
         }
@@ -185,9 +199,37 @@ impl TraceFile {
         Ok(t)
     }
 
+    /// Makes this process the file's drainer: an error if another one that
+    /// is still running drains it.
+    pub fn claim(self) -> Result<TraceFile> {
+        let me = std::process::id();
+        let h = self.rings.header();
+        loop {
+            let held = h.drainer.load(Ordering::Acquire);
+            if held != 0 && held != me && control::process_exists(held) {
+                bail!("process {held} drains this trace already (one drainer at a time)");
+            }
+            if h.drainer.compare_exchange(held, me, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return Ok(self);
+            }
+        }
+    }
+
+    /// The traced process.
+    pub fn pid(&self) -> u32 {
+        self.rings.header().pid.load(Ordering::Acquire)
+    }
+
     /// The time stamp counter at the trace's start.
     pub fn start_tsc(&self) -> u64 {
         self.rings.header().start_tsc.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for TraceFile {
+    fn drop(&mut self) {
+        let _ =
+            self.rings.header().drainer.compare_exchange(std::process::id(), 0, Ordering::AcqRel, Ordering::Relaxed);
     }
 }
 
@@ -238,9 +280,8 @@ fn random_uuid() -> [u8; 16] {
 }
 
 fn rdtsc() -> u64 {
-    let mut aux = 0u32;
-    // SAFETY: rdtscp reads the counter.
-    unsafe { core::arch::x86_64::__rdtscp(&mut aux) }
+    // SAFETY: rdtsc is on every x86-64 CPU.
+    unsafe { core::arch::x86_64::_rdtsc() }
 }
 
 fn clock_ns(clock: libc::clockid_t) -> u64 {

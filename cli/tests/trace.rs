@@ -310,3 +310,55 @@ fn alloctramp_trace_dir_makes_the_process_drain_its_own_trace() {
     );
     assert!(!counters.join(format!("{pid}.trace")).exists());
 }
+
+#[test]
+fn a_trace_recorded_from_the_start_keeps_its_events_for_the_one_drainer_that_attaches() {
+    let dir = scratch("trace-attach");
+    let counters = counters_dir("trace-attach");
+    let bin = build_source("trace/pairs.c", &dir);
+    let patched = dir.join("pairs.patched");
+    patch_to(&bin, &patched, &[]);
+    let env = [("ALLOCTRAMP_DIR", counters.to_str().unwrap()), ("ALLOCTRAMP_TRACE", "on")];
+    let mut p = Talk::start(&patched, &[], &env);
+    assert_eq!(p.line(), "ready\n");
+    // Recorded before any drainer exists.
+    p.send("go 10");
+    assert_eq!(p.line(), "done\n");
+    let out = dir.join("trace");
+    let _ = std::fs::remove_dir_all(&out);
+    let pid = p.child.id().to_string();
+    let mut tracer = alloctramp()
+        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(tracer.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    assert!(first.contains("recording events"), "{first}");
+    // A second drainer is refused while the first runs.
+    let second = dir.join("second");
+    let o = alloctramp()
+        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", second.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{said}");
+    assert!(said.lines().last().unwrap_or("").contains("drains this trace already"), "{said}");
+    assert!(!second.exists());
+    p.send("keep 2");
+    assert_eq!(p.line(), "done\n");
+    // SAFETY: kill(2) on the tracer's pid.
+    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    assert!(tracer.wait().unwrap().success(), "{rest}");
+    drop(p.child.stdin.take());
+    assert_eq!(p.finish(), (String::new(), Some(0)));
+    let (events, warnings) = babeltrace(&out);
+    assert_eq!(warnings, "");
+    let sites = sites_by_line(&events);
+    let (a, k) = (sites[&line_of("A")].clone(), sites[&line_of("K")].clone());
+    let count = |name: &str, key: &str, v: &str| events.iter().filter(|(n, f)| n == name && f[key] == v).count();
+    assert_eq!((count("alloc", "site", &a), count("free", "alloc_site", &a), count("alloc", "site", &k)), (10, 10, 2));
+}

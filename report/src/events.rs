@@ -297,7 +297,7 @@ struct Replay {
 impl Replay {
     fn free(&mut self, t: &Trace, ptr: u64, tid: u32, at: u64) {
         if let Some((site, size, when, thread, nth)) = self.live.remove(&ptr) {
-            self.total -= size;
+            self.total = self.total.saturating_sub(size);
             self.lifetimes.entry(site).or_default().push(t.ns(at.saturating_sub(when)));
             let s = self.stats.entry(site).or_default();
             s.freed += 1;
@@ -319,8 +319,12 @@ pub fn analyze(t: &Trace) -> Analysis {
     for (i, e) in t.events.iter().enumerate() {
         match e.what {
             What::Alloc { ptr, size } | What::Realloc { ptr, size, .. } => {
-                if let What::Realloc { old, .. } = e.what
+                // The old object of a realloc, unless its address is another
+                // site's object by now (events of two threads a realloc's
+                // record straddles).
+                if let What::Realloc { old, alloc_site, .. } = e.what
                     && old != 0
+                    && st.live.get(&old).is_none_or(|l| l.0 == alloc_site || alloc_site == 0)
                 {
                     st.free(t, old, e.tid, e.ts);
                 }
@@ -332,9 +336,12 @@ pub fn analyze(t: &Trace) -> Analysis {
                 let nth = *n;
                 let s = st.stats.entry(e.site).or_default();
                 s.allocations += 1;
-                s.bytes += size;
-                st.live.insert(ptr, (e.site, size, e.ts, e.tid, nth));
-                st.total += size;
+                s.bytes = s.bytes.saturating_add(size);
+                // An address still live was freed unseen: it is gone.
+                if let Some(prev) = st.live.insert(ptr, (e.site, size, e.ts, e.tid, nth)) {
+                    st.total = st.total.saturating_sub(prev.1);
+                }
+                st.total = st.total.saturating_add(size);
                 if st.total > peak {
                     (peak, peak_index) = (st.total, Some(i));
                 }
@@ -346,7 +353,7 @@ pub fn analyze(t: &Trace) -> Analysis {
     for (_, (site, size, ..)) in live {
         let s = stats.entry(site).or_default();
         s.live += 1;
-        s.live_bytes += size;
+        s.live_bytes = s.live_bytes.saturating_add(size);
     }
     // Who held the peak: the live bytes per site replayed up to it.
     if let Some(p) = peak_index {
@@ -367,7 +374,8 @@ pub fn analyze(t: &Trace) -> Analysis {
             }
         }
         for (site, size) in held.into_values() {
-            stats.entry(site).or_default().at_peak += size;
+            let s = stats.entry(site).or_default();
+            s.at_peak = s.at_peak.saturating_add(size);
         }
     }
     let sites = stats
@@ -419,9 +427,9 @@ pub fn timeline_svg(t: &Trace, a: &Analysis, top: usize, name: &dyn Fn(u32) -> S
         }
         let mut drop = |ptr: u64, total: &mut u64, per: &mut Vec<u64>| {
             if let Some((site, size)) = held.remove(&ptr) {
-                *total -= size;
+                *total = total.saturating_sub(size);
                 if let Some(j) = slot(site) {
-                    per[j] -= size;
+                    per[j] = per[j].saturating_sub(size);
                 }
             }
         };
@@ -431,10 +439,11 @@ pub fn timeline_svg(t: &Trace, a: &Analysis, top: usize, name: &dyn Fn(u32) -> S
                     drop(old, &mut total, &mut per);
                 }
                 if ptr != 0 {
+                    drop(ptr, &mut total, &mut per);
                     held.insert(ptr, (e.site, size));
-                    total += size;
+                    total = total.saturating_add(size);
                     if let Some(j) = slot(e.site) {
-                        per[j] += size;
+                        per[j] = per[j].saturating_add(size);
                     }
                 }
             }

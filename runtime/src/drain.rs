@@ -42,8 +42,15 @@ pub fn start(dir: &str) {
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() };
     let path = PathBuf::from(dir).join(pid.to_string());
-    if let Err(e) = std::fs::create_dir_all(&path) {
-        sys::log(format!("ALLOCTRAMP_TRACE: {}: cannot create ({e}); no trace written", path.display()).as_bytes());
+    // Absolute, so that the program's chdir does not move it.
+    let path = match std::fs::create_dir_all(&path).and_then(|()| std::fs::canonicalize(&path)) {
+        Ok(p) => p,
+        Err(e) => {
+            sys::log(format!("ALLOCTRAMP_TRACE: {}: cannot create ({e}); no trace written", path.display()).as_bytes());
+            return;
+        }
+    };
+    if rings.header().drainer.compare_exchange(0, pid as u32, Ordering::AcqRel, Ordering::Relaxed).is_err() {
         return;
     }
     let command = std::fs::read("/proc/self/comm").map(|c| String::from_utf8_lossy(&c).trim().to_string());
@@ -63,6 +70,10 @@ pub fn start(dir: &str) {
         })
     });
     ACTIVE.store(true, Ordering::Release);
+    // The sites of the modules loaded at start-up, now: a short-lived
+    // process may exit (its modules unregistering first) before the
+    // watcher's first drain.
+    run(false);
 }
 
 fn append(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
@@ -88,11 +99,14 @@ pub fn run(last: bool) -> u64 {
     }
     let Some(rings) = trace::rings() else { return 0 };
     STATE.with(|s| {
+        // Finished meanwhile (at exit, on another thread).
+        if !active() {
+            return 0;
+        }
         let Some(st) = s.as_mut() else { return 0 };
         let path = st.path.clone();
         let mut sink = |name: &str, bytes: &[u8]| append(&path, name, bytes);
-        let (tsc, _) = trace::rdtscp();
-        let drained = st.d.drain(&rings, tsc, &mut sink);
+        let drained = st.d.drain(&rings, trace::rdtscp().0, &mut sink);
         let closed = if last { st.d.close_all(&mut sink) } else { Ok(()) };
         let most = match (drained, closed) {
             (Ok(n), Ok(())) => Ok(n),
@@ -114,6 +128,8 @@ pub fn run(last: bool) -> u64 {
         let now = sys::clock_ns(libc::CLOCK_MONOTONIC);
         let since_start = now.saturating_sub(rings.header().start_monotonic.load(Ordering::Relaxed));
         if last || (since_start >= 10_000_000 && now.saturating_sub(st.meta_at) >= 1_000_000_000) {
+            // The two clocks read together, for the rate.
+            let (tsc, now) = (trace::rdtscp().0, sys::clock_ns(libc::CLOCK_MONOTONIC));
             let (freq, offset_ns) = alloctramp_trampolines::trace::clock(rings.header(), tsc, now);
             // SAFETY: getpid has no preconditions.
             let pid = unsafe { libc::getpid() } as u32;
@@ -134,10 +150,13 @@ pub fn next_wait(most: u64) -> u64 {
     }
 }
 
-/// At exit: the last events, and the trace complete.
+/// At exit: recording stops, then the last events are drained and the
+/// trace completed (the watcher, if it is draining, finishes first; it
+/// drains no more after).
 pub fn finish() {
+    trace::stop();
     run(true);
-    ACTIVE.store(false, Ordering::Release);
+    STATE.with(|_| ACTIVE.store(false, Ordering::Release));
 }
 
 /// In a forked child: the parent drains its own trace.

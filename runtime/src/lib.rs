@@ -231,10 +231,10 @@ extern "C" fn after_fork_in_child() {
     shards::after_fork_in_child();
     fault::after_fork_in_child();
     if trace::ON.load(Ordering::Relaxed) {
-        trace::after_fork_in_child();
-        drain::after_fork_in_child();
         registry::set_tracing_all(false);
     }
+    trace::after_fork_in_child();
+    drain::after_fork_in_child();
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
     // The child profiled only if its sites are on now.
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
@@ -355,11 +355,17 @@ fn init() {
     // Fault injection acts on sites that are on: specs at start switch
     // profiling on.
     let fail = have_file && std::env::var("ALLOCTRAMP_FAIL").is_ok_and(|v| fault::set_from_env(v.as_bytes()));
-    // ALLOCTRAMP_TRACE=on records for a drainer outside; =DIR drains too.
-    let trace_dir = std::env::var("ALLOCTRAMP_TRACE").ok().filter(|v| !["", "on", "off"].contains(&v.as_str()));
-    let traced = have_file
-        && live
-        && (trace_dir.is_some() || env_flag("ALLOCTRAMP_TRACE", ["on", "off"], false, "no events recorded"));
+    // ALLOCTRAMP_TRACE=on records for a drainer outside; =DIR (a path:
+    // it has a slash) drains too.
+    let trace_value = std::env::var("ALLOCTRAMP_TRACE").unwrap_or_default();
+    let trace_dir = trace_value.contains('/').then(|| trace_value.clone());
+    if !trace_value.contains('/') && !["", "on", "off"].contains(&trace_value.as_str()) {
+        sys::log(
+            format!("ALLOCTRAMP_TRACE={trace_value:?}: expected on, off or a directory (a path with a /); no events recorded")
+                .as_bytes(),
+        );
+    }
+    let traced = have_file && live && (trace_dir.is_some() || trace_value == "on");
     // Without its file the process is not profiled: figures nobody can
     // read would cost the program what profiling costs.
     let on = (on || fail || traced) && have_file;
@@ -499,7 +505,6 @@ static FINI: extern "C" fn() = {
         // process is its own drainer.
         if drain::active() {
             drain::finish();
-            trace::stop();
         }
         if !trace::ON.load(Ordering::Relaxed) {
             procfile::remove_trace_file();

@@ -814,7 +814,9 @@ pub unsafe fn replace_module_view(
     }
     let (first, stride, mask) =
         (m.first_id.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed), m.mask.load(Ordering::Relaxed));
-    if first != 0 && !file.is_some_and(|(f, index)| alias_freed(f, index, first, stride, mask)) {
+    if first != 0
+        && !file.is_some_and(|(f, index)| alias_freed(f, index, first, stride, mask) && f.set_first_id(index, first))
+    {
         m.first_id.store(0, Ordering::Relaxed);
         no_inline_records(control);
         // The parent's pages must not take the child's frees: fresh zeros.
@@ -881,7 +883,7 @@ pub unsafe fn enable_in(control: &ControlBlock, slot: u64, file: Option<(&mut Pr
 pub unsafe fn set_tracing(control: &ControlBlock, slot: usize, on: bool) {
     let r = Ordering::Relaxed;
     let has_ids = MODULES.get(slot).is_some_and(|m| m.first_id.load(Ordering::Acquire) != 0);
-    if control.track_alloc.load(r) == 0 || !has_ids {
+    if control.track_alloc.load(r) == 0 || on && !has_ids {
         return;
     }
     if on {
@@ -897,8 +899,10 @@ pub unsafe fn set_tracing(control: &ControlBlock, slot: usize, on: bool) {
         control
             .shadow_mask
             .store((granules << shadow::GRANULE_SHIFT).wrapping_sub(1) & !((1 << shadow::GRANULE_SHIFT) - 1), r);
-        control.cas_limit.store(shadow::SIZE_LIMIT, r);
-        control.inline_limit.store(if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 }, r);
+        if has_ids {
+            control.cas_limit.store(shadow::SIZE_LIMIT, r);
+            control.inline_limit.store(if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 }, r);
+        }
         control.track_alloc.store(track_alloc as *const () as u64, r);
         control.track_free.store(track_free as *const () as u64, r);
         control.track_realloc_begin.store(track_realloc_begin as *const () as u64, r);
@@ -945,7 +949,9 @@ unsafe fn traced_id(index: u64, control: *const u8) -> u32 {
     }
     // SAFETY: a registered module's control block (caller).
     let c = unsafe { alloctramp_trampolines::pod::at::<ControlBlock>(control as usize) };
-    (c.entry_base.load(Ordering::Relaxed) >> shadow::ID_SHIFT) as u32 + index as u32
+    let first = (c.entry_base.load(Ordering::Relaxed) >> shadow::ID_SHIFT) as u32;
+    // 0 (no id): a module without ids (it lost them in a forked child).
+    if first == 0 || index >= 1 << shadow::ID_BITS { 0 } else { first + index as u32 }
 }
 
 /// [`track_alloc`], recording the event. The common case first: an
@@ -1028,12 +1034,16 @@ unsafe extern "C" fn trace_realloc_end(
     // SAFETY: the token the trampoline passed to track_realloc_begin.
     let old = unsafe { Entry { key: token.read(), value: token.add(1).read() } };
     let (alloc_site, old_size) = if old.key != 0 { (id_of_cell(old.cell()), old.size()) } else { (0, 0) };
+    // The token's pointer when it holds a record; else the one the tracing
+    // begin kept (an untracked object).
+    let old_ptr = if old.key != 0 { old.key & PTR_MASK } else { tls::get(tls::TRACE_OLD) };
+    tls::set(tls::TRACE_OLD, 0);
     // SAFETY: forwarded from the caller.
     let site = unsafe { traced_id(index, control) };
     // SAFETY: forwarded from the caller.
     let r = unsafe { track_realloc_end(result, token, size, index, control) };
     if result != 0 || size == 0 {
-        trace::record_realloc(site, alloc_site, tls::get(tls::TRACE_OLD), old_size, result, size);
+        trace::record_realloc(site, alloc_site, old_ptr, old_size, result, size);
     }
     r
 }

@@ -616,7 +616,9 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
         let Ok(pid) = pid.parse::<u32>() else { continue };
         match kind {
             "counters" => {}
-            "counters.new" | "control" | "unwind" | "fail" => {
+            // (A trace file of an ended process that a drainer reads is
+            // mapped by it already: removing the name loses nothing.)
+            "counters.new" | "control" | "unwind" | "fail" | "trace" | "tracesites" => {
                 if !runs(pid, (0, 0)) {
                     strays.push(path);
                 }
@@ -656,6 +658,8 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
             let _ = std::fs::remove_file(format!("{dir}/{pid}.control"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.unwind"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.fail"));
+            let _ = std::fs::remove_file(format!("{dir}/{pid}.trace"));
+            let _ = std::fs::remove_file(format!("{dir}/{pid}.tracesites"));
         }
     }
     for p in strays {

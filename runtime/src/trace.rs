@@ -110,6 +110,14 @@ pub fn rdtscp() -> (u64, u64) {
 /// rings of threads that exited since the last drain, zeroes the loss
 /// counts and stamps the start. Async-signal-safe.
 pub fn start() -> Result<(), &'static str> {
+    // A trace under way (from the start, `ALLOCTRAMP_TRACE`) goes on: its
+    // records and losses stay for the drainer that attaches.
+    if ON.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    if !has_rdtscp() {
+        return Err("tracing needs the rdtscp instruction, which this CPU does not have");
+    }
     if BASE.load(Ordering::Acquire) == 0 {
         let base = procfile::create_trace_file(trace::FILE_SIZE, trace::RECORDS_OFFSET)?;
         // SAFETY: the header lies at the start of the fresh mapping.
@@ -154,12 +162,25 @@ pub fn stop() {
     }
 }
 
-/// In a forked child: the trace file is not mapped there, and nothing is
-/// recorded.
+/// In a forked child: the trace file is not mapped there (a later trace
+/// makes the child's own), and nothing is recorded.
 pub fn after_fork_in_child() {
     ON.store(false, Ordering::Relaxed);
+    FILTER.store(false, Ordering::Relaxed);
     BASE.store(0, Ordering::Relaxed);
     tls::set(tls::TRACE_RING, 0);
+    let key = KEY.load(Ordering::Relaxed);
+    if key != u64::MAX {
+        // SAFETY: a key this runtime created; the thread's ring is gone.
+        unsafe { libc::pthread_setspecific(key as libc::pthread_key_t, std::ptr::null()) };
+    }
+}
+
+/// Whether the CPU has `rdtscp` (CPUID leaf 0x80000001, EDX bit 27).
+fn has_rdtscp() -> bool {
+    use core::arch::x86_64::__cpuid;
+    // The extended leaf is asked for only where the maximum one reaches it.
+    __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).edx & 1 << 27 != 0
 }
 
 /// The calling thread's ring, claimed at its first event (its records

@@ -53,7 +53,10 @@ pub struct TraceHeader {
     pub start_realtime: AtomicU64,
     /// Events of threads that found no free ring.
     pub lost_no_ring: AtomicU64,
-    pub reserved: [u8; 4024],
+    /// The process draining the rings (0: none): one drainer at a time,
+    /// taken with a compare-and-swap.
+    pub drainer: AtomicU32,
+    pub reserved: [u8; 4020],
 }
 
 /// A ring's header (64 bytes), followed by its records.
