@@ -4,7 +4,8 @@
 //! (`alloctramp_trampolines::trace::Drainer`). It opens each stream file
 //! for a write and closes it again (the runtime holds no descriptor while
 //! the program runs); the sites and the metadata are rewritten (under a
-//! temporary name, then renamed) as modules register and once a second,
+//! temporary name, then renamed) as modules get site ids and once a
+//! second,
 //! so that a process that dies by a signal leaves a trace that reads up
 //! to its last drain.
 
@@ -21,6 +22,9 @@ struct Dir {
     /// Every site described so far, by id (those of modules unloaded
     /// since stay).
     sites: std::collections::BTreeMap<u32, alloctramp_trampolines::trace::SiteInfo>,
+    /// [`crate::live::ids_given`] when the sites were last collected:
+    /// the registry is read again only when modules got ids since.
+    ids_seen: u32,
     /// When the metadata was last written (CLOCK_MONOTONIC, ns).
     meta_at: u64,
     command: String,
@@ -65,6 +69,7 @@ pub fn start(dir: &str) {
             path,
             d: Drainer::new(uuid, start),
             sites: Default::default(),
+            ids_seen: 0,
             meta_at: 0,
             command: command.unwrap_or_default(),
         })
@@ -118,8 +123,15 @@ pub fn run(last: bool) -> u64 {
             return 0;
         }
         let known = st.sites.len();
-        for info in registry::site_infos() {
-            st.sites.entry(info.id).or_insert(info);
+        let ids = crate::live::ids_given();
+        if ids != st.ids_seen {
+            let (infos, complete) = registry::site_infos();
+            if complete {
+                st.ids_seen = ids;
+            }
+            for info in infos {
+                st.sites.entry(info.id).or_insert(info);
+            }
         }
         if st.sites.len() != known {
             let all: Vec<_> = st.sites.values().cloned().collect();

@@ -468,6 +468,12 @@ static ONE_PER_GRANULE: AtomicBool = AtomicBool::new(false);
 /// The next site id to give.
 static NEXT_ID: AtomicU32 = AtomicU32::new(shadow::FIRST_ID);
 
+/// The next site id to give: it grows each time a module gets ids, so a
+/// reader that saw the same value knows of every site with an id.
+pub fn ids_given() -> u32 {
+    NEXT_ID.load(Ordering::Acquire)
+}
+
 /// Whether the shadow map is reserved ([`reserve`]).
 pub fn reserved() -> bool {
     SHADOW.load(Ordering::Acquire) != 0
@@ -770,9 +776,10 @@ fn give_ids(control: &ControlBlock, slot: usize, file: Option<(&mut ProcFile, u3
         no_inline_records(control);
         return;
     }
-    NEXT_ID.store(first + n, r);
     m.ids.store(n, r);
     m.first_id.store(first, Ordering::Release);
+    // After the module's ids: a reader that sees the new value sees them.
+    NEXT_ID.store(first + n, Ordering::Release);
     control.entry_base.store(u64::from(first << shadow::ID_SHIFT | shadow::LIVE), r);
     // Plain stores where one granule never holds two live objects, else
     // compare-and-swap (see the module's documentation).

@@ -1106,16 +1106,27 @@ unsafe fn enable_live(slot: &Slot) {
 }
 
 /// What an event trace says of each site: every site of the registered
-/// modules with ids (see `live::MODULES`).
-pub fn site_infos() -> Vec<alloctramp_trampolines::trace::SiteInfo> {
+/// modules with ids (see `live::MODULES`), and whether that is all of them
+/// (false: a module with ids was busy or not published yet; ask again).
+pub fn site_infos() -> (Vec<alloctramp_trampolines::trace::SiteInfo>, bool) {
     let mut out = Vec::new();
+    let published = slots().count();
+    let mut complete = live::MODULES.iter().skip(published).all(|m| m.first_id.load(Ordering::Acquire) == 0);
     for (i, slot) in slots().enumerate() {
         let first = live::MODULES.get(i).map_or(0, |m| m.first_id.load(Ordering::Acquire));
-        if first == 0 || !slot.try_hold() {
+        // An unloaded module (DEAD) was described while it was loaded, or
+        // cannot be now.
+        if first == 0 || slot.state.load(Ordering::Acquire) == DEAD {
+            continue;
+        }
+        if !slot.try_hold() {
+            complete = false;
             continue;
         }
         // SAFETY: a held slot's table is mapped.
-        if let Some(t) = unsafe { slot.table() } {
+        let table = unsafe { slot.table() };
+        complete &= table.is_some();
+        if let Some(t) = table {
             let bias = slot.bias.load(Ordering::Relaxed);
             let module = t.module_name().to_string();
             for (k, s) in t.sites().enumerate() {
@@ -1131,7 +1142,7 @@ pub fn site_infos() -> Vec<alloctramp_trampolines::trace::SiteInfo> {
         }
         slot.release();
     }
-    out
+    (out, complete)
 }
 
 /// Switches the trampolines of every module with live tracking to
