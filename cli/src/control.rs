@@ -267,6 +267,23 @@ fn write_unwind_file(pid: u32, counters: &Path) -> Result<usize> {
     Ok(libraries.len())
 }
 
+/// The sites of `modules` a `--site` spec names (by its place, or by its
+/// run-time address), with their module and index.
+pub fn sites_named<'m, 'a: 'm>(
+    modules: impl Iterator<Item = &'m process::Module<'a>> + 'm,
+    spec: &str,
+) -> Result<impl Iterator<Item = (&'m process::Module<'a>, usize, alloctramp_trampolines::layout::Site)> + 'm> {
+    let place =
+        alloctramp_trampolines::fault::Spec::parse_where(spec.as_bytes()).map_err(|e| anyhow!("--site {spec}: {e}"))?;
+    Ok(modules.flat_map(move |m| {
+        m.table.sites().enumerate().filter_map(move |(i, s)| {
+            let hit = place.names(&m.table, &s)
+                || matches!(place.place, alloctramp_trampolines::fault::Where::Address(a) if a == m.bias.wrapping_add(s.addr));
+            hit.then_some((m, i, s))
+        })
+    }))
+}
+
 /// The run-time addresses of the patched sites the specs name.
 fn select_sites(args: &SwitchArgs, specs: &[String]) -> Result<Vec<u64>> {
     if specs.is_empty() {
@@ -279,17 +296,11 @@ fn select_sites(args: &SwitchArgs, specs: &[String]) -> Result<Vec<u64>> {
     let mut out = Vec::new();
     for spec in specs {
         let before = out.len();
-        let place = alloctramp_trampolines::fault::Spec::parse_where(spec.as_bytes())
-            .map_err(|e| anyhow!("--site {spec}: {e}"))?;
-        for md in modules.iter().filter(|m| !m.unloaded) {
-            for s in md.table.sites().filter(|s| s.trampoline != 0 && s.callers != 0) {
-                let run = md.bias.wrapping_add(s.addr);
-                // A site by its place, or by its run-time address.
-                let hit = place.names(&md.table, &s)
-                    || matches!(place.place, alloctramp_trampolines::fault::Where::Address(a) if a == run);
-                if hit && !out.contains(&run) {
-                    out.push(run);
-                }
+        let live = modules.iter().filter(|m| !m.unloaded);
+        for (md, _, s) in sites_named(live, spec)?.filter(|(_, _, s)| s.trampoline != 0 && s.callers != 0) {
+            let run = md.bias.wrapping_add(s.addr);
+            if !out.contains(&run) {
+                out.push(run);
             }
         }
         if out.len() == before {

@@ -274,9 +274,7 @@ fn random_uuid() -> [u8; 16] {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         u[..16].copy_from_slice(&(t.as_nanos() ^ u128::from(std::process::id())).to_le_bytes());
     }
-    u[6] = u[6] & 0x0f | 0x40;
-    u[8] = u[8] & 0x3f | 0x80;
-    u
+    trace::uuid_v4(u)
 }
 
 fn rdtsc() -> u64 {
@@ -373,19 +371,9 @@ fn select_ids(pf: &ProcessFile, specs: &[String], pid: u32) -> Result<Vec<u32>> 
     let modules = pf.modules().map_err(|e| anyhow!("{e}"))?;
     let mut out = Vec::new();
     for spec in specs {
-        let place = alloctramp_trampolines::fault::Spec::parse_where(spec.as_bytes())
-            .map_err(|e| anyhow!("--site {spec}: {e}"))?;
         let before = out.len();
-        for m in modules.iter().filter(|m| m.first_id != 0) {
-            for (i, s) in m.table.sites().enumerate() {
-                let run = m.bias.wrapping_add(s.addr);
-                let hit = place.names(&m.table, &s)
-                    || matches!(place.place, alloctramp_trampolines::fault::Where::Address(a) if a == run);
-                if hit {
-                    out.push(m.first_id + i as u32);
-                }
-            }
-        }
+        let with_ids = modules.iter().filter(|m| m.first_id != 0);
+        out.extend(control::sites_named(with_ids, spec)?.map(|(m, i, _)| m.first_id + i as u32));
         if out.len() == before {
             bail!("--site {spec}: no site of process {pid} with live tracking matches");
         }
@@ -397,23 +385,10 @@ fn select_ids(pf: &ProcessFile, specs: &[String], pid: u32) -> Result<Vec<u32>> 
 
 /// What the trace says of each site: every site of the modules with ids.
 pub fn site_infos(pf: &ProcessFile) -> Result<Vec<SiteInfo>> {
-    let mut out = Vec::new();
-    for m in pf.modules().map_err(|e| anyhow!("{e}"))? {
-        if m.first_id == 0 {
-            continue;
-        }
-        let t = &m.table;
-        let module = t.module_name().to_string();
-        for (i, s) in t.sites().enumerate() {
-            out.push(SiteInfo {
-                id: m.first_id + i as u32,
-                address: s.addr.wrapping_add(m.bias),
-                function: t.string(s.function).unwrap_or("").to_string(),
-                file: t.string(s.file).unwrap_or("").to_string(),
-                line: s.line,
-                module: module.clone(),
-            });
-        }
-    }
-    Ok(out)
+    let modules = pf.modules().map_err(|e| anyhow!("{e}"))?;
+    Ok(modules
+        .iter()
+        .filter(|m| m.first_id != 0)
+        .flat_map(|m| trace::site_infos(&m.table, m.first_id, m.bias))
+        .collect())
 }

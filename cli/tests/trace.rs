@@ -52,15 +52,28 @@ fn sites_by_line(events: &[Event]) -> HashMap<u32, String> {
         .collect()
 }
 
-#[test]
-fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
-    let dir = scratch("trace-pairs");
-    let counters = counters_dir("trace-pairs");
+/// testbins/trace/pairs.c built and patched in the scratch directory
+/// `name`, started with its own counters directory and `ALLOCTRAMP_TRACE`
+/// set to `trace` (unless empty), once it said "ready": (scratch
+/// directory, counters directory, process).
+fn start_pairs(name: &str, trace: &str) -> (std::path::PathBuf, std::path::PathBuf, Talk) {
+    let dir = scratch(name);
+    let counters = counters_dir(name);
     let bin = build_source("trace/pairs.c", &dir);
     let patched = dir.join("pairs.patched");
     patch_to(&bin, &patched, &[]);
-    let mut p = Talk::start(&patched, &[], &[("ALLOCTRAMP_DIR", counters.to_str().unwrap())]);
+    let mut env = vec![("ALLOCTRAMP_DIR", counters.to_str().unwrap())];
+    if !trace.is_empty() {
+        env.push(("ALLOCTRAMP_TRACE", trace));
+    }
+    let mut p = Talk::start(&patched, &[], &env);
     assert_eq!(p.line(), "ready\n");
+    (dir, counters, p)
+}
+
+#[test]
+fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
+    let (dir, counters, mut p) = start_pairs("trace-pairs", "");
     let out = dir.join("trace");
     let rest = traced(&mut p, &counters, &out, &[], &["go 1000", "realloc", "keep 5"]);
     assert!(rest.contains("no event lost"), "{rest}");
@@ -177,13 +190,7 @@ fn traced(p: &mut Talk, counters: &Path, out: &Path, extra: &[&str], commands: &
 
 #[test]
 fn trace_site_records_only_the_sites_it_names_and_the_frees_of_their_objects() {
-    let dir = scratch("trace-site");
-    let counters = counters_dir("trace-site");
-    let bin = build_source("trace/pairs.c", &dir);
-    let patched = dir.join("pairs.patched");
-    patch_to(&bin, &patched, &[]);
-    let mut p = Talk::start(&patched, &[], &[("ALLOCTRAMP_DIR", counters.to_str().unwrap())]);
-    assert_eq!(p.line(), "ready\n");
+    let (dir, counters, mut p) = start_pairs("trace-site", "");
     let out = dir.join("trace");
     let a = format!("pairs.c:{}", line_of("A"));
     traced(&mut p, &counters, &out, &["--site", &a], &["go 100", "keep 4", "realloc"]);
@@ -277,19 +284,9 @@ fn eight_threads_traced_from_the_start_events_plus_lost_equal_calls() {
 
 #[test]
 fn alloctramp_trace_dir_makes_the_process_drain_its_own_trace() {
-    let dir = scratch("trace-env");
-    let counters = counters_dir("trace-env");
-    let bin = build_source("trace/pairs.c", &dir);
-    let patched = dir.join("pairs.patched");
-    patch_to(&bin, &patched, &[]);
-    let out = dir.join("traces");
+    let out = scratch("trace-env").join("traces");
     let _ = std::fs::remove_dir_all(&out);
-    let mut p = Talk::start(
-        &patched,
-        &[],
-        &[("ALLOCTRAMP_DIR", counters.to_str().unwrap()), ("ALLOCTRAMP_TRACE", out.to_str().unwrap())],
-    );
-    assert_eq!(p.line(), "ready\n");
+    let (_, counters, mut p) = start_pairs("trace-env", out.to_str().unwrap());
     let pid = p.child.id();
     p.send("go 1000");
     assert_eq!(p.line(), "done\n");
@@ -313,14 +310,7 @@ fn alloctramp_trace_dir_makes_the_process_drain_its_own_trace() {
 
 #[test]
 fn a_trace_recorded_from_the_start_keeps_its_events_for_the_one_drainer_that_attaches() {
-    let dir = scratch("trace-attach");
-    let counters = counters_dir("trace-attach");
-    let bin = build_source("trace/pairs.c", &dir);
-    let patched = dir.join("pairs.patched");
-    patch_to(&bin, &patched, &[]);
-    let env = [("ALLOCTRAMP_DIR", counters.to_str().unwrap()), ("ALLOCTRAMP_TRACE", "on")];
-    let mut p = Talk::start(&patched, &[], &env);
-    assert_eq!(p.line(), "ready\n");
+    let (dir, counters, mut p) = start_pairs("trace-attach", "on");
     // Recorded before any drainer exists.
     p.send("go 10");
     assert_eq!(p.line(), "done\n");

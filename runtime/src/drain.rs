@@ -61,8 +61,7 @@ pub fn start(dir: &str) {
     let mut uuid = [0u8; 16];
     // SAFETY: getrandom writes at most 16 bytes into the buffer.
     unsafe { libc::getrandom(uuid.as_mut_ptr() as *mut libc::c_void, 16, 0) };
-    uuid[6] = uuid[6] & 0x0f | 0x40;
-    uuid[8] = uuid[8] & 0x3f | 0x80;
+    let uuid = alloctramp_trampolines::trace::uuid_v4(uuid);
     let start = rings.header().start_tsc.load(Ordering::Acquire);
     STATE.with(|s| {
         *s = Some(Dir {

@@ -1127,18 +1127,7 @@ pub fn site_infos() -> (Vec<alloctramp_trampolines::trace::SiteInfo>, bool) {
         let table = unsafe { slot.table() };
         complete &= table.is_some();
         if let Some(t) = table {
-            let bias = slot.bias.load(Ordering::Relaxed);
-            let module = t.module_name().to_string();
-            for (k, s) in t.sites().enumerate() {
-                out.push(alloctramp_trampolines::trace::SiteInfo {
-                    id: first + k as u32,
-                    address: s.addr.wrapping_add(bias),
-                    function: t.string(s.function).unwrap_or("").to_string(),
-                    file: t.string(s.file).unwrap_or("").to_string(),
-                    line: s.line,
-                    module: module.clone(),
-                });
-            }
+            out.extend(alloctramp_trampolines::trace::site_infos(&t, first, slot.bias.load(Ordering::Relaxed)));
         }
         slot.release();
     }

@@ -392,6 +392,27 @@ impl Drainer {
     }
 }
 
+/// What a trace says of the sites of one module's table: site `i` is id
+/// `first_id + i`, at its address plus `bias`.
+pub fn site_infos(t: &crate::layout::Table<'_>, first_id: u32, bias: u64) -> impl Iterator<Item = SiteInfo> {
+    let module = t.module_name().to_string();
+    t.sites().enumerate().map(move |(i, s)| SiteInfo {
+        id: first_id + i as u32,
+        address: s.addr.wrapping_add(bias),
+        function: t.string(s.function).unwrap_or("").to_string(),
+        file: t.string(s.file).unwrap_or("").to_string(),
+        line: s.line,
+        module: module.clone(),
+    })
+}
+
+/// A trace's UUID (version 4) from 16 random bytes.
+pub fn uuid_v4(mut random: [u8; 16]) -> [u8; 16] {
+    random[6] = random[6] & 0x0f | 0x40;
+    random[8] = random[8] & 0x3f | 0x80;
+    random
+}
+
 /// The CTF 1.8 trace written from the records (format in docs/formats.md,
 /// "Event traces"): a metadata file in TSDL, a stream file per thread
 /// (stream class 0: `alloc`, `alloc_large`, `free`, `realloc`) and the
