@@ -961,43 +961,106 @@ unsafe fn traced_id(index: u64, control: *const u8) -> u32 {
     if first == 0 || index >= 1 << shadow::ID_BITS { 0 } else { first + index as u32 }
 }
 
-/// [`track_alloc`], recording the event. The common case first: an
-/// 8-aligned object below the inline limit whose granule holds no live
-/// record, recorded by compare-and-swap as a trampoline would.
+/// [`track_alloc`], recording the event. The common case first, with no
+/// call: a module with ids, and an 8-aligned object below the inline
+/// limit whose granule holds no live record, recorded by compare-and-swap
+/// as a trampoline would (everything else: [`trace_alloc_slow`]).
 ///
 /// # Safety
 /// As for [`track_alloc`].
 unsafe extern "C" fn trace_alloc(ptr: u64, size: u64, index: u64, control: *const u8) -> u64 {
-    // SAFETY: forwarded from the caller.
-    let id = unsafe { traced_id(index, control) };
-    let quick = !control.is_null()
-        && id != 0
-        && size < shadow::SIZE_LIMIT
-        && ptr & 7 == 0
-        && entry_of(ptr).is_some_and(|e| {
+    if !control.is_null() && size < shadow::SIZE_LIMIT && ptr & 7 == 0 && index < 1 << shadow::ID_BITS {
+        // SAFETY: a registered module's control block (caller).
+        let c = unsafe { alloctramp_trampolines::pod::at::<ControlBlock>(control as usize) };
+        // The module's first id, shifted, with LIVE (0: no ids).
+        let base = c.entry_base.load(Ordering::Relaxed) as u32;
+        if base != 0
+            && let Some(e) = control_entry(c, ptr)
+        {
+            let id_bits = base + ((index as u32) << shadow::ID_SHIFT);
             let old = e.load(Ordering::Relaxed);
-            !shadow::is_live(old)
-                && e.compare_exchange(old, shadow::entry(ptr, id, size), Ordering::AcqRel, Ordering::Relaxed).is_ok()
-        });
-    if !quick {
-        // SAFETY: forwarded from the caller.
-        track(ptr, unsafe { origin(index, control) }, size);
+            let new = ((size as u32) << shadow::SIZE_SHIFT | id_bits) ^ ptr as u32;
+            if !shadow::is_live(old) && e.compare_exchange(old, new, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                return trace::record(trace_kind::ALLOC, id_bits >> shadow::ID_SHIFT, 0, ptr, size);
+            }
+        }
     }
-    trace::record(trace_kind::ALLOC, id, 0, ptr, size);
-    ptr
+    // SAFETY: forwarded from the caller.
+    unsafe { trace_alloc_slow(ptr, size, index, control) }
+}
+
+/// The shadow-map entry of `ptr` as a trampoline of the module of `c`
+/// finds it: None above the granules the map covers (0 while the module's
+/// live tracking is off).
+#[inline(always)]
+fn control_entry(c: &ControlBlock, ptr: u64) -> Option<&'static AtomicU32> {
+    let granule = ptr >> shadow::GRANULE_SHIFT;
+    if granule >= c.shadow_granules.load(Ordering::Relaxed) {
+        return None;
+    }
+    let at = c.shadow.load(Ordering::Relaxed) + granule * 4;
+    // SAFETY: granules below `shadow_granules` lie in the map the control
+    // block names (written together), which is never unmapped and reads as
+    // zeros where nothing was written; 4-aligned.
+    Some(unsafe { &*(at as *const AtomicU32) })
+}
+
+/// [`trace_alloc`] for every other allocation.
+///
+/// # Safety
+/// As for [`track_alloc`].
+#[cold]
+#[inline(never)]
+unsafe extern "C" fn trace_alloc_slow(ptr: u64, size: u64, index: u64, control: *const u8) -> u64 {
+    // SAFETY: forwarded from the caller.
+    let (id, o) = unsafe { (traced_id(index, control), origin(index, control)) };
+    track(ptr, o, size);
+    trace::record(trace_kind::ALLOC, id, 0, ptr, size)
 }
 
 /// [`track_free`], recording the event (with the site that allocated
-/// the object, when known).
+/// the object, when known). The common case first, with no call: a
+/// module with ids freeing an object whose record (not a wide one) the
+/// shadow map holds, which it frees as a trampoline would (everything
+/// else: [`trace_free_slow`]).
 ///
 /// # Safety
 /// As for [`track_free`].
 unsafe extern "C" fn trace_free(ptr: u64, index: u64, control: *const u8) -> u64 {
+    if !control.is_null() && index < 1 << shadow::ID_BITS && !DRAINING.load(Ordering::Relaxed) {
+        // SAFETY: a registered module's control block (caller).
+        let c = unsafe { alloctramp_trampolines::pod::at::<ControlBlock>(control as usize) };
+        let first = (c.entry_base.load(Ordering::Relaxed) as u32) >> shadow::ID_SHIFT;
+        if first != 0
+            && let Some(e) = control_entry(c, ptr)
+        {
+            let old = e.load(Ordering::Relaxed);
+            let (alloc_site, size) = (shadow::id(old, ptr), shadow::size(old, ptr));
+            if shadow::is_record_of(old, ptr)
+                && alloc_site != 0
+                && size != 0
+                && e.compare_exchange(old, old & !shadow::LIVE, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+            {
+                charge_id(alloc_site, size);
+                return trace::record(trace_kind::FREE, first + index as u32, alloc_site, ptr, size);
+            }
+        }
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { trace_free_slow(ptr, index, control) }
+}
+
+/// [`trace_free`] for every other free.
+///
+/// # Safety
+/// As for [`track_free`].
+#[cold]
+#[inline(never)]
+unsafe extern "C" fn trace_free_slow(ptr: u64, index: u64, control: *const u8) -> u64 {
     // SAFETY: forwarded from the caller.
     let site = unsafe { traced_id(index, control) };
     if ptr == 0 {
-        trace::record(trace_kind::FREE, site, 0, 0, 0);
-        return 0;
+        return trace::record(trace_kind::FREE, site, 0, 0, 0);
     }
     if DRAINING.load(Ordering::Relaxed) {
         return free_draining(ptr);
@@ -1209,8 +1272,9 @@ unsafe fn origin(index: u64, control: *const u8) -> Origin {
 /// The id's cell in the calling thread's shard of the freed view.
 #[inline(always)]
 fn freed_cell(id: u32) -> u64 {
-    let shard = u64::from(my_shard() & (shadow::FREED_SHARDS - 1));
-    FREED.load(Ordering::Relaxed) + shard * shadow::FREED_SHARD_BYTES + u64::from(id) * CELL_SIZE as u64
+    // The thread's shard's offset in the view, as `shards` keeps it.
+    let shard = tls::word::<{ tls::FREED_SHARD }>();
+    FREED.load(Ordering::Relaxed) + shard + u64::from(id) * CELL_SIZE as u64
 }
 
 /// The id of a cell in shard 0 of the freed view (0: another cell).

@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence fifteen words of
-//! `.tbss` declared here and read with `fs:`-relative moves. A library with
-//! static TLS loaded by `dlopen` takes its 120 bytes from the surplus glibc
+//! `__tls_get_addr`, which a trampoline cannot call; hence seventeen words
+//! of `.tbss` declared here and read with `fs:`-relative moves. A library
+//! with static TLS loaded by `dlopen` takes its 136 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,120",
+    ".size alloctramp_rt_tls,136",
     "alloctramp_rt_tls:",
-    ".zero 120",
+    ".zero 136",
     ".popsection",
 );
 
@@ -70,11 +70,17 @@ pub const FAIL_DEPTH: usize = 11;
 pub const FAIL_CELL: usize = 12;
 
 /// Word 13: the thread's ring in the trace file while events are
-/// recorded (0: none claimed yet; 1: none free, see `trace`).
+/// recorded: its header's address (0: none claimed yet; 1: none free, see
+/// `trace`).
 pub const TRACE_RING: usize = 13;
 /// Word 14: the old pointer of the thread's realloc under way, while
 /// events are recorded.
 pub const TRACE_OLD: usize = 14;
+/// Words 15 and 16: the thread's window in its ring: the next record's
+/// address and the end of the records it may write before it looks at
+/// the ring's tail again (both 0: none open).
+pub const TRACE_CUR: usize = 15;
+pub const TRACE_END: usize = 16;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]
@@ -83,8 +89,10 @@ pub fn offset() -> i64 {
     // SAFETY: loads the GOT slot the dynamic linker filled with the TLS
     // block's offset (R_X86_64_TPOFF64).
     unsafe {
+        // (nomem: the slot does not change once the library is loaded, so
+        // the compiler may keep its value across stores.)
         asm!("mov {}, qword ptr [rip + alloctramp_rt_tls@GOTTPOFF]", out(reg) o,
-            options(nostack, pure, readonly, preserves_flags));
+            options(nostack, pure, nomem, preserves_flags));
     }
     o
 }
@@ -99,6 +107,29 @@ pub fn get(w: usize) -> u64 {
             options(nostack, readonly, preserves_flags));
     }
     v
+}
+
+/// [`get`] of a word known at compile time: one load with the word's
+/// displacement (for the paths where every instruction counts).
+#[inline(always)]
+pub fn word<const W: usize>() -> u64 {
+    let v: u64;
+    // SAFETY: as for `get`.
+    unsafe {
+        asm!("mov {}, qword ptr fs:[{} + {}]", out(reg) v, in(reg) offset(), const 8 * W,
+            options(nostack, readonly, preserves_flags));
+    }
+    v
+}
+
+/// [`set`] of a word known at compile time.
+#[inline(always)]
+pub fn set_word<const W: usize>(v: u64) {
+    // SAFETY: as for `set`.
+    unsafe {
+        asm!("mov qword ptr fs:[{} + {}], {}", in(reg) offset(), const 8 * W, in(reg) v,
+            options(nostack, preserves_flags));
+    }
 }
 
 /// Sets the calling thread's word `w`.

@@ -27,11 +27,20 @@ pub static ON: AtomicBool = AtomicBool::new(false);
 static BASE: AtomicU64 = AtomicU64::new(0);
 /// The thread-exit key that marks a thread's ring exited.
 static KEY: AtomicU64 = AtomicU64::new(u64::MAX);
-/// No ring was free for the thread.
+/// The thread's `TRACE_RING` word when no ring was free for it.
 const NO_RING: u64 = 1;
 /// Only the sites [`SELECTED`] holds are recorded (and frees of what they
 /// allocated).
 static FILTER: AtomicBool = AtomicBool::new(false);
+/// [`ON`] without [`FILTER`]: every event is recorded, and [`record`]
+/// takes its short path.
+static EVERY: AtomicBool = AtomicBool::new(false);
+
+/// Sets [`EVERY`] from [`ON`] and [`FILTER`].
+fn update_every() {
+    let every = ON.load(Ordering::Acquire) && !FILTER.load(Ordering::Acquire);
+    EVERY.store(every, Ordering::Release);
+}
 /// A bit per site id.
 static SELECTED: [AtomicU64; 2048] = [const { AtomicU64::new(0) }; 2048];
 
@@ -51,6 +60,7 @@ pub fn select_sites() -> Result<(), &'static str> {
     let fd = unsafe { libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
     if fd < 0 {
         FILTER.store(false, Ordering::Release);
+        update_every();
         return Ok(());
     }
     let fd = sys::Fd(fd);
@@ -71,9 +81,11 @@ pub fn select_sites() -> Result<(), &'static str> {
     }
     if !parser.finish(&mut set) {
         FILTER.store(false, Ordering::Release);
+        update_every();
         return Err("bad site id in the trace's sites file");
     }
     FILTER.store(true, Ordering::Release);
+    update_every();
     Ok(())
 }
 
@@ -150,11 +162,13 @@ pub fn start() -> Result<(), &'static str> {
     // SAFETY: the header's first 8 bytes, written by this process only.
     unsafe { std::ptr::write_volatile(h.magic.as_ptr() as *mut [u8; 8], trace::MAGIC) };
     ON.store(true, Ordering::Release);
+    update_every();
     Ok(())
 }
 
 /// Stops recording. Async-signal-safe.
 pub fn stop() {
+    EVERY.store(false, Ordering::Release);
     ON.store(false, Ordering::Release);
     if let Some(h) = header() {
         h.on.store(0, Ordering::Release);
@@ -165,10 +179,12 @@ pub fn stop() {
 /// In a forked child: the trace file is not mapped there (a later trace
 /// makes the child's own), and nothing is recorded.
 pub fn after_fork_in_child() {
+    EVERY.store(false, Ordering::Relaxed);
     ON.store(false, Ordering::Relaxed);
     FILTER.store(false, Ordering::Relaxed);
     BASE.store(0, Ordering::Relaxed);
     tls::set(tls::TRACE_RING, 0);
+    close_window();
     let key = KEY.load(Ordering::Relaxed);
     if key != u64::MAX {
         // SAFETY: a key this runtime created; the thread's ring is gone.
@@ -184,10 +200,8 @@ fn has_rdtscp() -> bool {
 }
 
 /// The calling thread's ring, claimed at its first event (its records
-/// given their storage then): the TLS word's value, the ring's index plus
-/// 2, or [`NO_RING`].
-#[cold]
-#[inline(never)]
+/// given their storage then): the TLS word's value, the address of the
+/// ring's header, or [`NO_RING`].
 fn claim() -> u64 {
     // SAFETY: gettid has no preconditions.
     let tid = unsafe { libc::gettid() } as u32;
@@ -198,7 +212,7 @@ fn claim() -> u64 {
                 r.owner.store(0, Ordering::Release);
                 break;
             }
-            let word = i as u64 + 2;
+            let word = r as *const RingHeader as u64;
             tls::set(tls::TRACE_RING, word);
             watch_exit(i);
             return word;
@@ -233,54 +247,108 @@ fn watch_exit(i: usize) {
 
 extern "C" fn exited(token: *mut libc::c_void) {
     tls::set(tls::TRACE_RING, NO_RING);
+    close_window();
     if let Some(r) = ring((token as usize).wrapping_sub(1)) {
         r.exited.store(1, Ordering::Release);
     }
 }
 
-/// Reserves `n` records in the calling thread's ring: where the first
-/// goes and the head to publish after them; None when the event is lost
-/// (counted).
-#[inline(always)]
-fn reserve(n: u64) -> Option<(*mut Record, &'static RingHeader, u64)> {
+/// Makes the thread's next event look at its ring again.
+fn close_window() {
+    tls::set(tls::TRACE_CUR, 0);
+    tls::set(tls::TRACE_END, 0);
+}
+
+/// The thread's ring: its header, index and head, and how many records
+/// the drainer left free in it; None when the thread has no ring (the
+/// event is counted lost).
+fn my_ring() -> Option<(&'static RingHeader, usize, u64, u64)> {
     let mut word = tls::get(tls::TRACE_RING);
     if word == 0 {
         word = claim();
     }
-    let base = BASE.load(Ordering::Relaxed);
-    if word == NO_RING || base == 0 {
+    let base = BASE.load(Ordering::Acquire);
+    let at = word.wrapping_sub(base + trace::ring_offset(0)) as usize / trace::RING_HEADER_SIZE as usize;
+    if word == NO_RING || base == 0 || at >= trace::RINGS {
         if let Some(h) = header() {
             h.lost_no_ring.fetch_add(1, Ordering::Relaxed);
         }
         return None;
     }
-    let i = (word - 2) as usize % trace::RINGS;
-    // SAFETY: the thread's own ring's header in the trace file's mapping.
-    let r = unsafe { pod::at::<RingHeader>((base + trace::ring_offset(i)) as usize) };
+    let r = ring(at)?;
     let head = r.head.load(Ordering::Relaxed);
-    if head.wrapping_sub(r.tail.load(Ordering::Acquire)) + n > trace::RING_RECORDS as u64 {
-        r.lost.fetch_add(1, Ordering::Relaxed);
-        return None;
+    let free = (trace::RING_RECORDS as u64).saturating_sub(head.wrapping_sub(r.tail.load(Ordering::Acquire)));
+    Some((r, at, head, free))
+}
+
+/// The address of record `head` of ring `i`.
+fn record_at(i: usize, head: u64) -> *mut Record {
+    let first = BASE.load(Ordering::Relaxed) + trace::records_offset(i);
+    (first + (head & (trace::RING_RECORDS as u64 - 1)) * std::mem::size_of::<Record>() as u64) as *mut Record
+}
+
+/// Writes a record at `at` and publishes it (`r`: the thread's ring).
+#[inline(always)]
+fn put(at: u64, r: u64, word: u64, ptr: u64, size: u64) {
+    let (tsc, cpu) = rdtscp();
+    // SAFETY: a record of the thread's ring inside its window (see
+    // `open_window`): the drainer does not read it until head passes it.
+    unsafe { (at as *mut Record).write(Record { tsc, ptr, size, word: word | cpu << 3 }) };
+    tls::set_word::<{ tls::TRACE_CUR }>(at + std::mem::size_of::<Record>() as u64);
+    // SAFETY: the thread's ring header (`TRACE_RING` holds one whenever
+    // the window is open); only this thread writes its head.
+    let head = unsafe { &(*(r as *const RingHeader)).head };
+    head.store(head.load(Ordering::Relaxed) + 1, Ordering::Release);
+}
+
+/// Records an event whose word (kind, site and allocating site; see
+/// [`Record::pack`]) is `word`, the CPU left 0. The common case inline:
+/// every event recorded, and a record free in the thread's window, the
+/// records from its ring's head up to what the drainer left free or to
+/// the ring's end (`TRACE_CUR`, `TRACE_END`), so that the record takes
+/// two loads of per-thread words to place.
+/// Returns `ptr` (so that callers end with a jump to the slow path).
+#[inline(always)]
+fn record_word(word: u64, ptr: u64, size: u64) -> u64 {
+    let cur = tls::word::<{ tls::TRACE_CUR }>();
+    if !EVERY.load(Ordering::Relaxed) || cur >= tls::word::<{ tls::TRACE_END }>() {
+        return record_slow(word, ptr, size);
     }
-    let slot = head as usize & (trace::RING_RECORDS - 1);
-    let first = (base + trace::records_offset(i)) as *mut Record;
-    // SAFETY: slot < RING_RECORDS: a record of the ring, whose storage
-    // its claim reserved.
-    Some((unsafe { first.add(slot) }, r, head))
+    put(cur, tls::word::<{ tls::TRACE_RING }>(), word, ptr, size);
+    ptr
+}
+
+/// [`record_word`] when a filter is on, recording is off, or the thread's
+/// window is used up: opens a new window (claiming a ring at the thread's
+/// first event) and records, or counts the event lost.
+#[cold]
+#[inline(never)]
+fn record_slow(word: u64, ptr: u64, size: u64) -> u64 {
+    let fields = Record { word, ..Record::default() };
+    if !ON.load(Ordering::Relaxed)
+        || FILTER.load(Ordering::Relaxed) && !selected(fields.site()) && !selected(fields.alloc_site())
+    {
+        return ptr;
+    }
+    let Some((r, i, head, free)) = my_ring() else { return ptr };
+    if free == 0 {
+        r.lost.fetch_add(1, Ordering::Relaxed);
+        close_window();
+        return ptr;
+    }
+    let slot = head & (trace::RING_RECORDS as u64 - 1);
+    let cur = record_at(i, head) as u64;
+    let end = cur + free.min(trace::RING_RECORDS as u64 - slot) * std::mem::size_of::<Record>() as u64;
+    tls::set(tls::TRACE_END, end);
+    put(cur, r as *const RingHeader as u64, word, ptr, size);
+    ptr
 }
 
 /// Records an allocation or a free of site `site` (`alloc_site`: the site
-/// that allocated the object freed, 0 if not known).
+/// that allocated the object freed, 0 if not known). Returns `ptr`.
 #[inline(always)]
-pub fn record(k: u64, site: u32, alloc_site: u32, ptr: u64, size: u64) {
-    if !ON.load(Ordering::Relaxed) || FILTER.load(Ordering::Relaxed) && !selected(site) && !selected(alloc_site) {
-        return;
-    }
-    let Some((rec, r, head)) = reserve(1) else { return };
-    let (tsc, cpu) = rdtscp();
-    // SAFETY: a record the ring's reader does not read until head moves.
-    unsafe { rec.write(Record { tsc, ptr, size, word: Record::pack(k, cpu, site, alloc_site) }) };
-    r.head.store(head + 1, Ordering::Release);
+pub fn record(k: u64, site: u32, alloc_site: u32, ptr: u64, size: u64) -> u64 {
+    record_word(Record::pack(k, 0, site, alloc_site), ptr, size)
 }
 
 /// Records a realloc at `site` of `old` (`old_size` bytes from
@@ -290,24 +358,29 @@ pub fn record_realloc(site: u32, alloc_site: u32, old: u64, old_size: u64, ptr: 
     if !ON.load(Ordering::Relaxed) || FILTER.load(Ordering::Relaxed) && !selected(site) && !selected(alloc_site) {
         return;
     }
-    let Some((rec, r, head)) = reserve(2) else { return };
+    // Outside the window: the two records may straddle the ring's end.
+    close_window();
+    let Some((r, i, head, free)) = my_ring() else { return };
+    if free < 2 {
+        r.lost.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
     let (tsc, cpu) = rdtscp();
-    let next = if (head + 1) as usize & (trace::RING_RECORDS - 1) == 0 {
-        // SAFETY: the ring's first record (the reservation wrapped).
-        unsafe { rec.sub(trace::RING_RECORDS - 1) }
-    } else {
-        // SAFETY: the next record of the ring.
-        unsafe { rec.add(1) }
-    };
-    // SAFETY: two records the reader does not read until head moves.
+    // SAFETY: two free records of the thread's ring, which the reader does
+    // not read until head moves.
     unsafe {
-        rec.write(Record {
+        record_at(i, head).write(Record {
             tsc,
             ptr: old,
             size: old_size,
             word: Record::pack(kind::REALLOC_OLD, cpu, site, alloc_site),
         });
-        next.write(Record { tsc, ptr, size, word: Record::pack(kind::REALLOC, cpu, site, alloc_site) });
+        record_at(i, head + 1).write(Record {
+            tsc,
+            ptr,
+            size,
+            word: Record::pack(kind::REALLOC, cpu, site, alloc_site),
+        });
     }
     r.head.store(head + 2, Ordering::Release);
 }
