@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence seventeen words
+//! `__tls_get_addr`, which a trampoline cannot call; hence eighteen words
 //! of `.tbss` declared here and read with `fs:`-relative moves. A library
-//! with static TLS loaded by `dlopen` takes its 136 bytes from the surplus glibc
+//! with static TLS loaded by `dlopen` takes its 144 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,136",
+    ".size alloctramp_rt_tls,144",
     "alloctramp_rt_tls:",
-    ".zero 136",
+    ".zero 144",
     ".popsection",
 );
 
@@ -81,6 +81,9 @@ pub const TRACE_OLD: usize = 14;
 /// the ring's tail again (both 0: none open).
 pub const TRACE_CUR: usize = 15;
 pub const TRACE_END: usize = 16;
+/// Word 17: 1 while the thread records an event (see `trace`): an event
+/// of a signal handler that interrupts it is not recorded.
+pub const TRACE_BUSY: usize = 17;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]
@@ -120,6 +123,21 @@ pub fn word<const W: usize>() -> u64 {
             options(nostack, readonly, preserves_flags));
     }
     v
+}
+
+/// Sets bit 0 of word `W`, returning whether it was clear, in one
+/// instruction: a signal handler on this thread that does the same finds
+/// it set until the thread clears it (not atomic between threads: each
+/// thread has its own words).
+#[inline(always)]
+pub fn take_word<const W: usize>() -> bool {
+    let was: u8;
+    // SAFETY: as for `get`; `bts` writes only the word's bit 0.
+    unsafe {
+        asm!("bts qword ptr fs:[{} + {}], 0", "setc {}", in(reg) offset(), const 8 * W, out(reg_byte) was,
+            options(nostack));
+    }
+    was == 0
 }
 
 /// [`set`] of a word known at compile time.

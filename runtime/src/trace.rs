@@ -184,6 +184,7 @@ pub fn after_fork_in_child() {
     FILTER.store(false, Ordering::Relaxed);
     BASE.store(0, Ordering::Relaxed);
     tls::set(tls::TRACE_RING, 0);
+    tls::set(tls::TRACE_BUSY, 0);
     close_window();
     let key = KEY.load(Ordering::Relaxed);
     if key != u64::MAX {
@@ -208,12 +209,18 @@ fn claim() -> u64 {
     for i in 0..trace::RINGS {
         let Some(r) = ring(i) else { break };
         if r.owner.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            // The ring is the thread's from here: a signal handler's event
+            // lost while the storage is reserved counts in its `lost`.
+            let word = r as *const RingHeader as u64;
+            tls::set(tls::TRACE_RING, word);
             if procfile::reserve_trace(trace::records_offset(i), trace::RING_BYTES).is_err() {
+                let lost = r.lost.swap(0, Ordering::Relaxed);
+                if let Some(h) = header() {
+                    h.lost_no_ring.fetch_add(lost, Ordering::Relaxed);
+                }
                 r.owner.store(0, Ordering::Release);
                 break;
             }
-            let word = r as *const RingHeader as u64;
-            tls::set(tls::TRACE_RING, word);
             watch_exit(i);
             return word;
         }
@@ -292,13 +299,38 @@ fn record_at(i: usize, head: u64) -> *mut Record {
 fn put(at: u64, r: u64, word: u64, ptr: u64, size: u64) {
     let (tsc, cpu) = rdtscp();
     // SAFETY: a record of the thread's ring inside its window (see
-    // `open_window`): the drainer does not read it until head passes it.
+    // `record_slow`): the drainer does not read it until head passes it.
     unsafe { (at as *mut Record).write(Record { tsc, ptr, size, word: word | cpu << 3 }) };
     tls::set_word::<{ tls::TRACE_CUR }>(at + std::mem::size_of::<Record>() as u64);
     // SAFETY: the thread's ring header (`TRACE_RING` holds one whenever
     // the window is open); only this thread writes its head.
     let head = unsafe { &(*(r as *const RingHeader)).head };
     head.store(head.load(Ordering::Relaxed) + 1, Ordering::Release);
+}
+
+/// Marks the thread as recording (`TRACE_BUSY`): false if it was already,
+/// that is, this event is a signal handler's that interrupted the
+/// recording of another (whose window, record and head it must not
+/// touch): the event is counted lost.
+#[inline(always)]
+fn enter() -> bool {
+    tls::take_word::<{ tls::TRACE_BUSY }>() || lost_nested()
+}
+
+#[inline(always)]
+fn leave() {
+    tls::set_word::<{ tls::TRACE_BUSY }>(0);
+}
+
+#[cold]
+#[inline(never)]
+fn lost_nested() -> bool {
+    match tls::get(tls::TRACE_RING) {
+        // SAFETY: the thread's ring header, claimed.
+        r if r > NO_RING => unsafe { &*(r as *const RingHeader) }.lost.fetch_add(1, Ordering::Relaxed),
+        _ => header().map_or(0, |h| h.lost_no_ring.fetch_add(1, Ordering::Relaxed)),
+    };
+    false
 }
 
 /// Records an event whose word (kind, site and allocating site; see
@@ -310,37 +342,45 @@ fn put(at: u64, r: u64, word: u64, ptr: u64, size: u64) {
 /// Returns `ptr` (so that callers end with a jump to the slow path).
 #[inline(always)]
 fn record_word(word: u64, ptr: u64, size: u64) -> u64 {
-    let cur = tls::word::<{ tls::TRACE_CUR }>();
-    if !EVERY.load(Ordering::Relaxed) || cur >= tls::word::<{ tls::TRACE_END }>() {
-        return record_slow(word, ptr, size);
+    if EVERY.load(Ordering::Relaxed) && tls::take_word::<{ tls::TRACE_BUSY }>() {
+        let cur = tls::word::<{ tls::TRACE_CUR }>();
+        if cur < tls::word::<{ tls::TRACE_END }>() {
+            put(cur, tls::word::<{ tls::TRACE_RING }>(), word, ptr, size);
+            leave();
+            return ptr;
+        }
+        leave();
     }
-    put(cur, tls::word::<{ tls::TRACE_RING }>(), word, ptr, size);
-    ptr
+    record_slow(word, ptr, size)
 }
 
-/// [`record_word`] when a filter is on, recording is off, or the thread's
-/// window is used up: opens a new window (claiming a ring at the thread's
-/// first event) and records, or counts the event lost.
+/// [`record_word`] when a filter is on, recording is off, the thread's
+/// window is used up, or the event is a signal handler's that interrupted
+/// the recording of another: opens a new window (claiming a ring at the
+/// thread's first event) and records, or counts the event lost.
 #[cold]
 #[inline(never)]
 fn record_slow(word: u64, ptr: u64, size: u64) -> u64 {
     let fields = Record { word, ..Record::default() };
     if !ON.load(Ordering::Relaxed)
         || FILTER.load(Ordering::Relaxed) && !selected(fields.site()) && !selected(fields.alloc_site())
+        || !enter()
     {
         return ptr;
     }
-    let Some((r, i, head, free)) = my_ring() else { return ptr };
-    if free == 0 {
-        r.lost.fetch_add(1, Ordering::Relaxed);
-        close_window();
-        return ptr;
+    if let Some((r, i, head, free)) = my_ring() {
+        if free == 0 {
+            r.lost.fetch_add(1, Ordering::Relaxed);
+            close_window();
+        } else {
+            let slot = head & (trace::RING_RECORDS as u64 - 1);
+            let cur = record_at(i, head) as u64;
+            let end = cur + free.min(trace::RING_RECORDS as u64 - slot) * std::mem::size_of::<Record>() as u64;
+            tls::set(tls::TRACE_END, end);
+            put(cur, r as *const RingHeader as u64, word, ptr, size);
+        }
     }
-    let slot = head & (trace::RING_RECORDS as u64 - 1);
-    let cur = record_at(i, head) as u64;
-    let end = cur + free.min(trace::RING_RECORDS as u64 - slot) * std::mem::size_of::<Record>() as u64;
-    tls::set(tls::TRACE_END, end);
-    put(cur, r as *const RingHeader as u64, word, ptr, size);
+    leave();
     ptr
 }
 
@@ -358,6 +398,15 @@ pub fn record_realloc(site: u32, alloc_site: u32, old: u64, old_size: u64, ptr: 
     if !ON.load(Ordering::Relaxed) || FILTER.load(Ordering::Relaxed) && !selected(site) && !selected(alloc_site) {
         return;
     }
+    if !enter() {
+        return;
+    }
+    record_pair(site, alloc_site, old, old_size, ptr, size);
+    leave();
+}
+
+/// [`record_realloc`]'s records, the thread recording.
+fn record_pair(site: u32, alloc_site: u32, old: u64, old_size: u64, ptr: u64, size: u64) {
     // Outside the window: the two records may straddle the ring's end.
     close_window();
     let Some((r, i, head, free)) = my_ring() else { return };
