@@ -962,9 +962,10 @@ unsafe fn traced_id(index: u64, control: *const u8) -> u32 {
 }
 
 /// [`track_alloc`], recording the event. The common case first, with no
-/// call: a module with ids, and an 8-aligned object below the inline
-/// limit whose granule holds no live record, recorded by compare-and-swap
-/// as a trampoline would (everything else: [`trace_alloc_slow`]).
+/// call: a module with ids, and an 8-aligned object below
+/// `shadow::SIZE_LIMIT` whose granule holds no live record, recorded by
+/// compare-and-swap as a trampoline would (everything else:
+/// [`trace_alloc_slow`]).
 ///
 /// # Safety
 /// As for [`track_alloc`].

@@ -40,6 +40,10 @@ static EVERY: AtomicBool = AtomicBool::new(false);
 fn update_every() {
     let every = ON.load(Ordering::Acquire) && !FILTER.load(Ordering::Acquire);
     EVERY.store(every, Ordering::Release);
+    // A `stop` since the reading (it clears EVERY, then ON) is not undone.
+    if every && !ON.load(Ordering::Acquire) {
+        EVERY.store(false, Ordering::Release);
+    }
 }
 /// A bit per site id.
 static SELECTED: [AtomicU64; 2048] = [const { AtomicU64::new(0) }; 2048];
@@ -214,6 +218,7 @@ fn claim() -> u64 {
             let word = r as *const RingHeader as u64;
             tls::set(tls::TRACE_RING, word);
             if procfile::reserve_trace(trace::records_offset(i), trace::RING_BYTES).is_err() {
+                tls::set(tls::TRACE_RING, NO_RING);
                 let lost = r.lost.swap(0, Ordering::Relaxed);
                 if let Some(h) = header() {
                     h.lost_no_ring.fetch_add(lost, Ordering::Relaxed);
@@ -253,8 +258,12 @@ fn watch_exit(i: usize) {
 }
 
 extern "C" fn exited(token: *mut libc::c_void) {
-    tls::set(tls::TRACE_RING, NO_RING);
+    // Marked recording for good: the thread's later events (a later
+    // destructor's, a signal handler's) are counted lost, none touches the
+    // ring given back.
+    tls::take_word::<{ tls::TRACE_BUSY }>();
     close_window();
+    tls::set(tls::TRACE_RING, NO_RING);
     if let Some(r) = ring((token as usize).wrapping_sub(1)) {
         r.exited.store(1, Ordering::Release);
     }
@@ -262,8 +271,9 @@ extern "C" fn exited(token: *mut libc::c_void) {
 
 /// Makes the thread's next event look at its ring again.
 fn close_window() {
-    tls::set(tls::TRACE_CUR, 0);
+    // The end first: with it 0, no position is inside the window.
     tls::set(tls::TRACE_END, 0);
+    tls::set(tls::TRACE_CUR, 0);
 }
 
 /// The thread's ring: its header, index and head, and how many records
