@@ -1080,14 +1080,23 @@ unsafe extern "C" fn trace_free_slow(ptr: u64, index: u64, control: *const u8) -
     ptr
 }
 
-/// [`track_realloc_begin`], keeping the old pointer for the event.
+/// [`track_realloc_begin`], keeping the old pointer for the event: in the
+/// token's second word when it holds no record (`track_realloc_end` reads
+/// that word only with a record), so that a signal handler's realloc
+/// between the two halves keeps its own.
 ///
 /// # Safety
 /// As for [`track_realloc_begin`].
 unsafe extern "C" fn trace_realloc_begin(old: u64, token: *mut u64, index: u64, control: *const u8) -> u64 {
-    tls::set(tls::TRACE_OLD, old);
     // SAFETY: forwarded from the caller.
-    unsafe { track_realloc_begin(old, token, index, control) }
+    let r = unsafe { track_realloc_begin(old, token, index, control) };
+    // SAFETY: the token's 16 bytes (caller), just written.
+    unsafe {
+        if token.read() == 0 {
+            token.add(1).write(old);
+        }
+    }
+    r
 }
 
 /// [`track_realloc_end`], recording the event when the realloc moved or
@@ -1106,9 +1115,8 @@ unsafe extern "C" fn trace_realloc_end(
     let old = unsafe { Entry { key: token.read(), value: token.add(1).read() } };
     let (alloc_site, old_size) = if old.key != 0 { (id_of_cell(old.cell()), old.size()) } else { (0, 0) };
     // The token's pointer when it holds a record; else the one the tracing
-    // begin kept (an untracked object).
-    let old_ptr = if old.key != 0 { old.key & PTR_MASK } else { tls::get(tls::TRACE_OLD) };
-    tls::set(tls::TRACE_OLD, 0);
+    // begin kept in its place (an untracked object).
+    let old_ptr = if old.key != 0 { old.key & PTR_MASK } else { old.value };
     // SAFETY: forwarded from the caller.
     let site = unsafe { traced_id(index, control) };
     // SAFETY: forwarded from the caller.

@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence eighteen words
+//! `__tls_get_addr`, which a trampoline cannot call; hence seventeen words
 //! of `.tbss` declared here and read with `fs:`-relative moves. A library
-//! with static TLS loaded by `dlopen` takes its 144 bytes from the surplus glibc
+//! with static TLS loaded by `dlopen` takes its 136 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,144",
+    ".size alloctramp_rt_tls,136",
     "alloctramp_rt_tls:",
-    ".zero 144",
+    ".zero 136",
     ".popsection",
 );
 
@@ -73,17 +73,14 @@ pub const FAIL_CELL: usize = 12;
 /// recorded: its header's address (0: none claimed yet; 1: none free, see
 /// `trace`).
 pub const TRACE_RING: usize = 13;
-/// Word 14: the old pointer of the thread's realloc under way, while
-/// events are recorded.
-pub const TRACE_OLD: usize = 14;
-/// Words 15 and 16: the thread's window in its ring: the next record's
+/// Words 14 and 15: the thread's window in its ring: the next record's
 /// address and the end of the records it may write before it looks at
 /// the ring's tail again (both 0: none open).
-pub const TRACE_CUR: usize = 15;
-pub const TRACE_END: usize = 16;
-/// Word 17: 1 while the thread records an event (see `trace`): an event
+pub const TRACE_CUR: usize = 14;
+pub const TRACE_END: usize = 15;
+/// Word 16: 1 while the thread records an event (see `trace`): an event
 /// of a signal handler that interrupts it is not recorded.
-pub const TRACE_BUSY: usize = 17;
+pub const TRACE_BUSY: usize = 16;
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]
