@@ -178,18 +178,7 @@ fn trace_of_a_running_process_holds_its_1000_pairs_exactly() {
 /// arguments) while `p` carries out `commands`, ended by Ctrl-C: what the
 /// tracer said after its first line.
 fn traced(p: &mut Talk, counters: &Path, out: &Path, extra: &[&str], commands: &[&str]) -> String {
-    let _ = std::fs::remove_dir_all(out);
-    let pid = p.child.id().to_string();
-    let mut tracer = alloctramp()
-        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", out.to_str().unwrap()])
-        .args(extra)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(tracer.stderr.take().unwrap());
-    let mut first = String::new();
-    err.read_line(&mut first).unwrap();
-    assert!(first.contains("recording events"), "{first}");
+    let (mut tracer, mut err, first) = start_tracer(p, counters, out, extra);
     if extra.is_empty() {
         assert!(first.contains("profiling switched on for the trace"), "{first}");
     }
@@ -245,6 +234,30 @@ fn count_free_ptr(events: &[Event], site: &str, alloc_site: &str) -> String {
         .collect();
     assert_eq!(v.len(), 1);
     v[0].clone()
+}
+
+/// `alloctramp trace` of `p` into `out` (removed first) with `extra`
+/// options, once it said it records: the command, its stderr, and that
+/// first line.
+fn start_tracer(
+    p: &Talk,
+    counters: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> (std::process::Child, BufReader<std::process::ChildStderr>, String) {
+    let _ = std::fs::remove_dir_all(out);
+    let pid = p.child.id().to_string();
+    let mut tracer = alloctramp()
+        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", out.to_str().unwrap()])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(tracer.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    assert!(first.contains("recording events"), "{first}");
+    (tracer, err, first)
 }
 
 /// What `alloctramp run --trace` of a program said and wrote.
@@ -403,17 +416,8 @@ fn a_trace_recorded_from_the_start_keeps_its_events_for_the_one_drainer_that_att
     p.send("go 10");
     assert_eq!(p.line(), "done\n");
     let out = dir.join("trace");
-    let _ = std::fs::remove_dir_all(&out);
     let pid = p.child.id().to_string();
-    let mut tracer = alloctramp()
-        .args(["trace", &pid, "--dir", counters.to_str().unwrap(), "-o", out.to_str().unwrap()])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(tracer.stderr.take().unwrap());
-    let mut first = String::new();
-    err.read_line(&mut first).unwrap();
-    assert!(first.contains("recording events"), "{first}");
+    let (mut tracer, mut err, _) = start_tracer(&p, &counters, &out, &[]);
     // A second drainer is refused while the first runs.
     let second = dir.join("second");
     let o = alloctramp()
