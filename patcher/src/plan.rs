@@ -927,6 +927,7 @@ fn plan_sites(
             hook: matches!(site.charge, Charge::Hook { .. }),
             charge_check: site.under_hook,
             plain_store: a.scan.plain_store(site.entry),
+            aligned: a.scan.aligned(site.entry),
         };
         let mut unwind = None;
         let in_layer = layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));

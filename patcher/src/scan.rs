@@ -157,6 +157,15 @@ impl Scan {
         }
         self.user.is_empty() && !self.other_heap
     }
+
+    /// Whether entry `entry`'s allocator returns 8-aligned pointers only:
+    /// every default entry's contract says so (malloc's, operator new's,
+    /// jemalloc's, mimalloc's and tcmalloc's APIs), and so does a wrapper
+    /// found in a file where the user names no entry. An entry the user
+    /// names, or a wrapper that may be around one, is not known to.
+    pub fn aligned(&self, entry: usize) -> bool {
+        entry < self.user.start || (!self.user.contains(&entry) && self.user.is_empty())
+    }
 }
 
 /// How a site calling an allocation wrapper with a size header in front
@@ -589,6 +598,8 @@ mod tests {
         let s = scan(false, false, true);
         assert!(!s.plain_store(s.user.start));
         assert!(!s.plain_store(s.entries.len() - 1));
+        assert!(s.aligned(index(&s, "malloc")) && s.aligned(index(&s, "mallocx")));
+        assert!(!s.aligned(s.user.start) && !s.aligned(s.entries.len() - 1));
         assert!(s.plain_store(index(&s, "calloc")));
         // A file with its own allocator.
         let s = scan(true, false, false);

@@ -83,6 +83,14 @@ pub struct TrampolineSpec {
     /// is glibc's. False for entry points the user names (pool allocators
     /// pack objects whatever malloc is): compare-and-swap only.
     pub plain_store: bool,
+    /// The allocator behind the site returns 8-aligned pointers only (an
+    /// entry alloctramp knows: the C allocator, operator new, another
+    /// allocator's API, or a wrapper around them). False for entries the
+    /// user names, whose pool may hand out objects 4 past an 8-aligned
+    /// address: a free's inline path sends those to the runtime, since
+    /// decoded with such a pointer an empty granule's entry (or a freed
+    /// record at the granule's start) would pass for a record.
+    pub aligned: bool,
 }
 
 /// Why a trampoline or stub could not be generated.
@@ -1179,6 +1187,12 @@ impl Gen<'_> {
         // (The address is taken modulo the span the map covers: no object
         // beyond is recorded in it.)
         let (at, v32) = if shard { (rax, r11d) } else { (r10, eax) };
+        if !self.s.aligned {
+            // Records are of 8-aligned objects only (see `aligned`).
+            const LOW: [AsmRegister8; 6] = [dil, sil, dl, cl, r8b, r9b];
+            self.a.test(LOW[self.s.sig.freed.unwrap_or(0) as usize], 4)?;
+            self.a.jne(out)?;
+        }
         self.a.mov(at, freed)?;
         self.with_control(Code::And_r64_rm64, at.into(), control::SHADOW_MASK)?;
         self.a.shr(at, shadow::GRANULE_SHIFT - 2)?;
@@ -1756,6 +1770,7 @@ pub(crate) mod golden {
             hook: false,
             charge_check: false,
             plain_store: true,
+            aligned: true,
         }
     }
 
@@ -1825,7 +1840,12 @@ pub(crate) mod golden {
         // A user-named allocator: records by compare-and-swap only.
         v.push((
             "user-alloc-call-rel32",
-            TrampolineSpec { plain_store: false, ..spec("malloc", SiteForm::CallRel32, false) },
+            TrampolineSpec { plain_store: false, aligned: false, ..spec("malloc", SiteForm::CallRel32, false) },
+        ));
+        // Its free: a pointer that is not 8-aligned goes to the runtime.
+        v.push((
+            "user-free-call-rel32",
+            TrampolineSpec { plain_store: false, aligned: false, ..spec("free", SiteForm::CallRel32, false) },
         ));
         // Sites of allocation wrappers (see the patcher's `charge`): a call
         // to an open wrapper raises the depth; a site inside one checks it.

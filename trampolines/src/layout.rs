@@ -309,13 +309,16 @@ pub mod shadow {
     pub fn entry(ptr: u64, id: u32, size: u64) -> u32 {
         ((size as u32) << SIZE_SHIFT | id << ID_SHIFT | LIVE) ^ ptr as u32
     }
-    /// Whether `entry` is the record of a tracked object at `ptr`.
+    /// Whether `entry` is the record of a tracked object at `ptr`. Only
+    /// 8-aligned objects have records: a pointer 4 past one (which a pool
+    /// allocator may return) would otherwise match an empty granule's
+    /// entry, or a freed record at the granule's start.
     pub fn is_record_of(entry: u32, ptr: u64) -> bool {
-        (entry ^ (ptr as u32).wrapping_add(LIVE)) & MATCH == 0
+        ptr & 7 == 0 && (entry ^ (ptr as u32).wrapping_add(LIVE)) & MATCH == 0
     }
     /// Whether `entry` is what a free of the object at `ptr` left.
     pub fn is_freed_record_of(entry: u32, ptr: u64) -> bool {
-        entry != 0 && (entry ^ ptr as u32) & MATCH == 0 && id(entry, ptr) != 0
+        ptr & 7 == 0 && entry != 0 && (entry ^ ptr as u32) & MATCH == 0 && id(entry, ptr) != 0
     }
     /// Whether `entry` records a live object (at some address).
     pub fn is_live(entry: u32) -> bool {
