@@ -325,7 +325,9 @@ pub fn run(mut args: Args) -> Result<()> {
         cmd.env("ALLOCTRAMP_FAIL", f);
     }
     if trace_partial.is_some() {
-        cmd.env("ALLOCTRAMP_TRACE", "on");
+        // Only the child records: the programs it starts inherit the
+        // variable, and no drainer would read their events.
+        cmd.env("ALLOCTRAMP_TRACE", format!("on:{}", std::process::id()));
     }
     if args.view.callers && std::env::var_os("ALLOCTRAMP_CALLERS").is_none() {
         cmd.env("ALLOCTRAMP_CALLERS", "on");
@@ -434,7 +436,7 @@ pub fn run(mut args: Args) -> Result<()> {
     std::process::exit(code)
 }
 
-/// Drains the events of `child` (started with `ALLOCTRAMP_TRACE=on`)
+/// Drains the events of `child` (started with `ALLOCTRAMP_TRACE=on:PID`, PID this process)
 /// into the trace directory `partial` until it exits.
 fn trace_child(child: &mut std::process::Child, dir: &Path, partial: &Path) -> Result<crate::trace::Summary> {
     let pid = child.id();

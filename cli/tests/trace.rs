@@ -383,6 +383,24 @@ fn events_of_a_signal_handler_that_interrupts_a_record_are_lost_and_counted_neve
     assert!(handler > 0 && handler <= handled);
 }
 
+/// `run --trace` records the program it starts; a program that one
+/// starts inherits the environment but records nothing (nobody would
+/// drain it), though it counts as usual.
+#[test]
+fn run_trace_records_the_program_it_starts_not_the_programs_that_one_starts() {
+    let dir = scratch("trace-spawn-build");
+    let bin = build_source("trace/spawn.c", &dir);
+    let copy = dir.join("spawn.patched");
+    patch_to(&bin, &copy, &[]);
+    let r = run_traced("trace-spawn", &[], &[bin.as_os_str(), copy.as_os_str()]);
+    assert_eq!(r.stdout, "child trace file: no\nparent done\n");
+    assert_eq!((r.calls, r.events, r.lost), (20, 20, 0), "{}", r.warnings);
+    let sites = sites_of(&r.trace, "trace/spawn.c");
+    let (p, f) = (&sites[&mark_line("trace/spawn.c", "P")], &sites[&mark_line("trace/spawn.c", "F")]);
+    let count = |name: &str, site: &str| r.trace.iter().filter(|(n, e)| n == name && e["site"] == site).count();
+    assert_eq!((count("alloc", p), count("free", f)), (10, 10));
+}
+
 #[test]
 fn alloctramp_trace_dir_makes_the_process_drain_its_own_trace() {
     let out = scratch("trace-env").join("traces");

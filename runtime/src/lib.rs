@@ -356,16 +356,26 @@ fn init() {
     // profiling on.
     let fail = have_file && std::env::var("ALLOCTRAMP_FAIL").is_ok_and(|v| fault::set_from_env(v.as_bytes()));
     // ALLOCTRAMP_TRACE=on records for a drainer outside; =DIR (a path:
-    // it has a slash) drains too.
+    // it has a slash) drains too; =on:PID (what `alloctramp run --trace`
+    // sets, PID its own) records only in a process whose parent is PID:
+    // the program the command started and drains, not the programs that
+    // one starts, which inherit the variable and which nobody drains.
     let trace_value = std::env::var("ALLOCTRAMP_TRACE").unwrap_or_default();
     let trace_dir = trace_value.contains('/').then(|| trace_value.clone());
-    if !trace_value.contains('/') && !["", "on", "off"].contains(&trace_value.as_str()) {
+    let parent = trace_value.strip_prefix("on:").filter(|_| trace_dir.is_none()).map(|p| p.parse::<i32>());
+    if trace_dir.is_none() && !["", "on", "off"].contains(&trace_value.as_str()) && !matches!(parent, Some(Ok(_))) {
         sys::log(
-            format!("ALLOCTRAMP_TRACE={trace_value:?}: expected on, off or a directory (a path with a /); no events recorded")
-                .as_bytes(),
+            format!(
+                "ALLOCTRAMP_TRACE={trace_value:?}: expected on, off, on:PID or a directory (a path with a /); \
+                 no events recorded"
+            )
+            .as_bytes(),
         );
     }
-    let traced = have_file && live && (trace_dir.is_some() || trace_value == "on");
+    // SAFETY: getppid has no preconditions.
+    let for_me = |pid: i32| pid == unsafe { libc::getppid() };
+    let recording = trace_value == "on" || matches!(parent, Some(Ok(pid)) if for_me(pid));
+    let traced = have_file && live && (trace_dir.is_some() || recording);
     // Without its file the process is not profiled: figures nobody can
     // read would cost the program what profiling costs.
     let on = (on || fail || traced) && have_file;
