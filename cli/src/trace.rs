@@ -193,7 +193,11 @@ impl TraceFile {
         let rings = unsafe { Rings::new(map.as_ptr()) };
         let t = TraceFile { _map: map, rings };
         let h = t.rings.header();
-        if h.magic != trace::MAGIC || h.version.load(Ordering::Relaxed) != trace::VERSION {
+        if h.magic != trace::MAGIC
+            || h.version.load(Ordering::Relaxed) != trace::VERSION
+            || h.rings.load(Ordering::Relaxed) as usize != trace::RINGS
+            || h.ring_records.load(Ordering::Relaxed) as usize != trace::RING_RECORDS
+        {
             bail!("{}: not a trace file of this version", path.display());
         }
         Ok(t)
@@ -260,7 +264,7 @@ impl Summary {
             self.sites,
             match self.lost {
                 0 => "no event lost".to_string(),
-                n => format!("{n} events lost (the process's buffers were full)"),
+                n => format!("{n} events lost (a thread's buffer was full, or it had none)"),
             }
         )
     }

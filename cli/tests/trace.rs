@@ -335,6 +335,18 @@ fn eight_threads_traced_from_the_start_events_plus_lost_equal_calls() {
     assert_eq!(r.events + r.lost, r.calls, "{}", r.warnings);
 }
 
+/// live_waves keeps 80 threads alive at once, then 80 more: each has a
+/// ring of its own (there were 64), so nothing is lost.
+#[test]
+fn more_than_64_threads_at_once_each_record_in_a_ring_of_their_own() {
+    let b = built(Config::default_o2());
+    let r = run_traced("trace-waves", &[], &[b.path("live_waves").as_os_str()]);
+    assert_eq!((r.events, r.lost), (r.calls, 0), "{}", r.warnings);
+    let threads: std::collections::HashSet<&String> =
+        r.trace.iter().filter(|(n, _)| n != "site").filter_map(|(_, f)| f.get("tid")).collect();
+    assert_eq!(threads.len(), 161, "the main thread and two waves of 80");
+}
+
 #[test]
 fn events_of_a_signal_handler_that_interrupts_a_record_are_lost_and_counted_never_mixed_into_it() {
     // The handler's sites call a pool allocator named as entry points; the

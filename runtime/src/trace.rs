@@ -226,6 +226,9 @@ fn claim() -> u64 {
                 r.owner.store(0, Ordering::Release);
                 break;
             }
+            if let Some(h) = header() {
+                h.rings_used.fetch_max(i as u32 + 1, Ordering::AcqRel);
+            }
             watch_exit(i);
             return word;
         }

@@ -15,12 +15,15 @@ use crate::pod::Pod;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 pub const MAGIC: [u8; 8] = *b"ATRACE\0\x01";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Threads with a ring at once; a thread that finds none counts its events
-/// in [`TraceHeader::lost_no_ring`].
-pub const RINGS: usize = 64;
-/// Records per ring (a power of two): 2 MiB of records.
-pub const RING_RECORDS: usize = 65536;
+/// in [`TraceHeader::lost_no_ring`]. Only the rings claimed have storage:
+/// the file is as large as all of them (512 MiB), but sparse.
+pub const RINGS: usize = 1024;
+/// Records per ring (a power of two): 512 KiB of records, which the
+/// drainer, reading every millisecond while rings have news, empties long
+/// before a thread fills them.
+pub const RING_RECORDS: usize = 16384;
 pub const HEADER_SIZE: u64 = 4096;
 pub const RING_HEADER_SIZE: u64 = 64;
 /// The ring headers follow the header; the rings' records follow them.
@@ -56,7 +59,10 @@ pub struct TraceHeader {
     /// The process draining the rings (0: none): one drainer at a time,
     /// taken with a compare-and-swap.
     pub drainer: AtomicU32,
-    pub reserved: [u8; 4020],
+    /// One more than the highest ring ever claimed: the drainer reads the
+    /// rings below it (threads take the lowest free ring).
+    pub rings_used: AtomicU32,
+    pub reserved: [u8; 4016],
 }
 
 /// A ring's header (64 bytes), followed by its records.
@@ -300,7 +306,8 @@ impl Drainer {
     pub fn drain<E>(&mut self, r: &Rings, now: u64, out: Sink<'_, E>) -> Result<u64, E> {
         use std::sync::atomic::Ordering;
         let mut most = 0;
-        for i in 0..RINGS {
+        let used = (r.header().rings_used.load(Ordering::Acquire) as usize).min(RINGS);
+        for i in 0..used {
             let ring = r.ring(i);
             let owner = ring.owner.load(Ordering::Acquire);
             if self.open[i].as_ref().is_some_and(|o| o.tid != owner) {
