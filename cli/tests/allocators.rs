@@ -8,7 +8,9 @@ use crate::runtime::{counters_dir, only_counters_file, report};
 use crate::util::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::process::Command;
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
 
 /// (line, entry) -> (calls, bytes, live objects and bytes; None for frees).
 type Rows = BTreeMap<(u32, String), (u64, u64, Option<(u64, u64)>)>;
@@ -94,4 +96,104 @@ fn tcmalloc_api_calls_count_exactly_with_no_option() {
 #[test]
 fn a_user_named_pool_of_4_aligned_objects_has_exact_live_figures() {
     exact("pool4.c", &["--entry", "pool_alloc:alloc", "--entry", "pool_free:free"]);
+}
+
+/// CPython's allocator shape (testbins/apis/pyshape.c): PyObject_Malloc
+/// and PyObject_Free call a pool through slots of a table in data, and
+/// objects are freed through their type's tp_free pointer. With no option,
+/// every free counts once and the live figures are exact.
+#[test]
+fn an_allocator_api_called_through_slots_and_freed_through_pointers_has_exact_live_figures() {
+    exact("pyshape.c", &[]);
+}
+
+/// Live objects per function of the module `module` in a report of a
+/// running process, and their sum.
+fn live_by_function(doc: &Value, module: &str) -> (BTreeMap<String, u64>, u64) {
+    let mut by = BTreeMap::new();
+    for s in doc["sites"].as_array().unwrap() {
+        if s["module"] != module {
+            continue;
+        }
+        if let (Some(f), Some(n)) = (s["function"].as_str(), s["live_calls"].as_u64()) {
+            *by.entry(f.to_string()).or_insert(0) += n;
+        }
+    }
+    let total = by.values().sum();
+    (by, total)
+}
+
+/// The Python interpreter library, patched with no option, running a
+/// script (through a launcher built here): its rows name CPython's C
+/// functions, and the live figures follow what the script holds, the
+/// strings it frees (through `tp_free`, a pointer) included.
+#[test]
+fn the_python_interpreter_library_counts_what_a_script_holds_and_frees() {
+    ensure_tool("python3-config", "python3-dev");
+    let config = |args: &[&str]| -> String {
+        let o = Command::new("/usr/bin/python3-config").args(args).output().unwrap();
+        assert!(o.status.success(), "python3-config {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    };
+    let dir = scratch("apis-python");
+    let launcher = dir.join("python");
+    std::fs::write(
+        dir.join("launch.c"),
+        "#include <Python.h>\nint main(int c, char **v) { return Py_BytesMain(c, v); }\n",
+    )
+    .unwrap();
+    let flags = config(&["--embed", "--cflags", "--ldflags"]);
+    let o = Command::new("cc")
+        .arg(dir.join("launch.c"))
+        .arg("-o")
+        .arg(&launcher)
+        .args(flags.split_whitespace())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The library the launcher loads, patched into a directory of its own.
+    let ldd = String::from_utf8(Command::new("ldd").arg(&launcher).output().unwrap().stdout).unwrap();
+    let library = ldd
+        .lines()
+        .find_map(|l| l.split_once(" => ").filter(|(name, _)| name.trim().starts_with("libpython")))
+        .map(|(name, path)| (name.trim().to_string(), path.split_whitespace().next().unwrap().to_string()))
+        .unwrap_or_else(|| panic!("the launcher needs no libpython: {ldd}"));
+    let libs = dir.join("lib");
+    std::fs::create_dir_all(&libs).unwrap();
+    patch_to(Path::new(&library.1), &libs.join(&library.0), &[]);
+    let counters = counters_dir("apis-python");
+    let mut child = Command::new(&launcher)
+        .arg(testbins_dir().join("apis/hold.py"))
+        .env("LD_LIBRARY_PATH", &libs)
+        .env("ALLOCTRAMP", "on")
+        .env("ALLOCTRAMP_DIR", &counters)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut steps = Vec::new();
+    for tag in ["start", "holding", "released"] {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), tag);
+        steps.push(live_by_function(&report(&child.id().to_string(), &counters), &library.0));
+        child.stdin.as_mut().unwrap().write_all(b"\n").unwrap();
+    }
+    assert!(child.wait().unwrap().success());
+    let [(start, before), (holding, held), (_, after)] = &steps[..] else { unreachable!() };
+    // The 100,000 strings (and the list's array), then back where it was.
+    assert!((100_000..=100_010).contains(&held.saturating_sub(*before)), "{before} live objects, then {held}");
+    assert!(after.abs_diff(*before) <= 5, "{before} live objects at the start, {after} once released");
+    // One C function of CPython holds the strings.
+    let grown: Vec<(&String, u64)> = holding
+        .iter()
+        .map(|(f, n)| (f, n.saturating_sub(start.get(f).copied().unwrap_or(0))))
+        .filter(|&(_, n)| n >= 100_000)
+        .collect();
+    assert!(
+        grown.len() == 1 && !grown[0].0.starts_with("fn@") && !grown[0].0.starts_with("Py"),
+        "the functions that hold the strings: {grown:?}"
+    );
+    assert!(start.contains_key("PyUnicode_New"), "rows name CPython's functions: {:?}", start.keys());
 }

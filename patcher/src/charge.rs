@@ -55,6 +55,11 @@ pub struct Charged {
     /// to that call's (for an imported wrapper: to the allocator's).
     pub at: Option<u64>,
     pub offsets: Offsets,
+    /// More code whose sites are its own: for a definition of an allocator
+    /// API that calls its allocator through slots in data (see
+    /// [`crate::slots`]), the functions the slots hold at start (CPython's
+    /// pymalloc, whose large objects come from `PyMem_RawMalloc`).
+    pub also: Vec<(u64, u64)>,
 }
 
 /// Functions of an unwinder or of exception handling: a file that names one
@@ -169,6 +174,7 @@ pub fn entries(
             frees: w.frees,
             at: w.why.and_then(|why| why.at()),
             offsets: w.offsets,
+            also: Vec::new(),
         });
         entries.push(EntryPoint { target, display: w.function.clone(), sig, args: 6, heap: Heap::Malloc });
     }
@@ -197,6 +203,7 @@ pub fn entries(
             frees: Frees::default(),
             at: None,
             offsets: Offsets::default(),
+            also: Vec::new(),
         });
     }
     // Plumbing that was not inlined (Rust's `finish_grow`, hashbrown's
@@ -227,6 +234,7 @@ pub fn entries(
             frees: Frees::default(),
             at: None,
             offsets: Offsets::default(),
+            also: Vec::new(),
         });
         entries.push(EntryPoint { target, display, sig: Signature::alloc(Size::None), args: 6, heap: Heap::Malloc });
     };
@@ -339,8 +347,11 @@ struct CodeIndex {
 
 impl CodeIndex {
     fn new(charged: &[Charged]) -> CodeIndex {
-        let mut ranges: Vec<(u64, u64, usize)> =
-            charged.iter().enumerate().filter_map(|(k, c)| c.code.map(|(s, e)| (s, e, k))).collect();
+        let mut ranges: Vec<(u64, u64, usize)> = charged
+            .iter()
+            .enumerate()
+            .flat_map(|(k, c)| c.code.into_iter().chain(c.also.iter().copied()).map(move |(s, e)| (s, e, k)))
+            .collect();
         ranges.sort_unstable();
         let reach = ranges
             .iter()
@@ -381,8 +392,16 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             open[k] = true;
         }
     }
+    // A definition of an allocator API that calls its allocator through a
+    // slot (see `crate::slots`) is open: what the slot holds may count
+    // unless the depth says a caller's site counted.
+    let api: Vec<bool> = scan
+        .entries
+        .iter()
+        .map(|e| matches!(&e.target, Target::Symbol(n) if alloctramp_trampolines::entry::slot_api(n)))
+        .collect();
     for (k, c) in charged.iter().enumerate() {
-        if c.code.is_some_and(|(s, _)| stored.contains(&s)) {
+        if c.code.is_some_and(|(s, _)| stored.contains(&s)) || (c.definition && api[c.entry]) {
             open[k] = true;
         }
     }
@@ -557,22 +576,31 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             break;
         }
     }
+    // A call through an allocator API's slot (see `crate::slots`), and a
+    // call of such an API counted at its own site, raise the depth: the
+    // layers under them (pymalloc's calls of `PyMem_RawMalloc`) count
+    // nothing more. A call through a slot inside a definition that is not
+    // charged would count what its callers count: it is left alone.
+    let slot_entries: HashSet<usize> = scan.slots.iter().map(|&(_, e)| e).collect();
     let dropped = |s: &crate::scan::Site| {
         by_entry.get(&s.entry).is_some_and(|&j| !ok[j] && !charged[j].definition && (!hook[j] || s.form.is_tail()))
+            || (slot_entries.contains(&s.entry) && inside(s.vaddr.0).is_some_and(|k| !ok[k]))
     };
     for s in scan.sites.iter_mut() {
         let callee = by_entry.get(&s.entry).copied();
         let holder = inside(s.vaddr.0);
+        let slot = slot_entries.contains(&s.entry);
         s.charge = match holder.filter(|&k| ok[k]) {
             Some(k) => Charge::Inside {
                 wrapper: charged[k].wrapper.unwrap_or(usize::MAX),
                 checked: open[k],
-                bump: callee.is_some_and(|j| bump[j]),
+                bump: callee.is_some_and(|j| bump[j]) || slot,
                 external: callee.is_some_and(|j| external[j]),
             },
             None => match callee {
                 Some(j) if ok[j] => Charge::Caller { bump: bump[j], external: external[j] },
                 Some(j) if !charged[j].definition => Charge::Hook { external: hook_external[j] },
+                _ if slot || api[s.entry] => Charge::Caller { bump: true, external: s.via != Via::Direct },
                 _ => Charge::Own,
             },
         };
@@ -624,6 +652,7 @@ mod tests {
                 frees: Frees::default(),
                 at: None,
                 offsets: Offsets::default(),
+                also: Vec::new(),
             });
             entries.push(EntryPoint {
                 target: Target::Address(start),

@@ -19,6 +19,7 @@ pub mod output;
 pub mod plan;
 pub mod plumbing;
 pub mod scan;
+pub mod slots;
 pub mod symbols;
 pub mod tables;
 pub mod unwind;
@@ -172,12 +173,13 @@ pub fn analyze_with(
     wrappers[found.len()..].sort_by(|a, b| a.function.cmp(&b.function));
     let plumbing = plumbing::Plumbing::with(&wrapper_opts.plumbing);
     let unwinding = charge::Unwinding::of(&elf);
-    let charged = if wrapper_opts.charge {
+    let mut charged = if wrapper_opts.charge {
         charge::entries(&elf, &mut entries, &wrappers, &plumbing, &wrapper_opts.imported_plumbing, unwinding)
     } else {
         Vec::new()
     };
-    let mut scan = scan::scan(&elf, entries, user_entries)?;
+    let slots = slots::attach(&elf, &mut entries, &mut charged);
+    let mut scan = scan::scan_with(&elf, entries, user_entries, slots)?;
     charge::assign(&elf, &mut scan, &charged, unwinding);
 
     let embedded = elf.has_dwarf_lines().then(|| lines::DebugSections::load(&elf.file));

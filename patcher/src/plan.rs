@@ -930,7 +930,9 @@ fn plan_sites(
             aligned: a.scan.aligned(site.entry),
         };
         let mut unwind = None;
-        let in_layer = layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
+        // (A call through an allocator API's slot counts the calls its
+        // callers' sites did not: those through pointers.)
+        let in_layer = !a.scan.is_slot(site.entry) && layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)
         } else if in_layer {

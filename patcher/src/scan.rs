@@ -139,6 +139,9 @@ pub struct Scan {
     /// process's malloc ([`Heap::Other`]: jemalloc's `mallocx`,
     /// mimalloc's `mi_malloc`).
     pub other_heap: bool,
+    /// Slots in data that allocator APIs call their allocator through, and
+    /// their entries (see `crate::slots`), by address.
+    pub slots: Vec<(u64, usize)>,
 }
 
 impl Scan {
@@ -165,6 +168,11 @@ impl Scan {
     /// names, or a wrapper that may be around one, is not known to.
     pub fn aligned(&self, entry: usize) -> bool {
         entry < self.user.start || (!self.user.contains(&entry) && self.user.is_empty())
+    }
+
+    /// Whether entry `entry` is a call through an allocator API's slot.
+    pub fn is_slot(&self, entry: usize) -> bool {
+        self.slots.iter().any(|&(_, e)| e == entry)
     }
 }
 
@@ -225,9 +233,13 @@ pub(crate) fn plt_stub_slot(sec: &Section, addr: u64) -> Option<u64> {
     None
 }
 
-fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
+fn resolve_targets(elf: &Elf, entries: &[EntryPoint], slots: &[(u64, usize)]) -> (Targets, Vec<bool>) {
     let mut t = Targets::default();
     let mut found = vec![false; entries.len()];
+    for &(slot, i) in slots {
+        t.got.insert(slot, i);
+        found[i] = true;
+    }
     let mut by_name: HashMap<&str, usize> = HashMap::new();
     // Later entries (user-named) take precedence over earlier (defaults).
     for (i, e) in entries.iter().enumerate() {
@@ -318,7 +330,18 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint]) -> (Targets, Vec<bool>) {
 /// `entries[user]` are the entry points a user named; those the file
 /// neither defines nor imports are listed in [`Scan::unresolved`].
 pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -> Result<Scan> {
-    let (targets, found) = resolve_targets(elf, &entries);
+    scan_with(elf, entries, user, Vec::new())
+}
+
+/// [`scan`], with calls through `slots` (addresses in data, with their
+/// entries: see `crate::slots`) as sites too.
+pub fn scan_with(
+    elf: &Elf,
+    entries: Vec<EntryPoint>,
+    user: std::ops::Range<usize>,
+    slots: Vec<(u64, usize)>,
+) -> Result<Scan> {
+    let (targets, found) = resolve_targets(elf, &entries, &slots);
     let own_allocator = targets.code.values().any(|&(i, via)| via == Via::Direct && i < user.start);
     let other_heap = (0..user.start).any(|i| found.get(i) == Some(&true) && entries[i].heap == Heap::Other);
     let mut out = Scan {
@@ -327,6 +350,7 @@ pub fn scan(elf: &Elf, entries: Vec<EntryPoint>, user: std::ops::Range<usize>) -
         user,
         own_allocator,
         other_heap,
+        slots,
         ..Scan::default()
     };
     if targets.got.is_empty() && targets.code.is_empty() {

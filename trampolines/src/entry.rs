@@ -173,7 +173,70 @@ const A0: Size = Size::Arg(0);
 pub fn defaults() -> Vec<EntryPoint> {
     let mut out = process_malloc();
     out.extend(allocator_apis());
+    out.extend(python_api());
     out
+}
+
+/// CPython's allocator API. Each function calls its allocator through a
+/// slot of a table in data (`_PyObject.free(_PyObject.ctx, p)`), which
+/// `PyMem_SetAllocator` may change, and `PyObject_Free` is also reached
+/// through pointers (types' `tp_free`): see [`slot_api`].
+const PYTHON: Api = &[
+    ("PyObject_Malloc", Signature::alloc(A0), 1),
+    ("PyObject_Calloc", Signature::alloc(Size::Product(0, 1)), 2),
+    ("PyObject_Realloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("PyObject_Free", Signature::free(0), 1),
+    ("PyMem_Malloc", Signature::alloc(A0), 1),
+    ("PyMem_Calloc", Signature::alloc(Size::Product(0, 1)), 2),
+    ("PyMem_Realloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("PyMem_Free", Signature::free(0), 1),
+    ("PyMem_RawMalloc", Signature::alloc(A0), 1),
+    ("PyMem_RawCalloc", Signature::alloc(Size::Product(0, 1)), 2),
+    ("PyMem_RawRealloc", Signature::realloc(0, Size::Arg(1)), 2),
+    ("PyMem_RawFree", Signature::free(0), 1),
+];
+
+/// [`PYTHON`], entry points by default. Their heap is [`Heap::Other`]
+/// (pymalloc puts small objects side by side).
+pub fn python_api() -> Vec<EntryPoint> {
+    PYTHON
+        .iter()
+        .map(|&(name, sig, args)| EntryPoint {
+            target: Target::Symbol(name.to_string()),
+            display: name.to_string(),
+            sig,
+            args,
+            heap: Heap::Other,
+        })
+        .collect()
+}
+
+/// Whether the entry point named `name` is a function of an allocator
+/// API that calls its allocator through a slot in data, passing a context
+/// first ([`PYTHON`]): in a file that defines it, those calls are sites
+/// too (see the patcher's `slots`), so that calls reaching it through
+/// pointers count.
+pub fn slot_api(name: &str) -> bool {
+    PYTHON.iter().any(|&(n, _, _)| n == name)
+}
+
+/// The signature of a call through a slot of a [`slot_api`] function with
+/// signature `sig`: the same arguments after the context.
+pub fn after_context(sig: Signature) -> Signature {
+    let shift = |a: Arg| a + 1;
+    Signature {
+        kind: sig.kind,
+        size: match sig.size {
+            Size::Arg(a) => Size::Arg(shift(a)),
+            Size::Product(a, b) => Size::Product(shift(a), shift(b)),
+            other => other,
+        },
+        result: match sig.result {
+            Returns::OutArg(a) => Returns::OutArg(shift(a)),
+            other => other,
+        },
+        freed: sig.freed.map(shift),
+    }
 }
 
 /// The C allocator (with C23's `free_sized` and `free_aligned_sized`) and
@@ -528,8 +591,8 @@ mod tests {
             })
             .collect();
         // 14 C functions, 8 new, 2 * (2*2*2 - 2) = 12 delete, then the
-        // other allocators' APIs.
-        assert_eq!(d.len(), 14 + 8 + 12 + allocator_apis().len());
+        // other allocators' APIs and CPython's.
+        assert_eq!(d.len(), 14 + 8 + 12 + allocator_apis().len() + python_api().len());
         assert!(d[..34].iter().all(|e| e.heap == Heap::Malloc));
         assert!(d[34..].iter().all(|e| e.heap == Heap::Other));
         let mut unique = names.clone();
@@ -571,6 +634,10 @@ mod tests {
         for e in &d {
             assert!(e.sig.args_read().all(|a| a < e.args), "{}: reads past its {} arguments", e.display, e.args);
         }
+        let e = get("PyObject_Realloc");
+        assert_eq!((e.heap, slot_api("PyObject_Realloc"), slot_api("malloc")), (Heap::Other, true, false));
+        assert_eq!(after_context(e.sig), Signature::realloc(1, Size::Arg(2)));
+        assert_eq!(after_context(get("PyMem_Calloc").sig).size, Size::Product(1, 2));
         for (name, throws_) in [
             ("operator new(unsigned long)", true),
             ("operator new(unsigned long, std::nothrow_t const&)", false),
