@@ -1283,7 +1283,7 @@ TRACE_EVENTS = setting("BENCH_TRACE_EVENTS", 10_000_000, 2_000_000)
 def part_trace():
     """Event traces: instructions per traced event on top of counting, and bytes per event on disk."""
     loop, ploop = build_and_patch("malloc_loop.c", "trace", "-pthread")
-    # Below a ring's 65,536 records, so that no event is dropped without a
+    # Below a ring's 16,384 records, so that no event is dropped without a
     # drainer (callgrind runs the program alone).
     n1, n2 = 1000, 3000
     sec = Section(

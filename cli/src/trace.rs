@@ -181,6 +181,17 @@ impl TraceFile {
             .write(true)
             .open(path)
             .with_context(|| format!("{}: cannot open the trace file", path.display()))?;
+        // The magic and the version first: a file of another version has
+        // another size.
+        let mut head = [0u8; 12];
+        use std::os::unix::fs::FileExt;
+        if f.read_exact_at(&mut head, 0).is_err() || head[..8] != trace::MAGIC[..] {
+            bail!("{}: not a trace file", path.display());
+        }
+        let version = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        if version != trace::VERSION {
+            bail!("{}: a trace file of version {version}, not {}", path.display(), trace::VERSION);
+        }
         if f.metadata()?.len() < trace::FILE_SIZE {
             bail!("{}: not a trace file (too short)", path.display());
         }

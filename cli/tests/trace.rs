@@ -405,12 +405,59 @@ fn run_trace_records_the_program_it_starts_not_the_programs_that_one_starts() {
     let copy = dir.join("spawn.patched");
     patch_to(&bin, &copy, &[]);
     let r = run_traced("trace-spawn", &[], &[bin.as_os_str(), copy.as_os_str()]);
-    assert_eq!(r.stdout, "child trace file: no\nparent done\n");
+    assert_eq!(r.stdout, "child counters file: yes\nchild trace file: no\nparent done\n");
     assert_eq!((r.calls, r.events, r.lost), (20, 20, 0), "{}", r.warnings);
     let sites = sites_of(&r.trace, "trace/spawn.c");
     let (p, f) = (&sites[&mark_line("trace/spawn.c", "P")], &sites[&mark_line("trace/spawn.c", "F")]);
     let count = |name: &str, site: &str| r.trace.iter().filter(|(n, e)| n == name && e["site"] == site).count();
     assert_eq!((count("alloc", p), count("free", f)), (10, 10));
+}
+
+/// A library loaded and unloaded between two drains of a process that
+/// drains its own trace: its sites are described all the same.
+#[test]
+fn a_library_unloaded_between_two_drains_is_described_in_the_trace() {
+    let b = built(Config::default_o2());
+    let dir = scratch("trace-dlclose");
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    patch_to(&b.path("dlopener"), &bin.join("dlopener"), &[]);
+    patch_to(&b.path("libatshared"), &bin.join("libatshared.so"), &[]);
+    let counters = counters_dir("trace-dlclose");
+    let out = dir.join("traces");
+    let o = Command::new(bin.join("dlopener"))
+        .arg(&bin)
+        .env("ALLOCTRAMP_TRACE", &out)
+        .env("ALLOCTRAMP_DIR", &counters)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "dlopen ok\n");
+    let (events, warnings) = babeltrace(&out.join(only_process(&out)));
+    assert_eq!(warnings, "");
+    let described: std::collections::HashSet<&String> =
+        events.iter().filter(|(n, _)| n == "site").map(|(_, f)| &f["site"]).collect();
+    let in_library = events.iter().filter(|(n, f)| n == "site" && f["module"] == "libatshared.so").count();
+    assert!(in_library >= 2, "the library's sites are described: {in_library}");
+    let mut library_events = 0;
+    for (n, f) in events.iter().filter(|(n, _)| n != "site") {
+        assert!(described.contains(&f["site"]), "{n} {f:?}: its site is not described");
+        if f.get("alloc_site").is_some_and(|a| a != "0") {
+            assert!(described.contains(&f["alloc_site"]), "{n} {f:?}: its allocating site is not described");
+        }
+        library_events += usize::from(
+            events.iter().any(|(m, s)| m == "site" && s["site"] == f["site"] && s["module"] == "libatshared.so"),
+        );
+    }
+    assert!(library_events >= 6, "the library's allocations and frees are in the trace: {library_events}");
+}
+
+/// The one process directory in `out` (`ALLOCTRAMP_TRACE=DIR`).
+fn only_process(out: &Path) -> String {
+    let names: Vec<String> =
+        std::fs::read_dir(out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    names[0].clone()
 }
 
 #[test]

@@ -405,6 +405,12 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             open[k] = true;
         }
     }
+    // A call through such a slot (see `crate::slots`), and a call of such
+    // an API that no charged definition here answers (an import: the
+    // definition in the interpreter library checks the depth), raise the
+    // depth: the layers under them count nothing more.
+    let slot_entries: HashSet<usize> = scan.slots.iter().map(|&(_, e)| e).collect();
+    let bumps_alone = |e: usize| api[e] || slot_entries.contains(&e);
     // The sites inside each wrapper: (wrapper, site).
     let within: Vec<(usize, usize)> =
         scan.sites.iter().enumerate().filter_map(|(i, s)| inside(s.vaddr.0).map(|k| (k, i))).collect();
@@ -478,11 +484,8 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
     loop {
         let mut changed = false;
         for &(k, i) in &within {
-            if let Some(&j) = by_entry.get(&scan.sites[i].entry)
-                && ok[k]
-                && bump[j]
-                && !bump[k]
-            {
+            let e = scan.sites[i].entry;
+            if by_entry.get(&e).map_or(bumps_alone(e), |&j| bump[j]) && ok[k] && !bump[k] {
                 bump[k] = true;
                 changed = true;
             }
@@ -576,12 +579,8 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             break;
         }
     }
-    // A call through an allocator API's slot (see `crate::slots`), and a
-    // call of such an API counted at its own site, raise the depth: the
-    // layers under them (pymalloc's calls of `PyMem_RawMalloc`) count
-    // nothing more. A call through a slot inside a definition that is not
-    // charged would count what its callers count: it is left alone.
-    let slot_entries: HashSet<usize> = scan.slots.iter().map(|&(_, e)| e).collect();
+    // A call through a slot inside a definition that is not charged would
+    // count what its callers count: it is left alone.
     let dropped = |s: &crate::scan::Site| {
         by_entry.get(&s.entry).is_some_and(|&j| !ok[j] && !charged[j].definition && (!hook[j] || s.form.is_tail()))
             || (slot_entries.contains(&s.entry) && inside(s.vaddr.0).is_some_and(|k| !ok[k]))
@@ -589,18 +588,17 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
     for s in scan.sites.iter_mut() {
         let callee = by_entry.get(&s.entry).copied();
         let holder = inside(s.vaddr.0);
-        let slot = slot_entries.contains(&s.entry);
         s.charge = match holder.filter(|&k| ok[k]) {
             Some(k) => Charge::Inside {
                 wrapper: charged[k].wrapper.unwrap_or(usize::MAX),
                 checked: open[k],
-                bump: callee.is_some_and(|j| bump[j]) || slot,
+                bump: callee.map_or(bumps_alone(s.entry), |j| bump[j]),
                 external: callee.is_some_and(|j| external[j]),
             },
             None => match callee {
                 Some(j) if ok[j] => Charge::Caller { bump: bump[j], external: external[j] },
                 Some(j) if !charged[j].definition => Charge::Hook { external: hook_external[j] },
-                _ if slot || api[s.entry] => Charge::Caller { bump: true, external: s.via != Via::Direct },
+                _ if bumps_alone(s.entry) => Charge::Caller { bump: true, external: s.via != Via::Direct },
                 _ => Charge::Own,
             },
         };
@@ -700,6 +698,34 @@ mod tests {
                 (0x1010, Charge::Inside { wrapper: 0, checked: false, bump: false, external: false }),
                 (0x2010, Charge::Inside { wrapper: 1, checked: true, bump: false, external: true }),
                 (0x9000, Charge::Caller { bump: false, external: true }),
+                (0x9010, Charge::Caller { bump: true, external: true }),
+            ]
+        );
+    }
+
+    #[test]
+    fn calls_of_an_imported_slot_api_raise_the_depth_through_wrappers() {
+        // An extension module: w0 (closed) calls PyObject_Malloc@plt, which
+        // the interpreter library defines and checks the depth inside; the
+        // module calls w0 and PyObject_Malloc itself. Both must raise the
+        // depth, or the library's slot site counts the call again.
+        let (mut scan, charged) = setup(1);
+        scan.entries[0] = EntryPoint {
+            target: Target::Symbol("PyObject_Malloc".into()),
+            display: "PyObject_Malloc".into(),
+            sig: Signature::alloc(Size::Arg(0)),
+            args: 1,
+            heap: Heap::Other,
+        };
+        site(&mut scan, 0x1010, 0, Via::Plt);
+        site(&mut scan, 0x9000, 1, Via::Direct);
+        site(&mut scan, 0x9010, 0, Via::Plt);
+        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        assert_eq!(
+            charges(&scan),
+            [
+                (0x1010, Charge::Inside { wrapper: 0, checked: false, bump: true, external: false }),
+                (0x9000, Charge::Caller { bump: true, external: true }),
                 (0x9010, Charge::Caller { bump: true, external: true }),
             ]
         );

@@ -162,12 +162,17 @@ impl Scan {
     }
 
     /// Whether entry `entry`'s allocator returns 8-aligned pointers only:
-    /// every default entry's contract says so (malloc's, operator new's,
-    /// jemalloc's, mimalloc's and tcmalloc's APIs), and so does a wrapper
-    /// found in a file where the user names no entry. An entry the user
-    /// names, or a wrapper that may be around one, is not known to.
+    /// the process's malloc ([`Heap::Malloc`]: C requires it), and a
+    /// wrapper found in a file that reaches no other allocator. Not
+    /// another allocator's API (mimalloc's `mi_malloc_aligned_at` returns
+    /// a pointer whose sum with an offset is aligned, and any of its frees
+    /// may be given it), an entry the user names, or a wrapper that may be
+    /// around one of those.
     pub fn aligned(&self, entry: usize) -> bool {
-        entry < self.user.start || (!self.user.contains(&entry) && self.user.is_empty())
+        if entry < self.user.start {
+            return self.entries.get(entry).is_some_and(|e| e.heap == Heap::Malloc);
+        }
+        !self.user.contains(&entry) && self.user.is_empty() && !self.other_heap
     }
 
     /// Whether entry `entry` is a call through an allocator API's slot.
@@ -622,7 +627,7 @@ mod tests {
         let s = scan(false, false, true);
         assert!(!s.plain_store(s.user.start));
         assert!(!s.plain_store(s.entries.len() - 1));
-        assert!(s.aligned(index(&s, "malloc")) && s.aligned(index(&s, "mallocx")));
+        assert!(s.aligned(index(&s, "malloc")) && !s.aligned(index(&s, "mi_free")));
         assert!(!s.aligned(s.user.start) && !s.aligned(s.entries.len() - 1));
         assert!(s.plain_store(index(&s, "calloc")));
         // A file with its own allocator.

@@ -56,7 +56,11 @@ pub fn attach(elf: &Elf, entries: &mut Vec<EntryPoint>, charged: &mut [Charged])
             out.push((slot, e));
             let functions = functions.get_or_insert_with(|| crate::wrappers::functions(elf));
             if let Some(f) = initial_target(elf, slot).and_then(|t| function_at(functions, t)) {
-                c.also.push((f.start, f.end));
+                for part in std::iter::once(f).chain(parts_apart(elf, f, functions)) {
+                    if !c.also.contains(&(part.start, part.end)) {
+                        c.also.push((part.start, part.end));
+                    }
+                }
             }
         }
     }
@@ -113,8 +117,42 @@ fn initial_target(elf: &Elf, slot: u64) -> Option<u64> {
     Some(u64::from_le_bytes(word.try_into().ok()?)).filter(|&a| a != 0)
 }
 
+/// The code that `f` jumps to outside itself and that is no function of
+/// its own: the parts a compiler moved away from it (`.cold`), which unwind
+/// information describes as functions (a tail call's target is one, with a
+/// symbol).
+fn parts_apart(elf: &Elf, f: Function, functions: &[Function]) -> Vec<Function> {
+    let named = |addr: u64| {
+        elf.symbols(true).iter().any(|s| s.defined && s.is_func && s.value == addr)
+            || elf.symbols(false).iter().any(|s| s.defined && s.is_func && s.value == addr && !s.name.contains(".cold"))
+    };
+    let Some(code) = f.end.checked_sub(f.start).and_then(|n| elf.bytes_at(f.start, n as usize)) else {
+        return Vec::new();
+    };
+    let mut dec = Decoder::with_ip(64, code, f.start, DecoderOptions::NONE);
+    let mut ins = Instruction::default();
+    let mut out: Vec<Function> = Vec::new();
+    while dec.can_decode() {
+        dec.decode_out(&mut ins);
+        let jump = ins.is_jmp_short_or_near() || ins.is_jcc_short_or_near();
+        let to = ins.near_branch_target();
+        if !jump || (f.start..f.end).contains(&to) {
+            continue;
+        }
+        let i = functions.partition_point(|g| g.start <= to);
+        if let Some(&g) = i.checked_sub(1).and_then(|i| functions.get(i)).filter(|g| to < g.end)
+            && g != f
+            && !out.contains(&g)
+            && !named(g.start)
+        {
+            out.push(g);
+        }
+    }
+    out
+}
+
 /// The function that starts at `addr` (`functions` sorted by start).
 fn function_at(functions: &[Function], addr: u64) -> Option<Function> {
     let i = functions.partition_point(|f| f.start < addr);
-    functions.get(i).filter(|f| f.start == addr).map(|f| Function { start: f.start, end: f.end })
+    functions.get(i).filter(|f| f.start == addr).copied()
 }

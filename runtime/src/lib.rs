@@ -21,9 +21,10 @@
 //! `ALLOCTRAMP_DIR` (where the counters files go), `ALLOCTRAMP_KEEP` (how
 //! many files of ended processes stay there), `ALLOCTRAMP_TRACE=on`
 //! (record every allocation and free as an event from the start, for
-//! `alloctramp trace` or `alloctramp run --trace` to drain; see `trace`)
-//! or `ALLOCTRAMP_TRACE=DIR` (the same, drained by the process itself into
-//! `DIR/PID`; see `drain`).
+//! `alloctramp trace` to drain; see `trace`), `ALLOCTRAMP_TRACE=on:PID`
+//! (the same in a process whose parent is PID: what `alloctramp run
+//! --trace` sets) or `ALLOCTRAMP_TRACE=DIR` (the same, drained by the
+//! process itself into `DIR/PID`; see `drain`).
 
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc, clippy::indexing_slicing)]
 
@@ -624,6 +625,11 @@ fn module_of(table: u64) -> Option<registry::Segments> {
 /// # Safety
 /// `table` must be the run-time address of a module's site table.
 unsafe extern "C" fn unregister(table: *const u8) {
+    // A process that drains its own trace describes the module's sites
+    // before they go: it may have been loaded since the last drain.
+    if drain::active() {
+        drain::run(false);
+    }
     registry::unregister(table);
 }
 

@@ -212,7 +212,9 @@ fn claim() -> u64 {
     let tid = unsafe { libc::gettid() } as u32;
     for i in 0..trace::RINGS {
         let Some(r) = ring(i) else { break };
-        if r.owner.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+        if r.owner.load(Ordering::Relaxed) == 0
+            && r.owner.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        {
             // The ring is the thread's from here: a signal handler's event
             // lost while the storage is reserved counts in its `lost`.
             let word = r as *const RingHeader as u64;

@@ -2,9 +2,10 @@
 /* spawn PROGRAM: 10 allocations of 32 bytes at P, each freed at F, then
    PROGRAM (a patched copy of this program) run with `child` in a child
    process, waited for. spawn child: 20 allocations at C, freed at D, and
-   whether the runtime gave the process a trace file
-   ($ALLOCTRAMP_DIR/PID.trace): `alloctramp run --trace` records the
-   program it starts, not the programs that one starts. */
+   whether the runtime gave the process a counters file and a trace file
+   ($ALLOCTRAMP_DIR/PID.counters, PID.trace): `alloctramp run --trace`
+   records the program it starts, not the programs that one starts, which
+   are profiled all the same. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,8 @@ int main(int argc, char **argv)
         }
         const char *dir = getenv("ALLOCTRAMP_DIR");
         char path[4096];
+        snprintf(path, sizeof path, "%s/%d.counters", dir ? dir : ".", (int)getpid());
+        printf("child counters file: %s\n", access(path, F_OK) == 0 ? "yes" : "no");
         snprintf(path, sizeof path, "%s/%d.trace", dir ? dir : ".", (int)getpid());
         printf("child trace file: %s\n", access(path, F_OK) == 0 ? "yes" : "no");
         return 0;
