@@ -442,9 +442,15 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
     let mut ok: Vec<bool> = charged.iter().zip(&keys).map(|(c, key)| c.countable && key.is_some()).collect();
     // A reference inside that is not a site (a conditional or short jump,
     // a pointer taken) reaches what it reaches without counting or raising
-    // the depth.
+    // the depth. Not a read of an allocator's slot: a call through the
+    // register it fills reaches code whose sites are checked (the slot's
+    // function) or a replacement allocator that calls it, and the API's
+    // callers counted the call (an interpreter that inlines pymalloc
+    // behind a compare of the slot, with link-time optimization).
     for r in &scan.unpatchable {
-        if let Some(k) = inside(r.vaddr.0) {
+        if let Some(k) = inside(r.vaddr.0)
+            && !slot_entries.contains(&r.entry)
+        {
             ok[k] = false;
         }
     }
@@ -579,16 +585,19 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
             break;
         }
     }
-    // A call through a slot inside a definition that is not charged would
-    // count what its callers count: it is left alone.
     let dropped = |s: &crate::scan::Site| {
         by_entry.get(&s.entry).is_some_and(|&j| !ok[j] && !charged[j].definition && (!hook[j] || s.form.is_tail()))
-            || (slot_entries.contains(&s.entry) && inside(s.vaddr.0).is_some_and(|k| !ok[k]))
     };
+    // The sites inside a definition of an allocator API that calls through
+    // a slot check the depth even where it cannot be charged (a reference
+    // inside that is not a site: an interpreter that inlines pymalloc
+    // behind a compare of the slot with its functions' addresses): its
+    // callers raise the depth all the same (`bumps_alone`).
+    let layered = |k: usize| ok[k] || (charged[k].definition && api[charged[k].entry]);
     for s in scan.sites.iter_mut() {
         let callee = by_entry.get(&s.entry).copied();
         let holder = inside(s.vaddr.0);
-        s.charge = match holder.filter(|&k| ok[k]) {
+        s.charge = match holder.filter(|&k| layered(k)) {
             Some(k) => Charge::Inside {
                 wrapper: charged[k].wrapper.unwrap_or(usize::MAX),
                 checked: open[k],
@@ -727,6 +736,29 @@ mod tests {
                 (0x1010, Charge::Inside { wrapper: 0, checked: false, bump: true, external: false }),
                 (0x9000, Charge::Caller { bump: true, external: true }),
                 (0x9010, Charge::Caller { bump: true, external: true }),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_sites_in_a_slot_api_definition_check_the_depth_even_uncharged() {
+        // d0 defines PyObject_Malloc and calls malloc@plt, with a reference
+        // inside that is not a site (a compare with a function's address):
+        // not charged, yet its callers raise the depth and its malloc
+        // counts only at depth 0.
+        let (mut scan, mut charged) = setup(1);
+        scan.entries[1].target = Target::Symbol("PyObject_Malloc".into());
+        charged[0].definition = true;
+        charged[0].wrapper = None;
+        scan.unpatchable.push(Reference { vaddr: Vaddr(0x1020), offset: None, entry: 0, reason: Reason::AddressTaken });
+        site(&mut scan, 0x1010, 0, Via::Plt);
+        site(&mut scan, 0x9000, 1, Via::Direct);
+        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        assert_eq!(
+            charges(&scan),
+            [
+                (0x1010, Charge::Inside { wrapper: usize::MAX, checked: true, bump: false, external: false }),
+                (0x9000, Charge::Caller { bump: true, external: false }),
             ]
         );
     }
