@@ -85,7 +85,10 @@ fn slots_read(elf: &Elf, lo: u64, hi: u64) -> Vec<u64> {
         }
         let slot = ins.ip_rel_memory_address();
         let data = elf.section_at(slot).is_some_and(|s| {
-            s.flags & WRITE != 0 && !s.is_exec() && !s.name.starts_with(".got") && slot + 8 <= s.addr.0 + s.size
+            s.flags & WRITE != 0
+                && !s.is_exec()
+                && !s.name.starts_with(".got")
+                && slot.checked_add(8).is_some_and(|end| end <= s.addr.0.saturating_add(s.size))
         });
         if data && !out.contains(&slot) {
             out.push(slot);
