@@ -16,7 +16,7 @@
 //! so that those layers count nothing more.
 
 use crate::charge::Charged;
-use crate::elf::Elf;
+use crate::elf::{DynReloc, Elf};
 use crate::wrappers::Function;
 use alloctramp_trampolines::entry::{self, EntryPoint, Target};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Register};
@@ -30,7 +30,9 @@ const WRITE: u64 = 0x1;
 /// Returns the slots' addresses with their entries, by address (for the
 /// scan: a call or jump through one is a site).
 pub fn attach(elf: &Elf, entries: &mut Vec<EntryPoint>, charged: &mut [Charged]) -> Vec<(u64, usize)> {
+    // Read once, when a definition has a slot.
     let mut functions: Option<Vec<Function>> = None;
+    let mut relocations: Option<Vec<DynReloc>> = None;
     let mut slots: HashMap<u64, usize> = HashMap::new();
     let mut out = Vec::new();
     for c in charged.iter_mut().filter(|c| c.definition) {
@@ -55,7 +57,8 @@ pub fn attach(elf: &Elf, entries: &mut Vec<EntryPoint>, charged: &mut [Charged])
             slots.insert(slot, e);
             out.push((slot, e));
             let functions = functions.get_or_insert_with(|| crate::wrappers::functions(elf));
-            if let Some(f) = initial_target(elf, slot).and_then(|t| function_at(functions, t)) {
+            let relocations = relocations.get_or_insert_with(|| elf.dynamic_relocations());
+            if let Some(f) = initial_target(elf, relocations, slot).and_then(|t| function_at(functions, t)) {
                 for part in std::iter::once(f).chain(parts_apart(elf, f, functions)) {
                     if !c.also.contains(&(part.start, part.end)) {
                         c.also.push((part.start, part.end));
@@ -97,10 +100,11 @@ fn slots_read(elf: &Elf, lo: u64, hi: u64) -> Vec<u64> {
     out
 }
 
-/// The address a slot holds at start: from its relocation (a position-
-/// independent file), else from the file's bytes.
-fn initial_target(elf: &Elf, slot: u64) -> Option<u64> {
-    for r in elf.dynamic_relocations() {
+/// The address a slot holds at start: from its relocation among the
+/// file's `relocations` (a position-independent file), else from the
+/// file's bytes.
+fn initial_target(elf: &Elf, relocations: &[DynReloc], slot: u64) -> Option<u64> {
+    for r in relocations {
         if r.offset.0 != slot {
             continue;
         }
