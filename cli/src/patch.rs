@@ -61,6 +61,28 @@ pub fn find_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("ALLOCTRAMP_RUNTIME") {
         return Ok(PathBuf::from(p));
     }
+    find_next_to_exe(layout::RUNTIME_SONAME)
+}
+
+/// Finds the static runtime a static program carries: next to the runtime
+/// library, else where the runtime library is looked for.
+pub fn find_static_runtime(runtime: &Path) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("ALLOCTRAMP_STATIC_RUNTIME") {
+        return Ok(PathBuf::from(p));
+    }
+    let beside = runtime.with_file_name(layout::static_host::FILE_NAME);
+    let newest = |a: PathBuf, b: PathBuf| {
+        let time = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        if time(&b) > time(&a) { b } else { a }
+    };
+    match find_next_to_exe(layout::static_host::FILE_NAME) {
+        Ok(found) => Ok(newest(beside, found)),
+        Err(_) if beside.is_file() => Ok(beside),
+        Err(e) => Err(e),
+    }
+}
+
+fn find_next_to_exe(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe().context("locating the alloctramp executable")?;
     let dir = exe.parent().unwrap_or(Path::new("/"));
     // Next to the executable, where cargo builds it as a dependency of
@@ -68,10 +90,10 @@ pub fn find_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
     // directory both of the first two exist and the one next to the
     // executable is only refreshed by some builds: the newest wins.
     let newest = [
-        dir.join(layout::RUNTIME_SONAME),
-        dir.join("deps").join(layout::RUNTIME_SONAME),
-        dir.join("../lib/alloctramp").join(layout::RUNTIME_SONAME),
-        dir.join("..").join(layout::RUNTIME_SONAME),
+        dir.join(name),
+        dir.join("deps").join(name),
+        dir.join("../lib/alloctramp").join(name),
+        dir.join("..").join(name),
     ]
     .into_iter()
     .filter_map(|c| Some((std::fs::metadata(&c).ok().filter(|m| m.is_file())?.modified().ok()?, c)))
@@ -79,11 +101,7 @@ pub fn find_runtime(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some((_, c)) = newest {
         return Ok(c);
     }
-    bail!(
-        "runtime library {} not found next to {} (build it with `cargo build --workspace`, or pass --runtime)",
-        layout::RUNTIME_SONAME,
-        exe.display()
-    )
+    bail!("{name} not found next to {} (build it with `cargo build --workspace`, or pass --runtime)", exe.display())
 }
 
 /// Checks that a file is an alloctramp runtime of this version.
@@ -175,13 +193,28 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         Ok(elf) if !args.no_library_unwind => alloctramp_patcher::deps::foreign_unwind(&args.input, &elf),
         _ => Vec::new(),
     };
-    let opts = PatchOptions { runtime_path: needed, foreign_unwind, skip_allocator_layers: args.skip_allocator_layers };
+    // A static program carries the static runtime instead.
+    let statik =
+        alloctramp_patcher::elf::Elf::parse(&input.map).is_ok_and(|e| alloctramp_patcher::statics::is_static(&e));
+    let static_runtime = match statik {
+        true => {
+            let path = find_static_runtime(&runtime)?;
+            Some(std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))?)
+        }
+        false => None,
+    };
+    let opts = PatchOptions {
+        runtime_path: needed,
+        foreign_unwind,
+        skip_allocator_layers: args.skip_allocator_layers,
+        static_runtime,
+    };
     let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
 
     // The runtime copy and the output are renamed into place together,
     // after both are written: a failure leaves neither.
     let mut staged = Staged::default();
-    if let RuntimeLink::Origin = args.runtime_link {
+    if let (RuntimeLink::Origin, false) = (&args.runtime_link, statik) {
         let dir = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let copy = dir.join(layout::RUNTIME_SONAME);
         check_output_path(&copy)?;

@@ -282,11 +282,27 @@ fn refusals_and_bad_input_leave_no_output() {
     let out = dir.join("twice");
     expect_refused(&["patch".as_ref(), once.as_os_str(), "-o".as_ref(), out.as_os_str()], &out, "already patched");
 
+    // A static program carries the static runtime: a file that is not
+    // one (the dynamic runtime, which needs the C library) is refused.
     let src = dir.join("static.c");
     std::fs::write(&src, "#include <stdlib.h>\nint main(void){return malloc(1)==0;}\n").unwrap();
     let stat = dir.join("static");
     assert!(Command::new("gcc").arg("-static").arg(&src).arg("-o").arg(&stat).status().unwrap().success());
-    expect_refused(&["patch".as_ref(), stat.as_os_str(), "-o".as_ref(), out.as_os_str()], &out, "statically linked");
+    let exe_dir = Path::new(env!("CARGO_BIN_EXE_alloctramp")).parent().unwrap();
+    let dynamic_runtime = [exe_dir.join("liballoctramp_rt.so"), exe_dir.join("deps/liballoctramp_rt.so")]
+        .into_iter()
+        .find(|p| p.is_file())
+        .expect("the runtime library next to alloctramp");
+    let o = alloctramp()
+        .env("ALLOCTRAMP_STATIC_RUNTIME", dynamic_runtime)
+        .args(["patch".as_ref(), stat.as_os_str(), "-o".as_ref(), out.as_os_str()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.contains("the static runtime (liballoctramp_rt_static.so): it needs other libraries"), "{stderr}");
+    assert!(!out.exists(), "no output left behind");
 
     let text = dir.join("text");
     std::fs::write(&text, "hello").unwrap();

@@ -19,5 +19,6 @@ mod report;
 mod run;
 mod runtime;
 mod sites;
+mod statics;
 mod trace;
 mod view;

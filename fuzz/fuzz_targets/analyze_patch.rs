@@ -5,6 +5,14 @@
 
 use alloctramp_patcher::write::{PatchOptions, patch};
 use libfuzzer_sys::fuzz_target;
+use std::sync::OnceLock;
+
+/// The static runtime a static input carries, when `ALLOCTRAMP_STATIC_RUNTIME`
+/// names one (static inputs are refused without it).
+fn static_runtime() -> Option<Vec<u8>> {
+    static RT: OnceLock<Option<Vec<u8>>> = OnceLock::new();
+    RT.get_or_init(|| std::env::var_os("ALLOCTRAMP_STATIC_RUNTIME").and_then(|p| std::fs::read(p).ok())).clone()
+}
 
 fuzz_target!(|data: &[u8]| {
     // The wrapper search too: it reads every function's code.
@@ -14,6 +22,7 @@ fuzz_target!(|data: &[u8]| {
         runtime_path: "liballoctramp_rt.so".into(),
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,
+        static_runtime: static_runtime(),
     };
     let Ok(patched) = patch(data, &analysis, &opts) else { return };
     let mut out = Vec::new();

@@ -20,6 +20,7 @@ pub mod plan;
 pub mod plumbing;
 pub mod scan;
 pub mod slots;
+pub mod statics;
 pub mod symbols;
 pub mod tables;
 pub mod unwind;

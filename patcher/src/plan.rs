@@ -52,6 +52,10 @@ pub struct PatchOptions {
     /// to those entries are counted at their own sites and the layer
     /// inside would count each allocation again.
     pub skip_allocator_layers: bool,
+    /// The static runtime's bytes (`layout::static_host::FILE_NAME`), which
+    /// a static program carries (see `statics`); a static program is
+    /// refused without it.
+    pub static_runtime: Option<Vec<u8>>,
 }
 
 impl Default for PatchOptions {
@@ -60,6 +64,7 @@ impl Default for PatchOptions {
             runtime_path: format!("$ORIGIN/{}", layout::RUNTIME_SONAME),
             foreign_unwind: Vec::new(),
             skip_allocator_layers: false,
+            static_runtime: None,
         }
     }
 }
@@ -416,6 +421,25 @@ pub struct Plan<'a> {
     /// Libraries' unwind rows the site table carries (none when the file
     /// has no rows of its own).
     pub(crate) foreign_unwind: Vec<layout::ForeignRows>,
+    /// A static program's runtime and hooks (`statics`); then `init` is
+    /// the hook in `.init_array[0]` and `fini` the one in `.fini_array[0]`,
+    /// and the file gets no dynamic tables.
+    pub statics: Option<StaticPlan>,
+}
+
+/// What a static program gets (see `statics`).
+#[derive(Clone, Debug)]
+pub struct StaticPlan {
+    pub runtime: crate::statics::Placed,
+    /// The entry stub (the new entry point), in the executable segment.
+    pub entry: Code,
+    /// The new PT_TLS image, in the read-write segment after the control
+    /// block (a position-independent program's relocations of its
+    /// thread-local image apply to the copy there: the entry stub's).
+    pub tls_image: Region,
+    /// Words of the input rewritten: `.init_array[0]` and `.fini_array[0]`
+    /// (offset in the input, new value).
+    pub words: Vec<(u64, [u8; 8])>,
 }
 
 impl Plan<'_> {
@@ -452,20 +476,44 @@ pub fn is_patched(elf: &Elf) -> bool {
 
 /// Plans the patching of `elf`, whose analysis is `a`.
 pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan<'a>> {
-    let dyn_ph = check_input(elf)?;
-    let tables = Tables::read(elf, dyn_ph)?;
+    let statik = crate::statics::is_static(elf);
+    // A static program's dynamic table (a position-independent one's,
+    // which its own start-up code reads) stays as it is.
+    let tables = match check_input(elf, statik)? {
+        Some(dyn_ph) if !statik => Tables::read(elf, dyn_ph)?,
+        _ => Tables::none(),
+    };
+    let static_input = match (statik, opts.static_runtime.as_deref()) {
+        (false, _) => None,
+        (true, None) => {
+            return Err(refuse(format!(
+                "a static program (no PT_DYNAMIC): it must carry the static runtime, {}, which was not found",
+                layout::static_host::FILE_NAME
+            )));
+        }
+        (true, Some(bytes)) => Some((crate::statics::Program::read(elf)?, crate::statics::Runtime::parse(bytes)?)),
+    };
     let strings = SiteStrings::new(a, &opts.foreign_unwind);
     check_loads(elf)?;
     let (ro_addr, max_align) = new_base(elf, &tables)?;
-    let phnum = elf.file.elf_program_headers().len() + 3;
+    let extra_phdrs = static_input.as_ref().map_or(0, |(p, rt)| rt.load_count() + usize::from(p.tls.is_none()));
+    let phnum = elf.file.elf_program_headers().len() + 3 + extra_phdrs;
     let table_len = layout::table_and_unwind_size(
         layout::table_size(a.scan.sites.len(), strings.table_entries.len(), strings.strings.len()),
         a.unwind.len(),
         layout::unwind_block_index(&a.unwind).len(),
         &opts.foreign_unwind,
     );
-    let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables);
-    let mem = Memory::new(ro.end_addr(), new_dynamic_count(&tables), a.scan.sites.len(), layout::shard::COUNT)?;
+    let ro = ReadOnly::place(ro_addr, phnum, table_len as u64, &tables, statik);
+    // A static program's runtime goes between the counters and the code.
+    let gap = static_input.as_ref().map_or(0, |(_, rt)| align(rt.mem_end, PAGE));
+    let dyn_count = if statik { 0 } else { new_dynamic_count(&tables) };
+    let merged = match &static_input {
+        Some((p, rt)) => Some(crate::statics::merge_tls(elf, p, rt)?),
+        None => None,
+    };
+    let tls_size = merged.as_ref().map_or(0, |m| m.bytes.len() as u64);
+    let mem = Memory::new(ro.end_addr(), dyn_count, a.scan.sites.len(), layout::shard::COUNT, gap, tls_size)?;
     // File order: read-only, executable, read-write, each from a page.
     let text_start = align(ro.size, PAGE);
     let mut ctx = TextContext {
@@ -480,8 +528,17 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     };
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
     let program = !matches!(elf.file_type, crate::elf::FileType::Shared);
-    let [init, fini, capture, capture_plain, vectors, wide] =
-        plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?;
+    let [init, fini, capture, capture_plain, vectors, wide] = match &static_input {
+        None => plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?,
+        Some((p, rt)) => plan_static_stubs(&mut cursor, &ctx, p, rt.exit + mem.runtime)?,
+    };
+    let mut static_parts = match &static_input {
+        Some((p, rt)) => {
+            let merged = merged.unwrap_or_default();
+            Some(plan_static(elf, &mut cursor, &mem, p, rt, merged, [init.addr.0, fini.addr.0])?)
+        }
+        None => None,
+    };
     ctx.vectors = vectors.addr.0;
     ctx.wide = wide.addr.0;
     // Callers capture needs the module's unwind rows.
@@ -526,9 +583,20 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     // The original file follows at a multiple of the largest alignment, so
     // that every original segment keeps its address and the new segments'
     // file ranges, counters included, never overlap an original one.
-    let shift = align(rw.file_end.max(rw.counters.region.offset.0 + 1), max_align);
+    let mut head_end = rw.file_end.max(rw.counters.region.offset.0 + 1);
+    if let Some(sp) = &mut static_parts {
+        sp.tls_image = rw.tls;
+        let at = align(rw.file_end, PAGE);
+        let r = &mut sp.runtime;
+        r.image.offset = FileOffset(at);
+        for seg in &mut r.segments {
+            seg.offset = FileOffset(seg.offset.0 + at);
+        }
+        head_end = head_end.max(at + r.image.size);
+    }
+    let shift = align(head_end, max_align);
     let segments = [ro.segment(max_align), rw.segment(), exec_segment(text, exec_end)];
-    let mut repoints = plan_repoints(elf, &tables, &ro.copies, rw.dynamic);
+    let mut repoints = if statik { Vec::new() } else { plan_repoints(elf, &tables, &ro.copies, rw.dynamic) };
     // The section header of the search table the new one replaces.
     if let (Some(eh), Some(old)) = (&eh_frame, sources.as_ref().map(|s| s.hdr_addr())) {
         let at = elf.sections.iter().find(|s| s.index != 0 && s.addr.0 == old && s.name == ".eh_frame_hdr");
@@ -569,6 +637,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         sites,
         strings,
         foreign_unwind: if a.unwind.is_empty() { Vec::new() } else { opts.foreign_unwind.clone() },
+        statics: static_parts,
     })
 }
 
@@ -584,12 +653,12 @@ struct ReadOnly {
 }
 
 impl ReadOnly {
-    fn place(addr: u64, phnum: usize, table_len: u64, tables: &Tables) -> ReadOnly {
+    fn place(addr: u64, phnum: usize, table_len: u64, tables: &Tables, statik: bool) -> ReadOnly {
         let mut ro = Cursor { offset: 0, delta: addr };
         let ehdr = ro.place(64, 1);
         let phdrs = ro.place(phnum as u64 * 56, 8);
         let site_table = ro.place(table_len, 8);
-        let copies = place_copies(&mut ro, tables);
+        let copies = if statik { no_copies(&mut ro) } else { place_copies(&mut ro, tables) };
         ReadOnly { ehdr, phdrs, site_table, copies, size: ro.offset }
     }
     fn end_addr(&self) -> u64 {
@@ -606,6 +675,11 @@ impl ReadOnly {
 /// then the executable one above the counters.
 struct Memory {
     rw: u64,
+    /// A static program's thread-local image, after the control block.
+    tls: u64,
+    tls_size: u64,
+    /// Where a static program's runtime's address 0 goes (0: none).
+    runtime: u64,
     dyn_count: usize,
     control: u64,
     counters: u64,
@@ -615,16 +689,19 @@ struct Memory {
 }
 
 impl Memory {
-    fn new(ro_end: u64, dyn_count: usize, n_sites: usize, shards: u32) -> Result<Memory> {
+    fn new(ro_end: u64, dyn_count: usize, n_sites: usize, shards: u32, gap: u64, tls_size: u64) -> Result<Memory> {
         let rw = align(ro_end, PAGE);
         let control = align(rw + dyn_count as u64 * 16, 64);
-        let counters = align(control + layout::CONTROL_SIZE as u64, PAGE);
+        let tls = align(control + layout::CONTROL_SIZE as u64, 64);
+        let counters = align(tls + tls_size, PAGE);
         let stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
         if stride > i32::MAX as u64 {
             return Err(refuse(format!("{n_sites} sites: too many for one module")));
         }
-        let text = counters + stride * u64::from(shards);
-        Ok(Memory { rw, dyn_count, control, counters, stride, shards, text })
+        let runtime = counters + stride * u64::from(shards);
+        let text = runtime + gap;
+        let runtime = if gap == 0 { 0 } else { runtime };
+        Ok(Memory { rw, tls, tls_size, runtime, dyn_count, control, counters, stride, shards, text })
     }
 }
 
@@ -632,6 +709,7 @@ impl Memory {
 struct ReadWrite {
     dynamic: Region,
     control: Region,
+    tls: Region,
     counters: Counters,
     file_end: u64,
 }
@@ -641,14 +719,15 @@ impl ReadWrite {
         let mut rw = Cursor { offset: start, delta: mem.rw.wrapping_sub(start) };
         let dynamic = rw.place(mem.dyn_count as u64 * 16, 8);
         let control = rw.place(layout::CONTROL_SIZE as u64, 64);
-        debug_assert_eq!((dynamic.addr.0, control.addr.0), (mem.rw, mem.control));
+        let tls = rw.place(mem.tls_size, 64);
+        debug_assert_eq!((dynamic.addr.0, control.addr.0, tls.addr.0), (mem.rw, mem.control, mem.tls));
         // The counters' nominal file offset (they have no bytes) stays
         // before the original file too, so no original segment seems to
         // hold them.
         let size = mem.stride * u64::from(mem.shards);
         let region = Region { offset: FileOffset(start + (mem.counters - mem.rw)), addr: Vaddr(mem.counters), size };
         let counters = Counters { region, shards: mem.shards, stride: mem.stride };
-        ReadWrite { dynamic, control, counters, file_end: rw.offset }
+        ReadWrite { dynamic, control, tls, counters, file_end: rw.offset }
     }
     fn segment(&self) -> Segment {
         let (offset, addr) = (self.dynamic.offset, self.dynamic.addr);
@@ -681,16 +760,16 @@ impl Cursor {
 }
 
 /// What is refused before any table is read; returns PT_DYNAMIC.
-fn check_input<'e>(elf: &'e Elf) -> Result<&'e Phdr> {
+fn check_input<'e>(elf: &'e Elf, statik: bool) -> Result<Option<&'e Phdr>> {
     let e = LE;
     if is_patched(elf) {
         return Err(Error::new(ErrorKind::AlreadyPatched, Location::None, "already patched by alloctramp"));
     }
     let phdrs = elf.file.elf_program_headers();
-    let dyn_ph = phdrs
-        .iter()
-        .find(|p| p.p_type(e) == elf::PT_DYNAMIC)
-        .ok_or_else(|| refuse("statically linked (no PT_DYNAMIC): the runtime library cannot be loaded"))?;
+    let dyn_ph = phdrs.iter().find(|p| p.p_type(e) == elf::PT_DYNAMIC);
+    if dyn_ph.is_none() && !statik {
+        return Err(refuse("no PT_DYNAMIC in a file that is not a static executable: the runtime cannot be loaded"));
+    }
     if elf.sections.is_empty() {
         return Err(Error::new(
             ErrorKind::Unsupported,
@@ -794,6 +873,12 @@ fn place_copies(ro: &mut Cursor, t: &Tables) -> Copies {
     }
 }
 
+/// A static program's (empty) table copies.
+fn no_copies(ro: &mut Cursor) -> Copies {
+    let none = ro.place(0, 8);
+    Copies { dynsym: none, dynstr: none, versym: None, gnu_hash: None, hash: None, rela: none, jmprel: None }
+}
+
 /// The new .dynamic's entries: the input's, the C library's DT_NEEDED if
 /// the input had none, DT_INIT and DT_FINI if the input had none, DT_NULL.
 fn new_dynamic_count(t: &Tables) -> usize {
@@ -848,6 +933,85 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, p
     let at = text.offset.wrapping_add(text.delta);
     let wide = place_code(text, codegen::wide_stub(at, ctx.control).map_err(stub_err)?);
     Ok([init, fini, capture, plain, vectors, wide])
+}
+
+/// A static program's stubs: the init hook (the module's init stub, which
+/// continues to the original first initializer), the exit hook (which
+/// calls the runtime's exit function at `exit`), and the common ones.
+fn plan_static_stubs(
+    text: &mut Cursor,
+    ctx: &TextContext,
+    p: &crate::statics::Program,
+    exit: u64,
+) -> Result<[Code; 6]> {
+    let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
+    let at = text.offset.wrapping_add(text.delta);
+    let init = codegen::init_stub(at, ctx.control, ctx.table, layout::api::REGISTER, Some(p.init.target), None);
+    let init = place_code(text, init.map_err(stub_err)?);
+    let at = text.offset.wrapping_add(text.delta);
+    let fini = codegen::static_exit_stub(at, ctx.control, ctx.table, exit, p.fini.target).map_err(stub_err)?;
+    let fini = place_code(text, fini);
+    let at = text.offset.wrapping_add(text.delta);
+    let capture = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, true).map_err(stub_err)?);
+    let at = text.offset.wrapping_add(text.delta);
+    let plain = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, false).map_err(stub_err)?);
+    let at = text.offset.wrapping_add(text.delta);
+    let vectors = place_code(text, codegen::vector_stub(at).map_err(stub_err)?);
+    let at = text.offset.wrapping_add(text.delta);
+    let wide = place_code(text, codegen::wide_stub(at, ctx.control).map_err(stub_err)?);
+    Ok([init, fini, capture, plain, vectors, wide])
+}
+
+/// A static program's runtime, relocated for `mem.runtime`, its entry stub
+/// and thread-local image in the executable segment, and the rewritten
+/// initializer and destructor words. The runtime's file offsets are
+/// relative to its image until the caller places it.
+fn plan_static(
+    elf: &Elf,
+    text: &mut Cursor,
+    mem: &Memory,
+    p: &crate::statics::Program,
+    rt: &crate::statics::Runtime,
+    merged: crate::statics::MergedTls,
+    [init, fini]: [u64; 2],
+) -> Result<StaticPlan> {
+    use crate::statics;
+    let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
+    let base = mem.runtime;
+    let crate::statics::MergedTls { mut tls, bytes: tls_bytes, offset: tls_offset, relocated } = merged;
+    tls.vaddr = mem.tls;
+    let (bytes, mut fixups) = statics::relocate(rt, base, tls_offset, p, p.pie)?;
+    // The program's relocations of its thread-local image apply to the
+    // copy.
+    fixups.extend(relocated.iter().map(|r| mem.tls + r));
+    if p.pie {
+        // The control block's runtime slot, which holds the API table.
+        fixups.push(mem.control + u64::from(layout::control::RUNTIME));
+    }
+    let host = base + rt.host;
+    let at = text.offset.wrapping_add(text.delta);
+    let entry = place_code(text, codegen::static_entry_stub(at, host, &fixups, p.entry).map_err(stub_err)?);
+    // Placed with the read-write segment.
+    let tls_image = Region { offset: FileOffset(0), addr: Vaddr(mem.tls), size: tls_bytes.len() as u64 };
+    let mut words = vec![p.init.rewrite(init), p.fini.rewrite(fini)];
+    for &call in &p.fork_calls {
+        words.push(statics::redirect_call(elf, call, base + rt.fork_handler)?);
+    }
+    let size = rt.image_len;
+    let runtime = statics::Placed {
+        base,
+        image: Region { offset: FileOffset(0), addr: Vaddr(base), size },
+        bytes,
+        segments: statics::segments(rt, base, 0),
+        tls,
+        tls_bytes,
+        tls_phdr: p.tls.map(|(i, _)| i),
+        fixups,
+        api: base + rt.api,
+        host,
+        exit: base + rt.exit,
+    };
+    Ok(StaticPlan { runtime, entry, tls_image, words })
 }
 
 /// The extents of the file's own definitions of default entry points

@@ -157,6 +157,24 @@ impl<'a> Tables<'a> {
         })
     }
 
+    /// A static program's: none.
+    pub fn none() -> Tables<'a> {
+        Tables {
+            dynamic_addr: Vaddr(0),
+            dynamic_offset: FileOffset(0),
+            dynamic: Vec::new(),
+            dynstr: Located { addr: Vaddr(0), items: &[] },
+            dynsym: Located { addr: Vaddr(0), items: &[] },
+            insert_at: 0,
+            versym: None,
+            gnu_hash: None,
+            hash: None,
+            rela: None,
+            jmprel: None,
+            reach: 0,
+        }
+    }
+
     /// A dynamic entry's value (the last entry of the tag, as the loader
     /// reads it).
     pub fn value(&self, tag: elf::DynamicTag) -> Option<u64> {

@@ -1603,6 +1603,26 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
             code.entry(sym.value).or_insert(c);
         }
     }
+    // GOT slots that a relative relocation fills with the address of a
+    // known function the file defines (as `scan` resolves them): Rust's
+    // `__rdl_alloc` jumping to the `malloc` of a static-pie program.
+    let in_got = |a: u64| elf.sections.iter().any(|s| s.name == ".got" && s.contains(a));
+    for r in elf.dynamic_relocations() {
+        let (8, Ok(a)) = (r.r_type, u64::try_from(r.addend)) else { continue };
+        if !in_got(r.offset.0) {
+            continue;
+        }
+        match code.get(&a) {
+            Some(&c) => {
+                slots.entry(r.offset.0).or_insert(c);
+            }
+            // Any other function of the file: a call through the slot is a
+            // call of it (a wrapper of a wrapper, `__rust_alloc`).
+            None => {
+                local.entry(Target::Slot(r.offset.0)).or_insert(a);
+            }
+        }
+    }
     let mut texts = Vec::new();
     for sec in elf.sections.iter().filter(|s| s.is_exec()) {
         texts.push((sec.addr.0, sec.data));

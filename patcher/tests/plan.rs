@@ -34,6 +34,7 @@ fn opts() -> PatchOptions {
         runtime_path: "liballoctramp_rt.so".into(),
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,
+        static_runtime: None,
     }
 }
 

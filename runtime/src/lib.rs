@@ -495,39 +495,45 @@ static INIT: extern "C" fn() = {
 #[unsafe(link_section = ".fini_array")]
 static FINI: extern "C" fn() = {
     extern "C" fn run() {
-        if procfile::header().is_none() {
-            return;
-        }
-        // The mappings as they are at the end, for naming chains' frames.
-        callers::snapshot_maps();
-        PROC.with(|p| {
-            let Some(f) = p.as_mut() else { return };
-            if state::PROFILED.load(Ordering::Relaxed) {
-                if let Some(n) = registry::tracked_objects() {
-                    live::publish_objects(n);
-                }
-                f.header.exited.store(1, Ordering::Release);
-            } else {
-                f.remove();
-            }
-        });
-        // A trace under way keeps its file: the drainer reads the last
-        // events after the process is gone, and removes it, unless the
-        // process is its own drainer.
-        if drain::active() {
-            drain::finish();
-        }
-        if !trace::ON.load(Ordering::Relaxed) {
-            procfile::remove_trace_file();
-        }
-        // A process that keeps its file keeps the directory within its
-        // bound; others leave that to the watcher threads.
-        if state::PROFILED.load(Ordering::Relaxed) {
-            prune(FORKED.load(Ordering::Relaxed));
-        }
+        at_exit();
     }
     run
 };
+
+/// The runtime's work at exit (a destructor of the runtime; in a static
+/// program, a hook on the program's own destructors).
+pub fn at_exit() {
+    if procfile::header().is_none() {
+        return;
+    }
+    // The mappings as they are at the end, for naming chains' frames.
+    callers::snapshot_maps();
+    PROC.with(|p| {
+        let Some(f) = p.as_mut() else { return };
+        if state::PROFILED.load(Ordering::Relaxed) {
+            if let Some(n) = registry::tracked_objects() {
+                live::publish_objects(n);
+            }
+            f.header.exited.store(1, Ordering::Release);
+        } else {
+            f.remove();
+        }
+    });
+    // A trace under way keeps its file: the drainer reads the last
+    // events after the process is gone, and removes it, unless the
+    // process is its own drainer.
+    if drain::active() {
+        drain::finish();
+    }
+    if !trace::ON.load(Ordering::Relaxed) {
+        procfile::remove_trace_file();
+    }
+    // A process that keeps its file keeps the directory within its
+    // bound; others leave that to the watcher threads.
+    if state::PROFILED.load(Ordering::Relaxed) {
+        prune(FORKED.load(Ordering::Relaxed));
+    }
+}
 
 /// How many files of ended processes stay (`ALLOCTRAMP_KEEP`), read at
 /// start-up.

@@ -1517,6 +1517,75 @@ pub fn init_stub(
     Ok(a.assemble(at)?)
 }
 
+/// A static program's entry stub, where the patched file's entry point
+/// is: computes the load bias, adds it to each word at the link-time
+/// addresses `fixups` (the static runtime's and the control block's
+/// pointers, for a position-independent program; none otherwise), stores
+/// the entry stack pointer and the bias in the static runtime's host block
+/// (`layout::static_host`), and continues at the program's entry point
+/// with every register as the kernel left it but rax, rcx and rsi, which
+/// it zeroes as the kernel did. The runtime starts later, from the hook on
+/// the program's first initializer: the thread pointer is not set up yet.
+pub fn static_entry_stub(at: u64, host: u64, fixups: &[u64], original: u64) -> R<Vec<u8>> {
+    use crate::layout::static_host;
+    let mut a = CodeAssembler::new(64)?;
+    let (mut me, mut table, mut next, mut done) =
+        (a.create_label(), a.create_label(), a.create_label(), a.create_label());
+    a.set_label(&mut me)?;
+    a.lea(rax, qword_ptr(me))?;
+    a.mov(rcx, at)?;
+    a.sub(rax, rcx)?;
+    a.lea(rcx, qword_ptr(table))?;
+    a.set_label(&mut next)?;
+    a.mov(rsi, qword_ptr(rcx))?;
+    a.test(rsi, rsi)?;
+    a.je(done)?;
+    a.add(qword_ptr(rax + rsi), rax)?;
+    a.add(rcx, 8)?;
+    a.jmp(next)?;
+    a.set_label(&mut done)?;
+    let word = |w: usize| rip(host + 8 * w as u64);
+    a.add_instruction(Instruction::with2(Code::Mov_rm64_r64, word(static_host::START_SP), Register::RSP)?)?;
+    a.add_instruction(Instruction::with2(Code::Mov_rm64_r64, word(static_host::BIAS), Register::RAX)?)?;
+    a.xor(eax, eax)?;
+    a.xor(ecx, ecx)?;
+    a.xor(esi, esi)?;
+    a.jmp(original)?;
+    a.set_label(&mut table)?;
+    for f in fixups.iter().chain(&[0]) {
+        a.dq(&[*f])?;
+    }
+    Ok(a.assemble(at)?)
+}
+
+/// A static program's exit hook, in the slot of its last destructor
+/// (`.fini_array[0]`, which runs last): unregisters the module, calls the
+/// static runtime's exit function `exit`, then continues to `original`.
+pub fn static_exit_stub(at: u64, control: u64, table: u64, exit: u64, original: u64) -> R<Vec<u8>> {
+    let mut a = CodeAssembler::new(64)?;
+    let mut skip = a.create_label();
+    a.endbr64()?;
+    a.push(rdi)?;
+    a.push(rsi)?;
+    a.push(rdx)?;
+    a.add_instruction(Instruction::with2(
+        Code::Mov_r64_rm64,
+        Register::RAX,
+        rip(control + u64::from(control::RUNTIME)),
+    )?)?;
+    a.test(rax, rax)?;
+    a.je(skip)?;
+    a.add_instruction(Instruction::with2(Code::Lea_r64_m, Register::RDI, rip(table))?)?;
+    a.call(qword_ptr(rax + crate::layout::api::UNREGISTER))?;
+    a.call(exit)?;
+    a.set_label(&mut skip)?;
+    a.pop(rdx)?;
+    a.pop(rsi)?;
+    a.pop(rdi)?;
+    a.jmp(original)?;
+    Ok(a.assemble(at)?)
+}
+
 /// The failure path of [`init_stub`]'s load: if a variable of the
 /// environment (the stub's third argument, on top of the stack) starts
 /// with [`VARIABLE_PREFIX`], writes [`UNAVAILABLE`], `dlerror`'s text and

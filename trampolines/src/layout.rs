@@ -1456,3 +1456,38 @@ pub mod api {
 
 /// Version of the API table.
 pub const API_VERSION: u64 = 1;
+
+/// The runtime a patched static program carries (the static runtime, an
+/// object with no C library and nothing needed at load time): the symbols
+/// the patcher looks up in it and the words of its host block.
+pub mod static_host {
+    /// The static runtime's file name, next to [`RUNTIME_SONAME`](super::RUNTIME_SONAME).
+    pub const FILE_NAME: &str = "liballoctramp_rt_static.so";
+    /// The host block: [`WORDS`] u64 words, which the entry stub and the
+    /// patcher fill.
+    pub const SYMBOL: &str = "alloctramp_static_host";
+    pub const WORDS: usize = 4;
+    /// Word 0: the stack pointer at the program's entry (argc, argv, the
+    /// environment and the auxiliary vector above it), which the entry stub
+    /// stores.
+    pub const START_SP: usize = 0;
+    /// Word 1: the load bias (0 unless the program is position-independent),
+    /// which the entry stub stores.
+    pub const BIAS: usize = 1;
+    /// Word 2: the address of the program's own fork-handler registration
+    /// (`__register_atfork(prepare, parent, child, dso)`, or musl's
+    /// `pthread_atfork`), 0 if it has none; the patcher stores it.
+    pub const ATFORK: usize = 2;
+    /// Word 3: the C library's first real-time signal number (34 for
+    /// glibc, 35 for musl); the patcher stores it.
+    pub const SIGRTMIN: usize = 3;
+    /// `extern "C" fn()`: the runtime's work at exit, which the hook on the
+    /// program's last destructor calls.
+    pub const EXIT_SYMBOL: &str = "alloctramp_static_exit";
+    /// `extern "C" fn(who: i32)`: runs the fork handlers the runtime
+    /// registered (who < 0: before the fork; 0: in the parent; 1: in the
+    /// child), where a program has no registration function (musl without
+    /// `pthread_atfork`): the patcher points `fork`'s calls of the C
+    /// library's empty `__fork_handler` at it.
+    pub const FORK_HANDLER_SYMBOL: &str = "alloctramp_static_fork_handler";
+}

@@ -20,6 +20,9 @@ pub(super) fn elf_header(elf: &Elf, plan: &Plan) -> Vec<u8> {
     h[32..40].copy_from_slice(&plan.phdrs.offset.0.to_le_bytes());
     h[40..48].copy_from_slice(&plan.shdrs.offset.0.to_le_bytes());
     h[56..58].copy_from_slice(&(plan.phnum as u16).to_le_bytes());
+    if let Some(s) = &plan.statics {
+        h[24..32].copy_from_slice(&s.entry.addr.0.to_le_bytes());
+    }
     h[60..62].copy_from_slice(&(plan.shnum as u16).to_le_bytes());
     h
 }
@@ -56,21 +59,36 @@ pub(super) fn program_headers(elf: &Elf, plan: &Plan) -> Vec<u8> {
         let t = p.p_type(e);
         if t == elf::PT_PHDR {
             p = phdr(elf::PT_PHDR, elf::PF_R.0, plan.phdrs, 8);
-        } else if t == elf::PT_DYNAMIC {
+        } else if t == elf::PT_DYNAMIC && plan.statics.is_none() {
             p = phdr(elf::PT_DYNAMIC, elf::PF_R.0 | elf::PF_W.0, plan.dynamic, 8);
         } else if let (elf::PT_GNU_EH_FRAME, Some(eh)) = (t, &plan.eh_frame) {
             p = phdr(elf::PT_GNU_EH_FRAME, elf::PF_R.0, eh.hdr, 4);
+        } else if let (elf::PT_TLS, Some(s)) = (t, &plan.statics) {
+            p = tls(s);
         } else if p.p_filesz(e) > 0 || p.p_offset(e) > 0 {
             p.p_offset.set(e, p.p_offset(e) + plan.shift);
         }
         out.extend_from_slice(bytes_of(&p));
         if Some(i) == last_load {
-            for s in &plan.segments {
+            for s in plan.segments.iter().chain(plan.statics.iter().flat_map(|s| &s.runtime.segments)) {
                 out.extend_from_slice(bytes_of(&load(elf::PT_LOAD, s)));
             }
         }
     }
+    if let Some(s) = plan.statics.as_ref().filter(|s| s.runtime.tls_phdr.is_none()) {
+        out.extend_from_slice(bytes_of(&tls(s)));
+    }
     out
+}
+
+/// A static program's PT_TLS: the runtime's block in front of the
+/// program's (`statics::merge_tls`).
+fn tls(s: &crate::plan::StaticPlan) -> Phdr {
+    let t = &s.runtime.tls;
+    let r = Region { size: t.filesz, ..s.tls_image };
+    let mut p = phdr(elf::PT_TLS, elf::PF_R.0, r, t.align);
+    p.p_memsz.set(LE, t.memsz);
+    p
 }
 
 /// What follows the original file: the section name table, then the

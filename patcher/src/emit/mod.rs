@@ -19,6 +19,8 @@ mod text;
 use crate::Analysis;
 use crate::elf::Elf;
 use crate::plan::{Plan, Region};
+use alloctramp_trampolines::addr::{FileOffset, Vaddr};
+use alloctramp_trampolines::layout;
 
 /// The patched file: `head`, the original with `fixups` applied (offset in
 /// the original, new bytes), `tail`.
@@ -53,10 +55,26 @@ pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
     head.put(plan.ehdr, &headers::elf_header(elf, plan));
     head.put(plan.phdrs, &headers::program_headers(elf, plan));
     head.put(plan.site_table, &sites::table(elf, a, plan));
-    dynamic::emit(&mut head, plan, &follow);
+    let mut fixups = follow.symtab_fixups(elf);
+    match &plan.statics {
+        None => dynamic::emit(&mut head, plan, &follow),
+        Some(s) => {
+            // The runtime, and its API table in the control block's slot,
+            // where a dynamic linker would have put it.
+            head.put(s.runtime.image, &s.runtime.bytes);
+            head.put(s.tls_image, &s.runtime.tls_bytes);
+            let slot = Region {
+                offset: FileOffset(plan.control.offset.0 + u64::from(layout::control::RUNTIME)),
+                addr: Vaddr(plan.control.addr.0 + u64::from(layout::control::RUNTIME)),
+                size: 8,
+            };
+            head.put(slot, &s.runtime.api.to_le_bytes());
+            fixups.extend(s.words.iter().copied());
+        }
+    }
     head.put(plan.text, &text::text(plan));
     if let Some(eh) = &plan.eh_frame {
         head.put(eh.region, &eh.bytes);
     }
-    Emitted { head: head.0, fixups: follow.symtab_fixups(elf), tail: headers::tail(elf, plan) }
+    Emitted { head: head.0, fixups, tail: headers::tail(elf, plan) }
 }

@@ -28,7 +28,9 @@ impl Follow {
             .filter(|r| r.old_addr != r.to.addr)
             .map(|r| (r.section, r.old_addr.0, r.to.addr.0, r.table == Table::EhFrameHdr))
             .collect();
-        Follow { old_dynamic: plan.tables.dynamic_addr.0, new_dynamic: plan.dynamic, moved }
+        // A static program's .dynamic (a position-independent one's) stays.
+        let old_dynamic = if plan.statics.is_some() { u64::MAX } else { plan.tables.dynamic_addr.0 };
+        Follow { old_dynamic, new_dynamic: plan.dynamic, moved }
     }
 
     /// The new value and, for `_DYNAMIC` with a size, the new size.

@@ -1,5 +1,6 @@
-//! .alloctramp.text: the init, fini, capture (two), vector and wide-size stubs, then every patched site's
-//! trampoline, each 16-byte aligned, with `int3` between them.
+//! .alloctramp.text: the init, fini, capture (two), vector and wide-size stubs, a static program's
+//! entry stub and thread-local image, then every patched site's trampoline, each 16-byte aligned,
+//! with `int3` between them.
 
 use crate::plan::Plan;
 
@@ -7,6 +8,7 @@ pub(super) fn text(plan: &Plan) -> Vec<u8> {
     let mut text = vec![0xcc; plan.text.size as usize];
     let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors, &plan.wide]
         .into_iter()
+        .chain(plan.statics.iter().map(|s| &s.entry))
         .chain(plan.sites.iter().filter_map(|s| s.trampoline().map(|t| &t.code)));
     for code in codes {
         let at = (code.offset.0 - plan.text.offset.0) as usize;

@@ -1,0 +1,213 @@
+//! Static programs (glibc `-static`, musl `-static`, `-static-pie`): the
+//! patched file carries the static runtime. testbins/static/exact.c is
+//! built each way and patched with no option: it prints what it printed
+//! before, off and on; on from start or switched on while it waits, every
+//! marked site counts exactly (calls, bytes, live objects and bytes, with
+//! objects of four threads freed by the main thread); the child it forks
+//! counts into a file of its own, never into its parent's.
+
+use crate::patch::patch_to;
+use crate::runtime::{counters_dir, report};
+use crate::util::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+const SRC: &str = "static/exact.c";
+
+/// (line, entry) -> (calls, bytes, live objects and bytes; None for frees).
+type Rows = BTreeMap<(u32, String), (u64, u64, Option<(u64, u64)>)>;
+
+fn marks() -> Rows {
+    site_marks(SRC).into_iter().map(|m| ((m.line, m.entry), (m.calls, m.bytes, m.live))).collect()
+}
+
+fn rows(doc: &Value) -> Rows {
+    let mut m = Rows::new();
+    for s in doc["sites"].as_array().unwrap() {
+        if !s["file"].as_str().is_some_and(|f| f.ends_with(SRC)) {
+            continue;
+        }
+        let n = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k} of {s}"));
+        let key = (n("line") as u32, s["entry"].as_str().unwrap().to_string());
+        let row = if s["kind"] == "free" {
+            (n("calls"), 0, None)
+        } else {
+            (n("calls"), n("bytes"), Some((n("live_calls"), n("live_bytes"))))
+        };
+        assert!(m.insert(key, row).is_none(), "one row per line: {s}");
+    }
+    m
+}
+
+/// The line of the site only the forked child reaches.
+fn child_line() -> u32 {
+    let text = std::fs::read_to_string(testbins_dir().join(SRC)).unwrap();
+    text.lines().position(|l| l.contains("@site malloc calls=0")).unwrap() as u32 + 1
+}
+
+/// Builds testbins/static/exact.c with `cc` and `flags`, and patches it.
+fn build(name: &str, cc: &str, flags: &str) -> (PathBuf, PathBuf) {
+    let dir = scratch(&format!("static-{name}"));
+    let src = testbins_dir().join(SRC);
+    let bin = dir.join("exact");
+    let cmd = format!("{cc} -g -O1 {flags} -Wall -Werror -pthread {} -o {}", src.display(), bin.display());
+    let o = Command::new("sh").arg("-c").arg(&cmd).output().unwrap();
+    assert!(o.status.success(), "{cmd}: {}", String::from_utf8_lossy(&o.stderr));
+    let patched = dir.join("patched");
+    patch_to(&bin, &patched, &[]);
+    (bin, patched)
+}
+
+/// The counters files in `dir`, by process id.
+fn files(dir: &Path) -> BTreeMap<u32, PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "counters"))
+        .map(|p| (p.file_stem().unwrap().to_string_lossy().parse().unwrap(), p))
+        .collect()
+}
+
+/// The parent's and the child's figures: the parent's are the markers',
+/// the child's are its five objects at its own site and nothing else.
+fn check(counters: &Path, parent: u32, how: &str) {
+    let files = files(counters);
+    assert_eq!(files.len(), 2, "{how}: the parent's file and the forked child's: {files:?}");
+    let doc = report(files[&parent].to_str().unwrap(), counters);
+    assert_eq!(rows(&doc), marks(), "{how}: (line, entry) -> (calls, bytes, live)");
+    let (&child, file) = files.iter().find(|(p, _)| **p != parent).unwrap();
+    let doc = report(file.to_str().unwrap(), counters);
+    let counted: Rows = rows(&doc).into_iter().filter(|(_, r)| r.0 != 0).collect();
+    let want = Rows::from([((child_line(), "malloc".to_string()), (5, 200, Some((5, 200))))]);
+    assert_eq!(counted, want, "{how}: child {child}'s own figures");
+}
+
+fn exact(name: &str, cc: &str, flags: &str) {
+    let (bin, patched) = build(name, cc, flags);
+    let plain = Command::new(&bin).output().unwrap();
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    // Off, then on from start.
+    for on in [false, true] {
+        let counters = counters_dir(&format!("static-{name}-{on}"));
+        let mut c = Command::new(&patched);
+        c.env("ALLOCTRAMP_DIR", &counters);
+        if on {
+            c.env("ALLOCTRAMP", "on");
+        }
+        let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let pid = child.id();
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(0), "on {on}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(o.stdout, plain.stdout, "on {on}: the same output");
+        assert_eq!(String::from_utf8_lossy(&o.stderr), "", "on {on}: nothing on stderr");
+        if on {
+            check(&counters, pid, "on from start");
+        } else {
+            // (The child leaves its empty file, as a dynamic program's
+            // does: it ends with _exit.)
+            assert!(!files(&counters).contains_key(&pid), "a process never profiled leaves no file");
+        }
+    }
+    // Switched on while it waits, by `alloctramp enable`.
+    let counters = counters_dir(&format!("static-{name}-enabled"));
+    let mut child = Command::new(&patched)
+        .arg("wait")
+        .env("ALLOCTRAMP_DIR", &counters)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let o = alloctramp().args(["enable", &pid.to_string(), "--dir"]).arg(&counters).output().unwrap();
+    assert!(o.status.success(), "enable: {}", String::from_utf8_lossy(&o.stderr));
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    assert_eq!(format!("{line}{rest}").as_bytes(), [b"ready\n".as_slice(), &plain.stdout].concat());
+    check(&counters, pid, "switched on while running");
+}
+
+#[test]
+fn a_glibc_static_program_counts_exactly() {
+    exact("glibc", "gcc", "-static");
+}
+
+#[test]
+fn a_musl_static_program_counts_exactly() {
+    ensure_tool("musl-gcc", "musl-tools");
+    exact("musl", "musl-gcc", "-static");
+}
+
+#[test]
+fn a_glibc_static_pie_program_counts_exactly() {
+    exact("glibc-pie", "gcc", "-static-pie");
+}
+
+/// Packed relative relocations (`-z pack-relative-relocs`, DT_RELR) fill
+/// words of the thread-local image too: they apply to the merged copy.
+#[test]
+fn a_glibc_static_pie_program_with_packed_relocations_counts_exactly() {
+    exact("glibc-pie-relr", "gcc", "-static-pie -Wl,-z,pack-relative-relocs");
+}
+
+/// Calls and bytes of the rows whose function is `name`, summed.
+fn by_function(doc: &Value, name: &str) -> (u64, u64, u64) {
+    let mut t = (0, 0, 0);
+    for s in doc["sites"].as_array().unwrap().iter().filter(|s| s["function"] == name && s["kind"] != "free") {
+        t.0 += s["calls"].as_u64().unwrap();
+        t.1 += s["bytes"].as_u64().unwrap();
+        t.2 += s["live_calls"].as_u64().unwrap();
+    }
+    t
+}
+
+/// A static Rust program (glibc, static-pie): the same output off and on,
+/// and exact figures. `churn`'s vectors are charged to it, through
+/// `__rust_alloc` and `__rdl_alloc` (whose `malloc` is the file's own, in a
+/// GOT slot a relative relocation fills); `keep`'s boxes are allocated
+/// through a register loaded once from the GOT, a call no site sees, and
+/// count at `__rust_alloc`'s own site.
+#[test]
+fn a_static_rust_program_counts_exactly() {
+    let dir = scratch("static-rust");
+    let bin = dir.join("exact");
+    let src = testbins_dir().join("static/exact.rs");
+    let o = Command::new("rustc")
+        .args(["-O", "-g", "-C", "target-feature=+crt-static", "--edition", "2021"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&bin)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "rustc: {}", String::from_utf8_lossy(&o.stderr));
+    let patched = dir.join("patched");
+    patch_to(&bin, &patched, &[]);
+    let plain = Command::new(&bin).output().unwrap();
+    assert!(plain.status.success());
+    let counters = counters_dir("static-rust");
+    for on in [false, true] {
+        let mut c = Command::new(&patched);
+        c.env("ALLOCTRAMP_DIR", &counters);
+        if on {
+            c.env("ALLOCTRAMP", "on");
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "on {on}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(o.stdout, plain.stdout, "on {on}: the same output");
+        assert_eq!(String::from_utf8_lossy(&o.stderr), "", "on {on}: nothing on stderr");
+    }
+    let files = files(&counters);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let doc = report(files.values().next().unwrap().to_str().unwrap(), &counters);
+    assert_eq!(by_function(&doc, "exact::churn"), (500, 500 * 24, 0), "churn's vectors");
+    assert_eq!(by_function(&doc, "exact::keep"), (5, 8 * (1000 + 250 + 251 + 252 + 253), 0), "keep's vectors");
+    assert_eq!(by_function(&doc, "__rustc::__rust_alloc"), (2006, 2006 * 40, 0), "keep's boxes");
+}
