@@ -211,3 +211,23 @@ fn a_static_rust_program_counts_exactly() {
     assert_eq!(by_function(&doc, "exact::keep"), (5, 8 * (1000 + 250 + 251 + 252 + 253), 0), "keep's vectors");
     assert_eq!(by_function(&doc, "__rustc::__rust_alloc"), (2006, 2006 * 40, 0), "keep's boxes");
 }
+
+/// A program linked dynamically with musl would get glibc's runtime
+/// library loaded into it (and crash): it is refused, with one line and
+/// no output.
+#[test]
+fn a_program_linked_dynamically_with_musl_is_refused() {
+    ensure_tool("musl-gcc", "musl-tools");
+    let dir = scratch("static-musl-dynamic");
+    let bin = dir.join("exact");
+    let src = testbins_dir().join(SRC);
+    let o = Command::new("musl-gcc").args(["-O1", "-pthread"]).arg(&src).arg("-o").arg(&bin).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.join("patched");
+    let o = alloctramp().arg("patch").arg(&bin).arg("-o").arg(&out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("linked dynamically with musl"), "{stderr}");
+    assert!(!out.exists());
+}

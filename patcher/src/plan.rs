@@ -483,6 +483,19 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         Some(dyn_ph) if !statik => Tables::read(elf, dyn_ph)?,
         _ => Tables::none(),
     };
+    // The runtime library is glibc's: a module of a musl process (musl's
+    // C library is `libc.so`, its dynamic linker `ld-musl-*`) would load
+    // glibc's into it.
+    let interp = elf.file.elf_program_headers().iter().find(|p| p.p_type(LE) == elf::PT_INTERP).and_then(|p| {
+        let at = p.p_offset(LE) as usize;
+        elf.data.get(at..at.checked_add(p.p_filesz(LE) as usize)?)
+    });
+    if tables.needs("libc.so") || interp.is_some_and(|i| i.windows(7).any(|w| w == b"ld-musl")) {
+        return Err(refuse(
+            "linked dynamically with musl: the runtime library is built for glibc (a program linked statically \
+             with musl, -static, carries a runtime of its own)",
+        ));
+    }
     let static_input = match (statik, opts.static_runtime.as_deref()) {
         (false, _) => None,
         (true, None) => {

@@ -274,17 +274,20 @@ fn resolve_targets(elf: &Elf, entries: &[EntryPoint], slots: &[(u64, usize)]) ->
         }
     }
 
-    // Definitions in this file.
-    for dynamic in [false, true] {
-        for sym in elf.symbols(dynamic) {
-            if !sym.defined || !sym.is_func {
-                continue;
-            }
-            if let Some(&i) = by_name.get(sym.name)
-                && elf.section_at(sym.value).is_some_and(|s| s.is_exec())
-            {
-                t.code.entry(sym.value).or_insert((i, Via::Direct));
-                found[i] = true;
+    // Definitions in this file; a C library's internal names
+    // (`__libc_malloc`) only where no other entry's name is at the address.
+    for aliases in [false, true] {
+        for dynamic in [false, true] {
+            for sym in elf.symbols(dynamic) {
+                if !sym.defined || !sym.is_func || alloctramp_trampolines::entry::is_alias_name(sym.name) != aliases {
+                    continue;
+                }
+                if let Some(&i) = by_name.get(sym.name)
+                    && elf.section_at(sym.value).is_some_and(|s| s.is_exec())
+                {
+                    t.code.entry(sym.value).or_insert((i, Via::Direct));
+                    found[i] = true;
+                }
             }
         }
     }

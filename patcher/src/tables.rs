@@ -184,11 +184,17 @@ impl<'a> Tables<'a> {
     /// Whether a DT_NEEDED entry names the C library
     /// ([`layout::LIBC_SONAME`]).
     pub fn needs_libc(&self) -> bool {
+        self.needs(layout::LIBC_SONAME)
+    }
+
+    /// Whether a DT_NEEDED entry names `soname`.
+    pub fn needs(&self, soname: &str) -> bool {
         self.dynamic.iter().any(|&(tag, val)| {
             tag == elf::DT_NEEDED.0
-                && usize::try_from(val).ok().and_then(|v| self.dynstr.items.get(v..)).is_some_and(|s| {
-                    s.starts_with(layout::LIBC_SONAME.as_bytes()) && s.get(layout::LIBC_SONAME.len()) == Some(&0)
-                })
+                && usize::try_from(val)
+                    .ok()
+                    .and_then(|v| self.dynstr.items.get(v..))
+                    .is_some_and(|s| s.starts_with(soname.as_bytes()) && s.get(soname.len()) == Some(&0))
         })
     }
 

@@ -177,6 +177,13 @@ pub fn defaults() -> Vec<EntryPoint> {
     out
 }
 
+/// Whether an entry name is a C library's internal name for a standard
+/// function (`__libc_malloc`): where the standard name is at the same
+/// address, sites name the standard one.
+pub fn is_alias_name(name: &str) -> bool {
+    name.starts_with("__libc_")
+}
+
 /// CPython's allocator API. Each function calls its allocator through a
 /// slot of a table in data (`_PyObject.free(_PyObject.ctx, p)`), which
 /// `PyMem_SetAllocator` may change, and `PyObject_Free` is also reached
@@ -262,6 +269,14 @@ fn process_malloc() -> Vec<EntryPoint> {
         ("strndup", Signature::alloc(ResultStrlen), 2),
         ("free_sized", Signature::free(0), 2),
         ("free_aligned_sized", Signature::free(0), 3),
+        // The C libraries' internal names (musl's `__libc_malloc` is a
+        // function of its own beside `malloc`; glibc's are aliases, which
+        // a site names by the standard name: see [`is_alias_name`]).
+        ("__libc_malloc", Signature::alloc(A0), 1),
+        ("__libc_calloc", Signature::alloc(Product(0, 1)), 2),
+        ("__libc_realloc", Signature::realloc(0, Arg(1)), 2),
+        ("__libc_free", Signature::free(0), 1),
+        ("__libc_memalign", Signature::alloc(Arg(1)), 2),
     ];
     let mut out: Vec<EntryPoint> = c
         .iter()
@@ -590,11 +605,11 @@ mod tests {
                 Target::Address(_) => unreachable!(),
             })
             .collect();
-        // 14 C functions, 8 new, 2 * (2*2*2 - 2) = 12 delete, then the
-        // other allocators' APIs and CPython's.
-        assert_eq!(d.len(), 14 + 8 + 12 + allocator_apis().len() + python_api().len());
-        assert!(d[..34].iter().all(|e| e.heap == Heap::Malloc));
-        assert!(d[34..].iter().all(|e| e.heap == Heap::Other));
+        // 14 C functions and 5 internal names, 8 new, 2 * (2*2*2 - 2) = 12
+        // delete, then the other allocators' APIs and CPython's.
+        assert_eq!(d.len(), 19 + 8 + 12 + allocator_apis().len() + python_api().len());
+        assert!(d[..39].iter().all(|e| e.heap == Heap::Malloc));
+        assert!(d[39..].iter().all(|e| e.heap == Heap::Other));
         let mut unique = names.clone();
         unique.sort();
         unique.dedup();
