@@ -525,7 +525,9 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         Some((p, rt)) => Some(crate::statics::merge_tls(elf, p, rt)?),
         None => None,
     };
-    let tls_size = merged.as_ref().map_or(0, |m| m.bytes.len() as u64);
+    // (The image at an address of its own alignment: musl pads the block
+    // by the image's address.)
+    let tls_size = merged.as_ref().map_or((0, 64), |m| (m.bytes.len() as u64, m.tls.align.max(64)));
     let mem = Memory::new(ro.end_addr(), dyn_count, a.scan.sites.len(), layout::shard::COUNT, gap, tls_size)?;
     // File order: read-only, executable, read-write, each from a page.
     let text_start = align(ro.size, PAGE);
@@ -688,9 +690,10 @@ impl ReadOnly {
 /// then the executable one above the counters.
 struct Memory {
     rw: u64,
-    /// A static program's thread-local image, after the control block.
+    /// A static program's thread-local image, after the control block, and
+    /// its size and alignment.
     tls: u64,
-    tls_size: u64,
+    tls_size: (u64, u64),
     /// Where a static program's runtime's address 0 goes (0: none).
     runtime: u64,
     dyn_count: usize,
@@ -702,11 +705,18 @@ struct Memory {
 }
 
 impl Memory {
-    fn new(ro_end: u64, dyn_count: usize, n_sites: usize, shards: u32, gap: u64, tls_size: u64) -> Result<Memory> {
+    fn new(
+        ro_end: u64,
+        dyn_count: usize,
+        n_sites: usize,
+        shards: u32,
+        gap: u64,
+        tls_size: (u64, u64),
+    ) -> Result<Memory> {
         let rw = align(ro_end, PAGE);
         let control = align(rw + dyn_count as u64 * 16, 64);
-        let tls = align(control + layout::CONTROL_SIZE as u64, 64);
-        let counters = align(tls + tls_size, PAGE);
+        let tls = align(control + layout::CONTROL_SIZE as u64, tls_size.1);
+        let counters = align(tls + tls_size.0, PAGE);
         let stride = align(n_sites.max(1) as u64 * layout::CELL_SIZE as u64, PAGE);
         if stride > i32::MAX as u64 {
             return Err(refuse(format!("{n_sites} sites: too many for one module")));
@@ -732,7 +742,7 @@ impl ReadWrite {
         let mut rw = Cursor { offset: start, delta: mem.rw.wrapping_sub(start) };
         let dynamic = rw.place(mem.dyn_count as u64 * 16, 8);
         let control = rw.place(layout::CONTROL_SIZE as u64, 64);
-        let tls = rw.place(mem.tls_size, 64);
+        let tls = rw.place(mem.tls_size.0, mem.tls_size.1);
         debug_assert_eq!((dynamic.addr.0, control.addr.0, tls.addr.0), (mem.rw, mem.control, mem.tls));
         // The counters' nominal file offset (they have no bytes) stays
         // before the original file too, so no original segment seems to
@@ -1007,9 +1017,8 @@ fn plan_static(
     // Placed with the read-write segment.
     let tls_image = Region { offset: FileOffset(0), addr: Vaddr(mem.tls), size: tls_bytes.len() as u64 };
     let mut words = vec![p.init.rewrite(init), p.fini.rewrite(fini)];
-    for &call in &p.fork_calls {
-        words.push(statics::redirect_call(elf, call, base + rt.fork_handler)?);
-    }
+    let calls = p.fork_calls.iter().map(|&call| statics::redirect_call(elf, call, base + rt.fork_handler));
+    words.extend(statics::words_of(elf, calls.collect::<Result<Vec<_>>>()?));
     let size = rt.image_len;
     let runtime = statics::Placed {
         base,

@@ -72,12 +72,20 @@ pub struct Program {
     pub sigrtmin: u64,
     /// Position-independent (`-static-pie`).
     pub pie: bool,
+    /// The program's unwinder functions the runtime's personality routine
+    /// calls ([`UNWINDER`]; 0: not linked, and then nothing unwinds).
+    pub unwinder: [u64; 4],
     /// Without a registration function (musl without `pthread_atfork`):
     /// `fork`'s calls of the empty `__fork_handler` (see
     /// [`fork_handler_calls`]), which the patched file points at the
     /// runtime's fork handler.
     pub fork_calls: Vec<u64>,
 }
+
+/// The unwinder's functions the runtime's personality routine calls, in
+/// the order of their host-block words (`static_host::UNWINDER`).
+pub const UNWINDER: [&str; 4] =
+    ["_Unwind_GetLanguageSpecificData", "_Unwind_GetIP", "_Unwind_GetRegionStart", "_Unwind_GetCFA"];
 
 fn refuse(what: impl Into<String>) -> Error {
     Error::new(ErrorKind::Unsupported, Location::None, what)
@@ -92,10 +100,13 @@ pub fn is_static(elf: &Elf) -> bool {
     if phdrs.iter().any(|p| p.p_type(e) == elf::PT_INTERP) {
         return false;
     }
+    let exec = elf.file.elf_header().e_type.get(e) == elf::ET_EXEC;
     if !phdrs.iter().any(|p| p.p_type(e) == elf::PT_DYNAMIC) {
-        return elf.file.elf_header().e_type.get(e) == elf::ET_EXEC;
+        return exec;
     }
-    is_static_pie(elf)
+    // (An executable with a dynamic table and nothing to load: `-static
+    // -rdynamic`.)
+    is_static_pie(elf) || exec && dynamic_value(elf, elf::DT_NEEDED.0).is_none()
 }
 
 /// A dynamic entry's value.
@@ -190,7 +201,9 @@ impl Program {
         );
         if let Some((i, t)) = tls
             && (!t.align.is_power_of_two()
+                || t.align > 1 << 20
                 || t.filesz > t.memsz
+                || t.memsz > 1 << 40
                 || elf.bytes_at(t.vaddr, t.filesz as usize).is_none() && t.filesz > 0)
         {
             let phoff = elf.file.elf_header().e_phoff.get(e);
@@ -207,6 +220,13 @@ impl Program {
             let syms = elf.symbols(false);
             names.iter().find_map(|n| syms.iter().find(|s| s.defined && s.is_func && s.name == *n)).map(|s| s.value)
         };
+        // The C library's functions the runtime needs are found by name.
+        if elf.symbols(false).is_empty() {
+            return Err(refuse(
+                "a static program without a symbol table (.symtab): its allocator and its C library's fork \
+                 handling cannot be found",
+            ));
+        }
         let musl = symbol(&["__init_libc"]).is_some();
         let atfork = symbol(&["__register_atfork", "pthread_atfork"]).unwrap_or(0);
         let fork_calls = match (
@@ -228,6 +248,7 @@ impl Program {
             atfork,
             sigrtmin: if musl { 35 } else { 34 },
             fork_calls,
+            unwinder: UNWINDER.map(|n| symbol(&[n]).unwrap_or(0)),
         })
     }
 }
@@ -256,19 +277,44 @@ fn fork_handler_calls(elf: &Elf, handler: u64) -> Result<Vec<u64>> {
     }
 }
 
-/// The 8 bytes at `at` with the call there pointed at `target` (a word
-/// of the input's to rewrite: offset, bytes).
-pub fn redirect_call(elf: &Elf, at: u64, target: u64) -> Result<(u64, [u8; 8])> {
+/// The `call rel32` at `at` pointed at `target`: its file offset and new
+/// bytes.
+pub fn redirect_call(elf: &Elf, at: u64, target: u64) -> Result<(u64, [u8; 5])> {
     let bad = || Error::new(ErrorKind::Malformed, Location::Vaddr(Vaddr(at)), "a call to redirect is not in the file");
     let offset = elf.offset_of(Vaddr(at)).ok_or_else(bad)?;
-    let old = elf.data.get(offset.0 as usize..offset.0 as usize + 8).ok_or_else(bad)?;
-    let rel = i32::try_from(target.wrapping_sub(at + 5) as i64).map_err(|_| {
+    let rel = i32::try_from(target.wrapping_sub(at.wrapping_add(5)) as i64).map_err(|_| {
         Error::new(ErrorKind::Unsupported, Location::Vaddr(Vaddr(at)), "the runtime is out of a call's reach")
     })?;
-    let mut w = [0u8; 8];
-    w.copy_from_slice(old);
-    w[1..5].copy_from_slice(&rel.to_le_bytes());
+    let mut w = [0xe8; 5];
+    w[1..].copy_from_slice(&rel.to_le_bytes());
     Ok((offset.0, w))
+}
+
+/// Byte edits of the input as the words the writer takes (offset, 8
+/// bytes, no two overlapping): each word from an edit's start, with the
+/// input's bytes where nothing is edited.
+pub fn words_of(elf: &Elf, edits: Vec<(u64, [u8; 5])>) -> Vec<(u64, [u8; 8])> {
+    let mut bytes = std::collections::BTreeMap::new();
+    for (at, b) in edits {
+        for (i, &x) in b.iter().enumerate() {
+            bytes.insert(at.saturating_add(i as u64), x);
+        }
+    }
+    let mut out = Vec::new();
+    let mut next = 0;
+    for &at in bytes.keys() {
+        if at < next {
+            continue;
+        }
+        let mut w = [0u8; 8];
+        for (i, x) in w.iter_mut().enumerate() {
+            let o = at.saturating_add(i as u64);
+            *x = bytes.get(&o).copied().or_else(|| elf.data.get(o as usize).copied()).unwrap_or(0);
+        }
+        out.push((at, w));
+        next = at.saturating_add(8);
+    }
+    out
 }
 
 /// The static runtime, checked.
@@ -426,32 +472,45 @@ pub fn merge_tls(elf: &Elf, program: &Program, rt: &Runtime) -> Result<MergedTls
             Ok(MergedTls { tls, bytes: rt_image.to_vec(), offset, relocated: Vec::new() })
         }
         Some((_, p)) => {
+            // `k`: a multiple of both alignments, so the program's block
+            // keeps its alignment and every offset, and the runtime's
+            // starts aligned (`Program::read` bounds the sizes).
             let old = align(p.memsz, p.align);
-            let k = align(old + r.memsz, r.align) - old;
-            if !k.is_multiple_of(p.align) {
-                return Err(refuse(format!(
-                    "the program's thread-local block (align {:#x}) cannot take the runtime's in front",
-                    p.align
-                )));
-            }
+            let k = align(old + r.memsz, p.align.max(r.align)) - old;
             let image = elf.bytes_at(p.vaddr, p.filesz as usize).unwrap_or_default();
             let mut bytes = rt_image.to_vec();
             bytes.resize(k as usize, 0);
             bytes.extend_from_slice(image);
             let mut relocated = Vec::new();
             if program.pie {
-                let inside = |at: u64| at >= p.vaddr && at + 8 <= p.vaddr + p.filesz;
+                // The word's offset in the merged image, if the program's
+                // image holds all of it.
+                let inside = |at: u64| {
+                    at.checked_sub(p.vaddr).filter(|&d| d.checked_add(8).is_some_and(|e| e <= p.filesz)).map(|d| k + d)
+                };
                 for (at, (_, addend)) in relative_addends(elf) {
-                    if inside(at) {
-                        let o = k + at - p.vaddr;
-                        bytes[o as usize..o as usize + 8].copy_from_slice(&addend.to_le_bytes());
+                    if let Some(o) = inside(at)
+                        && let Some(w) = bytes.get_mut(o as usize..o as usize + 8)
+                    {
+                        w.copy_from_slice(&addend.to_le_bytes());
                         relocated.push(o);
                     }
                 }
                 // (Packed ones' addends are the words themselves, copied.)
-                relocated.extend(packed_relative(elf).into_iter().filter(|&at| inside(at)).map(|at| k + at - p.vaddr));
+                relocated.extend(packed_relative(elf).into_iter().filter_map(inside));
                 relocated.sort_unstable();
                 relocated.dedup();
+                // Any other relocation of the image (IRELATIVE, symbolic)
+                // would apply to the original only.
+                if let Some(r) =
+                    elf.dynamic_relocations().iter().find(|r| r.r_type != 8 && inside(r.offset.0).is_some())
+                {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        Location::Vaddr(r.offset),
+                        format!("a relocation of type {} in the thread-local image: not supported", r.r_type),
+                    ));
+                }
             }
             let tls = Tls { vaddr: 0, filesz: k + p.filesz, memsz: k + p.memsz, align: p.align };
             Ok(MergedTls { tls, bytes, offset: -((old + k) as i64), relocated })
@@ -476,6 +535,12 @@ pub fn relocate(rt: &Runtime, base: u64, tls_offset: i64, program: &Program, pie
         }
         Ok(())
     };
+    // The runtime's thread-local image is copied as it is in the file.
+    if let Some(t) = rt.tls
+        && rt.relocations.iter().any(|r| r.offset >= t.vaddr && r.offset < t.vaddr + t.filesz)
+    {
+        return Err(bad_runtime("a relocation in its thread-local image"));
+    }
     for r in &rt.relocations {
         let a = r.addend as u64;
         // A symbol's value: None for no symbol (index 0), Some(None) for an
@@ -507,6 +572,9 @@ pub fn relocate(rt: &Runtime, base: u64, tls_offset: i64, program: &Program, pie
     let word = |w: usize| rt.host + 8 * w as u64;
     put(&mut image, word(static_host::ATFORK), program.atfork, program.atfork != 0)?;
     put(&mut image, word(static_host::SIGRTMIN), program.sigrtmin, false)?;
+    for (k, &f) in program.unwinder.iter().enumerate() {
+        put(&mut image, word(static_host::UNWINDER + k), f, f != 0)?;
+    }
     Ok((image, fixups))
 }
 

@@ -10,9 +10,13 @@
  * four threads each keep 1,000 objects, of which the main thread frees
  * every other one (frees from another thread); a forked child allocates
  * five objects and exits (counted in its own file, never in its
- * parent's); then one object stays live at exit.
+ * parent's); then one object stays live at exit. Thread-local variables
+ * (one aligned to 128 bytes, one initialized with an address) must keep
+ * their places and values in every thread: the runtime's block goes in
+ * front of the program's.
  */
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,10 +28,24 @@
 
 static void *kept[THREADS][PER];
 static volatile unsigned long checksum;
+static _Thread_local _Alignas(128) unsigned char tls_block[200];
+static _Thread_local const char *tls_name = "thread";
+static int tls_ok[THREADS + 1];
+
+/* Whether this thread's thread-local variables are where and what they
+ * should be. */
+static int tls_check(int t)
+{
+    int ok = (uintptr_t)tls_block % 128 == 0 && tls_block[t] == 0 && strcmp(tls_name, "thread") == 0;
+    tls_block[t] = (unsigned char)(t + 1);
+    tls_name = "used";
+    return ok && tls_block[t] == t + 1 && tls_name[0] == 'u';
+}
 
 static void *worker(void *arg)
 {
     long t = (long)arg;
+    tls_ok[t] = tls_check((int)t);
     for (int i = 0; i < PER; i++) {
         char *p = malloc(24 + (size_t)t); /* @site malloc calls=4000 bytes=102000 live=2000,51000 */
         if (p == NULL)
@@ -67,6 +85,10 @@ int main(int argc, char **argv)
             return 1;
     for (int t = 0; t < THREADS; t++)
         pthread_join(threads[t], NULL);
+    tls_ok[THREADS] = tls_check(THREADS);
+    for (int t = 0; t <= THREADS; t++)
+        if (!tls_ok[t])
+            return 4;
     for (int t = 0; t < THREADS; t++)
         for (int i = 0; i < PER; i += 2)
             free(kept[t][i]); /* @site free calls=2000 */

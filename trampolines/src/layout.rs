@@ -1466,7 +1466,7 @@ pub mod static_host {
     /// The host block: [`WORDS`] u64 words, which the entry stub and the
     /// patcher fill.
     pub const SYMBOL: &str = "alloctramp_static_host";
-    pub const WORDS: usize = 4;
+    pub const WORDS: usize = 8;
     /// Word 0: the stack pointer at the program's entry (argc, argv, the
     /// environment and the auxiliary vector above it), which the entry stub
     /// stores.
@@ -1481,6 +1481,11 @@ pub mod static_host {
     /// Word 3: the C library's first real-time signal number (34 for
     /// glibc, 35 for musl); the patcher stores it.
     pub const SIGRTMIN: usize = 3;
+    /// Words 4 to 7: the program's own `_Unwind_GetLanguageSpecificData`,
+    /// `_Unwind_GetIP`, `_Unwind_GetRegionStart` and `_Unwind_GetCFA` (0:
+    /// not linked), which the runtime's personality routine calls with the
+    /// program's unwinder's context; the patcher stores them.
+    pub const UNWINDER: usize = 4;
     /// `extern "C" fn()`: the runtime's work at exit, which the hook on the
     /// program's last destructor calls.
     pub const EXIT_SYMBOL: &str = "alloctramp_static_exit";

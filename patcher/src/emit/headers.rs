@@ -70,7 +70,11 @@ pub(super) fn program_headers(elf: &Elf, plan: &Plan) -> Vec<u8> {
         }
         out.extend_from_slice(bytes_of(&p));
         if Some(i) == last_load {
-            for s in plan.segments.iter().chain(plan.statics.iter().flat_map(|s| &s.runtime.segments)) {
+            // In address order: a static program's runtime lies between
+            // the read-write segment and the executable one.
+            let [ro, rw, exec] = &plan.segments;
+            let runtime = plan.statics.iter().flat_map(|s| &s.runtime.segments);
+            for s in [ro, rw].into_iter().chain(runtime).chain([exec]) {
                 out.extend_from_slice(bytes_of(&load(elf::PT_LOAD, s)));
             }
         }

@@ -25,6 +25,15 @@ struct Heap {
 static LOCK: AtomicBool = AtomicBool::new(false);
 static mut HEAP: Heap = Heap { free: [0; CLASSES], bump: 0, end: 0 };
 
+/// Fork handlers: the lock is held across the fork, so the child's copy of
+/// the heap is consistent, then released in both processes.
+pub unsafe extern "C" fn before_fork() {
+    lock();
+}
+pub unsafe extern "C" fn after_fork() {
+    unlock();
+}
+
 fn lock() {
     while LOCK.swap(true, Ordering::Acquire) {
         core::hint::spin_loop();

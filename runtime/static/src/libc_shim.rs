@@ -514,15 +514,11 @@ pub unsafe extern "C" fn sigfillset(set: *mut libc::sigset_t) -> c_int {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pthread_sigmask(how: c_int, set: *const libc::sigset_t, old: *mut libc::sigset_t) -> c_int {
-    // The C libraries' own signals (glibc: 32 and 33; musl: 32 to 34)
-    // stay as they are.
-    let mut mask = 0u64;
+    // (Only the runtime calls it: blocking every signal for a moment on a
+    // program's thread, or for good on its own.)
     // SAFETY: `set` is null or the caller's; its first word holds the
     // kernel's 64 signals.
-    let new = unsafe { set.as_ref() }.map(|s| {
-        mask = unsafe { *(s as *const libc::sigset_t as *const u64) } & !(0b111u64 << 31);
-        &mask as *const u64
-    });
+    let new = unsafe { set.as_ref() }.map(|s| s as *const libc::sigset_t as *const u64);
     let mut was = 0u64;
     // SAFETY: the two words are local.
     let r = unsafe {
@@ -579,14 +575,27 @@ pub extern "C" fn dlsym(_handle: *mut c_void, _name: *const c_char) -> *mut c_vo
 }
 
 // Rust's standard library refers to the unwinder; a release build of the
-// runtime aborts at a panic and never unwinds.
+// runtime aborts at a panic and never unwinds. The runtime's personality
+// routine, which the program's unwinder calls for a trampoline's frame,
+// reads that frame through the program's own functions.
 #[unsafe(no_mangle)]
 pub extern "C" fn _Unwind_Backtrace(_f: *mut c_void, _data: *mut c_void) -> c_int {
     5 // _URC_END_OF_STACK
 }
+/// The program's unwinder function in host word `w`, called with the
+/// unwinder's context (0 without one: nothing unwinds then).
+fn unwinder(w: usize, c: *mut c_void) -> usize {
+    match sys::host(static_host::UNWINDER + w) {
+        0 => 0,
+        // SAFETY: the program's `_Unwind_Get*` function, whose address the
+        // patcher stored, with the context its unwinder passed.
+        f => unsafe { core::mem::transmute::<usize, unsafe extern "C" fn(*mut c_void) -> usize>(f as usize)(c) },
+    }
+}
+
 #[unsafe(no_mangle)]
-pub extern "C" fn _Unwind_GetIP(_c: *mut c_void) -> usize {
-    0
+pub extern "C" fn _Unwind_GetIP(c: *mut c_void) -> usize {
+    unwinder(1, c)
 }
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn _Unwind_GetIPInfo(_c: *mut c_void, before: *mut c_int) -> usize {
@@ -597,8 +606,8 @@ pub unsafe extern "C" fn _Unwind_GetIPInfo(_c: *mut c_void, before: *mut c_int) 
     0
 }
 #[unsafe(no_mangle)]
-pub extern "C" fn _Unwind_GetCFA(_c: *mut c_void) -> usize {
-    0
+pub extern "C" fn _Unwind_GetCFA(c: *mut c_void) -> usize {
+    unwinder(3, c)
 }
 #[unsafe(no_mangle)]
 pub extern "C" fn _Unwind_GetDataRelBase(_c: *mut c_void) -> usize {
@@ -609,12 +618,12 @@ pub extern "C" fn _Unwind_GetTextRelBase(_c: *mut c_void) -> usize {
     0
 }
 #[unsafe(no_mangle)]
-pub extern "C" fn _Unwind_GetRegionStart(_c: *mut c_void) -> usize {
-    0
+pub extern "C" fn _Unwind_GetRegionStart(c: *mut c_void) -> usize {
+    unwinder(2, c)
 }
 #[unsafe(no_mangle)]
-pub extern "C" fn _Unwind_GetLanguageSpecificData(_c: *mut c_void) -> usize {
-    0
+pub extern "C" fn _Unwind_GetLanguageSpecificData(c: *mut c_void) -> usize {
+    unwinder(0, c)
 }
 #[unsafe(no_mangle)]
 pub extern "C" fn _Unwind_SetGR(_c: *mut c_void, _i: c_int, _v: usize) {}

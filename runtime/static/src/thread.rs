@@ -104,7 +104,21 @@ pub unsafe extern "C" fn pthread_create(
             | libc::CLONE_THREAD
             | libc::CLONE_SYSVSEM
             | libc::CLONE_SETTLS;
+        // The thread starts with every signal blocked (the kernel's
+        // signals as well as the C library's own, which it must never take
+        // for a thread the C library does not know), and keeps them so.
+        let (all, mut was) = (u64::MAX, 0u64);
+        sys::raw(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK as u64,
+            &all as *const u64 as u64,
+            &mut was as *mut u64 as u64,
+            8,
+            0,
+            0,
+        );
         let id = alloctramp_static_clone(flags as u64, (top - 16) as u64, tp as u64);
+        sys::raw(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK as u64, &was as *const u64 as u64, 0, 8, 0, 0);
         if id < 0 {
             call!(libc::SYS_munmap, base, len);
             return libc::EAGAIN;
@@ -182,6 +196,19 @@ pub unsafe extern "C" fn __register_atfork(
     child: Option<unsafe extern "C" fn()>,
     dso: *mut c_void,
 ) -> i32 {
+    // The runtime's allocator's lock first: its prepare handler runs last,
+    // its child handler first, before the runtime's allocates.
+    if !ALLOCATOR_HANDLERS.swap(true, Ordering::AcqRel) {
+        // SAFETY: the allocator's handlers, registered once.
+        unsafe {
+            __register_atfork(
+                Some(crate::alloc::before_fork),
+                Some(crate::alloc::after_fork),
+                Some(crate::alloc::after_fork),
+                dso,
+            );
+        }
+    }
     let f = sys::host(static_host::ATFORK);
     if f == 0 {
         // The program has no registration function: keep the handlers for
@@ -208,6 +235,7 @@ pub unsafe extern "C" fn __register_atfork(
 /// Fork handlers kept for [`alloctramp_static_fork_handler`]: (prepare,
 /// parent, child).
 static HANDLERS: [[AtomicUsize; 3]; 4] = [const { [const { AtomicUsize::new(0) }; 3] }; 4];
+static ALLOCATOR_HANDLERS: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
 static FORKS: AtomicU32 = AtomicU32::new(0);
 
 /// Runs the kept fork handlers as the C library's `__fork_handler(who)`
