@@ -231,3 +231,44 @@ fn a_program_linked_dynamically_with_musl_is_refused() {
     assert!(stderr.contains("linked dynamically with musl"), "{stderr}");
     assert!(!out.exists());
 }
+
+/// Exceptions through trampolines in static C++ programs: the original
+/// `.eh_frame` has no search table (the start files register it with the
+/// unwinder), so the patched file gets one, with the trampolines' entries,
+/// and the runtime's personality routine reads frames with the program's
+/// own unwinder. testbins/unwind/throws.cpp and badalloc.cpp (which
+/// tests/charge.rs runs dynamically) unwind as the original and count as
+/// they do there; in the static throws, the exception object libstdc++
+/// allocates inside make_name is a site too, charged to main's call.
+#[test]
+fn exceptions_unwind_through_trampolines_in_static_programs() {
+    let dir = scratch("static-unwind");
+    for name in ["throws", "badalloc"] {
+        let exe = dir.join(name);
+        let src = testbins_dir().join(format!("unwind/{name}.cpp"));
+        let o = Command::new("g++").args(["-O2", "-g", "-static"]).arg(&src).arg("-o").arg(&exe).output().unwrap();
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        let patched = dir.join(format!("{name}-patched"));
+        patch_to(&exe, &patched, &[]);
+        let plain = Command::new(&exe).output().unwrap();
+        let counters = counters_dir(&format!("static-unwind-{name}"));
+        let o = Command::new(&patched).env("ALLOCTRAMP", "on").env("ALLOCTRAMP_DIR", &counters).output().unwrap();
+        assert_eq!((o.status.code(), &o.stdout), (plain.status.code(), &plain.stdout), "{name}: as the original");
+        let files = files(&counters);
+        assert_eq!(files.len(), 1, "{name}: {files:?}");
+        let doc = report(files.values().next().unwrap().to_str().unwrap(), &counters);
+        let row = |line: u64| {
+            let rows = doc["sites"].as_array().unwrap();
+            let r = rows.iter().find(|s| s["kind"] != "free" && s["line"] == line).expect("a row");
+            ["calls", "bytes", "failed", "live_calls", "live_bytes", "freed_objects"].map(|k| r[k].as_u64().unwrap())
+        };
+        if name == "throws" {
+            assert_eq!(row(18), [7, 220, 0, 0, 0, 7], "throws: main's call of make_name");
+            assert_eq!(row(9), [0; 6], "throws: make_name's own malloc");
+        } else {
+            let requested = 2 * (1u64 << 62) + 64 * (1 + 2 + 3 + 5 + 6 + 7);
+            assert_eq!(row(16), [8, requested, 2, 0, 0, 6], "badalloc: main's call of take");
+            assert_eq!(row(9), [1, 100, 0, 0, 0, 1], "badalloc: take's own site, called through a pointer");
+        }
+    }
+}

@@ -28,8 +28,8 @@ use alloctramp_trampolines::frames::{Call, Frames};
 use alloctramp_trampolines::layout::{control, undo::UndoCall, undo::UndoHeader};
 use alloctramp_trampolines::pod;
 use gimli::{
-    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, ParsedEhFrameHdr, Pointer, Register,
-    RegisterRule, UnwindContext, UnwindSection, X86_64,
+    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, Pointer, Register, RegisterRule,
+    UnwindContext, UnwindSection, X86_64,
 };
 use object::elf;
 use object::read::elf::ProgramHeader as _;
@@ -43,8 +43,9 @@ pub type Why = &'static str;
 pub struct Sources<'a> {
     eh: EhFrame<Slice<'a>>,
     bases: BaseAddresses,
-    hdr: ParsedEhFrameHdr<Slice<'a>>,
-    hdr_addr: u64,
+    /// The search table: (start address, FDE address), sorted.
+    table: Vec<(u64, u64)>,
+    hdr_addr: Option<u64>,
     /// Where the input's `.eh_frame` starts (what the new header's
     /// `eh_frame_ptr` keeps pointing at).
     eh_frame: u64,
@@ -121,15 +122,19 @@ const DW_EH_PE_PCREL_SDATA4: u8 = 0x1b;
 
 impl<'a> Sources<'a> {
     /// The input's unwind tables, if a new header can carry them: a
-    /// PT_GNU_EH_FRAME with a search table in the usual encodings.
+    /// PT_GNU_EH_FRAME with a search table in the usual encodings, or, in a
+    /// static program (whose start files register `.eh_frame` with the
+    /// unwinder, with no header), `.eh_frame` itself, whose entries make
+    /// the table.
     pub fn new(elf: &Elf<'a>) -> Result<Sources<'a>, Why> {
         let e = object::LittleEndian;
-        let ph = elf
-            .file
-            .elf_program_headers()
-            .iter()
-            .find(|p| p.p_type(e) == elf::PT_GNU_EH_FRAME)
-            .ok_or("no PT_GNU_EH_FRAME")?;
+        let ph = elf.file.elf_program_headers().iter().find(|p| p.p_type(e) == elf::PT_GNU_EH_FRAME);
+        let Some(ph) = ph else {
+            if crate::statics::is_static(elf) {
+                return Self::without_header(elf);
+            }
+            return Err("no PT_GNU_EH_FRAME");
+        };
         let hdr_addr = ph.p_vaddr(e);
         let hdr_bytes = segment_rest(elf, hdr_addr)
             .and_then(|b| b.get(..usize::try_from(ph.p_filesz(e)).ok()?))
@@ -143,49 +148,72 @@ impl<'a> Sources<'a> {
             Pointer::Direct(a) => a,
             Pointer::Indirect(_) => return Err(".eh_frame_hdr in an unusual encoding"),
         };
-        if hdr.table().is_none() {
-            return Err(".eh_frame_hdr without a search table");
-        }
         // The .eh_frame section, or what its segment holds from its start.
         let data = match elf.sections.iter().find(|s| s.addr.0 == eh_frame && !s.data.is_empty()) {
             Some(s) => s.data,
             None => segment_rest(elf, eh_frame).ok_or(".eh_frame outside the file")?,
         };
-        let mut bases = bases.set_eh_frame(eh_frame);
-        for (name, set) in [
-            (".text", BaseAddresses::set_text as fn(BaseAddresses, u64) -> BaseAddresses),
-            (".got", BaseAddresses::set_got),
-        ] {
-            if let Some(s) = elf.section_by_name(name) {
-                bases = set(bases, s.addr.0);
-            }
-        }
+        let bases = with_sections(elf, bases.set_eh_frame(eh_frame));
         // Every entry of the table must name an FDE inside .eh_frame (gimli
         // computes offsets from it without checking).
         let end = eh_frame.saturating_add(data.len() as u64);
-        let table = hdr.table().ok_or(".eh_frame_hdr without a search table")?;
-        let mut it = table.iter(&bases);
+        let old = hdr.table().ok_or(".eh_frame_hdr without a search table")?;
+        let mut table = Vec::new();
+        let mut it = old.iter(&bases);
         while let Some(pair) = it.next().map_err(|_| "unreadable .eh_frame_hdr")? {
             match pair {
-                (Pointer::Direct(_), Pointer::Direct(fde)) if fde >= eh_frame && fde < end => {}
+                (Pointer::Direct(pc), Pointer::Direct(fde)) if fde >= eh_frame && fde < end => table.push((pc, fde)),
                 _ => return Err("a search table entry outside .eh_frame"),
             }
         }
         let eh = EhFrame::new(data, LittleEndian);
-        Ok(Sources { eh, bases, hdr, hdr_addr, eh_frame })
+        Ok(Sources { eh, bases, table, hdr_addr: Some(hdr_addr), eh_frame })
     }
 
-    /// Where the input's `.eh_frame_hdr` is.
-    pub fn hdr_addr(&self) -> u64 {
+    /// A static program's `.eh_frame`, with the table made from its
+    /// entries.
+    fn without_header(elf: &Elf<'a>) -> Result<Sources<'a>, Why> {
+        let s = elf
+            .sections
+            .iter()
+            .find(|s| s.name == ".eh_frame" && s.is_alloc() && !s.data.is_empty())
+            .ok_or("no .eh_frame")?;
+        let eh_frame = s.addr.0;
+        let bases = with_sections(elf, BaseAddresses::default().set_eh_frame(eh_frame));
+        let eh = EhFrame::new(s.data, LittleEndian);
+        let mut table = Vec::new();
+        let mut entries = eh.entries(&bases);
+        while let Some(entry) = entries.next().map_err(|_| "unreadable .eh_frame")? {
+            if let gimli::CieOrFde::Fde(partial) = entry {
+                let fde = partial.parse(|eh, b, o| eh.cie_from_offset(b, o)).map_err(|_| "unreadable .eh_frame")?;
+                if fde.len() > 0 {
+                    table.push((fde.initial_address(), eh_frame + fde.offset() as u64));
+                }
+            }
+        }
+        table.sort_unstable();
+        Ok(Sources { eh, bases, table, hdr_addr: None, eh_frame })
+    }
+
+    /// Where the input's `.eh_frame_hdr` is (None: it has none).
+    pub fn hdr_addr(&self) -> Option<u64> {
         self.hdr_addr
     }
 
     /// The CFI row at `site`, if an entry can copy it.
     pub fn site(&self, site: u64, ctx: &mut UnwindContext<usize>) -> Result<SiteRow, Why> {
-        let table = self.hdr.table().ok_or("no search table")?;
-        let fde = table
-            .fde_for_address(&self.eh, &self.bases, site, |s, b, o| s.cie_from_offset(b, o))
+        let k = self.table.partition_point(|&(pc, _)| pc <= site);
+        let &(_, fde_addr) =
+            k.checked_sub(1).and_then(|k| self.table.get(k)).ok_or("no unwind entry covers the site")?;
+        let offset =
+            gimli::EhFrameOffset(usize::try_from(fde_addr - self.eh_frame).map_err(|_| "an FDE out of reach")?);
+        let fde = self
+            .eh
+            .fde_from_offset(&self.bases, offset, |s, b, o| s.cie_from_offset(b, o))
             .map_err(|_| "no unwind entry covers the site")?;
+        if !fde.contains(site) {
+            return Err("no unwind entry covers the site");
+        }
         let row = fde.unwind_info_for_address(&self.eh, &self.bases, ctx, site).map_err(|_| "unreadable CFI")?;
         let cfa = match row.cfa() {
             CfaRule::RegisterAndOffset { register, offset } if *register == X86_64::RSP => {
@@ -323,15 +351,7 @@ impl<'a> Sources<'a> {
         // The header: the input's search table with the new entries merged.
         let hdr_off = out.len() as u64;
         let hdr = at + hdr_off;
-        let mut table: Vec<(u64, u64)> = Vec::new();
-        let old = self.hdr.table().ok_or("no search table")?;
-        let mut it = old.iter(&self.bases);
-        while let Some((pc, fde)) = it.next().map_err(|_| "unreadable .eh_frame_hdr")? {
-            match (pc, fde) {
-                (Pointer::Direct(pc), Pointer::Direct(fde)) => table.push((pc, fde)),
-                _ => return Err(".eh_frame_hdr in an unusual encoding"),
-            }
-        }
+        let mut table = self.table.clone();
         table.extend_from_slice(&fdes);
         table.sort_unstable();
         out.extend_from_slice(&[1, DW_EH_PE_PCREL_SDATA4, 0x03, 0x3b]);
@@ -344,6 +364,20 @@ impl<'a> Sources<'a> {
         }
         Ok((out, hdr_off))
     }
+}
+
+/// `bases` with the file's `.text` and `.got` (for entries whose pointers
+/// are relative to them).
+fn with_sections(elf: &Elf, mut bases: BaseAddresses) -> BaseAddresses {
+    for (name, set) in [
+        (".text", BaseAddresses::set_text as fn(BaseAddresses, u64) -> BaseAddresses),
+        (".got", BaseAddresses::set_got),
+    ] {
+        if let Some(s) = elf.section_by_name(name) {
+            bases = set(bases, s.addr.0);
+        }
+    }
+    bases
 }
 
 /// Registers no trampoline changes: rules and CFAs naming them hold in a

@@ -509,7 +509,12 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     let strings = SiteStrings::new(a, &opts.foreign_unwind);
     check_loads(elf)?;
     let (ro_addr, max_align) = new_base(elf, &tables)?;
-    let extra_phdrs = static_input.as_ref().map_or(0, |(p, rt)| rt.load_count() + usize::from(p.tls.is_none()));
+    // A static program's runtime segments, a PT_TLS if it has none, and a
+    // PT_GNU_EH_FRAME if it has none (`emit::headers`).
+    let has_eh_hdr = elf.file.elf_program_headers().iter().any(|p| p.p_type(LE) == elf::PT_GNU_EH_FRAME);
+    let extra_phdrs = static_input
+        .as_ref()
+        .map_or(0, |(p, rt)| rt.load_count() + usize::from(p.tls.is_none()) + usize::from(!has_eh_hdr));
     let phnum = elf.file.elf_program_headers().len() + 3 + extra_phdrs;
     let table_len = layout::table_and_unwind_size(
         layout::table_size(a.scan.sites.len(), strings.table_entries.len(), strings.strings.len()),
@@ -613,7 +618,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     let segments = [ro.segment(max_align), rw.segment(), exec_segment(text, exec_end)];
     let mut repoints = if statik { Vec::new() } else { plan_repoints(elf, &tables, &ro.copies, rw.dynamic) };
     // The section header of the search table the new one replaces.
-    if let (Some(eh), Some(old)) = (&eh_frame, sources.as_ref().map(|s| s.hdr_addr())) {
+    if let (Some(eh), Some(old)) = (&eh_frame, sources.as_ref().and_then(|s| s.hdr_addr())) {
         let at = elf.sections.iter().find(|s| s.index != 0 && s.addr.0 == old && s.name == ".eh_frame_hdr");
         if let Some(section) = at.map(|s| s.index) {
             repoints.push(Repoint { section, table: Table::EhFrameHdr, to: eh.hdr, old_addr: Vaddr(old) });
@@ -1001,7 +1006,8 @@ fn plan_static(
     use crate::statics;
     let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let base = mem.runtime;
-    let crate::statics::MergedTls { mut tls, bytes: tls_bytes, offset: tls_offset, relocated } = merged;
+    let crate::statics::MergedTls { mut tls, bytes: tls_bytes, offset: tls_offset, relocated, shift: tls_shift } =
+        merged;
     tls.vaddr = mem.tls;
     let (bytes, mut fixups) = statics::relocate(rt, base, tls_offset, p, p.pie)?;
     // The program's relocations of its thread-local image apply to the
@@ -1028,6 +1034,8 @@ fn plan_static(
         tls,
         tls_bytes,
         tls_phdr: p.tls.map(|(i, _)| i),
+        tls_shift,
+        old_tls: p.tls.map(|(_, t)| t),
         fixups,
         api: base + rt.api,
         host,

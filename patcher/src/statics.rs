@@ -433,6 +433,10 @@ pub struct Placed {
     pub tls: Tls,
     pub tls_bytes: Vec<u8>,
     pub tls_phdr: Option<usize>,
+    /// Where the program's thread-local block starts in the new one, and
+    /// where its image was (its sections and symbols follow).
+    pub tls_shift: u64,
+    pub old_tls: Option<Tls>,
     /// The words the entry stub adds the load bias to (a position-
     /// independent program only).
     pub fixups: Vec<u64>,
@@ -454,6 +458,8 @@ pub struct MergedTls {
     /// relocations fill (each holds its addend; the entry stub adds the
     /// bias).
     pub relocated: Vec<u64>,
+    /// Where the program's block starts in the merged one (`k`).
+    pub shift: u64,
 }
 
 /// The merged thread-local image: the runtime's block, padding to `k`,
@@ -469,7 +475,7 @@ pub fn merge_tls(elf: &Elf, program: &Program, rt: &Runtime) -> Result<MergedTls
         None => {
             let tls = Tls { vaddr: 0, filesz: r.filesz, memsz: r.memsz, align: r.align.max(8) };
             let offset = -(align(r.memsz, tls.align) as i64);
-            Ok(MergedTls { tls, bytes: rt_image.to_vec(), offset, relocated: Vec::new() })
+            Ok(MergedTls { tls, bytes: rt_image.to_vec(), offset, relocated: Vec::new(), shift: 0 })
         }
         Some((_, p)) => {
             // `k`: a multiple of both alignments, so the program's block
@@ -513,7 +519,7 @@ pub fn merge_tls(elf: &Elf, program: &Program, rt: &Runtime) -> Result<MergedTls
                 }
             }
             let tls = Tls { vaddr: 0, filesz: k + p.filesz, memsz: k + p.memsz, align: p.align };
-            Ok(MergedTls { tls, bytes, offset: -((old + k) as i64), relocated })
+            Ok(MergedTls { tls, bytes, offset: -((old + k) as i64), relocated, shift: k })
         }
     }
 }

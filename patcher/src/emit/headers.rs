@@ -82,6 +82,17 @@ pub(super) fn program_headers(elf: &Elf, plan: &Plan) -> Vec<u8> {
     if let Some(s) = plan.statics.as_ref().filter(|s| s.runtime.tls_phdr.is_none()) {
         out.extend_from_slice(bytes_of(&tls(s)));
     }
+    // A static program without a search table gets one for the
+    // trampolines' entries (its start files register the original
+    // `.eh_frame`; the unwinder looks for the rest through the program
+    // headers); a null entry where it has no trampoline entries.
+    if plan.statics.is_some() && !phdrs.iter().any(|p| p.p_type(e) == elf::PT_GNU_EH_FRAME) {
+        let p = match &plan.eh_frame {
+            Some(eh) => phdr(elf::PT_GNU_EH_FRAME, elf::PF_R.0, eh.hdr, 4),
+            None => phdr(elf::PT_NULL, 0, Region { size: 0, ..plan.ehdr }, 0),
+        };
+        out.extend_from_slice(bytes_of(&p));
+    }
     out
 }
 
@@ -135,6 +146,15 @@ fn section_headers(elf: &Elf, plan: &Plan) -> Vec<Shdr> {
         // symbols are not.
         if r.table == Table::Dynsym && u64::from(sh.sh_info.get(e)) > plan.tables.insert_at {
             sh.sh_info.set(e, sh.sh_info.get(e) + crate::tables::IMPORTED);
+        }
+    }
+    // A static program's thread-local sections are in the new image.
+    if let Some((s, old)) = plan.statics.as_ref().and_then(|s| Some((s, s.runtime.old_tls?))) {
+        for sh in shdrs.iter_mut().skip(1).filter(|sh| sh.sh_flags.get(e).0 & elf::SHF_TLS.0 != 0) {
+            let Some(d) = sh.sh_addr.get(e).checked_sub(old.vaddr).filter(|&d| d <= old.memsz) else { continue };
+            let d = d + s.runtime.tls_shift;
+            sh.sh_addr.set(e, s.tls_image.addr.0 + d);
+            sh.sh_offset.set(e, s.tls_image.offset.0 + d);
         }
     }
     if let Some(sh) = plan.shstrtab.section.and_then(|i| shdrs.get_mut(i)) {

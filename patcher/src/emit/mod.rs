@@ -49,6 +49,21 @@ impl Head {
     }
 }
 
+/// A static program's thread-local symbols (values relative to the
+/// thread-local image) follow its block, `shift` bytes into the new one.
+fn tls_symbols(elf: &Elf, shift: u64) -> Vec<(u64, [u8; 8])> {
+    use object::elf;
+    let mut out = Vec::new();
+    let Some(symtab) = elf.sections.iter().find(|s| s.sh_type == elf::SHT_SYMTAB.0) else { return out };
+    for (i, sym) in symtab.data.chunks_exact(24).enumerate() {
+        if sym[4] & 0xf == elf::STT_TLS.0 && sym[6..8] != [0, 0] {
+            let value = u64::from_le_bytes(sym[8..16].try_into().unwrap_or_default());
+            out.push((symtab.offset.0 + i as u64 * 24 + 8, value.wrapping_add(shift).to_le_bytes()));
+        }
+    }
+    out
+}
+
 pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
     let mut head = Head(vec![0u8; plan.shift as usize]);
     let follow = symbols::Follow::new(plan);
@@ -70,6 +85,7 @@ pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
             };
             head.put(slot, &s.runtime.api.to_le_bytes());
             fixups.extend(s.words.iter().copied());
+            fixups.extend(tls_symbols(elf, s.runtime.tls_shift));
         }
     }
     head.put(plan.text, &text::text(plan));
