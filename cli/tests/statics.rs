@@ -53,7 +53,11 @@ fn build(name: &str, cc: &str, flags: &str) -> (PathBuf, PathBuf) {
     let dir = scratch(&format!("static-{name}"));
     let src = testbins_dir().join(SRC);
     let bin = dir.join("exact");
-    let cmd = format!("{cc} -g -O1 {flags} -Wall -Werror -pthread {} -o {}", src.display(), bin.display());
+    // (`cc` may be a whole command with {src} and {out}.)
+    let cmd = match cc.contains("{src}") {
+        true => cc.replace("{src}", &src.to_string_lossy()).replace("{out}", &bin.to_string_lossy()),
+        false => format!("{cc} -g -O1 {flags} -Wall -Werror -pthread {} -o {}", src.display(), bin.display()),
+    };
     let o = Command::new("sh").arg("-c").arg(&cmd).output().unwrap();
     assert!(o.status.success(), "{cmd}: {}", String::from_utf8_lossy(&o.stderr));
     let patched = dir.join("patched");
@@ -111,28 +115,33 @@ fn exact(name: &str, cc: &str, flags: &str) {
             assert!(!files(&counters).contains_key(&pid), "a process never profiled leaves no file");
         }
     }
-    // Switched on while it waits, by `alloctramp enable`.
-    let counters = counters_dir(&format!("static-{name}-enabled"));
-    let mut child = Command::new(&patched)
-        .arg("wait")
-        .env("ALLOCTRAMP_DIR", &counters)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "ready\n");
-    let o = alloctramp().args(["enable", &pid.to_string(), "--dir"]).arg(&counters).output().unwrap();
-    assert!(o.status.success(), "enable: {}", String::from_utf8_lossy(&o.stderr));
-    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
-    assert!(child.wait().unwrap().success());
-    assert_eq!(format!("{line}{rest}").as_bytes(), [b"ready\n".as_slice(), &plain.stdout].concat());
-    check(&counters, pid, "switched on while running");
+    // Switched on while it waits, by `alloctramp enable`: through the
+    // watcher thread (the static runtime's `clone`), or the control signal
+    // (its `sigaction`).
+    for switch in ["thread", "signal"] {
+        let counters = counters_dir(&format!("static-{name}-enabled-{switch}"));
+        let mut child = Command::new(&patched)
+            .arg("wait")
+            .env("ALLOCTRAMP_DIR", &counters)
+            .env("ALLOCTRAMP_SWITCH", switch)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line, "ready\n");
+        let o = alloctramp().args(["enable", &pid.to_string(), "--dir"]).arg(&counters).output().unwrap();
+        assert!(o.status.success(), "enable ({switch}): {}", String::from_utf8_lossy(&o.stderr));
+        child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+        assert!(child.wait().unwrap().success());
+        assert_eq!(format!("{line}{rest}").as_bytes(), [b"ready\n".as_slice(), &plain.stdout].concat());
+        check(&counters, pid, &format!("switched on while running ({switch})"));
+    }
 }
 
 #[test]
@@ -156,6 +165,27 @@ fn a_glibc_static_pie_program_counts_exactly() {
 #[test]
 fn a_glibc_static_pie_program_with_packed_relocations_counts_exactly() {
     exact("glibc-pie-relr", "gcc", "-static-pie -Wl,-z,pack-relative-relocs");
+}
+
+/// musl's static-pie (`rcrt1.o`, which relocates the program itself):
+/// Debian's musl-gcc links a dynamic PIE for `-static-pie`, so the object
+/// is compiled by musl-gcc and linked by hand.
+#[test]
+fn a_musl_static_pie_program_counts_exactly() {
+    ensure_tool("musl-gcc", "musl-tools");
+    let m = "/usr/lib/x86_64-linux-musl";
+    let gcc_file = |f: &str| {
+        let o = Command::new("gcc").arg(format!("-print-file-name={f}")).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    let cmd = format!(
+        "musl-gcc -c -g -O1 -fPIE -Wall -Werror -pthread {{src}} -o {{out}}.o && gcc -static-pie -nostdlib \
+         -nostartfiles {m}/rcrt1.o {m}/crti.o {} {{out}}.o -L{m} -lc {} {} {m}/crtn.o -o {{out}}",
+        gcc_file("crtbeginS.o"),
+        gcc_file("libgcc.a"),
+        gcc_file("crtendS.o"),
+    );
+    exact("musl-pie", &cmd, "");
 }
 
 /// Calls and bytes of the rows whose function is `name`, summed.

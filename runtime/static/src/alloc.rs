@@ -57,7 +57,7 @@ fn map(len: usize) -> usize {
 }
 
 fn class_of(size: usize) -> Option<usize> {
-    let need = (size + HEADER).max(32).next_power_of_two();
+    let need = size.checked_add(HEADER)?.max(32).checked_next_power_of_two()?;
     let c = need.trailing_zeros() as usize - 5;
     (c < CLASSES).then_some(c)
 }
