@@ -75,6 +75,16 @@ fn files(dir: &Path) -> BTreeMap<u32, PathBuf> {
         .collect()
 }
 
+/// A counters file's totals: calls, bytes, failures, live objects and
+/// bytes, frees.
+fn totals(file: &Path, counters: &Path) -> Vec<u64> {
+    let doc = report(file.to_str().unwrap(), counters);
+    let t = &doc["totals"];
+    ["calls", "bytes", "failed", "live_calls", "live_bytes", "freed_objects", "free_calls"]
+        .map(|k| t[k].as_u64().unwrap_or_else(|| panic!("{k} in {t}")))
+        .to_vec()
+}
+
 /// The parent's and the child's figures: the parent's are the markers',
 /// the child's are its five objects at its own site and nothing else.
 fn check(counters: &Path, parent: u32, how: &str) {
@@ -94,6 +104,7 @@ fn exact(name: &str, cc: &str, flags: &str) {
     let plain = Command::new(&bin).output().unwrap();
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
     // Off, then on from start.
+    let mut on_totals = Vec::new();
     for on in [false, true] {
         let counters = counters_dir(&format!("static-{name}-{on}"));
         let mut c = Command::new(&patched);
@@ -109,12 +120,33 @@ fn exact(name: &str, cc: &str, flags: &str) {
         assert_eq!(String::from_utf8_lossy(&o.stderr), "", "on {on}: nothing on stderr");
         if on {
             check(&counters, pid, "on from start");
+            on_totals = totals(&files(&counters)[&pid], &counters);
         } else {
             // (The child leaves its empty file, as a dynamic program's
             // does: it ends with _exit.)
             assert!(!files(&counters).contains_key(&pid), "a process never profiled leaves no file");
         }
     }
+    // Stripped: the runtime's segments and the new tables have sections,
+    // so `strip` keeps them.
+    let stripped = patched.with_file_name("stripped");
+    std::fs::copy(&patched, &stripped).unwrap();
+    assert!(Command::new("strip").arg(&stripped).status().unwrap().success());
+    let counters = counters_dir(&format!("static-{name}-stripped"));
+    let child = Command::new(&stripped)
+        .env("ALLOCTRAMP", "on")
+        .env("ALLOCTRAMP_DIR", &counters)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!((o.status.code(), &o.stdout), (Some(0), &plain.stdout), "stripped");
+    // (Without .symtab, rows have no function names: the lines are the
+    // DWARF's, which strip removed too; compare totals.)
+    let files = files(&counters);
+    assert_eq!(files.len(), 2, "stripped: {files:?}");
+    assert_eq!(totals(&files[&pid], &counters), on_totals, "stripped: the same totals as on from start");
     // Switched on while it waits, by `alloctramp enable`: through the
     // watcher thread (the static runtime's `clone`), or the control signal
     // (its `sigaction`).

@@ -350,6 +350,8 @@ pub struct Shstrtab {
     /// Offsets of the new sections' names: `layout::SEC_SITES`,
     /// `SEC_DATA`, `SEC_COUNTERS`, `SEC_TEXT`, `SEC_EH_FRAME`.
     pub names: [u32; 5],
+    /// A static program's: [`STATIC_SECTION_NAMES`] (none otherwise).
+    pub static_names: Option<[u32; 3]>,
 }
 
 /// Everything about the patched file but its bytes.
@@ -440,6 +442,59 @@ pub struct StaticPlan {
     /// Words of the input rewritten: `.init_array[0]` and `.fini_array[0]`
     /// (offset in the input, new value).
     pub words: Vec<(u64, [u8; 8])>,
+    /// Section headers for what it adds besides the usual new sections, so
+    /// that `strip` and `objcopy` keep it: the runtime's segments, its
+    /// thread-local block, and a new search table.
+    pub sections: Vec<StaticSection>,
+}
+
+/// Names of [`StaticSection`]s, after the usual new sections' names.
+pub const STATIC_SECTION_NAMES: [&str; 3] = [".alloctramp.runtime", ".alloctramp.tdata", ".eh_frame_hdr"];
+
+/// A section header a static program gets (see [`StaticPlan::sections`]).
+#[derive(Clone, Copy, Debug)]
+pub struct StaticSection {
+    /// Index in [`STATIC_SECTION_NAMES`].
+    pub name: usize,
+    pub sh_type: u32,
+    pub flags: u64,
+    pub region: Region,
+    pub align: u64,
+}
+
+/// The sections of [`StaticPlan::sections`].
+fn static_sections(sp: &StaticPlan, eh_hdr: Option<Region>) -> Vec<StaticSection> {
+    let (a, w, x) = (elf::SHF_ALLOC.0, elf::SHF_WRITE.0, elf::SHF_EXECINSTR.0);
+    let mut out = Vec::new();
+    for s in &sp.runtime.segments {
+        let mut flags = a;
+        if s.flags & elf::PF_W.0 != 0 {
+            flags |= w;
+        }
+        if s.flags & elf::PF_X.0 != 0 {
+            flags |= x;
+        }
+        let region = Region { offset: s.offset, addr: s.addr, size: s.file_size };
+        out.push(StaticSection { name: 0, sh_type: elf::SHT_PROGBITS.0, flags, region, align: 8 });
+        if s.mem_size > s.file_size {
+            let region = Region {
+                offset: s.offset.offset_by(s.file_size),
+                addr: s.addr.offset_by(s.file_size),
+                size: s.mem_size - s.file_size,
+            };
+            out.push(StaticSection { name: 0, sh_type: elf::SHT_NOBITS.0, flags, region, align: 8 });
+        }
+    }
+    let block = if sp.runtime.old_tls.is_some() { sp.runtime.tls_shift } else { sp.runtime.tls.filesz };
+    if block > 0 {
+        let region = Region { size: block, ..sp.tls_image };
+        let flags = a | w | elf::SHF_TLS.0;
+        out.push(StaticSection { name: 1, sh_type: elf::SHT_PROGBITS.0, flags, region, align: 8 });
+    }
+    if let Some(region) = eh_hdr {
+        out.push(StaticSection { name: 2, sh_type: elf::SHT_PROGBITS.0, flags: a, region, align: 4 });
+    }
+    out
 }
 
 impl Plan<'_> {
@@ -625,7 +680,12 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         }
     }
     let input_size = elf.data.len() as u64;
-    let (shstrtab, shdrs, shnum) = plan_section_headers(elf, shift + input_size, eh_frame.is_some())?;
+    if let Some(sp) = &mut static_parts {
+        let new_hdr = eh_frame.as_ref().filter(|_| !has_eh_hdr).map(|e| e.hdr);
+        sp.sections = static_sections(sp, new_hdr);
+    }
+    let extra = static_parts.as_ref().map_or(0, |s| s.sections.len());
+    let (shstrtab, shdrs, shnum) = plan_section_headers(elf, shift + input_size, eh_frame.is_some(), extra)?;
     Ok(Plan {
         module: a.module.clone(),
         tables,
@@ -1041,7 +1101,7 @@ fn plan_static(
         host,
         exit: base + rt.exit,
     };
-    Ok(StaticPlan { runtime, entry, tls_image, words })
+    Ok(StaticPlan { runtime, entry, tls_image, words, sections: Vec::new() })
 }
 
 /// The extents of the file's own definitions of default entry points
@@ -1269,7 +1329,9 @@ fn plan_repoints(elf: &Elf, t: &Tables, c: &Copies, dynamic: Region) -> Vec<Repo
 
 /// The grown section name table at `end` (the end of the output's copy of
 /// the input) and the section header table after it.
-fn plan_section_headers(elf: &Elf, end: u64, eh_frame: bool) -> Result<(Shstrtab, FileRange, usize)> {
+/// `extra`: a static program's sections ([`StaticPlan::sections`]), whose
+/// names ([`STATIC_SECTION_NAMES`]) follow the usual new ones.
+fn plan_section_headers(elf: &Elf, end: u64, eh_frame: bool, extra: usize) -> Result<(Shstrtab, FileRange, usize)> {
     let e = LE;
     let header = elf.file.elf_header();
     let shstrndx = usize::from(header.e_shstrndx.get(e).0);
@@ -1305,12 +1367,23 @@ fn plan_section_headers(elf: &Elf, end: u64, eh_frame: bool) -> Result<(Shstrtab
             s.name, s.addr
         )));
     }
-    let shnum = elf.sections.len() + names.len() - usize::from(!eh_frame);
+    let static_names = (extra > 0).then(|| {
+        STATIC_SECTION_NAMES.map(|n| {
+            let at = size as u32;
+            size += n.len() as u64 + 1;
+            at
+        })
+    });
+    let shnum = elf.sections.len() + names.len() - usize::from(!eh_frame) + extra;
     if shnum >= 0xff00 {
         return Err(refuse("too many sections"));
     }
-    let shstrtab =
-        Shstrtab { section: section.map(|s| s.index), range: FileRange { offset: FileOffset(end), size }, names };
+    let shstrtab = Shstrtab {
+        section: section.map(|s| s.index),
+        range: FileRange { offset: FileOffset(end), size },
+        names,
+        static_names,
+    };
     let shdrs = FileRange { offset: FileOffset(align(end + size, 8)), size: shnum as u64 * 64 };
     Ok((shstrtab, shdrs, shnum))
 }

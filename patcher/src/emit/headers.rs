@@ -125,6 +125,12 @@ fn shstrtab(elf: &Elf, plan: &Plan) -> Vec<u8> {
         v.extend_from_slice(name.as_bytes());
         v.push(0);
     }
+    if plan.shstrtab.static_names.is_some() {
+        for name in crate::plan::STATIC_SECTION_NAMES {
+            v.extend_from_slice(name.as_bytes());
+            v.push(0);
+        }
+    }
     debug_assert_eq!(v.len() as u64, plan.shstrtab.range.size);
     v
 }
@@ -169,6 +175,10 @@ fn section_headers(elf: &Elf, plan: &Plan) -> Vec<Shdr> {
     shdrs.push(section(names[3], elf::SHT_PROGBITS, a | x, plan.text, 16));
     if let Some(eh) = &plan.eh_frame {
         shdrs.push(section(names[4], elf::SHT_PROGBITS, a, eh.entries, 8));
+    }
+    for s in plan.statics.iter().flat_map(|s| &s.sections) {
+        let name = plan.shstrtab.static_names.and_then(|n| n.get(s.name).copied()).unwrap_or(0);
+        shdrs.push(section(name, elf::SectionType(s.sh_type), s.flags, s.region, s.align));
     }
     debug_assert_eq!(shdrs.len(), plan.shnum);
     debug_assert_eq!(align(plan.shstrtab.range.offset.0 + plan.shstrtab.range.size, 8), plan.shdrs.offset.0);
