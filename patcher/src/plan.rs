@@ -482,14 +482,15 @@ fn static_sections(sp: &StaticPlan, eh_hdr: Option<Region>) -> Vec<StaticSection
                 addr: s.addr.offset_by(s.file_size),
                 size: s.mem_size - s.file_size,
             };
-            out.push(StaticSection { name: 0, sh_type: elf::SHT_NOBITS.0, flags, region, align: 8 });
+            out.push(StaticSection { name: 0, sh_type: elf::SHT_NOBITS.0, flags, region, align: 1 });
         }
     }
     let block = if sp.runtime.old_tls.is_some() { sp.runtime.tls_shift } else { sp.runtime.tls.filesz };
     if block > 0 {
         let region = Region { size: block, ..sp.tls_image };
         let flags = a | w | elf::SHF_TLS.0;
-        out.push(StaticSection { name: 1, sh_type: elf::SHT_PROGBITS.0, flags, region, align: 8 });
+        let align = sp.runtime.tls.align;
+        out.push(StaticSection { name: 1, sh_type: elf::SHT_PROGBITS.0, flags, region, align });
     }
     if let Some(region) = eh_hdr {
         out.push(StaticSection { name: 2, sh_type: elf::SHT_PROGBITS.0, flags: a, region, align: 4 });
@@ -1361,12 +1362,6 @@ fn plan_section_headers(elf: &Elf, end: u64, eh_frame: bool, extra: usize) -> Re
             size += n.len() as u64 + 1;
             at
         });
-    if let Some(s) = section.filter(|s| s.index != 0 && s.addr.0.checked_add(size).is_none()) {
-        return Err(bad(format!(
-            "{:?}, whose address {} leaves no room for its {size} bytes once grown",
-            s.name, s.addr
-        )));
-    }
     let static_names = (extra > 0).then(|| {
         STATIC_SECTION_NAMES.map(|n| {
             let at = size as u32;
@@ -1374,6 +1369,12 @@ fn plan_section_headers(elf: &Elf, end: u64, eh_frame: bool, extra: usize) -> Re
             at
         })
     });
+    if let Some(s) = section.filter(|s| s.index != 0 && s.addr.0.checked_add(size).is_none()) {
+        return Err(bad(format!(
+            "{:?}, whose address {} leaves no room for its {size} bytes once grown",
+            s.name, s.addr
+        )));
+    }
     let shnum = elf.sections.len() + names.len() - usize::from(!eh_frame) + extra;
     if shnum >= 0xff00 {
         return Err(refuse("too many sections"));

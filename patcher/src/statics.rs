@@ -473,9 +473,13 @@ pub fn merge_tls(elf: &Elf, program: &Program, rt: &Runtime) -> Result<MergedTls
         .ok_or_else(|| bad_runtime("its thread-local image is not in the file"))?;
     match program.tls {
         None => {
-            let tls = Tls { vaddr: 0, filesz: r.filesz, memsz: r.memsz, align: r.align.max(8) };
+            // The whole block in the file (its zeros too), so that a section
+            // covers all of it: `strip` sizes PT_TLS by its sections.
+            let tls = Tls { vaddr: 0, filesz: r.memsz, memsz: r.memsz, align: r.align.max(8) };
             let offset = -(align(r.memsz, tls.align) as i64);
-            Ok(MergedTls { tls, bytes: rt_image.to_vec(), offset, relocated: Vec::new(), shift: 0 })
+            let mut bytes = rt_image.to_vec();
+            bytes.resize(r.memsz as usize, 0);
+            Ok(MergedTls { tls, bytes, offset, relocated: Vec::new(), shift: 0 })
         }
         Some((_, p)) => {
             // `k`: a multiple of both alignments, so the program's block
