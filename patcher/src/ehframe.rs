@@ -166,6 +166,8 @@ impl<'a> Sources<'a> {
                 _ => return Err("a search table entry outside .eh_frame"),
             }
         }
+        // (Sorted as the loader requires; a crafted table may not be.)
+        table.sort_unstable();
         let eh = EhFrame::new(data, LittleEndian);
         Ok(Sources { eh, bases, table, hdr_addr: Some(hdr_addr), eh_frame })
     }
@@ -184,11 +186,13 @@ impl<'a> Sources<'a> {
         let mut table = Vec::new();
         let mut entries = eh.entries(&bases);
         while let Some(entry) = entries.next().map_err(|_| "unreadable .eh_frame")? {
-            if let gimli::CieOrFde::Fde(partial) = entry {
-                let fde = partial.parse(|eh, b, o| eh.cie_from_offset(b, o)).map_err(|_| "unreadable .eh_frame")?;
-                if fde.len() > 0 {
-                    table.push((fde.initial_address(), eh_frame + fde.offset() as u64));
-                }
+            // (An entry that does not parse is left out of the table, as the
+            // unwinder would not use it either.)
+            if let gimli::CieOrFde::Fde(partial) = entry
+                && let Ok(fde) = partial.parse(|eh, b, o| eh.cie_from_offset(b, o))
+                && fde.len() > 0
+            {
+                table.push((fde.initial_address(), eh_frame + fde.offset() as u64));
             }
         }
         table.sort_unstable();
