@@ -13,13 +13,15 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// (line, entry) -> (calls, bytes, live objects and bytes; None for frees).
-type Rows = BTreeMap<(u32, String), (u64, u64, Option<(u64, u64)>)>;
+pub type Rows = BTreeMap<(u32, String), (u64, u64, Option<(u64, u64)>)>;
 
-fn marks(rel: &str) -> Rows {
+/// The `@site` markers of testbins/REL.
+pub fn marks(rel: &str) -> Rows {
     site_marks(rel).into_iter().map(|m| ((m.line, m.entry), (m.calls, m.bytes, m.live))).collect()
 }
 
-fn rows(doc: &Value, file: &str) -> Rows {
+/// A report's rows of the source file `file`.
+pub fn rows(doc: &Value, file: &str) -> Rows {
     let mut m = Rows::new();
     for s in doc["sites"].as_array().unwrap() {
         if !s["file"].as_str().is_some_and(|f| f.ends_with(file)) {

@@ -6,6 +6,7 @@
 //! objects of four threads freed by the main thread); the child it forks
 //! counts into a file of its own, never into its parent's.
 
+use crate::allocators::{Rows, marks, rows};
 use crate::patch::patch_to;
 use crate::runtime::{counters_dir, report};
 use crate::util::*;
@@ -16,31 +17,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 const SRC: &str = "static/exact.c";
-
-/// (line, entry) -> (calls, bytes, live objects and bytes; None for frees).
-type Rows = BTreeMap<(u32, String), (u64, u64, Option<(u64, u64)>)>;
-
-fn marks() -> Rows {
-    site_marks(SRC).into_iter().map(|m| ((m.line, m.entry), (m.calls, m.bytes, m.live))).collect()
-}
-
-fn rows(doc: &Value) -> Rows {
-    let mut m = Rows::new();
-    for s in doc["sites"].as_array().unwrap() {
-        if !s["file"].as_str().is_some_and(|f| f.ends_with(SRC)) {
-            continue;
-        }
-        let n = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k} of {s}"));
-        let key = (n("line") as u32, s["entry"].as_str().unwrap().to_string());
-        let row = if s["kind"] == "free" {
-            (n("calls"), 0, None)
-        } else {
-            (n("calls"), n("bytes"), Some((n("live_calls"), n("live_bytes"))))
-        };
-        assert!(m.insert(key, row).is_none(), "one row per line: {s}");
-    }
-    m
-}
 
 /// The line of the site only the forked child reaches.
 fn child_line() -> u32 {
@@ -93,10 +69,10 @@ fn check(counters: &Path, parent: u32, how: &str) {
     let files = files(counters);
     assert_eq!(files.len(), 2, "{how}: the parent's file and the forked child's: {files:?}");
     let doc = report(files[&parent].to_str().unwrap(), counters);
-    assert_eq!(rows(&doc), marks(), "{how}: (line, entry) -> (calls, bytes, live)");
+    assert_eq!(rows(&doc, SRC), marks(SRC), "{how}: (line, entry) -> (calls, bytes, live)");
     let (&child, file) = files.iter().find(|(p, _)| **p != parent).unwrap();
     let doc = report(file.to_str().unwrap(), counters);
-    let counted: Rows = rows(&doc).into_iter().filter(|(_, r)| r.0 != 0).collect();
+    let counted: Rows = rows(&doc, SRC).into_iter().filter(|(_, r)| r.0 != 0).collect();
     let want = Rows::from([((child_line(), "malloc".to_string()), (5, 200, Some((5, 200))))]);
     assert_eq!(counted, want, "{how}: child {child}'s own figures");
 }

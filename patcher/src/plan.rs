@@ -998,13 +998,16 @@ fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
     Code { addr: r.addr, offset: r.offset, bytes }
 }
 
+fn stub_err(err: CodegenError) -> Error {
+    Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"))
+}
+
 /// The init and fini stubs, which register the module with the runtime
 /// (the init stub loading it from `runtime` first if no loaded module
 /// provides it; a program's saying why on stderr when that fails and
 /// `ALLOCTRAMP` is set) and continue to the input's DT_INIT and
-/// DT_FINI functions, if any.
+/// DT_FINI functions, if any; then [`common_stubs`].
 fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, program: bool) -> Result<[Code; 6]> {
-    let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let mut stub = |api: i32, original: Option<u64>, load: Option<codegen::Load>| -> Result<Code> {
         let at = text.offset.wrapping_add(text.delta);
         let bytes = codegen::init_stub(at, ctx.control, ctx.table, api, original, load).map_err(stub_err)?;
@@ -1013,33 +1016,32 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, p
     let load = codegen::Load { path: runtime, say: program };
     let init = stub(layout::api::REGISTER, t.value(elf::DT_INIT), Some(load))?;
     let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI), None)?;
-    let at = text.offset.wrapping_add(text.delta);
-    let capture = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, true).map_err(stub_err)?);
-    let at = text.offset.wrapping_add(text.delta);
-    let plain = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, false).map_err(stub_err)?);
-    let at = text.offset.wrapping_add(text.delta);
-    let vectors = place_code(text, codegen::vector_stub(at).map_err(stub_err)?);
-    let at = text.offset.wrapping_add(text.delta);
-    let wide = place_code(text, codegen::wide_stub(at, ctx.control).map_err(stub_err)?);
+    let [capture, plain, vectors, wide] = common_stubs(text, ctx)?;
     Ok([init, fini, capture, plain, vectors, wide])
 }
 
 /// A static program's stubs: the init hook (the module's init stub, which
 /// continues to the original first initializer), the exit hook (which
-/// calls the runtime's exit function at `exit`), and the common ones.
+/// calls the runtime's exit function at `exit`), then [`common_stubs`].
 fn plan_static_stubs(
     text: &mut Cursor,
     ctx: &TextContext,
     p: &crate::statics::Program,
     exit: u64,
 ) -> Result<[Code; 6]> {
-    let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let at = text.offset.wrapping_add(text.delta);
     let init = codegen::init_stub(at, ctx.control, ctx.table, layout::api::REGISTER, Some(p.init.target), None);
     let init = place_code(text, init.map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
     let fini = codegen::static_exit_stub(at, ctx.control, ctx.table, exit, p.fini.target).map_err(stub_err)?;
     let fini = place_code(text, fini);
+    let [capture, plain, vectors, wide] = common_stubs(text, ctx)?;
+    Ok([init, fini, capture, plain, vectors, wide])
+}
+
+/// The stubs every module gets after its init and fini stubs: the two
+/// capture stubs, the vector stub and the wide-size stub.
+fn common_stubs(text: &mut Cursor, ctx: &TextContext) -> Result<[Code; 4]> {
     let at = text.offset.wrapping_add(text.delta);
     let capture = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, true).map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
@@ -1048,7 +1050,7 @@ fn plan_static_stubs(
     let vectors = place_code(text, codegen::vector_stub(at).map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
     let wide = place_code(text, codegen::wide_stub(at, ctx.control).map_err(stub_err)?);
-    Ok([init, fini, capture, plain, vectors, wide])
+    Ok([capture, plain, vectors, wide])
 }
 
 /// A static program's runtime, relocated for `mem.runtime`, its entry stub
@@ -1065,7 +1067,6 @@ fn plan_static(
     [init, fini]: [u64; 2],
 ) -> Result<StaticPlan> {
     use crate::statics;
-    let stub_err = |err: CodegenError| Error::new(ErrorKind::Request, Location::None, format!("stub: {err}"));
     let base = mem.runtime;
     let crate::statics::MergedTls { mut tls, bytes: tls_bytes, offset: tls_offset, relocated, shift: tls_shift } =
         merged;

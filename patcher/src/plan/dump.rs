@@ -29,60 +29,20 @@ fn flags(s: &Segment) -> String {
 }
 
 impl Plan<'_> {
-    /// A static program's parts after the site table (no dynamic tables;
-    /// the runtime and the thread-local image).
-    fn static_parts(&self, s: &super::StaticPlan, mut parts: Vec<Part>) -> Vec<Part> {
-        let patched = self.sites.iter().filter(|s| s.trampoline().is_some()).count();
-        let code = |name: &str, c: &super::Code| {
-            Part::loaded(name, Region { offset: c.offset, addr: c.addr, size: c.bytes.len() as u64 }, "")
-        };
-        parts.push(Part::loaded(".alloctramp.text", self.text, format!("stubs and {patched} trampolines")));
-        parts.push(code("  init stub (.init_array[0])", &self.init));
-        parts.push(code("  exit stub (.fini_array[0])", &self.fini));
-        parts.push(code("  entry stub (e_entry)", &s.entry));
-        if let Some(eh) = &self.eh_frame {
-            parts.push(Part::loaded(
-                ".alloctramp.eh_frame",
-                eh.entries,
-                format!("unwind entries of {patched} trampolines"),
-            ));
-            parts.push(Part::loaded(".eh_frame_hdr", eh.hdr, "the input's search table and the new entries"));
-        }
-        parts.push(Part::loaded(".alloctramp.data", self.control, "control block"));
-        let t = &s.runtime.tls;
-        let note = format!("PT_TLS: {:#x} bytes, the program's block {:#x} in", t.memsz, s.runtime.tls_shift);
-        parts.push(Part::loaded(".alloctramp.tdata", s.tls_image, note));
-        let k = &self.counters;
-        let note = format!("no file bytes; {} shards of {:#x}", k.shards, k.stride);
-        parts.push(Part::loaded(".alloctramp.counters", k.region, note));
-        let note = format!(
-            "{} segments, relocated; {} words for the entry stub",
-            s.runtime.segments.len(),
-            s.runtime.fixups.len()
-        );
-        parts.push(Part::loaded(".alloctramp.runtime", s.runtime.image, note));
-        let input = FileRange { offset: alloctramp_trampolines::addr::FileOffset(self.shift), size: self.input_size };
-        parts.push(Part::unloaded("input", input, format!("the input file, {} words rewritten", s.words.len())));
-        let new = alloctramp_trampolines::layout::NEW_SECTIONS.len() + super::STATIC_SECTION_NAMES.len();
-        parts.push(Part::unloaded(".shstrtab", self.shstrtab.range, format!("the input's names, then {new}")));
-        parts.push(Part::unloaded("section headers", self.shdrs, format!("{} entries", self.shnum)));
-        parts
-    }
-
-    /// Every part of the output in file order (the input as one part).
+    /// Every part of the output in file order (the input as one part). A
+    /// static program has no dynamic tables, and its runtime, entry stub
+    /// and thread-local image (`StaticPlan`).
     fn parts(&self) -> Vec<Part> {
         let c = &self.copies;
         let n = self.tables.symbol_count();
+        let statics = self.statics.as_ref();
         let mut parts = vec![
             Part::loaded("ELF header", self.ehdr, ""),
             Part::loaded("program headers", self.phdrs, format!("{} entries", self.phnum)),
             Part::loaded(".alloctramp.sites", self.site_table, format!("{} sites", self.sites.len())),
         ];
-        if let Some(s) = &self.statics {
-            return self.static_parts(s, parts);
-        }
-        parts.extend([
-            Part::loaded(
+        if statics.is_none() {
+            parts.push(Part::loaded(
                 ".dynsym",
                 c.dynsym,
                 format!(
@@ -91,8 +51,8 @@ impl Plan<'_> {
                     crate::tables::IMPORTED,
                     self.tables.insert_at
                 ),
-            ),
-            Part::loaded(
+            ));
+            parts.push(Part::loaded(
                 ".dynstr",
                 c.dynstr,
                 format!(
@@ -100,22 +60,31 @@ impl Plan<'_> {
                     self.tables.dynstr.size(),
                     if self.tables.needs_libc() { "" } else { " and the C library's" }
                 ),
-            ),
-        ]);
-        let optional = [(".gnu.version", c.versym), (".gnu.hash", c.gnu_hash), (".hash", c.hash)];
-        parts.extend(optional.into_iter().filter_map(|(name, r)| r.map(|r| Part::loaded(name, r, ""))));
-        let relas = self.tables.rela.map_or(0, |r| r.items.len());
-        parts.push(Part::loaded(".rela.dyn", c.rela, format!("{relas} relocations, then the import slots'")));
-        if let Some(r) = c.jmprel {
-            parts.push(Part::loaded(".rela.plt", r, format!("{} relocations", r.size / 24)));
+            ));
+            let optional = [(".gnu.version", c.versym), (".gnu.hash", c.gnu_hash), (".hash", c.hash)];
+            parts.extend(optional.into_iter().filter_map(|(name, r)| r.map(|r| Part::loaded(name, r, ""))));
+            let relas = self.tables.rela.map_or(0, |r| r.items.len());
+            parts.push(Part::loaded(".rela.dyn", c.rela, format!("{relas} relocations, then the import slots'")));
+            if let Some(r) = c.jmprel {
+                parts.push(Part::loaded(".rela.plt", r, format!("{} relocations", r.size / 24)));
+            }
         }
         let code = |name: &str, c: &super::Code| {
             Part::loaded(name, Region { offset: c.offset, addr: c.addr, size: c.bytes.len() as u64 }, "")
         };
         let patched = self.sites.iter().filter(|s| s.trampoline().is_some()).count();
         parts.push(Part::loaded(".alloctramp.text", self.text, format!("stubs and {patched} trampolines")));
-        parts.push(code("  init stub", &self.init));
-        parts.push(code("  fini stub", &self.fini));
+        match statics {
+            None => {
+                parts.push(code("  init stub", &self.init));
+                parts.push(code("  fini stub", &self.fini));
+            }
+            Some(s) => {
+                parts.push(code("  init stub (.init_array[0])", &self.init));
+                parts.push(code("  exit stub (.fini_array[0])", &self.fini));
+                parts.push(code("  entry stub (e_entry)", &s.entry));
+            }
+        }
         if let Some(eh) = &self.eh_frame {
             parts.push(Part::loaded(
                 ".alloctramp.eh_frame",
@@ -124,15 +93,35 @@ impl Plan<'_> {
             ));
             parts.push(Part::loaded(".eh_frame_hdr", eh.hdr, "the input's search table and the new entries"));
         }
-        parts.push(Part::loaded(".dynamic", self.dynamic, format!("{} entries", self.dynamic_count())));
+        if statics.is_none() {
+            parts.push(Part::loaded(".dynamic", self.dynamic, format!("{} entries", self.dynamic_count())));
+        }
         parts.push(Part::loaded(".alloctramp.data", self.control, "control block"));
+        if let Some(s) = statics {
+            let t = &s.runtime.tls;
+            let note = format!("PT_TLS: {:#x} bytes, the program's block {:#x} in", t.memsz, s.runtime.tls_shift);
+            parts.push(Part::loaded(".alloctramp.tdata", s.tls_image, note));
+        }
         let k = &self.counters;
         let note = format!("no file bytes; {} shards of {:#x}", k.shards, k.stride);
         parts.push(Part::loaded(".alloctramp.counters", k.region, note));
         let input = FileRange { offset: alloctramp_trampolines::addr::FileOffset(self.shift), size: self.input_size };
-        parts.push(Part::unloaded("input", input, "the input file"));
-        let new = if self.eh_frame.is_some() { 5 } else { 4 };
-        parts.push(Part::unloaded(".shstrtab", self.shstrtab.range, format!("the input's names, then {new}")));
+        match statics {
+            None => {
+                parts.push(Part::unloaded("input", input, "the input file"));
+                let new = if self.eh_frame.is_some() { 5 } else { 4 };
+                parts.push(Part::unloaded(".shstrtab", self.shstrtab.range, format!("the input's names, then {new}")));
+            }
+            Some(s) => {
+                let (n, fixups) = (s.runtime.segments.len(), s.runtime.fixups.len());
+                let note = format!("{n} segments, relocated; {fixups} words for the entry stub");
+                parts.push(Part::loaded(".alloctramp.runtime", s.runtime.image, note));
+                let note = format!("the input file, {} words rewritten", s.words.len());
+                parts.push(Part::unloaded("input", input, note));
+                let new = alloctramp_trampolines::layout::NEW_SECTIONS.len() + super::STATIC_SECTION_NAMES.len();
+                parts.push(Part::unloaded(".shstrtab", self.shstrtab.range, format!("the input's names, then {new}")));
+            }
+        }
         parts.push(Part::unloaded("section headers", self.shdrs, format!("{} entries", self.shnum)));
         parts
     }

@@ -404,12 +404,17 @@ pub unsafe extern "C" fn getenv(name: *const c_char) -> *mut c_char {
         return core::ptr::null_mut();
     }
     // SAFETY: NUL-terminated strings: the name and the environment's.
+    // Each entry is read only as far as it matches (no length of it).
     unsafe {
         let name = core::ffi::CStr::from_ptr(name).to_bytes();
         while !(*p).is_null() {
-            let entry = core::ffi::CStr::from_ptr(*p as *const c_char).to_bytes();
-            if entry.len() > name.len() && entry.starts_with(name) && entry[name.len()] == b'=' {
-                return (*p).add(name.len() + 1) as *mut c_char;
+            let entry = *p;
+            let mut i = 0;
+            while i < name.len() && *entry.add(i) == name[i] {
+                i += 1;
+            }
+            if i == name.len() && *entry.add(i) == b'=' {
+                return entry.add(i + 1) as *mut c_char;
             }
             p = p.add(1);
         }

@@ -16,26 +16,20 @@ pub fn host(word: usize) -> u64 {
     alloctramp_static_host.get(word).map_or(0, |w| w.load(Ordering::Relaxed))
 }
 
-// errno: a thread-local int in the block the patcher places in front of
-// the program's, reached from the thread pointer.
-global_asm!(
-    ".pushsection .tbss,\"awT\",@nobits",
-    ".p2align 2",
-    "alloctramp_static_errno:",
-    ".zero 4",
-    "alloctramp_static_forking:",
-    ".zero 1",
-    ".popsection",
-);
+// The static runtime's own thread-local words, in the block the patcher
+// places in front of the program's: errno (an int at 0) and the forking
+// flag (a byte at 4).
+global_asm!(".pushsection .tbss,\"awT\",@nobits", ".p2align 2", "alloctramp_static_tls:", ".zero 8", ".popsection",);
 
-/// The calling thread's flag: a fork is under way (its handlers before it
-/// ran).
-pub fn forking_ptr() -> *mut u8 {
+/// The calling thread's words.
+fn words() -> *mut u8 {
     let p: *mut u8;
-    // SAFETY: as for `errno_ptr`.
+    // SAFETY: reads the GOT slot the patcher filled with the block's
+    // offset from the thread pointer, and the thread pointer (fs:0 holds
+    // the thread control block's own address in glibc and musl alike).
     unsafe {
         asm!(
-            "mov {p}, qword ptr [rip + alloctramp_static_forking@GOTTPOFF]",
+            "mov {p}, qword ptr [rip + alloctramp_static_tls@GOTTPOFF]",
             "add {p}, qword ptr fs:0",
             p = out(reg) p,
             options(nostack, readonly, preserves_flags),
@@ -45,19 +39,13 @@ pub fn forking_ptr() -> *mut u8 {
 }
 
 pub fn errno_ptr() -> *mut i32 {
-    let p: *mut i32;
-    // SAFETY: reads the GOT slot the patcher filled with the variable's
-    // offset from the thread pointer, and the thread pointer (fs:0 holds
-    // the thread control block's own address in glibc and musl alike).
-    unsafe {
-        asm!(
-            "mov {p}, qword ptr [rip + alloctramp_static_errno@GOTTPOFF]",
-            "add {p}, qword ptr fs:0",
-            p = out(reg) p,
-            options(nostack, readonly, preserves_flags),
-        );
-    }
-    p
+    words().cast()
+}
+
+/// The calling thread's flag: a fork is under way (its handlers before it
+/// ran).
+pub fn forking_ptr() -> *mut u8 {
+    words().wrapping_add(4)
 }
 
 pub fn set_errno(e: i32) {
