@@ -3,7 +3,7 @@
 //! event is in the trace or counted lost.
 
 use crate::patch::patch_to;
-use crate::runtime::counters_dir;
+use crate::runtime::{counters_dir, live_figures};
 use crate::util::*;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -520,4 +520,53 @@ fn a_trace_recorded_from_the_start_keeps_its_events_for_the_one_drainer_that_att
     let (a, k) = (sites[&line_of("A")].clone(), sites[&line_of("K")].clone());
     let count = |name: &str, key: &str, v: &str| events.iter().filter(|(n, f)| n == name && f[key] == v).count();
     assert_eq!((count("alloc", "site", &a), count("free", "alloc_site", &a), count("alloc", "site", &k)), (10, 10, 2));
+}
+
+/// A trace of a process whose profiling is on already: its sites move to
+/// their traced entries and back, and the live figures stay exact across
+/// both moves, the objects of every phase counted once.
+#[test]
+fn a_trace_of_a_profiled_process_moves_its_sites_and_back_with_exact_figures() {
+    let name = "trace-profiled";
+    let dir = scratch(name);
+    let counters = counters_dir(name);
+    let bin = build_source("trace/pairs.c", &dir);
+    let patched = dir.join("pairs.patched");
+    patch_to(&bin, &patched, &[]);
+    let env = [("ALLOCTRAMP_DIR", counters.to_str().unwrap()), ("ALLOCTRAMP", "on")];
+    let mut p = Talk::start(&patched, &[], &env);
+    assert_eq!(p.line(), "ready\n");
+    let run = |p: &mut Talk, commands: &[&str]| {
+        for c in commands {
+            p.send(c);
+            assert_eq!(p.line(), "done\n");
+        }
+    };
+    run(&mut p, &["go 30", "keep 3"]);
+    let out = dir.join("trace");
+    let (mut tracer, mut err, _) = start_tracer(&p, &counters, &out, &[]);
+    run(&mut p, &["go 200", "keep 2"]);
+    // SAFETY: kill(2) on the tracer's pid.
+    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    assert!(tracer.wait().unwrap().success(), "{rest}");
+    assert!(rest.contains("no event lost"), "{rest}");
+    run(&mut p, &["go 50", "keep 1"]);
+    let live = live_figures(&counters.join(format!("{}.counters", p.child.id())));
+    let at = |marker: &str| live[&("pairs.c".to_string(), line_of(marker), "malloc".to_string())];
+    assert_eq!(at("A"), (0, 0, 0), "every object of A freed, in and out of the trace");
+    assert_eq!(at("K"), (6, 6 * 64, 0));
+    assert_eq!(live[&("pairs.c".to_string(), line_of("F"), "free".to_string())].2, 0, "no free untracked");
+    drop(p.child.stdin.take());
+    assert_eq!(p.finish(), (String::new(), Some(0)));
+
+    // The trace holds the events of its own phase only.
+    let (events, warnings) = babeltrace(&out);
+    assert_eq!(warnings, "");
+    let sites = sites_by_line(&events);
+    let [a, f, k] = ["A", "F", "K"].map(|n| sites[&line_of(n)].clone());
+    let count = |name: &str, k: &str, v: &str| events.iter().filter(|(n, f)| n == name && f[k] == v).count();
+    assert_eq!((count("alloc", "site", &a), count("alloc", "site", &k)), (200, 2));
+    assert_eq!((count("free", "site", &f), count("free", "alloc_site", &a)), (200, 200));
 }

@@ -629,6 +629,24 @@ pub fn leaf_stub_program(addr: u64, len: u64) -> Program {
     Program { addr, len, instructions: out, index: u32::MAX, undo: Vec::new() }
 }
 
+/// The trace stub's entry (`codegen::trace_stub`): an ordinary frame whose
+/// CFA follows the registers its way to the runtime pushes, from the
+/// stub's own code.
+pub fn trace_stub_program(addr: u64, code: &[u8]) -> Program {
+    let mut out = vec![0x0c, 7, 8, 0x90, 1]; // CFA = rsp + 8; return address at CFA - 8
+    // The generator's stub always follows (a test holds it to that); rows
+    // from an unfollowable stub would be wrong, so it keeps the first.
+    let rows = alloctramp_trampolines::frames::frames(code, addr, &[0], 0).map(|f| f.rows).unwrap_or_default();
+    let mut at = 0;
+    for r in rows.iter().filter(|r| r.offset != 0) {
+        advance(&mut out, r.offset - at);
+        at = r.offset;
+        out.push(0x0e); // DW_CFA_def_cfa_offset
+        uleb(&mut out, 8 + u64::from(r.below));
+    }
+    Program { addr, len: code.len() as u64, instructions: out, index: u32::MAX, undo: Vec::new() }
+}
+
 fn advance(out: &mut Vec<u8>, delta: u32) {
     match delta {
         0 => {}

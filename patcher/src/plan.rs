@@ -242,8 +242,9 @@ pub struct Trampoline {
     /// free site (0 otherwise) and the entry that only counts.
     pub drain: u16,
     pub count: u16,
-    /// The callers entry (0: none).
+    /// The callers entry and the traced entry (0: none).
     pub callers: u16,
+    pub traced: u16,
     /// `layout::site_flags`.
     pub flags: u8,
 }
@@ -395,6 +396,9 @@ pub struct Plan<'a> {
     /// The wide-size stub, which free trampolines call for a record of
     /// size 0 (`codegen::wide_stub`).
     pub wide: Code,
+    /// The trace stub, which traced entries call to record an event
+    /// (`codegen::trace_stub`).
+    pub trace: Code,
     /// All of the executable segment's code (.alloctramp.text).
     pub text: Region,
     /// The trampolines' unwind entries and the new .eh_frame_hdr that
@@ -601,10 +605,11 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         capture_plain: 0,
         vectors: 0,
         wide: 0,
+        trace: 0,
     };
     let mut cursor = Cursor { offset: text_start, delta: mem.text.wrapping_sub(text_start) };
     let program = !matches!(elf.file_type, crate::elf::FileType::Shared);
-    let [init, fini, capture, capture_plain, vectors, wide] = match &static_input {
+    let [init, fini, capture, capture_plain, vectors, wide, trace] = match &static_input {
         None => plan_stubs(&mut cursor, &ctx, &tables, &opts.runtime_path, program)?,
         Some((p, rt)) => plan_static_stubs(&mut cursor, &ctx, p, rt.exit + mem.runtime)?,
     };
@@ -617,6 +622,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     };
     ctx.vectors = vectors.addr.0;
     ctx.wide = wide.addr.0;
+    ctx.trace = trace.addr.0;
     // Callers capture needs the module's unwind rows.
     if !a.unwind.is_empty() {
         ctx.capture = capture.addr.0;
@@ -634,6 +640,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     if !programs.is_empty() {
         programs.insert(0, ehframe::vector_stub_program(vectors.addr.0, vectors.bytes.len() as u64));
         programs.insert(1, ehframe::leaf_stub_program(wide.addr.0, wide.bytes.len() as u64));
+        programs.insert(2, ehframe::trace_stub_program(trace.addr.0, &trace.bytes));
     }
     // A call to a wrapper that counts for what the wrapper allocates must
     // be patched: the calls inside the wrapper may count nothing.
@@ -704,6 +711,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         capture_plain,
         vectors,
         wide,
+        trace,
         text,
         eh_frame,
         dynamic: rw.dynamic,
@@ -988,6 +996,8 @@ struct TextContext {
     vectors: u64,
     /// The wide-size stub.
     wide: u64,
+    /// The trace stub.
+    trace: u64,
 }
 
 /// Places generated code at the cursor; the next code starts 16-byte
@@ -1007,7 +1017,7 @@ fn stub_err(err: CodegenError) -> Error {
 /// provides it; a program's saying why on stderr when that fails and
 /// `ALLOCTRAMP` is set) and continue to the input's DT_INIT and
 /// DT_FINI functions, if any; then [`common_stubs`].
-fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, program: bool) -> Result<[Code; 6]> {
+fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, program: bool) -> Result<[Code; 7]> {
     let mut stub = |api: i32, original: Option<u64>, load: Option<codegen::Load>| -> Result<Code> {
         let at = text.offset.wrapping_add(text.delta);
         let bytes = codegen::init_stub(at, ctx.control, ctx.table, api, original, load).map_err(stub_err)?;
@@ -1016,8 +1026,8 @@ fn plan_stubs(text: &mut Cursor, ctx: &TextContext, t: &Tables, runtime: &str, p
     let load = codegen::Load { path: runtime, say: program };
     let init = stub(layout::api::REGISTER, t.value(elf::DT_INIT), Some(load))?;
     let fini = stub(layout::api::UNREGISTER, t.value(elf::DT_FINI), None)?;
-    let [capture, plain, vectors, wide] = common_stubs(text, ctx)?;
-    Ok([init, fini, capture, plain, vectors, wide])
+    let [capture, plain, vectors, wide, trace] = common_stubs(text, ctx)?;
+    Ok([init, fini, capture, plain, vectors, wide, trace])
 }
 
 /// A static program's stubs: the init hook (the module's init stub, which
@@ -1028,20 +1038,20 @@ fn plan_static_stubs(
     ctx: &TextContext,
     p: &crate::statics::Program,
     exit: u64,
-) -> Result<[Code; 6]> {
+) -> Result<[Code; 7]> {
     let at = text.offset.wrapping_add(text.delta);
     let init = codegen::init_stub(at, ctx.control, ctx.table, layout::api::REGISTER, Some(p.init.target), None);
     let init = place_code(text, init.map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
     let fini = codegen::static_exit_stub(at, ctx.control, ctx.table, exit, p.fini.target).map_err(stub_err)?;
     let fini = place_code(text, fini);
-    let [capture, plain, vectors, wide] = common_stubs(text, ctx)?;
-    Ok([init, fini, capture, plain, vectors, wide])
+    let [capture, plain, vectors, wide, trace] = common_stubs(text, ctx)?;
+    Ok([init, fini, capture, plain, vectors, wide, trace])
 }
 
 /// The stubs every module gets after its init and fini stubs: the two
-/// capture stubs, the vector stub and the wide-size stub.
-fn common_stubs(text: &mut Cursor, ctx: &TextContext) -> Result<[Code; 4]> {
+/// capture stubs, the vector stub, the wide-size stub and the trace stub.
+fn common_stubs(text: &mut Cursor, ctx: &TextContext) -> Result<[Code; 5]> {
     let at = text.offset.wrapping_add(text.delta);
     let capture = place_code(text, codegen::capture_stub(at, ctx.control, ctx.table, true).map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
@@ -1050,7 +1060,9 @@ fn common_stubs(text: &mut Cursor, ctx: &TextContext) -> Result<[Code; 4]> {
     let vectors = place_code(text, codegen::vector_stub(at).map_err(stub_err)?);
     let at = text.offset.wrapping_add(text.delta);
     let wide = place_code(text, codegen::wide_stub(at, ctx.control).map_err(stub_err)?);
-    Ok([capture, plain, vectors, wide])
+    let at = text.offset.wrapping_add(text.delta);
+    let trace = place_code(text, codegen::trace_stub(at, ctx.control, vectors.addr.0).map_err(stub_err)?);
+    Ok([capture, plain, vectors, wide, trace])
 }
 
 /// A static program's runtime, relocated for `mem.runtime`, its entry stub
@@ -1165,6 +1177,7 @@ fn plan_sites(
             preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
             vectors: ctx.vectors,
             wide: ctx.wide,
+            trace: ctx.trace,
             args: entry.args,
             control: ctx.control,
             shard_mask: ctx.shards - 1,
@@ -1196,7 +1209,7 @@ fn plan_sites(
         } else {
             match trampoline(&spec, at) {
                 Ok(t) => {
-                    let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+                    let entries = t.entries();
                     let found: std::result::Result<_, &'static str> = match sources {
                         None => Err("the file has no .eh_frame_hdr to extend"),
                         Some(src) => frames::frames(&t.code, at, &entries, spec.target)
@@ -1221,12 +1234,14 @@ fn plan_sites(
                         Err(why) if spec.hook && unwinds => Decision::Skipped(SkipReason::NoUnwind(why)),
                         found => {
                             unwind = found.ok();
-                            let (drain, count, callers, flags) = (t.drain, t.count, t.callers, t.flags);
+                            let (drain, count, callers, traced, flags) =
+                                (t.drain, t.count, t.callers, t.traced, t.flags);
                             Decision::Patched(Trampoline {
                                 code: place_code(text, t.code),
                                 drain,
                                 count,
                                 callers,
+                                traced,
                                 flags,
                             })
                         }
@@ -1281,14 +1296,22 @@ fn place_eh_frame(
 }
 
 /// A site's trampoline at `at`, if every entry of it is in reach of the
-/// site's jump.
+/// site's jump (but the traced entry, which is then left unused).
 fn trampoline(spec: &TrampolineSpec, at: u64) -> std::result::Result<codegen::Trampoline, SkipReason> {
     if spec.len < 5 {
         return Err(SkipReason::TooShort { len: spec.len });
     }
-    let t = codegen::trampoline(spec, at).map_err(SkipReason::Codegen)?;
+    let mut t = codegen::trampoline(spec, at).map_err(SkipReason::Codegen)?;
     let reaches = |e: u16| codegen::site_jump(spec.site, at + u64::from(e)).is_some();
-    if [0, t.drain, t.count, t.callers].into_iter().all(reaches) { Ok(t) } else { Err(SkipReason::OutOfRange) }
+    if ![0, t.drain, t.count, t.callers].into_iter().all(reaches) {
+        return Err(SkipReason::OutOfRange);
+    }
+    // A traced entry out of reach is left unused: the site records its
+    // events through the runtime.
+    if !reaches(t.traced) {
+        t.traced = 0;
+    }
+    Ok(t)
 }
 
 /// The section headers of the copied tables, found by type and address

@@ -62,7 +62,7 @@ fn input_loads(data: &[u8]) -> Vec<(u64, u64, u64)> {
 fn within(inner: Region, outer_off: u64, outer_addr: u64, outer_size: u64) -> bool {
     inner.offset.0 >= outer_off
         && inner.offset.0 + inner.size <= outer_off + outer_size
-        && inner.addr.0 - inner.offset.0 == outer_addr - outer_off
+        && inner.addr.0.wrapping_sub(inner.offset.0) == outer_addr.wrapping_sub(outer_off)
 }
 
 #[test]
@@ -74,7 +74,11 @@ fn new_segments_are_page_aligned_and_above_every_input_segment() {
         for s in &p.segments {
             assert_eq!(s.offset.0 % PAGE, 0, "{name}: {s:?}");
             assert_eq!(s.addr.0 % PAGE, 0, "{name}: {s:?}");
-            assert_eq!((s.addr.0 - s.offset.0) % s.align, 0, "{name}: offset and address agree modulo p_align: {s:?}");
+            assert_eq!(
+                s.addr.0.wrapping_sub(s.offset.0) % s.align,
+                0,
+                "{name}: offset and address agree modulo p_align: {s:?}"
+            );
             assert!(s.addr.0 >= top, "{name}: {s:?} is above every input segment (they end at {top:#x})");
             assert!(s.file_size <= s.mem_size);
             assert!(s.offset.0 + s.file_size <= p.shift, "{name}: {s:?} is before the input in the file");
@@ -261,7 +265,7 @@ fn sites_out_of_rel32_range_of_the_new_segments_are_skipped() {
     let p = plan_of(&data, &a, &opts()).unwrap();
     assert_eq!(
         p.text.size,
-        (p.wide.addr.0 - p.text.addr.0) + (p.wide.bytes.len() as u64).next_multiple_of(16),
+        (p.trace.addr.0 - p.text.addr.0) + (p.trace.bytes.len() as u64).next_multiple_of(16),
         "only the stubs"
     );
 }
@@ -491,7 +495,7 @@ fn every_trampoline_has_an_unwind_entry_and_the_input_keeps_its_own() {
         let mut calls = 0;
         for s in &plan.sites {
             let Some(t) = s.trampoline() else { continue };
-            let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+            let entries = [0, t.drain, t.count, t.callers, t.traced].map(u32::from);
             let target = a.scan.sites.iter().find(|x| x.vaddr == s.addr).unwrap().target.0;
             let f = alloctramp_trampolines::frames::frames(&t.code.bytes, t.code.addr.0, &entries, target).unwrap();
             for c in f.calls.iter().filter(|c| c.target && !s.form.is_tail()) {

@@ -75,11 +75,12 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, control: *const ControlBlock
         (bias, t.wrapping_add(sites).wrapping_add(index.wrapping_mul(SITE_SIZE as u64)))
     };
     // Before anything else: where the stub goes back to. SAFETY: as above.
-    let (trampoline, count, flags) = unsafe {
+    let (trampoline, count, flags, traced) = unsafe {
         (
             read::<u64>(site + offset_of!(Site, trampoline) as u64),
             read::<u16>(site + offset_of!(Site, count) as u64),
             read::<u8>(site + offset_of!(Site, flags) as u64),
+            read::<u16>(site + offset_of!(Site, traced) as u64),
         )
     };
     let special = flags & (site_flags::HOOK | site_flags::UNDER_HOOK | site_flags::DEPTH_CHECK);
@@ -87,7 +88,7 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, control: *const ControlBlock
         // SAFETY: forwarded.
         return unsafe { capture_special(f, rbp, site, bias.wrapping_add(trampoline), special, t, index) };
     }
-    let entry = if LIVE.load(Ordering::Relaxed) { 0 } else { count };
+    let entry = if LIVE.load(Ordering::Relaxed) { crate::state::live_entry(traced) } else { count };
     f.index = bias.wrapping_add(trampoline).wrapping_add(u64::from(entry));
     // SAFETY: forwarded.
     unsafe { record_chain::<false>(f, rbp, site, t, index) }

@@ -167,9 +167,12 @@ pub fn apply(cmd: Command) {
         Command::Do(Request::NoCallers) => crate::callers::set_depth(0),
         Command::Do(Request::Trace) => start_trace(),
         Command::Do(Request::NoTrace) => {
-            crate::trace::stop();
+            // The traced entries' stub checks no flag: their limits go to 0
+            // first (events until then are the trace's).
             registry::set_tracing_all(false);
-            Ok(())
+            crate::trace::stop();
+            state::TRACED.store(false, Ordering::Release);
+            registry::refresh_all()
         }
         Command::Do(Request::Fail) => {
             let set = crate::fault::set_from_file();
@@ -218,7 +221,8 @@ pub fn start_trace() -> Result<(), &'static str> {
     crate::trace::select_sites()?;
     crate::trace::start()?;
     registry::set_tracing_all(true);
-    if state::is_on() { Ok(()) } else { registry::switch_all(Sites::On) }
+    state::TRACED.store(true, Ordering::Release);
+    if state::is_on() { registry::refresh_all() } else { registry::switch_all(Sites::On) }
 }
 
 fn monotonic_ns() -> u64 {

@@ -165,6 +165,8 @@ pub fn next_wait(most: u64) -> u64 {
 /// trace completed (the watcher, if it is draining, finishes first; it
 /// drains no more after).
 pub fn finish() {
+    // The traced entries first: their stub checks no flag.
+    registry::set_tracing_all(false);
     trace::stop();
     run(true);
     STATE.with(|_| ACTIVE.store(false, Ordering::Release));

@@ -234,6 +234,9 @@ extern "C" fn after_fork_in_child() {
     if trace::ON.load(Ordering::Relaxed) {
         registry::set_tracing_all(false);
     }
+    // The child starts untraced: its sites leave their traced entries
+    // once its modules have their own counters.
+    let traced = state::TRACED.swap(false, Ordering::Relaxed);
     trace::after_fork_in_child();
     drain::after_fork_in_child();
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
@@ -241,6 +244,11 @@ extern "C" fn after_fork_in_child() {
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
     registry::reopen_after_fork(|| open_process_file(dir, mode));
     callers::after_fork_in_child();
+    if traced {
+        // (A module that cannot be switched keeps its traced entries, which
+        // record nothing with the trace's limits zeroed.)
+        let _ = registry::refresh_all();
+    }
     state::publish_state();
     fault::publish();
     if fault::any() {
@@ -395,8 +403,11 @@ fn init() {
     }
     // Before any module registers: each turns tracing on as it turns live
     // tracking on.
-    if traced && let Err(e) = trace::start() {
-        state::report_error(e);
+    if traced {
+        match trace::start() {
+            Ok(()) => state::TRACED.store(true, Ordering::Release),
+            Err(e) => state::report_error(e),
+        }
     }
     registry::CAPTURE.store(callers::capture as *const () as usize as u64, Ordering::Relaxed);
     if let Ok(v) = std::env::var("ALLOCTRAMP_CALLERS") {

@@ -861,11 +861,8 @@ pub unsafe fn enable_in(control: &ControlBlock, slot: u64, file: Option<(&mut Pr
     control.track_realloc_end.store(track_realloc_end as *const () as u64, r);
     control.shadow.store(SHADOW.load(r), r);
     control.freed.store(FREED.load(r), r);
-    let granules = GRANULES.load(r);
-    control.shadow_granules.store(granules, r);
-    control
-        .shadow_mask
-        .store((granules << shadow::GRANULE_SHIFT).wrapping_sub(1) & !((1 << shadow::GRANULE_SHIFT) - 1), r);
+    control.shadow_granules.store(GRANULES.load(r), r);
+    control.shadow_mask.store(shadow_mask(), r);
     give_ids(control, slot as usize, file);
     if trace::ON.load(Ordering::Acquire) {
         // SAFETY: the module's control block, live tracking just on.
@@ -873,10 +870,21 @@ pub unsafe fn enable_in(control: &ControlBlock, slot: u64, file: Option<(&mut Pr
     }
 }
 
+/// The control blocks' `shadow_mask`: the offset of the last granule the
+/// map covers.
+fn shadow_mask() -> u64 {
+    let granules = GRANULES.load(Ordering::Relaxed);
+    (granules << shadow::GRANULE_SHIFT).wrapping_sub(1) & !((1 << shadow::GRANULE_SHIFT) - 1)
+}
+
 /// Switches a module's trampolines to tracing (`on`) or back: while
-/// tracing, they leave every record to the runtime, whose tracing
-/// functions record each event (see `trace`). No trampoline runs a
-/// tracing instruction otherwise. The fields change one by one under
+/// tracing, the start entries leave every record to the runtime, whose
+/// tracing functions record each event (see `trace`). The traced entries,
+/// which the sites jump to while a trace is on (`state::TRACED`), record
+/// inline where the start entries would and write each event's record
+/// themselves when every event is recorded (their own copies of the
+/// limits and mask, set here); otherwise they too leave every record to
+/// the runtime. No trampoline runs a tracing instruction otherwise. The fields change one by one under
 /// running trampolines, and every mix of old and new values is correct:
 /// the limits only choose between the inline path and the runtime's, the
 /// mask 0 sends a free's inline lookup to the entry of the map's first
@@ -889,10 +897,19 @@ pub unsafe fn enable_in(control: &ControlBlock, slot: u64, file: Option<(&mut Pr
 /// `control` must be the module's control block, with live tracking on.
 pub unsafe fn set_tracing(control: &ControlBlock, slot: usize, on: bool) {
     let r = Ordering::Relaxed;
-    let has_ids = MODULES.get(slot).is_some_and(|m| m.first_id.load(Ordering::Acquire) != 0);
+    let first = MODULES.get(slot).map_or(0, |m| m.first_id.load(Ordering::Acquire));
+    let has_ids = first != 0;
+    // The traced entries' inline paths stop first (and start last).
+    control.trace_inline_limit.store(0, r);
+    control.trace_cas_limit.store(0, r);
+    control.trace_shadow_mask.store(0, r);
     if control.track_alloc.load(r) == 0 || on && !has_ids {
         return;
     }
+    // What the three fields the trace zeroes hold without one.
+    let mask = shadow_mask();
+    let cas = shadow::SIZE_LIMIT;
+    let inline = if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 };
     if on {
         control.track_alloc.store(trace_alloc as *const () as u64, r);
         control.track_free.store(trace_free as *const () as u64, r);
@@ -901,14 +918,20 @@ pub unsafe fn set_tracing(control: &ControlBlock, slot: usize, on: bool) {
         control.inline_limit.store(0, r);
         control.cas_limit.store(0, r);
         control.shadow_mask.store(0, r);
+        // Every event recorded: the traced entries record inline where
+        // the start entries would, and each writes the record itself
+        // (`state::TRACED` switches the sites to them).
+        if trace::records_every_event() {
+            control.trace_base.store(u64::from(first) << trace::SITE_SHIFT, r);
+            control.trace_shadow_mask.store(mask, r);
+            control.trace_cas_limit.store(cas, r);
+            control.trace_inline_limit.store(inline, r);
+        }
     } else {
-        let granules = GRANULES.load(r);
-        control
-            .shadow_mask
-            .store((granules << shadow::GRANULE_SHIFT).wrapping_sub(1) & !((1 << shadow::GRANULE_SHIFT) - 1), r);
+        control.shadow_mask.store(mask, r);
         if has_ids {
-            control.cas_limit.store(shadow::SIZE_LIMIT, r);
-            control.inline_limit.store(if ONE_PER_GRANULE.load(r) { shadow::SIZE_LIMIT } else { 0 }, r);
+            control.cas_limit.store(cas, r);
+            control.inline_limit.store(inline, r);
         }
         control.track_alloc.store(track_alloc as *const () as u64, r);
         control.track_free.store(track_free as *const () as u64, r);

@@ -92,9 +92,9 @@ fn fault_handler_waits(table: &Table) -> bool {
 
 /// The bytes a site should hold: `jmp` to one of its trampoline's entries
 /// (the callers entry while call chains are recorded or a fault spec names
-/// the site, counting and
-/// tracking, counting only when live tracking is off, or the drain entry of
-/// a free site while draining), or the original bytes.
+/// the site; counting and tracking, or its traced entry during a trace;
+/// counting only when live tracking is off; or the drain entry of a free
+/// site while draining), or the original bytes.
 fn wanted(table: &Table, bias: u64, site: &alloctramp_trampolines::layout::Site, sites: Sites) -> [u8; 5] {
     let free = || table.entry(site.entry as usize).is_some_and(|e| e.kind == Kind::Free.code());
     let entry = match sites {
@@ -104,7 +104,7 @@ fn wanted(table: &Table, bias: u64, site: &alloctramp_trampolines::layout::Site,
         {
             Some(site.callers)
         }
-        Sites::On if LIVE.load(Ordering::Relaxed) => Some(0),
+        Sites::On if LIVE.load(Ordering::Relaxed) => Some(crate::state::live_entry(site.traced)),
         Sites::On => Some(site.count),
         Sites::Frees if free() && site.drain != 0 => Some(site.drain),
         Sites::Frees | Sites::Off => None,

@@ -64,6 +64,17 @@ pub fn records_chains(addr: u64) -> bool {
 /// shadow map cannot be reserved.
 pub static LIVE: AtomicBool = AtomicBool::new(false);
 
+/// A trace is on: sites with a traced entry jump there instead of to
+/// their start (see `live::set_tracing`).
+pub static TRACED: AtomicBool = AtomicBool::new(false);
+
+/// The entry a site's jump or its callers entry goes to while profiling is
+/// on with live tracking: the traced entry during a trace, else the start
+/// (offset 0).
+pub fn live_entry(traced: u16) -> u16 {
+    if traced != 0 && TRACED.load(Ordering::Relaxed) { traced } else { 0 }
+}
+
 /// Live figures may overstate from now on (until a reset).
 pub static INCOMPLETE: AtomicBool = AtomicBool::new(false);
 

@@ -81,6 +81,12 @@ pub const TRACE_END: usize = 15;
 /// Word 16: 1 while the thread records an event (see `trace`): an event
 /// of a signal handler that interrupts it is not recorded.
 pub const TRACE_BUSY: usize = 16;
+// The traced entries find them as `trampolines::trace::words` says.
+const _: () = {
+    use alloctramp_trampolines::trace::words;
+    assert!(8 * (TRACE_CUR - TRACE_RING) == words::CUR as usize && 8 * (TRACE_END - TRACE_RING) == words::END as usize);
+    assert!(8 * (TRACE_BUSY - TRACE_RING) == words::BUSY as usize && words::RING == 0);
+};
 
 /// Offset of word 0 from the thread pointer.
 #[inline(always)]

@@ -1,7 +1,9 @@
 //! Event recording (`alloctramp trace`): while a trace is on, every
-//! allocation, free and realloc that reaches the runtime (see `live`: the
-//! trampolines of a traced module leave every record to it) becomes a
-//! record in the calling thread's ring of the trace file, `PID.trace`
+//! allocation, free and realloc of a traced module becomes a record in the
+//! calling thread's ring of the trace file (see `live::set_tracing`: the
+//! traced entries of common sites write it through the module's trace stub,
+//! which uses the words and windows this module keeps, and the runtime
+//! writes the others' here), `PID.trace`
 //! beside the process file (layout in `alloctramp_trampolines::trace`),
 //! which a drainer outside the process copies into a CTF trace.
 //!
@@ -16,12 +18,13 @@
 
 use crate::{procfile, sys, tls};
 use alloctramp_trampolines::pod;
+pub use alloctramp_trampolines::trace::SITE_SHIFT;
 use alloctramp_trampolines::trace::{self, Record, RingHeader, TraceHeader, kind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// Events are recorded (the trampolines of traced modules call the
-/// runtime's tracing functions whether or not this is set, for a moment
-/// after a trace stops; they record nothing then).
+/// Events are recorded (a trace stops by first sending every module's
+/// trampolines back to the tracking functions, `live::set_tracing`; a call
+/// of a tracing function already under way then records nothing).
 pub static ON: AtomicBool = AtomicBool::new(false);
 /// The trace file's mapping (0: none yet).
 static BASE: AtomicU64 = AtomicU64::new(0);
@@ -35,6 +38,12 @@ static FILTER: AtomicBool = AtomicBool::new(false);
 /// [`ON`] without [`FILTER`]: every event is recorded, and [`record`]
 /// takes its short path.
 static EVERY: AtomicBool = AtomicBool::new(false);
+
+/// Whether every event is recorded (a trace without a site filter): the
+/// traced entries then write their records themselves.
+pub fn records_every_event() -> bool {
+    EVERY.load(Ordering::Acquire)
+}
 
 /// Sets [`EVERY`] from [`ON`] and [`FILTER`].
 fn update_every() {
@@ -397,6 +406,14 @@ fn record_slow(word: u64, ptr: u64, size: u64) -> u64 {
     }
     leave();
     ptr
+}
+
+/// The control blocks' `trace_record`: records an event a traced entry
+/// left to the runtime (its thread's window used up, or the event is a
+/// signal handler's that interrupted the recording of another), whose
+/// record word is `word` with the CPU 0. Returns `ptr`.
+pub extern "C" fn record_from_trampoline(word: u64, ptr: u64, size: u64) -> u64 {
+    record_slow(word, ptr, size)
 }
 
 /// Records an allocation or a free of site `site` (`alloc_site`: the site

@@ -38,6 +38,9 @@ pub struct TrampolineSpec {
     /// The module's wide-size stub (see [`wide_stub`]), which a free's
     /// inline path calls for a record of size 0.
     pub wide: u64,
+    /// The module's trace stub (see [`trace_stub`]), which a traced entry
+    /// calls to record an event.
+    pub trace: u64,
     /// Argument registers the target reads (kept around a runtime call
     /// made before the original call).
     pub args: u8,
@@ -140,6 +143,16 @@ fn rip(addr: u64) -> MemoryOperand {
 
 const ARG_REGS: [AsmRegister64; 6] = [rdi, rsi, rdx, rcx, r8, r9];
 
+/// The trace record's fields (see [`crate::trace::Record`]) as a traced
+/// entry writes them.
+const SITE_FIELD: u32 = crate::trace::SITE_SHIFT;
+const RECORD_TSC: i32 = std::mem::offset_of!(crate::trace::Record, tsc) as i32;
+const RECORD_PTR: i32 = std::mem::offset_of!(crate::trace::Record, ptr) as i32;
+const RECORD_SIZE: i32 = std::mem::offset_of!(crate::trace::Record, size) as i32;
+const RECORD_WORD: i32 = std::mem::offset_of!(crate::trace::Record, word) as i32;
+const RECORD_BYTES: i32 = std::mem::size_of::<crate::trace::Record>() as i32;
+const _: () = assert!(crate::trace::CPU_SHIFT == 3 && crate::trace::ALLOC_SITE_SHIFT == 32);
+
 /// The thread's charge id (the hook's shadow-map entry base, 0: none),
 /// from the charge's TLS offset: the runtime's word two below the charge.
 const CHARGE_ID: i32 = -16;
@@ -163,6 +176,15 @@ struct Gen<'a> {
     /// Code out of the entries' way, emitted after them: the shared-shard
     /// copies of counting blocks ([`Self::counted`]).
     deferred: Vec<Deferred>,
+    /// Generating the traced entry (see [`Self::traceable`]): its inline
+    /// paths read the control block's trace limits and have the module's
+    /// trace stub record each event.
+    traced: bool,
+    /// The start entry's live path of an allocation, which the traced entry
+    /// joins (same frame): where it calls the runtime with the object, and
+    /// where it counts a failed call.
+    live_slow: Option<CodeLabel>,
+    live_fail: Option<CodeLabel>,
 }
 
 /// A block emitted after the entries (see [`Gen::deferred`]).
@@ -644,6 +666,50 @@ impl Gen<'_> {
         Ok(count)
     }
 
+    /// The traced entry (see [`Self::traceable`]), if the site has one:
+    /// the start entry's counting and inline path again, reading the trace
+    /// limits and having the module's trace stub record each event, and
+    /// joining the start entry for everything else: an allocation's
+    /// runtime call and failure (in the same frame), a free's runtime call
+    /// (`drain`, the drain entry), which records the event. A thread that
+    /// shares shard 0 frees through the runtime too.
+    fn traced_entry(&mut self, drain: Option<CodeLabel>) -> R<Option<CodeLabel>> {
+        if !self.traceable() {
+            return Ok(None);
+        }
+        let mut entry = self.a.create_label();
+        self.a.set_label(&mut entry)?;
+        self.traced = true;
+        match drain {
+            Some(drain) => {
+                let shard = self.freed_shard_from_count();
+                let then: Option<Body> =
+                    shard.then(|| -> Body { Box::new(move |g: &mut Gen<'_>| Ok(g.a.jmp(drain)?)) });
+                self.count_before_then(shard, then)?;
+                self.free_inline(drain, shard)?;
+            }
+            None => {
+                let (Some(slow), Some(fail)) = (self.live_slow, self.live_fail) else {
+                    unreachable!("a traceable allocation's start entry records inline")
+                };
+                self.count_before()?;
+                let f = self.open_frame(&self.size_regs(), 0)?;
+                self.call_in_frame()?;
+                self.test_result(fail)?;
+                self.size_to(rsi, [0, 1])?;
+                if self.s.plain_store {
+                    let mut cas = self.a.create_label();
+                    self.record_inline(false, cas, slow, f)?;
+                    self.a.set_label(&mut cas)?;
+                }
+                self.record_inline(true, slow, slow, f)?;
+                self.a.jmp(slow)?;
+            }
+        }
+        self.traced = false;
+        Ok(Some(entry))
+    }
+
     /// The body of an allocation's start entry: counts, then tracks.
     fn alloc_start(&mut self) -> R<()> {
         self.count_before()?;
@@ -937,6 +1003,9 @@ impl Gen<'_> {
         self.call_in_frame()?;
         let mut fail = self.a.create_label();
         self.test_result(fail)?;
+        if !self.charged {
+            self.live_fail = Some(fail);
+        }
         if inline {
             let (mut cas, mut slow) = (self.a.create_label(), self.a.create_label());
             // The object's key: the allocator's pointer (r8, free after the
@@ -952,6 +1021,9 @@ impl Gen<'_> {
                 self.a.set_label(&mut cas)?;
             }
             self.record_inline(true, slow, slow, f)?;
+            if !self.charged {
+                self.live_slow = Some(slow);
+            }
             self.a.set_label(&mut slow)?;
         }
         self.runtime_call(control::TRACK_ALLOC, |g| {
@@ -994,7 +1066,12 @@ impl Gen<'_> {
     fn record_inline(&mut self, cas: bool, declined: CodeLabel, slow: CodeLabel, f: i32) -> R<()> {
         let s = self.s;
         let (key, key32) = if s.key_result != 0 { (r8, r8d) } else { (rax, eax) };
-        let limit = if cas { control::CAS_LIMIT } else { control::INLINE_LIMIT };
+        let limit = match (cas, self.traced) {
+            (true, false) => control::CAS_LIMIT,
+            (false, false) => control::INLINE_LIMIT,
+            (true, true) => control::TRACE_CAS_LIMIT,
+            (false, true) => control::TRACE_INLINE_LIMIT,
+        };
         self.with_control(Code::Cmp_r64_rm64, Register::RSI, limit)?;
         self.a.jae(declined)?;
         // ecx = the entry's site part: the site's id, or the hook's.
@@ -1045,6 +1122,7 @@ impl Gen<'_> {
             self.a.lock().cmpxchg(dword_ptr(rdi + rdx * 4), ecx)?;
             self.a.mov(rax, r9)?;
             self.a.jne(slow)?;
+            self.trace_alloc()?;
             self.close_frame(f)?;
             self.leave()?;
             // Taken: falls through to `slow`, which the caller places next.
@@ -1052,9 +1130,44 @@ impl Gen<'_> {
             self.a.mov(rax, r9)?;
         } else {
             self.a.mov(dword_ptr(rdi + rdx * 4), ecx)?;
+            self.trace_alloc()?;
             self.close_frame(f)?;
             self.leave()?;
         }
+        Ok(())
+    }
+
+    /// Whether the site gets a traced entry: a copy of its start entry
+    /// whose inline paths also record each event in the thread's trace
+    /// ring (through the module's [`trace_stub`]). Only the common sites have one:
+    /// an allocation recorded inline, or a free of at most two arguments
+    /// looked up inline, at a site that calls another module (every
+    /// caller-saved register free), outside hooks and wrappers. The others
+    /// record every event through the runtime while a trace is on.
+    fn traceable(&self) -> bool {
+        let s = self.s;
+        if s.hook || s.charge_check || s.depth_check || s.depth_bump || s.preserve || s.index >= 1 << shadow::ID_BITS {
+            return false;
+        }
+        match s.sig.kind {
+            Kind::Alloc => self.inline_alloc() && s.key_result == 0,
+            Kind::Free => s.key_ptr == 0 && s.args.clamp(1, 6) <= 2 && s.sig.freed.unwrap_or(0) < 2,
+            Kind::Realloc => false,
+        }
+    }
+
+    /// In the traced entry, where an allocation was just recorded inline
+    /// (the object in rax, the frame open): the trace stub records the
+    /// event. Keeps rax.
+    fn trace_alloc(&mut self) -> R<()> {
+        if !self.traced {
+            return Ok(());
+        }
+        self.size_to(r8, [0, 1])?;
+        // (A 32-bit move zero-extends: site fields fit in 32 bits.)
+        self.a.mov(r9d, (self.s.index << SITE_FIELD) as i32)?;
+        self.with_control(Code::Add_r64_rm64, Register::R9, control::TRACE_BASE)?;
+        self.a.call(self.s.trace)?;
         Ok(())
     }
 
@@ -1171,7 +1284,9 @@ impl Gen<'_> {
     /// that follows. `shard`: the counting left that shard's address in
     /// r10 (see [`Self::freed_shard_from_count`]).
     /// Uses only rax, r10 and r11 (the latter two saved at sites that
-    /// call a function of the module), never argument registers.
+    /// call a function of the module), never argument registers; the
+    /// traced entry's copy also rcx, rdx, r8 and r9 (its frees read rdi
+    /// and rsi at most).
     fn free_inline(&mut self, slow: CodeLabel, shard: bool) -> R<()> {
         let freed = ARG_REGS[self.s.sig.freed.unwrap_or(0) as usize];
         // rax is the call's result register: never kept.
@@ -1194,7 +1309,8 @@ impl Gen<'_> {
             self.a.jne(out)?;
         }
         self.a.mov(at, freed)?;
-        self.with_control(Code::And_r64_rm64, at.into(), control::SHADOW_MASK)?;
+        let mask = if self.traced { control::TRACE_SHADOW_MASK } else { control::SHADOW_MASK };
+        self.with_control(Code::And_r64_rm64, at.into(), mask)?;
         self.a.shr(at, shadow::GRANULE_SHIFT - 2)?;
         self.with_control(Code::Add_r64_rm64, at.into(), control::SHADOW)?;
         self.a.lea(v32, qword_ptr(freed + shadow::LIVE as i32))?;
@@ -1205,18 +1321,36 @@ impl Gen<'_> {
             self.a.test(al, shadow::MATCH as i32)?;
         }
         self.a.jne(out)?;
-        self.a.and(byte_ptr(at), !(shadow::LIVE as u8) as i8 as i32)?;
-        // eax = the size, r11d = the id << ID_SHIFT.
-        if shard {
-            self.a.mov(eax, r11d)?;
-        } else {
-            self.a.mov(r11d, eax)?;
-        }
-        self.a.shr(eax, shadow::SIZE_SHIFT)?;
         let (mut wide, mut sized) = (self.a.create_label(), self.a.create_label());
-        self.a.jz(wide)?;
+        if self.traced {
+            // A wide record (size 0) goes to the runtime before LIVE is
+            // cleared: the module's wide stub reads the map through the
+            // shadow mask, which a trace zeroes.
+            self.a.mov(r8d, v32)?;
+            self.a.shr(r8d, shadow::SIZE_SHIFT)?;
+            self.a.jz(out)?;
+            self.a.and(byte_ptr(at), !(shadow::LIVE as u8) as i8 as i32)?;
+            if !shard {
+                self.a.mov(r11d, eax)?;
+            }
+            self.a.mov(eax, r8d)?;
+        } else {
+            self.a.and(byte_ptr(at), !(shadow::LIVE as u8) as i8 as i32)?;
+            // eax = the size, r11d = the id << ID_SHIFT.
+            if shard {
+                self.a.mov(eax, r11d)?;
+            } else {
+                self.a.mov(r11d, eax)?;
+            }
+            self.a.shr(eax, shadow::SIZE_SHIFT)?;
+            self.a.jz(wide)?;
+        }
         self.a.set_label(&mut sized)?;
         self.a.and(r11d, shadow::ID_MASK as i32)?;
+        if self.traced {
+            // The allocating site's id << ID_SHIFT, for the record.
+            self.a.mov(r9d, r11d)?;
+        }
         if !shard {
             self.with_control(Code::Mov_r64_rm64, Register::R10, control::SHARD_TLS)?;
             self.freed_shard_base(r10)?;
@@ -1257,9 +1391,21 @@ impl Gen<'_> {
                 then: None,
             });
         }
+        if self.traced {
+            // The trace stub records the event (see [`trace_stub`]).
+            self.a.mov(r8, rax)?;
+            self.a.shl(r9, crate::trace::ALLOC_SITE_SHIFT - shadow::ID_SHIFT)?;
+            self.a.mov(ecx, (self.s.index << SITE_FIELD | crate::trace::kind::FREE as u32) as i32)?;
+            self.with_control(Code::Add_r64_rm64, Register::RCX, control::TRACE_BASE)?;
+            self.a.add(r9, rcx)?;
+            self.a.mov(rax, freed)?;
+            self.a.call(self.s.trace)?;
+        }
         self.pop_all(save)?;
         self.free_target()?;
-        self.wide_size(&mut wide, sized, freed)?;
+        if !self.traced {
+            self.wide_size(&mut wide, sized, freed)?;
+        }
         // Falls through to the runtime call, in the entry's state.
         if !save.is_empty() {
             self.a.set_label(&mut out)?;
@@ -1351,6 +1497,8 @@ pub struct Trampoline {
     pub callers: u16,
     /// The site's [`site_flags`](crate::layout::site_flags).
     pub flags: u8,
+    /// Offset of the traced entry (0: none; see [`crate::layout::Site::traced`]).
+    pub traced: u16,
     /// For each call of the target, in address order: what an unwind
     /// through it undoes ([`undo`] flags) and where the size is from the
     /// stack pointer at the call.
@@ -1368,6 +1516,9 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
         undo_next: 0,
         locked: false,
         deferred: Vec::new(),
+        traced: false,
+        live_slow: None,
+        live_fail: None,
     };
     let (drain, count) = match spec.sig.kind {
         _ if spec.hook => {
@@ -1380,6 +1531,7 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
             (Some(d), c)
         }
     };
+    let traced = if spec.hook { None } else { g.traced_entry(drain)? };
     // The callers entry, last: the site's index for the stub, which comes
     // back to the start or the count entry (the runtime says which). A
     // hook's records the chain that the sites charged to it add to.
@@ -1399,12 +1551,24 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
     };
     let count = offset(&count)?;
     let callers = if capture { offset(&callers)? } else { 0 };
+    let traced = match traced {
+        Some(l) => offset(&l)?,
+        None => 0,
+    };
     use crate::layout::site_flags;
     let flags = if spec.hook { site_flags::HOOK } else { 0 }
         | if spec.charge_check { site_flags::UNDER_HOOK } else { 0 }
         | if spec.depth_check { site_flags::DEPTH_CHECK } else { 0 }
         | if spec.depth_bump { site_flags::DEPTH_BUMP } else { 0 };
-    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers, flags, undo: g.undo })
+    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers, flags, traced, undo: g.undo })
+}
+
+impl Trampoline {
+    /// The offsets of its entries, the start first (0 where it has none of
+    /// a kind: the start again).
+    pub fn entries(&self) -> [u32; 5] {
+        [0, self.drain, self.count, self.callers, self.traced].map(u32::from)
+    }
 }
 
 pub use crate::layout::site_jump;
@@ -1771,6 +1935,65 @@ pub fn wide_stub(at: u64, control: u64) -> R<Vec<u8>> {
     Ok(a.assemble(at)?)
 }
 
+/// The module's trace stub, called by a traced entry (see
+/// [`crate::layout::Site::traced`]) with the object in rax, its size in r8
+/// and the record word without the CPU in r9: records the event in the
+/// thread's trace ring as the runtime's `trace::record` does (claims the
+/// thread's recording flag, writes the record into the thread's window of
+/// its ring and publishes it), or, when the window is used up or another
+/// event's recording is under way on the thread (a signal handler's
+/// event), has the runtime's `trace_record` do so or count the event lost
+/// (through the vector stub `vectors`, which realigns the stack). Returns
+/// the object in rax; clobbers rcx, rdx, r8 to r11 and the flags, keeps
+/// every other register (the vector stub keeps the vector registers
+/// across the runtime's call).
+pub fn trace_stub(at: u64, control: u64, vectors: u64) -> R<Vec<u8>> {
+    use crate::trace::{RingHeader, words};
+    let mut a = CodeAssembler::new(64)?;
+    let (mut nested, mut window) = (a.create_label(), a.create_label());
+    let field = |code: Code, r: Register, f: u32| Instruction::with2(code, r, rip(control + u64::from(f)));
+    a.add_instruction(field(Code::Mov_r64_rm64, Register::R10, control::TRACE_TLS)?)?;
+    a.bts(qword_ptr(r10 + words::BUSY).fs(), 0)?;
+    a.jb(nested)?;
+    a.mov(r11, qword_ptr(r10 + words::CUR).fs())?;
+    a.cmp(r11, qword_ptr(r10 + words::END).fs())?;
+    a.jae(window)?;
+    // The record is the thread's until head passes it.
+    a.mov(qword_ptr(r11 + RECORD_PTR), rax)?;
+    a.mov(qword_ptr(r11 + RECORD_SIZE), r8)?;
+    a.mov(r8, rax)?;
+    a.rdtscp()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.mov(qword_ptr(r11 + RECORD_TSC), rax)?;
+    // The CPU (TSC_AUX's low 12 bits) into the word.
+    a.and(ecx, 0xfff)?;
+    a.lea(rcx, qword_ptr(r9 + rcx * 8))?;
+    a.mov(qword_ptr(r11 + RECORD_WORD), rcx)?;
+    a.add(r11, RECORD_BYTES)?;
+    a.mov(qword_ptr(r10 + words::CUR).fs(), r11)?;
+    // Published: only this thread writes its ring's head.
+    a.mov(r11, qword_ptr(r10 + words::RING).fs())?;
+    a.add(qword_ptr(r11 + std::mem::offset_of!(RingHeader, head) as i32), 1)?;
+    a.mov(qword_ptr(r10 + words::BUSY).fs(), 0)?;
+    a.mov(rax, r8)?;
+    a.ret()?;
+    a.set_label(&mut window)?;
+    a.mov(qword_ptr(r10 + words::BUSY).fs(), 0)?;
+    a.set_label(&mut nested)?;
+    a.push(rdi)?;
+    a.push(rsi)?;
+    a.mov(rsi, rax)?;
+    a.mov(rdi, r9)?;
+    a.mov(rdx, r8)?;
+    a.add_instruction(field(Code::Mov_r64_rm64, Register::RAX, control::TRACE_RECORD)?)?;
+    a.call(vectors)?;
+    a.pop(rsi)?;
+    a.pop(rdi)?;
+    a.ret()?;
+    Ok(a.assemble(at)?)
+}
+
 /// Bytes of the vector stub's `push rbx; mov rbx, rsp`.
 pub const VECTOR_STUB_PROLOGUE: u32 = 4;
 /// Bytes of the vector stub's `mov rsp, rbx; pop rbx; ret`.
@@ -1827,6 +2050,7 @@ pub(crate) mod golden {
             preserve,
             vectors: VECTORS_AT,
             wide: WIDE_AT,
+            trace: TRACE_AT,
             args: entry(name).args,
             control: CONTROL,
             shard_mask: 15,
@@ -1854,8 +2078,11 @@ pub(crate) mod golden {
         if t.callers != 0 {
             text.push_str(&format!("callers entry: {:08x}\n", AT + u64::from(t.callers)));
         }
+        if t.traced != 0 {
+            text.push_str(&format!("traced entry: {:08x}\n", AT + u64::from(t.traced)));
+        }
         // The unwind rows the patcher derives from the code.
-        let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+        let entries = t.entries();
         let f = crate::frames::frames(&t.code, AT, &entries, spec.target).unwrap();
         for row in &f.rows {
             let at = AT + u64::from(row.offset);
@@ -1988,6 +2215,7 @@ pub(crate) mod golden {
     const STUB: u64 = AT - 0x40;
     const VECTORS_AT: u64 = AT - 0x200;
     const WIDE_AT: u64 = AT - 0x100;
+    const TRACE_AT: u64 = AT - 0x300;
 
     fn cases() -> Vec<(&'static str, String)> {
         let mut v: Vec<(&'static str, String)> = specs().into_iter().map(|(file, s)| (file, listing(&s))).collect();
@@ -2000,7 +2228,45 @@ pub(crate) mod golden {
         v.push(("capture-stub-plain", disassemble(&capture_stub(STUB, CONTROL, 0x415040, false).unwrap(), STUB)));
         v.push(("vector-stub", disassemble(&vector_stub(VECTORS_AT).unwrap(), VECTORS_AT)));
         v.push(("wide-stub", disassemble(&wide_stub(WIDE_AT, CONTROL).unwrap(), WIDE_AT)));
+        v.push(("trace-stub", disassemble(&trace_stub(TRACE_AT, CONTROL, VECTORS_AT).unwrap(), TRACE_AT)));
         v
+    }
+
+    /// The patcher's unwind entry for the trace stub follows its stack from
+    /// its code: every path returns with the stack it came in with.
+    #[test]
+    fn trace_stub_stack_is_followed() {
+        let code = trace_stub(TRACE_AT, CONTROL, VECTORS_AT).unwrap();
+        let f = crate::frames::frames(&code, TRACE_AT, &[0], 0).unwrap();
+        let deepest = f.rows.iter().map(|r| r.below).max();
+        assert_eq!(deepest, Some(16), "{:?}", f.rows);
+        assert_eq!(f.rows.first().map(|r| (r.offset, r.below)), Some((0, 0)));
+        assert_eq!(f.calls.len(), 1, "one call: the vector stub");
+    }
+
+    /// Every site the common allocators' shapes give (an allocation or a
+    /// free calling another module) has a traced entry, which calls the
+    /// trace stub; hooks, sites inside hooked functions and reallocs have
+    /// none.
+    #[test]
+    fn traced_entries_are_where_the_inline_paths_are() {
+        for (name, spec) in specs() {
+            let t = trampoline(&spec, AT).unwrap();
+            let simple = !spec.hook && !spec.charge_check && !spec.depth_check && !spec.depth_bump && !spec.preserve;
+            let expect = simple
+                && spec.key_result == 0
+                && spec.key_ptr == 0
+                && match spec.sig.kind {
+                    Kind::Alloc => {
+                        spec.sig.result == Returns::Ret && matches!(spec.sig.size, Size::Arg(_) | Size::Product(_, _))
+                    }
+                    Kind::Free => spec.args <= 2,
+                    Kind::Realloc => false,
+                };
+            assert_eq!(t.traced != 0, expect, "{name}");
+            let calls_stub = disassemble(&t.code, AT).contains(&format!("call    {TRACE_AT:016X}h"));
+            assert_eq!(calls_stub, expect, "{name}");
+        }
     }
 
     /// The patcher's unwind entry for the vector stub counts on the
@@ -2063,7 +2329,7 @@ pub(crate) mod golden {
     fn hooks_call_their_target_with_the_sites_stack_pointer() {
         for (name, spec) in specs().into_iter().filter(|(_, s)| s.hook) {
             let t = trampoline(&spec, AT).unwrap();
-            let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
+            let entries = t.entries();
             let f = crate::frames::frames(&t.code, AT, &entries, spec.target).unwrap();
             let calls: Vec<_> = f.calls.iter().filter(|c| c.target).collect();
             assert!(!calls.is_empty(), "{name}");

@@ -191,8 +191,7 @@ mod tests {
         for (name, s) in codegen::golden::specs() {
             let at = 0x800000;
             let t = codegen::trampoline(&s, at).unwrap();
-            let entries = [0, u32::from(t.drain), u32::from(t.count), u32::from(t.callers)];
-            let f = frames(&t.code, at, &entries, s.target).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let f = frames(&t.code, at, &t.entries(), s.target).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(f.rows[0], Row { offset: 0, below: 0 }, "{name}");
             // A tail jump that observes nothing after it jumps to its target.
             assert!(s.form.is_tail() || f.calls.iter().any(|c| c.target), "{name}: no call of the target");

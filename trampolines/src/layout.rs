@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64};
 /// Magic at the start of a site table.
 pub const MAGIC: [u8; 8] = *b"ATRAMP\x00\x01";
 /// Version of the site table, control block and counter layout.
-pub const VERSION: u32 = 13;
+pub const VERSION: u32 = 14;
 
 /// Where the site table is: in a patched file, the ELF header and the
 /// program header table start the file and a read-only PT_LOAD that maps
@@ -176,6 +176,12 @@ pub mod control {
     pub const CHARGE_TLS: u32 = offset_of!(ControlBlock, charge_tls) as u32;
     pub const CAPTURE: u32 = offset_of!(ControlBlock, capture) as u32;
     pub const PERSONALITY: u32 = offset_of!(ControlBlock, personality) as u32;
+    pub const TRACE_TLS: u32 = offset_of!(ControlBlock, trace_tls) as u32;
+    pub const TRACE_RECORD: u32 = offset_of!(ControlBlock, trace_record) as u32;
+    pub const TRACE_BASE: u32 = offset_of!(ControlBlock, trace_base) as u32;
+    pub const TRACE_INLINE_LIMIT: u32 = offset_of!(ControlBlock, trace_inline_limit) as u32;
+    pub const TRACE_CAS_LIMIT: u32 = offset_of!(ControlBlock, trace_cas_limit) as u32;
+    pub const TRACE_SHADOW_MASK: u32 = offset_of!(ControlBlock, trace_shadow_mask) as u32;
 }
 
 /// The instruction with which a trampoline's charge check reads the word
@@ -536,6 +542,12 @@ pub struct Site {
     /// [`site_flags`].
     pub flags: u8,
     pub reserved: [u8; 1],
+    /// Offset in the trampoline of its entry that counts, tracks and
+    /// records each event in the thread's trace ring itself while a trace
+    /// of every site is on (see [`ControlBlock::trace_base`]); 0: none
+    /// (the start entry's runtime calls record the events).
+    pub traced: u16,
+    pub reserved_tail: [u8; 6],
 }
 
 impl Site {
@@ -663,6 +675,28 @@ pub struct ControlBlock {
     /// trampoline whose thread has no shard word yet; it keeps every
     /// register. Written at registration, before any site is switched.
     pub assign: AtomicU64,
+    /// Offset from the thread pointer (fs) of the runtime's per-thread
+    /// trace words: the thread's ring header, its window's next record and
+    /// end, and the recording flag (see [`trace`](crate::trace)). Written
+    /// at registration, before any site is switched.
+    pub trace_tls: AtomicI64,
+    /// `extern "C" fn(word, ptr, size) -> ptr`: records an event whose
+    /// record word ([`Record::word`](crate::trace::Record) with CPU 0) is
+    /// `word`, for a traced entry whose thread's window is used up or that
+    /// interrupted the recording of another event. Written at registration.
+    pub trace_record: AtomicU64,
+    /// While every event of the module is recorded (a trace without a site
+    /// filter): the record word's site field of the module's site 0
+    /// (`first id << 15`), which a traced entry adds its index to.
+    pub trace_base: AtomicU64,
+    /// While every event is recorded: `inline_limit`, `cas_limit` and
+    /// `shadow_mask` as they are without a trace, for the traced entries'
+    /// inline paths (the trace zeroes those three, sending the other
+    /// entries to the runtime). Zero otherwise: the traced entries then
+    /// leave every record to the runtime too.
+    pub trace_inline_limit: AtomicU64,
+    pub trace_cas_limit: AtomicU64,
+    pub trace_shadow_mask: AtomicU64,
 }
 
 /// The counters of one site in one shard (every field wraps; a reader sums
@@ -827,12 +861,12 @@ pub fn unwind_block_index(rows: &[UnwindRow]) -> Vec<u32> {
 
 const _: () = {
     assert!(HEADER_SIZE == 160 && offset_of!(Header, build_id) == 112 && offset_of!(Header, unwind_addr) == 144);
-    assert!(SITE_SIZE == 48 && offset_of!(Site, drain) == 40 && offset_of!(Site, callers) == 44);
+    assert!(SITE_SIZE == 56 && offset_of!(Site, drain) == 40 && offset_of!(Site, traced) == 48);
     assert!(size_of::<UnwindRow>() == UNWIND_ROW_SIZE && size_of::<capture::Frame>() == 80);
     assert!(size_of::<ForeignUnwind>() == 40);
     assert!(ENTRY_SIZE == 16 && offset_of!(Entry, sig) == 5);
     assert!(
-        CONTROL_SIZE == 192 && offset_of!(ControlBlock, freed) == 80 && offset_of!(ControlBlock, entry_base) == 144
+        CONTROL_SIZE == 240 && offset_of!(ControlBlock, freed) == 80 && offset_of!(ControlBlock, entry_base) == 144
     );
     assert!(CELL_SIZE == 64 && offset_of!(Cell, failed_bytes) == 56);
 };
@@ -899,6 +933,8 @@ pub const SITE_FIELDS: &[(&str, usize, &str)] = &[
     ("callers", offset_of!(Site, callers), "u16"),
     ("flags", offset_of!(Site, flags), "u8"),
     ("reserved", offset_of!(Site, reserved), "[u8; 1]"),
+    ("traced", offset_of!(Site, traced), "u16"),
+    ("reserved_tail", offset_of!(Site, reserved_tail), "[u8; 6]"),
 ];
 pub const ENTRY_FIELDS: &[(&str, usize, &str)] = &[
     ("name", offset_of!(Entry, name), "u32"),
@@ -932,6 +968,12 @@ pub const CONTROL_FIELDS: &[(&str, usize, &str)] = &[
     ("dlsym", offset_of!(ControlBlock, dlsym), "u64"),
     ("dlerror", offset_of!(ControlBlock, dlerror), "u64"),
     ("assign", offset_of!(ControlBlock, assign), "fn"),
+    ("trace_tls", offset_of!(ControlBlock, trace_tls), "i64"),
+    ("trace_record", offset_of!(ControlBlock, trace_record), "fn"),
+    ("trace_base", offset_of!(ControlBlock, trace_base), "u64"),
+    ("trace_inline_limit", offset_of!(ControlBlock, trace_inline_limit), "u64"),
+    ("trace_cas_limit", offset_of!(ControlBlock, trace_cas_limit), "u64"),
+    ("trace_shadow_mask", offset_of!(ControlBlock, trace_shadow_mask), "u64"),
 ];
 pub const UNDO_HEADER_FIELDS: &[(&str, usize, &str)] = &[
     ("control", offset_of!(undo::UndoHeader, control), "i32"),
@@ -1432,7 +1474,7 @@ pub(crate) mod tests {
         let doc = formats_md();
         assert!(doc.contains(&format!("## The site table (`.alloctramp.sites`, version {VERSION})")));
         assert_eq!(documented(&doc, "Header (160 bytes)"), fields(HEADER_FIELDS));
-        assert_eq!(documented(&doc, "Site (48 bytes"), fields(SITE_FIELDS));
+        assert_eq!(documented(&doc, &format!("Site ({SITE_SIZE} bytes")), fields(SITE_FIELDS));
         assert_eq!(documented(&doc, "Entry (16 bytes"), fields(ENTRY_FIELDS));
         assert_eq!(documented(&doc, "## Module control block"), fields(CONTROL_FIELDS));
         assert_eq!(documented(&doc, "## Counters"), fields(CELL_FIELDS));

@@ -65,6 +65,23 @@ pub struct TraceHeader {
     pub reserved: [u8; 4016],
 }
 
+/// The runtime's per-thread trace words, by byte offset from the first
+/// (the control block's `trace_tls` gives its offset from the thread
+/// pointer), as the traced entries read them.
+pub mod words {
+    /// The thread's ring header's address (0: none claimed yet; 1: none
+    /// free).
+    pub const RING: i32 = 0;
+    /// The thread's window in its ring: the next record's address and the
+    /// end of the records it may write before it looks at the ring's tail
+    /// again (both 0: none open).
+    pub const CUR: i32 = 8;
+    pub const END: i32 = 16;
+    /// Bit 0 set while the thread records an event: an event of a signal
+    /// handler that interrupts it is counted lost.
+    pub const BUSY: i32 = 24;
+}
+
 /// A ring's header (64 bytes), followed by its records.
 #[repr(C)]
 pub struct RingHeader {
@@ -102,9 +119,17 @@ pub mod kind {
     pub const REALLOC: u64 = 3;
 }
 
+/// Where [`Record::word`]'s fields start.
+pub const CPU_SHIFT: u32 = 3;
+pub const SITE_SHIFT: u32 = 15;
+pub const ALLOC_SITE_SHIFT: u32 = 32;
+
 impl Record {
     pub fn pack(kind: u64, cpu: u64, site: u32, alloc_site: u32) -> u64 {
-        kind & 7 | (cpu & 0xfff) << 3 | u64::from(site & 0x1ffff) << 15 | u64::from(alloc_site & 0x1ffff) << 32
+        kind & 7
+            | (cpu & 0xfff) << CPU_SHIFT
+            | u64::from(site & 0x1ffff) << SITE_SHIFT
+            | u64::from(alloc_site & 0x1ffff) << ALLOC_SITE_SHIFT
     }
     pub fn kind(&self) -> u64 {
         self.word & 7

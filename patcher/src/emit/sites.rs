@@ -39,8 +39,9 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
             original[..n].copy_from_slice(&orig[..n]);
             // A site that is not patched stays in the table for the report,
             // without a trampoline: the runtime never rewrites it.
-            let (trampoline, drain, count, callers, flags) =
-                site.trampoline().map_or((0, 0, 0, 0, 0), |t| (t.code.addr.0, t.drain, t.count, t.callers, t.flags));
+            let (trampoline, drain, count, callers, traced, flags) = site
+                .trampoline()
+                .map_or((0, 0, 0, 0, 0, 0), |t| (t.code.addr.0, t.drain, t.count, t.callers, t.traced, t.flags));
             layout::Site {
                 addr: site.addr.0,
                 trampoline,
@@ -55,6 +56,7 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
                 count,
                 callers,
                 flags,
+                traced,
                 ..layout::Site::default()
             }
         })

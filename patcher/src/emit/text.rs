@@ -1,4 +1,4 @@
-//! .alloctramp.text: the init, fini, capture (two), vector and wide-size stubs, a static program's
+//! .alloctramp.text: the init, fini, capture (two), vector, wide-size and trace stubs, a static program's
 //! entry stub and thread-local image, then every patched site's trampoline, each 16-byte aligned,
 //! with `int3` between them.
 
@@ -6,7 +6,7 @@ use crate::plan::Plan;
 
 pub(super) fn text(plan: &Plan) -> Vec<u8> {
     let mut text = vec![0xcc; plan.text.size as usize];
-    let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors, &plan.wide]
+    let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors, &plan.wide, &plan.trace]
         .into_iter()
         .chain(plan.statics.iter().map(|s| &s.entry))
         .chain(plan.sites.iter().filter_map(|s| s.trampoline().map(|t| &t.code)));
