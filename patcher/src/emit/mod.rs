@@ -47,6 +47,12 @@ impl Head {
         let at = r.offset.0 as usize;
         self.0[at..at + bytes.len()].copy_from_slice(bytes);
     }
+
+    /// A part's bytes, for an emitter that writes them in place.
+    fn part(&mut self, r: Region) -> &mut [u8] {
+        let at = r.offset.0 as usize;
+        &mut self.0[at..at + r.size as usize]
+    }
 }
 
 /// A static program's thread-local symbols (values relative to the
@@ -88,7 +94,7 @@ pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
             fixups.extend(tls_symbols(elf, s.runtime.tls_shift));
         }
     }
-    head.put(plan.text, &text::text(plan));
+    text::fill(plan, head.part(plan.text));
     if let Some(eh) = &plan.eh_frame {
         head.put(eh.region, &eh.bytes);
     }

@@ -4,8 +4,10 @@
 
 use crate::plan::Plan;
 
-pub(super) fn text(plan: &Plan) -> Vec<u8> {
-    let mut text = vec![0xcc; plan.text.size as usize];
+/// Writes the segment's code into `text` (its region of the output, which
+/// is as large as the plan made it): no copy of it is built.
+pub(super) fn fill(plan: &Plan, text: &mut [u8]) {
+    text.fill(0xcc);
     let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors, &plan.wide, &plan.trace]
         .into_iter()
         .chain(plan.statics.iter().map(|s| &s.entry))
@@ -14,5 +16,4 @@ pub(super) fn text(plan: &Plan) -> Vec<u8> {
         let at = (code.offset.0 - plan.text.offset.0) as usize;
         text[at..at + code.bytes.len()].copy_from_slice(&code.bytes);
     }
-    text
 }
