@@ -221,7 +221,7 @@ pub fn start_trace() -> Result<(), &'static str> {
     crate::trace::select_sites()?;
     crate::trace::start()?;
     registry::set_tracing_all(true);
-    state::TRACED.store(true, Ordering::Release);
+    state::TRACED.store(crate::trace::records_every_event(), Ordering::Release);
     if state::is_on() { registry::refresh_all() } else { registry::switch_all(Sites::On) }
 }
 

@@ -405,7 +405,7 @@ fn init() {
     // tracking on.
     if traced {
         match trace::start() {
-            Ok(()) => state::TRACED.store(true, Ordering::Release),
+            Ok(()) => state::TRACED.store(trace::records_every_event(), Ordering::Release),
             Err(e) => state::report_error(e),
         }
     }

@@ -880,12 +880,12 @@ fn shadow_mask() -> u64 {
 /// Switches a module's trampolines to tracing (`on`) or back: while
 /// tracing, the start entries leave every record to the runtime, whose
 /// tracing functions record each event (see `trace`). The traced entries,
-/// which the sites jump to while a trace is on (`state::TRACED`), record
-/// inline where the start entries would and write each event's record
-/// themselves when every event is recorded (their own copies of the
-/// limits and mask, set here); otherwise they too leave every record to
-/// the runtime. No trampoline runs a tracing instruction otherwise. The fields change one by one under
-/// running trampolines, and every mix of old and new values is correct:
+/// which the sites jump to while every event is recorded
+/// (`state::TRACED`), record inline where the start entries would and
+/// write each event's record themselves (their own copies of the limits
+/// and mask, set here then); at any other time they too leave every
+/// record to the runtime. No trampoline runs a tracing instruction
+/// otherwise. The fields change one by one under running trampolines, and every mix of old and new values is correct:
 /// the limits only choose between the inline path and the runtime's, the
 /// mask 0 sends a free's inline lookup to the entry of the map's first
 /// granule (which no object starts in, so it finds no record and calls

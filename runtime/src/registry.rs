@@ -340,7 +340,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
     control.charge_tls.store(crate::tls::offset() + 8 * crate::tls::CHARGE as i64, Ordering::Relaxed);
     control.capture.store(CAPTURE.load(Ordering::Relaxed), Ordering::Relaxed);
     control.trace_tls.store(crate::tls::offset() + 8 * crate::tls::TRACE_RING as i64, Ordering::Relaxed);
-    control.trace_record.store(crate::trace::record_from_trampoline as *const () as u64, Ordering::Relaxed);
+    control.trace_record.store(crate::trace::record_slow as *const () as u64, Ordering::Relaxed);
     control.personality.store(crate::unwinding::personality as *const () as u64, Ordering::Relaxed);
     // A module registers twice (the runtime finds it loaded, then its init
     // stub runs): the second time must keep the runtime's mapping.

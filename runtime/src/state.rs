@@ -64,8 +64,9 @@ pub fn records_chains(addr: u64) -> bool {
 /// shadow map cannot be reserved.
 pub static LIVE: AtomicBool = AtomicBool::new(false);
 
-/// A trace is on: sites with a traced entry jump there instead of to
-/// their start (see `live::set_tracing`).
+/// A trace of every site is on: sites with a traced entry jump there
+/// instead of to their start (see `live::set_tracing`). A trace with a
+/// site filter leaves them on their start, which calls the runtime.
 pub static TRACED: AtomicBool = AtomicBool::new(false);
 
 /// The entry a site's jump or its callers entry goes to while profiling is

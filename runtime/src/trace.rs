@@ -381,10 +381,12 @@ fn record_word(word: u64, ptr: u64, size: u64) -> u64 {
 /// [`record_word`] when a filter is on, recording is off, the thread's
 /// window is used up, or the event is a signal handler's that interrupted
 /// the recording of another: opens a new window (claiming a ring at the
-/// thread's first event) and records, or counts the event lost.
+/// thread's first event) and records, or counts the event lost. Also the
+/// control blocks' `trace_record`, which the trace stub calls in the same
+/// cases (the word's CPU 0).
 #[cold]
 #[inline(never)]
-fn record_slow(word: u64, ptr: u64, size: u64) -> u64 {
+pub extern "C" fn record_slow(word: u64, ptr: u64, size: u64) -> u64 {
     let fields = Record { word, ..Record::default() };
     if !ON.load(Ordering::Relaxed)
         || FILTER.load(Ordering::Relaxed) && !selected(fields.site()) && !selected(fields.alloc_site())
@@ -406,14 +408,6 @@ fn record_slow(word: u64, ptr: u64, size: u64) -> u64 {
     }
     leave();
     ptr
-}
-
-/// The control blocks' `trace_record`: records an event a traced entry
-/// left to the runtime (its thread's window used up, or the event is a
-/// signal handler's that interrupted the recording of another), whose
-/// record word is `word` with the CPU 0. Returns `ptr`.
-pub extern "C" fn record_from_trampoline(word: u64, ptr: u64, size: u64) -> u64 {
-    record_slow(word, ptr, size)
 }
 
 /// Records an allocation or a free of site `site` (`alloc_site`: the site

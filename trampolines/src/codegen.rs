@@ -689,21 +689,8 @@ impl Gen<'_> {
                 self.free_inline(drain, shard)?;
             }
             None => {
-                let (Some(slow), Some(fail)) = (self.live_slow, self.live_fail) else {
-                    unreachable!("a traceable allocation's start entry records inline")
-                };
-                self.count_before()?;
-                let f = self.open_frame(&self.size_regs(), 0)?;
-                self.call_in_frame()?;
-                self.test_result(fail)?;
-                self.size_to(rsi, [0, 1])?;
-                if self.s.plain_store {
-                    let mut cas = self.a.create_label();
-                    self.record_inline(false, cas, slow, f)?;
-                    self.a.set_label(&mut cas)?;
-                }
-                self.record_inline(true, slow, slow, f)?;
-                self.a.jmp(slow)?;
+                debug_assert!(self.live_slow.is_some(), "a traceable allocation's start entry records inline");
+                self.alloc_start()?;
             }
         }
         self.traced = false;
@@ -991,6 +978,8 @@ impl Gen<'_> {
     /// Live path of an allocation: keeps the size (and out pointer) in a
     /// frame across the call, then records the new object: inline in the
     /// shadow map when an entry can describe it, else through the runtime.
+    /// The traced entry's copy records inline only, and joins the start
+    /// entry's copy for the rest.
     fn alloc_live(&mut self) -> R<()> {
         let s = self.s;
         let inline = self.inline_alloc();
@@ -1001,13 +990,17 @@ impl Gen<'_> {
         }
         let f = self.open_frame(&keep, 0)?;
         self.call_in_frame()?;
-        let mut fail = self.a.create_label();
+        // The traced entry joins the start entry's failure and runtime
+        // call (the same frame) instead of having its own.
+        let joined = if self.traced { self.live_slow.zip(self.live_fail) } else { None };
+        let mut fail = joined.map_or_else(|| self.a.create_label(), |(_, fail)| fail);
         self.test_result(fail)?;
-        if !self.charged {
+        if !self.charged && !self.traced {
             self.live_fail = Some(fail);
         }
         if inline {
-            let (mut cas, mut slow) = (self.a.create_label(), self.a.create_label());
+            let mut cas = self.a.create_label();
+            let mut slow = joined.map_or_else(|| self.a.create_label(), |(slow, _)| slow);
             // The object's key: the allocator's pointer (r8, free after the
             // call, when the wrapper puts a header in front).
             if s.key_result != 0 {
@@ -1021,6 +1014,9 @@ impl Gen<'_> {
                 self.a.set_label(&mut cas)?;
             }
             self.record_inline(true, slow, slow, f)?;
+            if joined.is_some() {
+                return Ok(self.a.jmp(slow)?);
+            }
             if !self.charged {
                 self.live_slow = Some(slow);
             }
