@@ -56,6 +56,12 @@ pub struct WrapperArgs {
     /// nest).
     #[arg(long)]
     pub no_charge_callers: bool,
+    /// Do not hook the entry of an allocator function the file defines and
+    /// reaches through pointers (a pool's free in a table of operations):
+    /// by default its first instructions move to a stub whose jump the
+    /// runtime switches, so that calls no site sees count too.
+    #[arg(long)]
+    pub no_entry_hooks: bool,
     /// Also allocation plumbing (a glob over demangled names, `*` any
     /// text), besides the default list: a site in inlined plumbing is named
     /// after the first inlined caller outside it.
@@ -89,6 +95,7 @@ impl WrapperArgs {
             named,
             refused: self.not_wrappers.clone(),
             charge: self.charge(),
+            entry_hooks: self.charge() && !self.no_entry_hooks,
             plumbing: self.plumbing.clone(),
             found: None,
         })

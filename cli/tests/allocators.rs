@@ -109,6 +109,32 @@ fn an_allocator_api_called_through_slots_and_freed_through_pointers_has_exact_li
     exact("pyshape.c", &[]);
 }
 
+/// A pool the user names that is also called through a table of
+/// operations in data (testbins/apis/ptrpool.c): no site sees those calls,
+/// so both functions are hooked at their entry. The calls through the
+/// table count on the functions' own rows, the direct ones at their sites,
+/// and every live figure is exact (three frees in four of the direct
+/// allocations go through the table). Without the hooks the same program
+/// misses the frees through the table: its live figures are wrong.
+#[test]
+fn a_pool_called_through_a_table_of_operations_is_hooked_at_its_entry_with_exact_live_figures() {
+    exact("ptrpool.c", &["--entry", "pool_alloc:alloc", "--entry", "pool_free:free"]);
+    let rel = "apis/ptrpool.c";
+    let dir = scratch("apis-ptrpool-unhooked");
+    let counters = counters_dir("apis-ptrpool-unhooked");
+    let bin = build_source(rel, &dir);
+    let patched = dir.join("patched");
+    patch_to(&bin, &patched, &["--entry", "pool_alloc:alloc", "--entry", "pool_free:free", "--no-entry-hooks"]);
+    let o = Command::new(&patched).env("ALLOCTRAMP_DIR", &counters).env("ALLOCTRAMP", "on").output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let doc = report(only_counters_file(&counters).to_str().unwrap(), &counters);
+    let got = rows(&doc, rel);
+    let lines: Vec<u32> = got.keys().map(|k| k.0).collect();
+    assert_eq!(lines.len(), 4, "only the four direct calls are sites: {got:?}");
+    let direct_a = got.iter().find(|(k, v)| k.1 == "pool_alloc" && v.1 == 24000).expect("the direct 24-byte row");
+    assert_ne!(direct_a.1.2, Some((250, 6000)), "without hooks, the frees through the table are missed");
+}
+
 /// Live objects per function of the module `module` in a report of a
 /// running process, and their sum.
 fn live_by_function(doc: &Value, module: &str) -> (BTreeMap<String, u64>, u64) {

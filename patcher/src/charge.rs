@@ -308,17 +308,21 @@ fn may_throw(e: &EntryPoint) -> bool {
 /// relocation, and those of relative relocations packed as `DT_RELR`,
 /// whose addend is the word itself. Any aligned word equal to one counts (a
 /// number that happens to be equal only costs a depth check).
-fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
-    let mut out = HashSet::new();
+/// Returns them with where each is held, and whether that is program data
+/// (`SHT_PROGBITS` or an array of initializers, not a relocation or symbol
+/// table).
+fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashMap<u64, Vec<(u64, bool)>> {
+    let mut out: HashMap<u64, Vec<(u64, bool)>> = HashMap::new();
     if starts.is_empty() {
         return out;
     }
     for sec in elf.sections.iter().filter(|s| s.is_alloc() && !s.is_exec()) {
         let skip = (sec.addr.0.wrapping_neg() & 7) as usize;
-        for w in sec.data.get(skip..).unwrap_or_default().chunks_exact(8) {
+        for (k, w) in sec.data.get(skip..).unwrap_or_default().chunks_exact(8).enumerate() {
             let v = u64::from_le_bytes(w.try_into().unwrap_or_default());
             if starts.contains(&v) {
-                out.insert(v);
+                let data = matches!(sec.sh_type, 1 | 14 | 15 | 16);
+                out.entry(v).or_default().push((sec.addr.0 + (skip + 8 * k) as u64, data));
             }
         }
     }
@@ -328,11 +332,27 @@ fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashSet<u64> {
 /// Decides which wrappers are charged and how each site of `scan` nests
 /// (see the module's description). Calls to wrappers that are not charged
 /// stop being sites.
-pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged], unwinding: Unwinding) {
+pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged], unwinding: Unwinding) -> Vec<Hookable> {
     let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
     // With unwind entries for the trampolines, an exception passes a
     // hook's call as it passed the original call.
-    decide(scan, charged, &stored, unwinding.hooks(), unwinding.entries);
+    decide(scan, charged, &stored, unwinding.hooks(), unwinding.entries)
+}
+
+/// A charged definition of an entry point that is reached other than
+/// through the file's call sites and call instructions (its address taken
+/// or stored in data, a conditional jump to it): a candidate for an entry
+/// hook (`crate::hooks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hookable {
+    pub entry: usize,
+    /// Its code.
+    pub start: u64,
+    pub end: u64,
+    /// As [`Charge::Inside::wrapper`] for the sites inside.
+    pub wrapper: usize,
+    /// It calls out of the file (see [`Charge::Caller`]).
+    pub external: bool,
 }
 
 /// The code ranges of the charged wrappers, to find which holds an
@@ -382,14 +402,33 @@ impl CodeIndex {
 }
 
 /// [`assign`] given the wrapper addresses the file's data holds.
-fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bool, throwing_hooks: bool) {
+fn decide(
+    scan: &mut Scan,
+    charged: &[Charged],
+    stored: &HashMap<u64, Vec<(u64, bool)>>,
+    hooks: bool,
+    throwing_hooks: bool,
+) -> Vec<Hookable> {
     let by_entry: HashMap<usize, usize> = charged.iter().enumerate().map(|(k, c)| (c.entry, k)).collect();
     let code = CodeIndex::new(charged);
     let inside = |addr: u64| code.first_holding(addr);
     let mut open: Vec<bool> = charged.iter().map(|c| c.open).collect();
+    // Reached other than by a call instruction of the file: its address
+    // held in data (not in a GOT slot that the file's sites call through,
+    // nor a relocation's addend or a symbol's value: `stored` has all
+    // three), or a reference that is no site.
+    let site_slots: HashSet<u64> = scan.sites.iter().filter(|s| s.via == Via::Got).map(|s| s.target.0).collect();
+    let mut reached: Vec<bool> = charged
+        .iter()
+        .map(|c| {
+            let held = c.code.and_then(|(s, _)| stored.get(&s));
+            held.is_some_and(|at| at.iter().any(|&(a, data)| data && !site_slots.contains(&a)))
+        })
+        .collect();
     for r in &scan.unpatchable {
         if let Some(&k) = by_entry.get(&r.entry) {
             open[k] = true;
+            reached[k] = true;
         }
     }
     // A definition of an allocator API that calls its allocator through a
@@ -401,7 +440,7 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
         .map(|e| matches!(&e.target, Target::Symbol(n) if alloctramp_trampolines::entry::slot_api(n)))
         .collect();
     for (k, c) in charged.iter().enumerate() {
-        if c.code.is_some_and(|(s, _)| stored.contains(&s)) || (c.definition && api[c.entry]) {
+        if c.code.is_some_and(|(s, _)| stored.contains_key(&s)) || (c.definition && api[c.entry]) {
             open[k] = true;
         }
     }
@@ -624,6 +663,21 @@ fn decide(scan: &mut Scan, charged: &[Charged], stored: &HashSet<u64>, hooks: bo
     }
     scan.sites.retain(|s| !dropped(s));
     scan.unpatchable.retain(|r| by_entry.get(&r.entry).is_none_or(|&j| ok[j] || charged[j].definition));
+    charged
+        .iter()
+        .enumerate()
+        .filter(|&(k, c)| c.definition && ok[k] && reached[k])
+        .filter_map(|(k, c)| {
+            let (start, end) = c.code?;
+            Some(Hookable {
+                entry: c.entry,
+                start,
+                end,
+                wrapper: c.wrapper.unwrap_or(usize::MAX),
+                external: external[k],
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -683,6 +737,7 @@ mod tests {
             target: Vaddr(0),
             charge: Charge::Own,
             under_hook: false,
+            hook: None,
         });
     }
 
@@ -700,7 +755,7 @@ mod tests {
         site(&mut scan, 0x2010, 1, Via::Direct);
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 2, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        decide(&mut scan, &charged, &HashMap::new(), true, false);
         assert_eq!(
             charges(&scan),
             [
@@ -729,7 +784,7 @@ mod tests {
         site(&mut scan, 0x1010, 0, Via::Plt);
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 0, Via::Plt);
-        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        decide(&mut scan, &charged, &HashMap::new(), true, false);
         assert_eq!(
             charges(&scan),
             [
@@ -753,7 +808,7 @@ mod tests {
         scan.unpatchable.push(Reference { vaddr: Vaddr(0x1020), offset: None, entry: 0, reason: Reason::AddressTaken });
         site(&mut scan, 0x1010, 0, Via::Plt);
         site(&mut scan, 0x9000, 1, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        decide(&mut scan, &charged, &HashMap::new(), true, false);
         assert_eq!(
             charges(&scan),
             [
@@ -780,7 +835,7 @@ mod tests {
         site(&mut scan, 0x2010, 1, Via::Direct);
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 2, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        decide(&mut scan, &charged, &HashMap::new(), true, false);
         // d0's malloc counts only at depth 0; the calls of d1 stay sites
         // of their own (neither dropped nor hooks), d1's call of d0 too.
         let open = Charge::Inside { wrapper: usize::MAX, checked: true, bump: false, external: false };
@@ -808,7 +863,7 @@ mod tests {
         site(&mut scan, 0x9000, 1, Via::Direct);
         site(&mut scan, 0x9010, 2, Via::Direct);
         site(&mut scan, 0x9020, 3, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        decide(&mut scan, &charged, &HashMap::new(), true, false);
         // w0 and w1 are not charged, but they allocate: calls to them are
         // hooks (w1's call of w0 too, which nests), and w0's malloc counts
         // into the outermost hook's cell. w2 is charged but keeps preserve
@@ -864,7 +919,7 @@ mod tests {
         for (k, at) in [(1, 0x9000), (2, 0x9010), (3, 0x9020), (4, 0x9030)] {
             site(&mut scan, at, k, Via::Direct);
         }
-        decide(&mut scan, &charged, &HashSet::new(), true, false);
+        decide(&mut scan, &charged, &HashMap::new(), true, false);
         // Only w0 is a hook: w1 may throw, w2 frees, and w3 reaches w0 by a
         // tail jump only (a hook's trampoline must return to it).
         assert_eq!(
@@ -891,10 +946,41 @@ mod tests {
         site(&mut scan, 0x1010, 0, Via::Plt);
         site(&mut scan, 0x2010, 1, Via::Direct);
         site(&mut scan, 0x9000, 2, Via::Direct);
-        decide(&mut scan, &charged, &HashSet::from([0x1000]), true, false);
+        let hookable = decide(&mut scan, &charged, &HashMap::from([(0x1000, vec![(0x5000, true)])]), true, false);
         assert_eq!(scan.keys.get(&1), Some(&Keys { result: 16, ptr: 0 }));
         assert_eq!(scan.keys.get(&2), Some(&Keys { result: 24, ptr: 0 }));
         assert!(matches!(scan.sites[0].charge, Charge::Inside { checked: true, .. }));
         assert_eq!(scan.sites[2].charge, Charge::Caller { bump: true, external: true });
+        // Wrappers found are not hooked: only definitions of entry points.
+        assert_eq!(hookable, []);
+    }
+
+    /// A definition of an entry point is hookable when its address is held
+    /// in data, but not when only a GOT slot its callers' sites read, a
+    /// relocation's addend or a symbol's value holds it.
+    #[test]
+    fn a_definition_held_in_data_is_hookable() {
+        for (held, hookable) in [
+            (vec![(0x5000, true)], true),
+            (vec![(0x6000, true)], false),
+            (vec![(0x7000, false)], false),
+            (vec![(0x6000, true), (0x7000, false)], false),
+        ] {
+            let (mut scan, mut charged) = setup(1);
+            charged[0].definition = true;
+            charged[0].wrapper = None;
+            site(&mut scan, 0x1010, 0, Via::Plt);
+            site(&mut scan, 0x9000, 1, Via::Got);
+            if let Some(s) = scan.sites.last_mut() {
+                s.target = Vaddr(0x6000);
+            }
+            let got = decide(&mut scan, &charged, &HashMap::from([(0x1000, held.clone())]), true, false);
+            let want = Hookable { entry: 1, start: 0x1000, end: 0x1100, wrapper: usize::MAX, external: true };
+            assert_eq!(got, if hookable { vec![want] } else { vec![] }, "{held:?}");
+            assert_eq!(
+                scan.sites[0].charge,
+                Charge::Inside { wrapper: usize::MAX, checked: true, bump: false, external: false }
+            );
+        }
     }
 }

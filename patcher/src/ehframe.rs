@@ -253,6 +253,40 @@ impl<'a> Sources<'a> {
         Ok(SiteRow { cfa, rules, regs })
     }
 
+    /// The entry of an entry hook's stub at `addr` (`crate::hooks`), from
+    /// `points`: each moved instruction's offset in the stub and its
+    /// original address, then the jump back's and the address it goes
+    /// back to. The stub's first jump (the site) has the row of the first
+    /// moved instruction, and each moved instruction the row it had where
+    /// it came from: the stub unwinds as the function's head did.
+    pub fn stub_program(&self, addr: u64, len: u64, points: &[(u32, u64)]) -> Result<Program, Why> {
+        let first = points.first().ok_or("an empty stub")?.1;
+        let mut ctx = UnwindContext::new();
+        let mut out = Vec::new();
+        let (mut last, mut prev): (u32, Vec<u16>) = (0, Vec::new());
+        for &(offset, orig) in std::iter::once(&(0, first)).chain(points) {
+            let row = self.site(orig, &mut ctx)?;
+            advance(&mut out, offset - last);
+            last = offset;
+            match &row.cfa {
+                Cfa::Rsp(off) => {
+                    out.extend_from_slice(&[0x0c, 7]); // DW_CFA_def_cfa rsp
+                    uleb(&mut out, *off);
+                }
+                Cfa::Fixed(v) => out.extend_from_slice(v),
+            }
+            out.extend_from_slice(&row.rules);
+            // A register whose rule the function's row no longer has is
+            // the caller's again.
+            for r in prev.iter().filter(|r| !row.regs.contains(r)) {
+                out.push(0x08); // DW_CFA_same_value
+                uleb(&mut out, u64::from(*r));
+            }
+            prev = row.regs;
+        }
+        Ok(Program { addr, len, instructions: out, index: u32::MAX, undo: Vec::new() })
+    }
+
     /// Appends the instruction that sets `reg`'s rule.
     fn rule(&self, out: &mut Vec<u8>, reg: Register, rule: &RegisterRule<usize>) -> Result<(), Why> {
         let r = u64::from(reg.0);

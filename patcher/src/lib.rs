@@ -14,6 +14,7 @@ pub mod ehframe;
 pub mod elf;
 mod emit;
 pub mod error;
+pub mod hooks;
 pub mod lines;
 pub mod output;
 pub mod plan;
@@ -181,7 +182,10 @@ pub fn analyze_with(
     };
     let slots = slots::attach(&elf, &mut entries, &mut charged);
     let mut scan = scan::scan_with(&elf, entries, user_entries, slots)?;
-    charge::assign(&elf, &mut scan, &charged, unwinding);
+    let hookable = charge::assign(&elf, &mut scan, &charged, unwinding);
+    if wrapper_opts.entry_hooks {
+        hooks::add(&elf, &mut scan, &hookable);
+    }
 
     let embedded = elf.has_dwarf_lines().then(|| lines::DebugSections::load(&elf.file));
     let debug_parsed = match (&embedded, &debug) {

@@ -118,13 +118,16 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
         .map(|(s, info)| {
             let e = &entries[s.entry];
             *summary.by_entry.entry(e.display.clone()).or_default() += 1;
-            *summary.by_form.entry(s.form.as_str()).or_default() += 1;
+            // An entry hook's site is the stub's jump the plan places; the
+            // listing gives the hooked function's first moved instruction.
+            let form = if s.hook.is_some() { "entry hook" } else { s.form.as_str() };
+            *summary.by_form.entry(form).or_default() += 1;
             *summary.by_kind.entry(e.sig.kind.as_str()).or_default() += 1;
             SiteDoc {
                 address: s.vaddr.0,
                 offset: s.offset.0,
                 length: s.len,
-                form: s.form.as_str(),
+                form,
                 via: s.via,
                 target: s.target.0,
                 entry: e.target.to_string(),

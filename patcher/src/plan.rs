@@ -191,6 +191,8 @@ pub enum SkipReason {
     /// A hook in a file that unwinds through its calls, whose trampoline
     /// cannot get an unwind entry (`ehframe`).
     NoUnwind(&'static str),
+    /// An entry hook whose stub cannot be made (see `crate::hooks`).
+    HookStub(&'static str),
 }
 
 impl SkipReason {
@@ -211,6 +213,7 @@ impl fmt::Display for SkipReason {
                 f.write_str("inside the file's own definition of an allocator entry, whose callers are counted")
             }
             SkipReason::NoUnwind(why) => write!(f, "hook without an unwind entry for its trampoline ({why})"),
+            SkipReason::HookStub(why) => write!(f, "entry hook: {why}"),
         }
     }
 }
@@ -265,6 +268,18 @@ pub struct SitePlan {
     /// Index in [`Plan::entries`].
     pub entry: usize,
     pub decision: Decision,
+    /// An entry hook's (see `crate::hooks`): its stub, whose first
+    /// instruction is the site, and the jump to it that replaces the
+    /// function's first instructions (an offset in the input and the new
+    /// bytes), written only when the site is patched.
+    pub hook: Option<HookPlan>,
+}
+
+/// An entry hook's stub and the function's jump to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HookPlan {
+    pub stub: Code,
+    pub jump: (FileOffset, Vec<u8>),
 }
 
 impl SitePlan {
@@ -1155,6 +1170,26 @@ fn plan_sites(
     let mut programs = Vec::new();
     let mut ctx_cfi = gimli::UnwindContext::new();
     for (i, site) in a.scan.sites.iter().enumerate() {
+        // An entry hook's stub goes first; the site is its first
+        // instruction, a jump to the moved code that follows it.
+        let hook = site.hook.as_deref().map(|h| {
+            let stub_at = text.offset.wrapping_add(text.delta);
+            (h, stub_at, h.stub(stub_at))
+        });
+        let (site_addr, target) = match &hook {
+            Some((_, stub_at, _)) => (*stub_at, stub_at + crate::hooks::JUMP_LEN as u64),
+            None => (site.vaddr.0, site.target.0),
+        };
+        // (The stub is placed even when it cannot be reached, so that the
+        // table's sites stay in address order.)
+        let hook_plan = hook.map(|(h, stub_at, made)| {
+            let (bytes, points) = made?;
+            let stub = place_code(text, bytes);
+            debug_assert_eq!(stub.addr.0, stub_at);
+            programs.extend(sources.and_then(|src| src.stub_program(stub_at, stub.bytes.len() as u64, &points).ok()));
+            let jump = h.entry_jump(stub_at).ok_or("the stub is out of the function's reach")?;
+            Ok((stub, (site.offset, jump)))
+        });
         let at = text.offset.wrapping_add(text.delta);
         let entry = &a.scan.entries[site.entry];
         let (depth_check, depth_bump, external) = match site.charge {
@@ -1164,10 +1199,10 @@ fn plan_sites(
             Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
         };
         let spec = TrampolineSpec {
-            site: site.vaddr.0,
+            site: site_addr,
             len: site.len,
             form: site.form,
-            target: site.target.0,
+            target,
             sig: entry.sig,
             index: i as u32,
             // A free or realloc wrapper's trampoline calls the runtime
@@ -1204,6 +1239,8 @@ fn plan_sites(
         let in_layer = !a.scan.is_slot(site.entry) && layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)
+        } else if let Some(Err(why)) = hook_plan {
+            Decision::Skipped(SkipReason::HookStub(why))
         } else if in_layer {
             Decision::Skipped(SkipReason::InsideAllocator)
         } else {
@@ -1219,7 +1256,7 @@ fn plan_sites(
                                     addr: at,
                                     len: t.code.len() as u64,
                                     frames: &frames,
-                                    ret: site.vaddr.0 + u64::from(site.len),
+                                    ret: site_addr + u64::from(site.len),
                                     tail: site.form.is_tail(),
                                     site: src.site(site.vaddr.0, &mut ctx_cfi).ok(),
                                     index: i as u32,
@@ -1250,7 +1287,18 @@ fn plan_sites(
                 Err(reason) => Decision::Skipped(reason),
             }
         };
-        sites.push(SitePlan { addr: site.vaddr, len: site.len, form: site.form, entry: site.entry, decision });
+        let hook = match (hook_plan, &decision) {
+            (Some(Ok((stub, jump))), Decision::Patched(_)) => Some(HookPlan { stub, jump }),
+            _ => None,
+        };
+        sites.push(SitePlan {
+            addr: Vaddr(site_addr),
+            len: site.len,
+            form: site.form,
+            entry: site.entry,
+            decision,
+            hook,
+        });
         programs.extend(unwind);
     }
     (sites, programs)

@@ -41,6 +41,10 @@ pub struct Site {
     /// wrapper) is inside a hooked function (see [`Charge::Hook`]): during
     /// a hook's call it counts into the hook's cell instead.
     pub under_hook: bool,
+    /// The site is an entry hook's (see `crate::hooks`): its instruction is
+    /// the first of a stub the plan places, and `vaddr` the hooked
+    /// function's first moved instruction until then.
+    pub hook: Option<Box<crate::hooks::EntryHook>>,
 }
 
 /// How a site's count nests with the allocation wrappers whose callers
@@ -531,6 +535,7 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
             target: Vaddr(target),
             charge: Charge::Own,
             under_hook: false,
+            hook: None,
         });
     };
     let unpatchable = |entry: usize, reason: Reason, out: &mut Found| {

@@ -1540,6 +1540,9 @@ pub struct Options {
     /// Make calls to wrappers sites, charged with what the wrappers
     /// allocate (see [`crate::charge`]).
     pub charge: bool,
+    /// Hook the entry of each charged definition of an entry point that is
+    /// reached through pointers (see [`crate::hooks`]).
+    pub entry_hooks: bool,
     /// Patterns of allocation plumbing added to the default list
     /// ([`crate::plumbing`]): a site inside inlined plumbing is named
     /// after the first inlined caller outside it.

@@ -70,6 +70,25 @@ fn tls_symbols(elf: &Elf, shift: u64) -> Vec<(u64, [u8; 8])> {
     out
 }
 
+/// The jumps to the entry hooks' stubs, over the functions' first
+/// instructions, as fixups of eight bytes (the bytes after a jump that the
+/// last one covers are the input's).
+fn hook_jumps(elf: &Elf, plan: &Plan) -> Vec<(u64, [u8; 8])> {
+    let mut out = Vec::new();
+    for (offset, bytes) in plan.sites.iter().filter_map(|s| s.hook.as_ref()).map(|h| &h.jump) {
+        for (k, part) in bytes.chunks(8).enumerate() {
+            let at = offset.0 as usize + 8 * k;
+            let mut word = [0u8; 8];
+            let tail = elf.data.get(at..).unwrap_or_default();
+            let n = tail.len().min(8);
+            word[..n].copy_from_slice(&tail[..n]);
+            word[..part.len()].copy_from_slice(part);
+            out.push((at as u64, word));
+        }
+    }
+    out
+}
+
 pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
     let mut head = Head(vec![0u8; plan.shift as usize]);
     let follow = symbols::Follow::new(plan);
@@ -94,6 +113,7 @@ pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
             fixups.extend(tls_symbols(elf, s.runtime.tls_shift));
         }
     }
+    fixups.extend(hook_jumps(elf, plan));
     text::fill(plan, head.part(plan.text));
     if let Some(eh) = &plan.eh_frame {
         head.put(eh.region, &eh.bytes);

@@ -34,7 +34,13 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
         .zip(&s.sites)
         .map(|(site, &(function, file, line))| {
             let mut original = [0u8; 8];
-            let orig = elf.bytes_at(site.addr.0, site.len as usize).unwrap_or(&[]);
+            // An entry hook's site is its stub's jump to the next
+            // instruction.
+            let stub = [0xe9, 0, 0, 0, 0];
+            let orig = match site.hook {
+                Some(_) => &stub[..],
+                None => elf.bytes_at(site.addr.0, site.len as usize).unwrap_or(&[]),
+            };
             let n = orig.len().min(8);
             original[..n].copy_from_slice(&orig[..n]);
             // A site that is not patched stays in the table for the report,

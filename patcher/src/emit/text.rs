@@ -1,6 +1,6 @@
 //! .alloctramp.text: the init, fini, capture (two), vector, wide-size and trace stubs, a static program's
-//! entry stub and thread-local image, then every patched site's trampoline, each 16-byte aligned,
-//! with `int3` between them.
+//! entry stub and thread-local image, then every patched site's trampoline (an entry hook's after its
+//! stub), each 16-byte aligned, with `int3` between them.
 
 use crate::plan::Plan;
 
@@ -11,7 +11,11 @@ pub(super) fn fill(plan: &Plan, text: &mut [u8]) {
     let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors, &plan.wide, &plan.trace]
         .into_iter()
         .chain(plan.statics.iter().map(|s| &s.entry))
-        .chain(plan.sites.iter().filter_map(|s| s.trampoline().map(|t| &t.code)));
+        .chain(
+            plan.sites
+                .iter()
+                .flat_map(|s| s.hook.as_ref().map(|h| &h.stub).into_iter().chain(s.trampoline().map(|t| &t.code))),
+        );
     for code in codes {
         let at = (code.offset.0 - plan.text.offset.0) as usize;
         text[at..at + code.bytes.len()].copy_from_slice(&code.bytes);

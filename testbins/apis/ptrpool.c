@@ -1,0 +1,85 @@
+// build: {cc} -O2 -g {pie} {src} -o {out}
+/* A pool allocator the user names (--entry pool_alloc:alloc --entry
+   pool_free:free), called directly and through a table of operations in
+   data, as an interpreter's objects are freed through their type's
+   pointer. No call site sees a call through the table: the pool's
+   functions are hooked at their entry, and count those calls on their
+   own rows (named after their first line of code); the direct calls
+   count at their sites. Of each iteration's objects:
+     a (direct, 24 bytes): freed through the table 3 times in 4, else kept;
+     b (through the table, 40 bytes): freed directly every other time;
+     c (direct, 8 bytes): freed directly;
+   so the live figures are exact only if the frees through the table are
+   seen. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#define N 1000
+#define BLOCK 64
+
+struct ops {
+    void *(*alloc)(size_t);
+    void (*free)(void *);
+};
+
+static unsigned char arena[3 * N * BLOCK] __attribute__((aligned(64)));
+static size_t used;
+static void *free_list;
+
+__attribute__((noinline, noipa)) void *pool_alloc(size_t n)
+{
+    if (n > BLOCK) /* @site pool_alloc calls=1000 bytes=40000 live=500,20000 */
+        return NULL;
+    void *p = free_list;
+    if (p != NULL) {
+        free_list = *(void **)p;
+        return p;
+    }
+    if (used + BLOCK > sizeof arena)
+        return NULL;
+    p = arena + used;
+    used += BLOCK;
+    return p;
+}
+
+__attribute__((noinline, noipa)) void pool_free(void *p)
+{
+    if (p == NULL) /* @site pool_free calls=750 */
+        return;
+    *(void **)p = free_list;
+    free_list = p;
+}
+
+static const struct ops pool_ops = {pool_alloc, pool_free};
+/* Read at every call: the compiler cannot call the functions directly. */
+static const struct ops *volatile ops = &pool_ops;
+
+int main(void)
+{
+    unsigned long sum = 0, kept = 0;
+    static void *keep[2 * N];
+    for (int i = 0; i < N; i++) {
+        unsigned char *a = pool_alloc(24); /* @site pool_alloc calls=1000 bytes=24000 live=250,6000 */
+        unsigned char *b = ops->alloc(40);
+        unsigned char *c = pool_alloc(8); /* @site pool_alloc calls=1000 bytes=8000 live=0,0 */
+        if (a == NULL || b == NULL || c == NULL)
+            return 1;
+        a[0] = (unsigned char)i;
+        b[1] = (unsigned char)(i >> 1);
+        c[2] = (unsigned char)(i >> 2);
+        sum += a[0] + b[1] + c[2];
+        pool_free(c); /* @site pool_free calls=1000 */
+        if (i % 4 != 0)
+            ops->free(a);
+        else
+            keep[kept++] = a;
+        if (i % 2 == 0)
+            pool_free(b); /* @site pool_free calls=500 */
+        else
+            keep[kept++] = b;
+    }
+    for (unsigned long k = 0; k < kept; k++)
+        sum += ((unsigned char *)keep[k])[0];
+    printf("sum %lu kept %lu used %zu\n", sum, kept, used);
+    return 0;
+}
