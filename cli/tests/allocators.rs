@@ -51,6 +51,12 @@ fn exact_without_options(src: &str, library: &str, package: &str) {
 /// [`exact_without_options`] for a program that links nothing more,
 /// patched with `options`.
 fn exact(src: &str, options: &[&str]) {
+    exact_rows(src, options, |rows| rows)
+}
+
+/// [`exact`], comparing the markers with the report's rows as `rows`
+/// gives them.
+fn exact_rows(src: &str, options: &[&str], rows: impl Fn(Rows) -> Rows) {
     let rel = format!("apis/{src}");
     let dir = scratch(&format!("apis-{src}"));
     let counters = counters_dir(&format!("apis-{src}"));
@@ -72,7 +78,7 @@ fn exact(src: &str, options: &[&str]) {
     }
     let file = only_counters_file(&counters);
     let doc = report(file.to_str().unwrap(), &counters);
-    assert_eq!(rows(&doc, &rel), marks(&rel), "{src}: (line, entry) -> (calls, bytes, live)");
+    assert_eq!(rows(self::rows(&doc, &rel)), marks(&rel), "{src}: (line, entry) -> (calls, bytes, live)");
 }
 
 #[test]
@@ -109,30 +115,91 @@ fn an_allocator_api_called_through_slots_and_freed_through_pointers_has_exact_li
     exact("pyshape.c", &[]);
 }
 
+pub const POOL: &str = "apis/ptrpool.c";
+pub const POOL_ENTRIES: [&str; 4] = ["--entry", "pool_alloc:alloc", "--entry", "pool_free:free"];
+
 /// A pool the user names that is also called through a table of
 /// operations in data (testbins/apis/ptrpool.c): no site sees those calls,
 /// so both functions are hooked at their entry. The calls through the
 /// table count on the functions' own rows, the direct ones at their sites,
 /// and every live figure is exact (three frees in four of the direct
-/// allocations go through the table). Without the hooks the same program
-/// misses the frees through the table: its live figures are wrong.
+/// allocations go through the table, and the main thread frees through it
+/// what four threads allocated through it). Without the hooks the same
+/// program misses the calls through the table: its live figures are wrong.
 #[test]
 fn a_pool_called_through_a_table_of_operations_is_hooked_at_its_entry_with_exact_live_figures() {
-    exact("ptrpool.c", &["--entry", "pool_alloc:alloc", "--entry", "pool_free:free"]);
-    let rel = "apis/ptrpool.c";
+    exact_rows("ptrpool.c", &POOL_ENTRIES, |rows| near_markers(rows, POOL));
     let dir = scratch("apis-ptrpool-unhooked");
     let counters = counters_dir("apis-ptrpool-unhooked");
-    let bin = build_source(rel, &dir);
+    let bin = build_source(POOL, &dir);
     let patched = dir.join("patched");
-    patch_to(&bin, &patched, &["--entry", "pool_alloc:alloc", "--entry", "pool_free:free", "--no-entry-hooks"]);
+    patch_to(&bin, &patched, &[&POOL_ENTRIES[..], &["--no-entry-hooks"]].concat());
     let o = Command::new(&patched).env("ALLOCTRAMP_DIR", &counters).env("ALLOCTRAMP", "on").output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let doc = report(only_counters_file(&counters).to_str().unwrap(), &counters);
-    let got = rows(&doc, rel);
-    let lines: Vec<u32> = got.keys().map(|k| k.0).collect();
-    assert_eq!(lines.len(), 4, "only the four direct calls are sites: {got:?}");
+    let got = rows(&doc, POOL);
+    assert_eq!(got.len(), 4, "only the four direct calls are sites: {got:?}");
     let direct_a = got.iter().find(|(k, v)| k.1 == "pool_alloc" && v.1 == 24000).expect("the direct 24-byte row");
     assert_ne!(direct_a.1.2, Some((250, 6000)), "without hooks, the frees through the table are missed");
+}
+
+/// The hooked pool switched on while it waits (`alloctramp enable`): the
+/// stubs' jumps switch as any site does, and every figure is exact.
+#[test]
+fn an_entry_hook_switched_on_while_running_counts_exactly() {
+    let dir = scratch("apis-ptrpool-enabled");
+    let counters = counters_dir("apis-ptrpool-enabled");
+    let bin = build_source(POOL, &dir);
+    let patched = dir.join("patched");
+    patch_to(&bin, &patched, &POOL_ENTRIES);
+    let plain = Command::new(&bin).output().unwrap();
+    pool_enabled_while_waiting(&patched, &counters, &plain.stdout);
+}
+
+/// Runs `patched` (a build of testbins/apis/ptrpool.c) with `wait`,
+/// switches profiling on with `alloctramp enable` once it is ready, and
+/// checks its output and that every marked row is exact.
+pub fn pool_enabled_while_waiting(patched: &Path, counters: &Path, plain: &[u8]) {
+    let mut child = Command::new(patched)
+        .arg("wait")
+        .env("ALLOCTRAMP_DIR", counters)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let o = alloctramp().args(["enable", &child.id().to_string(), "--dir"]).arg(counters).output().unwrap();
+    assert!(o.status.success(), "enable: {}", String::from_utf8_lossy(&o.stderr));
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = Vec::new();
+    std::io::Read::read_to_end(&mut out, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    assert_eq!(rest, plain, "the same output");
+    let doc = report(only_counters_file(counters).to_str().unwrap(), counters);
+    assert_eq!(near_markers(rows(&doc, POOL), POOL), marks(POOL), "(line, entry) -> (calls, bytes, live)");
+}
+
+/// `got` with each row that no marker of `rel` names moved to the line of
+/// a marker for the same entry at most three lines away that has no row:
+/// an entry hook's row is named after the line of the function's first
+/// moved instruction, which the compiler decides (its opening brace, or
+/// its first statement, where the marker is).
+pub fn near_markers(got: Rows, rel: &str) -> Rows {
+    let want = marks(rel);
+    let mut out = Rows::new();
+    for ((line, entry), row) in got.clone() {
+        let moved = (!want.contains_key(&(line, entry.clone())))
+            .then(|| {
+                want.keys().find(|(l, e)| *e == entry && l.abs_diff(line) <= 3 && !got.contains_key(&(*l, e.clone())))
+            })
+            .flatten()
+            .map_or(line, |k| k.0);
+        out.insert((moved, entry), row);
+    }
+    out
 }
 
 /// Live objects per function of the module `module` in a report of a
@@ -224,4 +291,43 @@ fn the_python_interpreter_library_counts_what_a_script_holds_and_frees() {
         "the functions that hold the strings: {grown:?}"
     );
     assert!(start.contains_key("PyUnicode_New"), "rows name CPython's functions: {:?}", start.keys());
+}
+
+/// The stub an entry hook moves a function's first instructions to
+/// unwinds as those instructions did where they were: at the stub's jump
+/// (the site), at every moved instruction and at the jump back, the
+/// patched file's unwind tables (through its new search table, which the
+/// C++ unwinder and `backtrace()` read) give the row the function had
+/// there. (The stub runs on every call, profiling on or off.)
+#[test]
+fn an_entry_hook_s_stub_unwinds_as_the_function_s_head() {
+    use alloctramp_patcher::{Elf, ehframe::Sources, hooks::movable_head};
+    for (name, flags) in [("pie", "-fPIE -pie"), ("static", "-static")] {
+        let dir = scratch(&format!("apis-ptrpool-unwind-{name}"));
+        let bin = dir.join("ptrpool");
+        let cmd = format!("gcc -O2 -g {flags} -pthread {} -o {}", testbins_dir().join(POOL).display(), bin.display());
+        let o = Command::new("sh").arg("-c").arg(&cmd).output().unwrap();
+        assert!(o.status.success(), "{cmd}: {}", String::from_utf8_lossy(&o.stderr));
+        let patched = dir.join("patched");
+        patch_to(&bin, &patched, &POOL_ENTRIES);
+        let (orig_data, new_data) = (std::fs::read(&bin).unwrap(), std::fs::read(&patched).unwrap());
+        let (orig, new) = (Elf::parse(&orig_data).unwrap(), Elf::parse(&new_data).unwrap());
+        let from = Sources::new(&orig).unwrap();
+        let to = Sources::section(&new, alloctramp_trampolines::layout::SEC_EH_FRAME).unwrap();
+        for f in ["pool_alloc", "pool_free"] {
+            let s = orig.symbols(false).iter().find(|s| s.name == f && s.defined).unwrap();
+            let head = movable_head(&orig, s.value, s.value + s.size).unwrap();
+            let jump = new.bytes_at(head.at.0, 5).unwrap();
+            assert_eq!(jump[0], 0xe9, "{name} {f}: a jump to the stub");
+            let rel = i32::from_le_bytes(jump[1..5].try_into().unwrap());
+            let stub = (head.at.0 + 5).wrapping_add(rel as i64 as u64);
+            let (code, points) = head.stub(stub).unwrap();
+            assert_eq!(new.bytes_at(stub, code.len()).unwrap(), &code[..], "{name} {f}: the stub");
+            assert!(points.len() >= 2, "{name} {f}: {points:?}");
+            for &(off, at) in std::iter::once(&(0, points[0].1)).chain(&points) {
+                let want = from.row(at).unwrap_or_else(|e| panic!("{name} {f}: the row at {at:#x}: {e}"));
+                assert_eq!(to.row(stub + u64::from(off)), Ok(want), "{name} {f}: stub+{off} against {at:#x}");
+            }
+        }
+    }
 }

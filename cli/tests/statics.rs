@@ -358,3 +358,49 @@ fn a_stripped_static_program_without_thread_locals_keeps_the_runtime_s_block() {
     assert_eq!(seen[0][2], 1, "failed calls: {:?}", seen[0]);
     assert_eq!(seen[1], seen[0], "stripped and not: the same totals");
 }
+
+/// A static program's own pool, called through a table of operations
+/// (testbins/apis/ptrpool.c, built `-static` with glibc and with musl):
+/// its functions are hooked at their entry as in a dynamic program, with
+/// exact figures on from start and switched on while it waits.
+#[test]
+fn entry_hooks_count_exactly_in_static_programs() {
+    use crate::allocators::{POOL, POOL_ENTRIES, near_markers, pool_enabled_while_waiting};
+    ensure_tool("musl-gcc", "musl-tools");
+    for cc in ["gcc", "musl-gcc"] {
+        let dir = scratch(&format!("static-ptrpool-{cc}"));
+        let bin = dir.join("ptrpool");
+        let src = testbins_dir().join(POOL);
+        let o = Command::new(cc)
+            .args(["-O2", "-g", "-static", "-pthread", "-Wall", "-Werror"])
+            .arg(&src)
+            .arg("-o")
+            .arg(&bin)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{cc}: {}", String::from_utf8_lossy(&o.stderr));
+        let patched = dir.join("patched");
+        patch_to(&bin, &patched, &POOL_ENTRIES);
+        let plain = Command::new(&bin).output().unwrap();
+        assert!(plain.status.success());
+        for on in [false, true] {
+            let counters = counters_dir(&format!("static-ptrpool-{cc}-{on}"));
+            let mut c = Command::new(&patched);
+            c.env("ALLOCTRAMP_DIR", &counters);
+            if on {
+                c.env("ALLOCTRAMP", "on");
+            }
+            let o = c.output().unwrap();
+            assert_eq!(o.status.code(), Some(0), "{cc} on {on}: {}", String::from_utf8_lossy(&o.stderr));
+            assert_eq!(o.stdout, plain.stdout, "{cc} on {on}: the same output");
+            if on {
+                let files = files(&counters);
+                assert_eq!(files.len(), 1, "{cc}: {files:?}");
+                let doc = report(files.values().next().unwrap().to_str().unwrap(), &counters);
+                assert_eq!(near_markers(rows(&doc, POOL), POOL), marks(POOL), "{cc}: on from start");
+            }
+        }
+        let counters = counters_dir(&format!("static-ptrpool-{cc}-enabled"));
+        pool_enabled_while_waiting(&patched, &counters, &plain.stdout);
+    }
+}

@@ -53,7 +53,7 @@ pub struct Sources<'a> {
 
 /// The site's row, which a trampoline's entry copies where it is not
 /// inside a call.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SiteRow {
     cfa: Cfa,
     /// Every register rule of the site's row, as DWARF call frame
@@ -62,7 +62,7 @@ pub struct SiteRow {
     regs: Vec<u16>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Cfa {
     /// rsp plus an offset: moves with what the trampoline pushes.
     Rsp(u64),
@@ -131,7 +131,7 @@ impl<'a> Sources<'a> {
         let ph = elf.file.elf_program_headers().iter().find(|p| p.p_type(e) == elf::PT_GNU_EH_FRAME);
         let Some(ph) = ph else {
             if crate::statics::is_static(elf) {
-                return Self::without_header(elf);
+                return Self::section(elf, ".eh_frame");
             }
             return Err("no PT_GNU_EH_FRAME");
         };
@@ -172,14 +172,15 @@ impl<'a> Sources<'a> {
         Ok(Sources { eh, bases, table, hdr_addr: Some(hdr_addr), eh_frame })
     }
 
-    /// A static program's `.eh_frame`, with the table made from its
-    /// entries.
-    fn without_header(elf: &Elf<'a>) -> Result<Sources<'a>, Why> {
+    /// The unwind entries of the section `name` (a static program's
+    /// `.eh_frame`; a patched file's `.alloctramp.eh_frame`), with the table
+    /// made from them.
+    pub fn section(elf: &Elf<'a>, name: &str) -> Result<Sources<'a>, Why> {
         let s = elf
             .sections
             .iter()
-            .find(|s| s.name == ".eh_frame" && s.is_alloc() && !s.data.is_empty())
-            .ok_or("no .eh_frame")?;
+            .find(|s| s.name == name && s.is_alloc() && !s.data.is_empty())
+            .ok_or("no such section of unwind entries")?;
         let eh_frame = s.addr.0;
         let bases = with_sections(elf, BaseAddresses::default().set_eh_frame(eh_frame));
         let eh = EhFrame::new(s.data, LittleEndian);
@@ -202,6 +203,12 @@ impl<'a> Sources<'a> {
     /// Where the input's `.eh_frame_hdr` is (None: it has none).
     pub fn hdr_addr(&self) -> Option<u64> {
         self.hdr_addr
+    }
+
+    /// The CFI row at `at` (as [`Sources::site`], with a context of its
+    /// own).
+    pub fn row(&self, at: u64) -> Result<SiteRow, Why> {
+        self.site(at, &mut UnwindContext::new())
     }
 
     /// The CFI row at `site`, if an entry can copy it.
