@@ -47,7 +47,7 @@
 
 use crate::charge::Hookable;
 use crate::elf::Elf;
-use crate::scan::{Charge, Reason, Scan, Site, Via};
+use crate::scan::{Charge, Scan, Site, Via};
 use alloctramp_trampolines::addr::Vaddr;
 use alloctramp_trampolines::entry::Heap;
 use alloctramp_trampolines::layout::SiteForm;
@@ -129,8 +129,9 @@ impl EntryHook {
 /// Adds a site for each hookable definition whose head can move, after
 /// the scan's sites (their stubs follow every trampoline of the original
 /// code, so the site table stays in address order). The references to a
-/// hooked function that no site made (its address taken or stored) are
-/// dropped: the hook sees the calls through them.
+/// hooked function that are no site (its address taken or stored, a
+/// conditional jump to it) are dropped: whatever they reach passes the
+/// hook.
 pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
     let exported = |addr: u64| elf.symbols(true).iter().any(|s| s.defined && s.is_func && s.global && s.value == addr);
     let mut hooked = Vec::new();
@@ -160,8 +161,7 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
         });
         hooked.push(h.entry);
     }
-    scan.unpatchable
-        .retain(|r| !(hooked.contains(&r.entry) && matches!(r.reason, Reason::AddressTaken | Reason::AddressInData)));
+    scan.unpatchable.retain(|r| !hooked.contains(&r.entry));
 }
 
 /// The instructions at the start of the function `[start, end)` that a
