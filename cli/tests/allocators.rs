@@ -128,7 +128,7 @@ pub const POOL_ENTRIES: [&str; 4] = ["--entry", "pool_alloc:alloc", "--entry", "
 /// program misses the calls through the table: its live figures are wrong.
 #[test]
 fn a_pool_called_through_a_table_of_operations_is_hooked_at_its_entry_with_exact_live_figures() {
-    exact_rows("ptrpool.c", &POOL_ENTRIES, |rows| near_markers(rows, POOL));
+    exact_rows("ptrpool.c", &POOL_ENTRIES, |rows| near_markers(rows, &marks(POOL)));
     let dir = scratch("apis-ptrpool-unhooked");
     let counters = counters_dir("apis-ptrpool-unhooked");
     let bin = build_source(POOL, &dir);
@@ -179,16 +179,15 @@ pub fn pool_enabled_while_waiting(patched: &Path, counters: &Path, plain: &[u8])
     assert!(child.wait().unwrap().success());
     assert_eq!(rest, plain, "the same output");
     let doc = report(only_counters_file(counters).to_str().unwrap(), counters);
-    assert_eq!(near_markers(rows(&doc, POOL), POOL), marks(POOL), "(line, entry) -> (calls, bytes, live)");
+    assert_eq!(near_markers(rows(&doc, POOL), &marks(POOL)), marks(POOL), "(line, entry) -> (calls, bytes, live)");
 }
 
-/// `got` with each row that no marker of `rel` names moved to the line of
+/// `got` with each row that no marker of `want` names moved to the line of
 /// a marker for the same entry at most three lines away that has no row:
 /// an entry hook's row is named after the line of the function's first
 /// moved instruction, which the compiler decides (its opening brace, or
 /// its first statement, where the marker is).
-pub fn near_markers(got: Rows, rel: &str) -> Rows {
-    let want = marks(rel);
+pub fn near_markers(got: Rows, want: &Rows) -> Rows {
     let mut out = Rows::new();
     for ((line, entry), row) in got.clone() {
         let moved = (!want.contains_key(&(line, entry.clone())))
@@ -330,4 +329,52 @@ fn an_entry_hook_s_stub_unwinds_as_the_function_s_head() {
             }
         }
     }
+}
+
+/// An allocator whose first instructions call malloc and free
+/// (testbins/apis/headcall.c): a hook would move those sites into its
+/// stub, so it gets none, and the calls through its table count at the
+/// checked sites inside. Exact figures, and no crash once profiling is on.
+#[test]
+fn an_allocator_whose_head_calls_malloc_is_not_hooked_and_counts_exactly() {
+    exact("headcall.c", &["--entry", "xalloc:alloc", "--entry", "xfree:free"]);
+}
+
+/// `alloctramp run`, where a module's own definitions of allocator entry
+/// points are layers whose sites are not patched: the pool, built under
+/// mimalloc's names (`mi_malloc`, `mi_free`: entry points by default, no
+/// option), is hooked at its entry all the same, and counts the calls
+/// through its table exactly.
+#[test]
+fn entry_hooks_count_exactly_under_alloctramp_run() {
+    let dir = counters_dir("apis-ptrpool-run");
+    let bin = dir.join("ptrpool");
+    let o = Command::new("gcc")
+        .args(["-O2", "-g", "-fPIE", "-pie", "-pthread", "-Dpool_alloc=mi_malloc", "-Dpool_free=mi_free"])
+        .arg(testbins_dir().join(POOL))
+        .arg("-o")
+        .arg(&bin)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.join("report.json");
+    let o = alloctramp()
+        .args(["run", "--on", "--top", "0", "--format", "json", "-q", "-o"])
+        .arg(&out)
+        .arg("--cache")
+        .arg(dir.join("cache"))
+        .arg("--")
+        .arg(&bin)
+        .env("ALLOCTRAMP_DIR", &dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.stdout, Command::new(&bin).output().unwrap().stdout, "the program's output");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let named = |rows: Rows| -> Rows {
+        let name = |e: String| e.replace("pool_alloc", "mi_malloc").replace("pool_free", "mi_free");
+        rows.into_iter().map(|((line, e), v)| ((line, name(e)), v)).collect()
+    };
+    let want = named(marks(POOL));
+    assert_eq!(near_markers(named(rows(&doc, POOL)), &want), want, "(line, entry) -> (calls, bytes, live)");
 }

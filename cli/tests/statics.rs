@@ -397,7 +397,7 @@ fn entry_hooks_count_exactly_in_static_programs() {
                 let files = files(&counters);
                 assert_eq!(files.len(), 1, "{cc}: {files:?}");
                 let doc = report(files.values().next().unwrap().to_str().unwrap(), &counters);
-                assert_eq!(near_markers(rows(&doc, POOL), POOL), marks(POOL), "{cc}: on from start");
+                assert_eq!(near_markers(rows(&doc, POOL), &marks(POOL)), marks(POOL), "{cc}: on from start");
             }
         }
         let counters = counters_dir(&format!("static-ptrpool-{cc}-enabled"));

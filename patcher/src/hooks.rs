@@ -110,12 +110,14 @@ impl EntryHook {
         let encoded = BlockEncoder::encode(64, block, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)
             .map_err(|_| "a moved instruction's target is out of reach")?;
         let mut out = vec![JMP_REL32, 0, 0, 0, 0];
+        // (An instruction iced had to rewrite as several has no offset.)
         let mut points: Vec<(u32, u64)> = encoded
             .new_instruction_offsets
             .iter()
             .zip(&moved)
-            .map(|(&off, i)| (JUMP_LEN as u32 + off, i.ip()))
-            .collect();
+            .map(|(&off, i)| Some(((JUMP_LEN as u32).checked_add(off)?, i.ip())))
+            .collect::<Option<_>>()
+            .ok_or("a moved branch's target is out of reach")?;
         out.extend_from_slice(&encoded.code_buffer);
         points.push((out.len() as u32, self.resume()));
         let back = stub + out.len() as u64 + JUMP_LEN as u64;
@@ -135,6 +137,9 @@ impl EntryHook {
 pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
     let exported = |addr: u64| elf.symbols(true).iter().any(|s| s.defined && s.is_func && s.global && s.value == addr);
     let mut hooked = Vec::new();
+    // The eight-byte windows of the input that the hooks' jumps rewrite
+    // (`emit`): two hooks never share one.
+    let mut windows: Vec<(u64, u64)> = Vec::new();
     for h in hookable {
         let user = scan.user.contains(&h.entry);
         let other_heap = scan.entries.get(h.entry).is_some_and(|e| e.heap == Heap::Other);
@@ -147,6 +152,20 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
         }
         let Some(hook) = movable_head(elf, h.start, h.end) else { continue };
         let Some(offset) = elf.offset_of(hook.at) else { continue };
+        // A site or a reference among the moved bytes would be rewritten
+        // (the runtime writes sites) or lost.
+        let (lo, hi) = (hook.at.0, hook.resume());
+        let overlaps = |a: u64, len: u64| a < hi && a + len > lo;
+        if scan.sites.iter().any(|s| overlaps(s.vaddr.0, u64::from(s.len)))
+            || scan.unpatchable.iter().any(|r| overlaps(r.vaddr.0, 1))
+        {
+            continue;
+        }
+        let window = (offset.0 & !7, (offset.0 + hook.bytes.len() as u64).next_multiple_of(8));
+        if windows.iter().any(|&(s, e)| s < window.1 && window.0 < e) {
+            continue;
+        }
+        windows.push(window);
         scan.sites.push(Site {
             vaddr: hook.at,
             offset,
@@ -166,8 +185,12 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
 
 /// The instructions at the start of the function `[start, end)` that a
 /// jump can replace: past an `endbr64`, at least [`JUMP_LEN`] bytes of
-/// instructions that do not branch, within the function, with no branch
-/// of the function (nor a symbol) inside them.
+/// whole instructions of the function, none a call (whose return address
+/// would be in the stub, outside the exception tables) or a far branch;
+/// nothing of the function or of its parts the compiler moved away
+/// (`.cold`) branches into them or refers to them, and no jump goes back
+/// to the function's start (a loop would pass the hook again, whose
+/// checks push below the stack pointer, into a leaf function's red zone).
 pub fn movable_head(elf: &Elf, start: u64, end: u64) -> Option<EntryHook> {
     let code = elf.bytes_at(start, usize::try_from(end.checked_sub(start)?).ok()?)?;
     let skip = if code.starts_with(&ENDBR64) { ENDBR64.len() } else { 0 };
@@ -186,10 +209,8 @@ pub fn movable_head(elf: &Elf, start: u64, end: u64) -> Option<EntryHook> {
             FlowControl::Next
                 | FlowControl::UnconditionalBranch
                 | FlowControl::ConditionalBranch
-                | FlowControl::Call
                 | FlowControl::Return
                 | FlowControl::IndirectBranch
-                | FlowControl::IndirectCall
         );
         if ins.is_invalid() || !movable || far(&ins) {
             return None;
@@ -199,16 +220,27 @@ pub fn movable_head(elf: &Elf, start: u64, end: u64) -> Option<EntryHook> {
     }
     let (lo, hi) = (at, at + n as u64);
     let inside = |a: u64| a > lo && a < hi;
-    // Nothing in the function reaches into the moved instructions.
-    let mut dec = Decoder::with_ip(64, code, start, DecoderOptions::NONE);
-    while dec.can_decode() {
-        dec.decode_out(&mut ins);
-        let branch = (0..ins.op_count())
-            .any(|i| matches!(ins.op_kind(i), OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64));
-        if (branch && inside(ins.near_branch_target()))
-            || (ins.is_ip_rel_memory_operand() && inside(ins.ip_rel_memory_address()))
-        {
-            return None;
+    // Nothing in the function or its parts moved away reaches into the
+    // moved instructions, and no jump goes back to its start.
+    let name = elf.symbols(false).iter().find(|s| s.defined && s.is_func && s.value == start).map(|s| s.name);
+    let parts = elf.symbols(false).iter().filter(|s| {
+        s.defined && s.size != 0 && name.is_some_and(|n| s.name.strip_prefix(n).is_some_and(|r| r.starts_with(".cold")))
+    });
+    for (from, len) in std::iter::once((start, code.len() as u64)).chain(parts.map(|s| (s.value, s.size))) {
+        let bytes = elf.bytes_at(from, usize::try_from(len).ok()?)?;
+        let mut dec = Decoder::with_ip(64, bytes, from, DecoderOptions::NONE);
+        while dec.can_decode() {
+            dec.decode_out(&mut ins);
+            let branch = (0..ins.op_count())
+                .any(|i| matches!(ins.op_kind(i), OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64));
+            let target = ins.near_branch_target();
+            let jump = branch && ins.flow_control() != FlowControl::Call;
+            if (branch && inside(target))
+                || (jump && (start..=lo).contains(&target))
+                || (ins.is_ip_rel_memory_operand() && inside(ins.ip_rel_memory_address()))
+            {
+                return None;
+            }
         }
     }
     let symbol_inside = elf.symbols(false).iter().chain(elf.symbols(true)).any(|s| s.defined && inside(s.value));

@@ -1180,13 +1180,16 @@ fn plan_sites(
             Some((_, stub_at, _)) => (*stub_at, stub_at + crate::hooks::JUMP_LEN as u64),
             None => (site.vaddr.0, site.target.0),
         };
-        // (The stub is placed even when it cannot be reached, so that the
-        // table's sites stay in address order.)
+        // (A stub that cannot be made still takes the room of its jump,
+        // so that the table's sites stay in strict address order.)
+        let mut stub_unwind = None;
         let hook_plan = hook.map(|(h, stub_at, made)| {
-            let (bytes, points) = made?;
+            let (bytes, points) = made.inspect_err(|_| {
+                place_code(text, vec![0xcc; crate::hooks::JUMP_LEN]);
+            })?;
             let stub = place_code(text, bytes);
             debug_assert_eq!(stub.addr.0, stub_at);
-            programs.extend(sources.and_then(|src| src.stub_program(stub_at, stub.bytes.len() as u64, &points).ok()));
+            stub_unwind = sources.and_then(|src| src.stub_program(stub_at, stub.bytes.len() as u64, &points).ok());
             let jump = h.entry_jump(stub_at).ok_or("the stub is out of the function's reach")?;
             Ok((stub, (site.offset, jump)))
         });
@@ -1236,7 +1239,10 @@ fn plan_sites(
         let mut unwind = None;
         // (A call through an allocator API's slot counts the calls its
         // callers' sites did not: those through pointers.)
-        let in_layer = !a.scan.is_slot(site.entry) && layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
+        // (Nor does an entry hook: it counts the calls no site makes.)
+        let in_layer = !a.scan.is_slot(site.entry)
+            && site.hook.is_none()
+            && layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
         let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
             Decision::Skipped(SkipReason::InsideWrapper)
         } else if let Some(Err(why)) = hook_plan {
@@ -1288,7 +1294,10 @@ fn plan_sites(
             }
         };
         let hook = match (hook_plan, &decision) {
-            (Some(Ok((stub, jump))), Decision::Patched(_)) => Some(HookPlan { stub, jump }),
+            (Some(Ok((stub, jump))), Decision::Patched(_)) => {
+                programs.extend(stub_unwind);
+                Some(HookPlan { stub, jump })
+            }
             _ => None,
         };
         sites.push(SitePlan {
