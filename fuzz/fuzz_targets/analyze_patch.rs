@@ -14,10 +14,22 @@ fn static_runtime() -> Option<Vec<u8>> {
     RT.get_or_init(|| std::env::var_os("ALLOCTRAMP_STATIC_RUNTIME").and_then(|p| std::fs::read(p).ok())).clone()
 }
 
+fn pool() -> &'static [alloctramp_trampolines::entry::EntryPoint] {
+    static POOL: OnceLock<Vec<alloctramp_trampolines::entry::EntryPoint>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        ["pool_alloc:alloc", "pool_free:free"]
+            .iter()
+            .map(|s| alloctramp_trampolines::entry::parse_spec(s).expect("an entry spec"))
+            .collect()
+    })
+}
+
 fuzz_target!(|data: &[u8]| {
-    // The wrapper search too: it reads every function's code.
-    let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
-    let Ok(analysis) = alloctramp_patcher::analyze_with(data, "fuzz", None, &[], &search) else { return };
+    // The wrapper search too: it reads every function's code; and entry
+    // hooks, of a pool the user would name (testbins/apis/ptrpool.c).
+    let search =
+        alloctramp_patcher::wrappers::Options { search: true, charge: true, entry_hooks: true, ..Default::default() };
+    let Ok(analysis) = alloctramp_patcher::analyze_with(data, "fuzz", None, pool(), &search) else { return };
     let opts = PatchOptions {
         runtime_path: "liballoctramp_rt.so".into(),
         foreign_unwind: Vec::new(),
