@@ -378,3 +378,38 @@ fn entry_hooks_count_exactly_under_alloctramp_run() {
     let want = named(marks(POOL));
     assert_eq!(near_markers(named(rows(&doc, POOL)), &want), want, "(line, entry) -> (calls, bytes, live)");
 }
+
+/// A library's exported pool that the user names, reached through a
+/// table of operations from the program and from the library
+/// (testbins/apis/libsharedpool.c, sharedpool.c): both files patched with
+/// the same entries, the program's calls through the PLT count at its
+/// sites (raising the depth), and the calls through the table at the
+/// library's entry hooks, each once; every live figure is exact.
+#[test]
+fn an_exported_pool_reached_through_pointers_counts_once_across_modules() {
+    let dir = scratch("apis-sharedpool");
+    let lib = build_source("apis/libsharedpool.c", &dir);
+    let bin = build_source("apis/sharedpool.c", &dir);
+    let patched = dir.join("patched");
+    std::fs::create_dir_all(&patched).unwrap();
+    patch_to(&lib, &patched.join("libsharedpool.so"), &POOL_ENTRIES);
+    patch_to(&bin, &patched.join("sharedpool"), &POOL_ENTRIES);
+    let plain = Command::new(&bin).output().unwrap();
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    let counters = counters_dir("apis-sharedpool");
+    for on in [false, true] {
+        let mut c = Command::new(patched.join("sharedpool"));
+        c.env("LD_LIBRARY_PATH", &patched).env("ALLOCTRAMP_DIR", &counters);
+        if on {
+            c.env("ALLOCTRAMP", "on");
+        }
+        let o = c.output().unwrap();
+        assert_eq!(o.status.code(), Some(0), "on {on}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(o.stdout, plain.stdout, "on {on}: the same output");
+    }
+    let doc = report(only_counters_file(&counters).to_str().unwrap(), &counters);
+    for rel in ["apis/sharedpool.c", "apis/libsharedpool.c"] {
+        let want = marks(rel);
+        assert_eq!(near_markers(rows(&doc, rel), &want), want, "{rel}: (line, entry) -> (calls, bytes, live)");
+    }
+}

@@ -447,9 +447,13 @@ fn decide(
     // A call through such a slot (see `crate::slots`), and a call of such
     // an API that no charged definition here answers (an import: the
     // definition in the interpreter library checks the depth), raise the
-    // depth: the layers under them count nothing more.
+    // depth: the layers under them count nothing more. So does a call of
+    // an entry point the user names that the file imports: its library,
+    // patched with the same entry, hooks the definition at its entry
+    // (`crate::hooks`) and checks the depth inside it.
     let slot_entries: HashSet<usize> = scan.slots.iter().map(|&(_, e)| e).collect();
-    let bumps_alone = |e: usize| api[e] || slot_entries.contains(&e);
+    let imports_user = |s: &crate::scan::Site| s.via != Via::Direct && scan.user.contains(&s.entry);
+    let bumps_alone = |s: &crate::scan::Site| api[s.entry] || slot_entries.contains(&s.entry) || imports_user(s);
     // The sites inside each wrapper: (wrapper, site).
     let within: Vec<(usize, usize)> =
         scan.sites.iter().enumerate().filter_map(|(i, s)| inside(s.vaddr.0).map(|k| (k, i))).collect();
@@ -529,8 +533,8 @@ fn decide(
     loop {
         let mut changed = false;
         for &(k, i) in &within {
-            let e = scan.sites[i].entry;
-            if by_entry.get(&e).map_or(bumps_alone(e), |&j| bump[j]) && ok[k] && !bump[k] {
+            let s = &scan.sites[i];
+            if by_entry.get(&s.entry).map_or(bumps_alone(s), |&j| bump[j]) && ok[k] && !bump[k] {
                 bump[k] = true;
                 changed = true;
             }
@@ -640,13 +644,13 @@ fn decide(
             Some(k) => Charge::Inside {
                 wrapper: charged[k].wrapper.unwrap_or(usize::MAX),
                 checked: open[k],
-                bump: callee.map_or(bumps_alone(s.entry), |j| bump[j]),
+                bump: callee.map_or(bumps_alone(s), |j| bump[j]),
                 external: callee.is_some_and(|j| external[j]),
             },
             None => match callee {
                 Some(j) if ok[j] => Charge::Caller { bump: bump[j], external: external[j] },
                 Some(j) if !charged[j].definition => Charge::Hook { external: hook_external[j] },
-                _ if bumps_alone(s.entry) => Charge::Caller { bump: true, external: s.via != Via::Direct },
+                _ if bumps_alone(s) => Charge::Caller { bump: true, external: s.via != Via::Direct },
                 _ => Charge::Own,
             },
         };

@@ -36,14 +36,15 @@
 //! only the calls no site counted (through pointers) count at the hook,
 //! and the hook raises the depth for the sites inside the function.
 //!
-//! Hooked: definitions of the user's entry points and of other allocators'
-//! APIs (not the process's `malloc` family, whose calls through pointers a
-//! dynamic program's C library makes unseen too) that the file does not
-//! export (a call from another module's site would raise no depth here),
-//! that call no allocator through a slot (whose site counts the same calls),
-//! whose address is taken or stored in data, and whose first instructions
-//! can move: at least five bytes of whole instructions of the function
-//! that nothing branches into.
+//! Hooked: definitions whose address is taken or stored in data, of the
+//! user's entry points, exported or not (another module's call of one
+//! raises the depth), and of other allocators' APIs that the file does not
+//! export (a call of one from another module's site raises no depth here);
+//! not of the process's `malloc` family, whose calls through pointers a
+//! dynamic program's C library makes unseen too; not a definition that
+//! calls its allocator through a slot (whose site counts the same calls);
+//! and only where the first instructions can move: at least five bytes of
+//! whole instructions of the function that nothing branches into.
 
 use crate::charge::Hookable;
 use crate::elf::Elf;
@@ -147,7 +148,11 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
         // API, see `crate::slots`) has a site there that counts the same
         // calls.
         let slot_site = scan.sites.iter().any(|s| scan.is_slot(s.entry) && (h.start..h.end).contains(&s.vaddr.0));
-        if !(user || other_heap) || exported(h.start) || slot_site {
+        // An exported definition is hooked only when the user names it:
+        // the other modules' calls of such an entry raise the depth
+        // (`crate::charge`), so the hook counts only what no site counted.
+        let wanted = user || (other_heap && !exported(h.start));
+        if !wanted || slot_site {
             continue;
         }
         let Some(hook) = movable_head(elf, h.start, h.end) else { continue };
