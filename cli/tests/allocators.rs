@@ -156,6 +156,50 @@ fn an_entry_hook_switched_on_while_running_counts_exactly() {
     pool_enabled_while_waiting(&patched, &counters, &plain.stdout);
 }
 
+/// The hooked pool switched off between its two parts (`alloctramp
+/// disable`), called through its table while off (its jumps back on the
+/// stubs, uncounted), and on again (`alloctramp enable`): every figure is
+/// exact.
+#[test]
+fn an_entry_hook_switched_off_and_on_again_counts_exactly() {
+    let dir = scratch("apis-ptrpool-paused");
+    let counters = counters_dir("apis-ptrpool-paused");
+    let bin = build_source(POOL, &dir);
+    let patched = dir.join("patched");
+    patch_to(&bin, &patched, &POOL_ENTRIES);
+    let plain = Command::new(&bin).output().unwrap();
+    let mut child = Command::new(&patched)
+        .arg("pause")
+        .env("ALLOCTRAMP_DIR", &counters)
+        .env("ALLOCTRAMP", "on")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "paused\n");
+    let mut stdin = child.stdin.take().unwrap();
+    for (switch, next) in [("disable", "resumed\n"), ("enable", "")] {
+        let o = alloctramp().args([switch, &child.id().to_string(), "--dir"]).arg(&counters).output().unwrap();
+        assert!(o.status.success(), "{switch}: {}", String::from_utf8_lossy(&o.stderr));
+        stdin.write_all(b"go\n").unwrap();
+        if !next.is_empty() {
+            line.clear();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line, next);
+        }
+    }
+    drop(stdin);
+    let mut rest = Vec::new();
+    std::io::Read::read_to_end(&mut out, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    assert_eq!(rest, plain.stdout, "the same output");
+    let doc = report(only_counters_file(&counters).to_str().unwrap(), &counters);
+    assert_eq!(near_markers(rows(&doc, POOL), &marks(POOL)), marks(POOL), "(line, entry) -> (calls, bytes, live)");
+}
+
 /// Runs `patched` (a build of testbins/apis/ptrpool.c) with `wait`,
 /// switches profiling on with `alloctramp enable` once it is ready, and
 /// checks its output and that every marked row is exact.
@@ -293,11 +337,11 @@ fn the_python_interpreter_library_counts_what_a_script_holds_and_frees() {
 }
 
 /// The stub an entry hook moves a function's first instructions to
-/// unwinds as those instructions did where they were: at the stub's jump
-/// (the site), at every moved instruction and at the jump back, the
-/// patched file's unwind tables (through its new search table, which the
-/// C++ unwinder and `backtrace()` read) give the row the function had
-/// there. (The stub runs on every call, profiling on or off.)
+/// unwinds as those instructions did where they were: at every moved
+/// instruction and at the jump back, the patched file's unwind entries
+/// (which its new search table, read by the C++ unwinder and
+/// `backtrace()`, lists) give the row the function had there. (The stub
+/// runs on every call, profiling on or off.)
 #[test]
 fn an_entry_hook_s_stub_unwinds_as_the_function_s_head() {
     use alloctramp_patcher::{Elf, ehframe::Sources, hooks::movable_head};
@@ -323,7 +367,8 @@ fn an_entry_hook_s_stub_unwinds_as_the_function_s_head() {
             let (code, points) = head.stub(stub).unwrap();
             assert_eq!(new.bytes_at(stub, code.len()).unwrap(), &code[..], "{name} {f}: the stub");
             assert!(points.len() >= 2, "{name} {f}: {points:?}");
-            for &(off, at) in std::iter::once(&(0, points[0].1)).chain(&points) {
+            assert_eq!(points[0].0, 0, "{name} {f}: the stub starts with the first moved instruction");
+            for &(off, at) in &points {
                 let want = from.row(at).unwrap_or_else(|e| panic!("{name} {f}: the row at {at:#x}: {e}"));
                 assert_eq!(to.row(stub + u64::from(off)), Ok(want), "{name} {f}: stub+{off} against {at:#x}");
             }
@@ -412,4 +457,15 @@ fn an_exported_pool_reached_through_pointers_counts_once_across_modules() {
         let want = marks(rel);
         assert_eq!(near_markers(rows(&doc, rel), &want), want, "{rel}: (line, entry) -> (calls, bytes, live)");
     }
+    // A fault spec naming the program's call of the pool fails that call
+    // (the pool is an allocator, not a wrapper whose own allocation would
+    // fail), although the call raises the depth: the program returns 1.
+    let (&(line, _), _) = marks("apis/sharedpool.c").iter().find(|((_, e), _)| e == "pool_alloc").unwrap();
+    let o = Command::new(patched.join("sharedpool"))
+        .env("LD_LIBRARY_PATH", &patched)
+        .env("ALLOCTRAMP_DIR", counters_dir("apis-sharedpool-fault"))
+        .env("ALLOCTRAMP_FAIL", format!("sharedpool.c:{line}:nth=1"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "the first call fails: {}", String::from_utf8_lossy(&o.stderr));
 }

@@ -262,16 +262,17 @@ impl<'a> Sources<'a> {
 
     /// The entry of an entry hook's stub at `addr` (`crate::hooks`), from
     /// `points`: each moved instruction's offset in the stub and its
-    /// original address, then the jump back's and the address it goes
-    /// back to. The stub's first jump (the site) has the row of the first
-    /// moved instruction, and each moved instruction the row it had where
-    /// it came from: the stub unwinds as the function's head did.
+    /// original address (the first at offset 0), then the jump back's and
+    /// the address it goes back to. Each instruction has the row it had
+    /// where it came from: the stub unwinds as the function's head did.
     pub fn stub_program(&self, addr: u64, len: u64, points: &[(u32, u64)]) -> Result<Program, Why> {
-        let first = points.first().ok_or("an empty stub")?.1;
+        if points.first().is_none_or(|p| p.0 != 0) {
+            return Err("a stub without its first instruction");
+        }
         let mut ctx = UnwindContext::new();
         let mut out = Vec::new();
         let (mut last, mut prev): (u32, Vec<u16>) = (0, Vec::new());
-        for &(offset, orig) in std::iter::once(&(0, first)).chain(points) {
+        for &(offset, orig) in points {
             let row = self.site(orig, &mut ctx)?;
             advance(&mut out, offset - last);
             last = offset;

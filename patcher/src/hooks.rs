@@ -10,9 +10,9 @@
 //! place:
 //!
 //! ```text
-//! f:     endbr64                    stub:  jmp stub+5   ; the site
-//!        jmp stub                          <the moved instructions>
-//!        int3 ...                          jmp f+4+n
+//! f:     endbr64                    stub:  <the moved instructions>
+//!        jmp stub   ; the site             jmp f+4+n
+//!        int3 ...
 //! f+4+n: <the rest of f>
 //! ```
 //!
@@ -21,14 +21,15 @@
 //! same target); a function whose own branches reach into the moved bytes
 //! is not hooked.
 //!
-//! The stub's first instruction is a five-byte jump to the next one: an
-//! ordinary tail-jump site whose target is the moved code. The runtime
-//! switches it as it switches any site, so while profiling is on every
-//! call of the function passes its trampoline, which treats it as a tail
-//! call: it counts (and tracks) the call, calls the moved code and returns
-//! to the caller. The move is made once, in the file, while no thread runs
-//! it: the only code rewritten in a live process is the stub's one
-//! instruction. With profiling off a call costs two direct jumps.
+//! The jump to the stub is an ordinary tail-jump site whose target is the
+//! moved code, and the file holds it as its original instruction. The
+//! runtime switches it as it switches any site, so while profiling is on
+//! every call of the function passes its trampoline, which treats it as a
+//! tail call: it counts (and tracks) the call, calls the moved code and
+//! returns to the caller. The move is made once, in the file, while no
+//! thread runs it: the only code rewritten in a live process is that one
+//! instruction, from one jump to another. With profiling off a call costs
+//! two direct jumps.
 //!
 //! The site is checked by the wrapper depth like the sites inside any
 //! definition of an entry point that is reached other than through a site
@@ -58,7 +59,7 @@ use iced_x86::{
 
 const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
 const JMP_REL32: u8 = 0xe9;
-/// The length of the stub's switched jump and of the jump at the entry.
+/// The length of the jump at the entry (the site).
 pub const JUMP_LEN: usize = 5;
 
 /// An instruction of a stub: its offset in the stub, and the address in the
@@ -86,7 +87,7 @@ impl EntryHook {
     }
 
     /// The bytes that replace the moved ones at [`EntryHook::at`]: a jump
-    /// to the stub at `stub`, then `int3` (never reached).
+    /// to the stub at `stub` (the site), then `int3` (never reached).
     pub fn entry_jump(&self, stub: u64) -> Option<Vec<u8>> {
         let rel = i32::try_from(stub.wrapping_sub(self.at.0 + JUMP_LEN as u64) as i64).ok()?;
         let mut out = vec![0xcc; self.bytes.len()];
@@ -95,31 +96,29 @@ impl EntryHook {
         Some(out)
     }
 
-    /// The stub at `stub`: the site (a jump to the next instruction), the
-    /// moved instructions (branches and memory operands relative to rip
-    /// encoded anew for their place), and a jump back. Also, per moved
-    /// instruction and for the jump back, its offset in the stub and the
-    /// address it came from (where the function's unwind rows describe its
-    /// frame).
+    /// The stub at `stub`: the moved instructions (branches and memory
+    /// operands relative to rip encoded anew for their place), and a jump
+    /// back. Also, per moved instruction and for the jump back, its offset
+    /// in the stub and the address it came from (where the function's
+    /// unwind rows describe its frame).
     pub fn stub(&self, stub: u64) -> Result<(Vec<u8>, Vec<StubPoint>), &'static str> {
         let mut dec = Decoder::with_ip(64, &self.bytes, self.at.0, DecoderOptions::NONE);
         let moved: Vec<Instruction> = dec.iter().collect();
         if moved.len() != self.lens.len() || moved.iter().zip(&self.lens).any(|(i, &l)| i.len() != usize::from(l)) {
             return Err("the moved instructions decode differently");
         }
-        let block = InstructionBlock::new(&moved, stub + JUMP_LEN as u64);
+        let block = InstructionBlock::new(&moved, stub);
         let encoded = BlockEncoder::encode(64, block, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)
             .map_err(|_| "a moved instruction's target is out of reach")?;
-        let mut out = vec![JMP_REL32, 0, 0, 0, 0];
         // (An instruction iced had to rewrite as several has no offset.)
         let mut points: Vec<(u32, u64)> = encoded
             .new_instruction_offsets
             .iter()
             .zip(&moved)
-            .map(|(&off, i)| Some(((JUMP_LEN as u32).checked_add(off)?, i.ip())))
+            .map(|(&off, i)| (off != u32::MAX).then_some((off, i.ip())))
             .collect::<Option<_>>()
             .ok_or("a moved branch's target is out of reach")?;
-        out.extend_from_slice(&encoded.code_buffer);
+        let mut out = encoded.code_buffer;
         points.push((out.len() as u32, self.resume()));
         let back = stub + out.len() as u64 + JUMP_LEN as u64;
         let rel = i32::try_from(self.resume().wrapping_sub(back) as i64).map_err(|_| "the function is out of reach")?;
@@ -129,18 +128,18 @@ impl EntryHook {
     }
 }
 
-/// Adds a site for each hookable definition whose head can move, after
-/// the scan's sites (their stubs follow every trampoline of the original
-/// code, so the site table stays in address order). The references to a
-/// hooked function that are no site (its address taken or stored, a
-/// conditional jump to it) are dropped: whatever they reach passes the
-/// hook.
+/// Adds a site for each hookable definition whose head can move, at the
+/// first moved instruction, in address order among the scan's sites. The
+/// references to a hooked function that are no site (its address taken or
+/// stored, a conditional jump to it) are dropped: whatever they reach
+/// passes the hook.
 pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
     let exported = |addr: u64| elf.symbols(true).iter().any(|s| s.defined && s.is_func && s.global && s.value == addr);
     let mut hooked = Vec::new();
     // The eight-byte windows of the input that the hooks' jumps rewrite
     // (`emit`): two hooks never share one.
     let mut windows: Vec<(u64, u64)> = Vec::new();
+    let mut heads = Vec::new();
     for h in hookable {
         let user = scan.user.contains(&h.entry);
         let other_heap = scan.entries.get(h.entry).is_some_and(|e| e.heap == Heap::Other);
@@ -157,6 +156,17 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
         }
         let Some(hook) = movable_head(elf, h.start, h.end) else { continue };
         let Some(offset) = elf.offset_of(hook.at) else { continue };
+        heads.push((h, hook, offset));
+    }
+    // No code of the file reaches into the moved bytes, nor past the
+    // `endbr64` to the first of them (only a loop of the function's own
+    // does that; `movable_head` checked the function and its named parts).
+    let reached =
+        reached_inside(elf, &heads.iter().map(|(h, hook, _)| (h.start, hook.at.0, hook.resume())).collect::<Vec<_>>());
+    for ((h, hook, offset), reached) in heads.into_iter().zip(reached) {
+        if reached {
+            continue;
+        }
         // A site or a reference among the moved bytes would be rewritten
         // (the runtime writes sites) or lost.
         let (lo, hi) = (hook.at.0, hook.resume());
@@ -186,6 +196,50 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
         hooked.push(h.entry);
     }
     scan.unpatchable.retain(|r| !hooked.contains(&r.entry));
+    if !hooked.is_empty() {
+        scan.sites.sort_by_key(|s| s.vaddr);
+    }
+}
+
+/// For each of `heads` (a function's start, its first moved instruction
+/// and the end of the moved bytes), whether a direct branch or a reference
+/// relative to rip anywhere in the file's code reaches inside the moved
+/// bytes, or a branch reaches the first of them past an `endbr64`. The
+/// code is decoded from each section's start (a sweep that lost step only
+/// refuses a hook it need not).
+fn reached_inside(elf: &Elf, heads: &[(u64, u64, u64)]) -> Vec<bool> {
+    let mut hit = vec![false; heads.len()];
+    if heads.is_empty() {
+        return hit;
+    }
+    let mut order: Vec<usize> = (0..heads.len()).collect();
+    order.sort_by_key(|&k| heads[k].1);
+    let mut check = |t: u64, branch: bool| {
+        // The last head whose moved bytes start at or before `t`.
+        let i = order.partition_point(|&k| heads[k].1 <= t);
+        if let Some(&k) = i.checked_sub(1).and_then(|i| order.get(i)) {
+            let (start, lo, hi) = heads[k];
+            if (t > lo && t < hi) || (branch && t == lo && lo != start) {
+                hit[k] = true;
+            }
+        }
+    };
+    let ours = |s: &crate::elf::Section| s.name == alloctramp_trampolines::layout::SEC_TEXT;
+    for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !ours(s)) {
+        let mut dec = Decoder::with_ip(64, sec.data, sec.addr.0, DecoderOptions::NONE);
+        let mut ins = Instruction::default();
+        while dec.can_decode() {
+            dec.decode_out(&mut ins);
+            let branch = (0..ins.op_count())
+                .any(|i| matches!(ins.op_kind(i), OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64));
+            if branch {
+                check(ins.near_branch_target(), true);
+            } else if ins.is_ip_rel_memory_operand() {
+                check(ins.ip_rel_memory_address(), false);
+            }
+        }
+    }
+    hit
 }
 
 /// The instructions at the start of the function `[start, end)` that a
@@ -273,13 +327,12 @@ mod tests {
         // push rbp; mov rbp, rsp; push rbx
         let h = hook(&[0x55, 0x48, 0x89, 0xe5, 0x53], &[1, 3, 1]);
         let (code, points) = h.stub(0x20_0000).unwrap();
-        assert_eq!(&code[..5], &[0xe9, 0, 0, 0, 0]);
-        assert_eq!(&code[5..10], &h.bytes[..]);
+        assert_eq!(&code[..5], &h.bytes[..]);
         let back = 0x20_0000 + code.len() as u64;
-        let rel = i32::from_le_bytes(code[11..15].try_into().unwrap());
-        assert_eq!(code[10], 0xe9);
+        assert_eq!(code[5], 0xe9);
+        let rel = i32::from_le_bytes(code[6..10].try_into().unwrap());
         assert_eq!(back.wrapping_add(rel as i64 as u64), 0x1009);
-        assert_eq!(points, vec![(5, 0x1004), (6, 0x1005), (9, 0x1008), (10, 0x1009)]);
+        assert_eq!(points, vec![(0, 0x1004), (1, 0x1005), (4, 0x1008), (5, 0x1009)]);
         let jump = h.entry_jump(0x20_0000).unwrap();
         assert_eq!(jump[0], 0xe9);
         assert_eq!(i32::from_le_bytes(jump[1..5].try_into().unwrap()) as i64, 0x20_0000 - 0x1009);
@@ -290,7 +343,7 @@ mod tests {
         // mov rax, [rip + 0x100] at 0x1004: reads 0x110b.
         let h = hook(&[0x48, 0x8b, 0x05, 0x00, 0x01, 0x00, 0x00], &[7]);
         let (code, _) = h.stub(0x3000).unwrap();
-        let mut dec = Decoder::with_ip(64, &code[5..12], 0x3005, DecoderOptions::NONE);
+        let mut dec = Decoder::with_ip(64, &code[..7], 0x3000, DecoderOptions::NONE);
         assert_eq!(dec.decode().ip_rel_memory_address(), 0x110b);
         assert!(hook(&h.bytes, &h.lens).stub(0x1_0000_0000_0000).is_err());
     }
@@ -300,12 +353,12 @@ mod tests {
         // test rdi, rdi; je 0x1016 (rel8) at 0x1004.
         let h = hook(&[0x48, 0x85, 0xff, 0x74, 0x0d], &[3, 2]);
         let (code, points) = h.stub(0x40_0000).unwrap();
-        let mut dec = Decoder::with_ip(64, &code[5..], 0x40_0005, DecoderOptions::NONE);
+        let mut dec = Decoder::with_ip(64, &code, 0x40_0000, DecoderOptions::NONE);
         let (test, je) = (dec.decode(), dec.decode());
         assert_eq!(test.len(), 3);
         assert!(je.is_jcc_short_or_near());
         assert_eq!(je.near_branch_target(), 0x1016);
-        assert_eq!(points.first(), Some(&(5, 0x1004)));
+        assert_eq!(points.first(), Some(&(0, 0x1004)));
         assert_eq!(points[1].1, 0x1007);
         let back = dec.decode();
         assert_eq!(back.near_branch_target(), 0x1009);

@@ -118,8 +118,8 @@ pub fn document<'a>(a: &'a Analysis, file: &'a str) -> SitesDoc<'a> {
         .map(|(s, info)| {
             let e = &entries[s.entry];
             *summary.by_entry.entry(e.display.clone()).or_default() += 1;
-            // An entry hook's site is the stub's jump the plan places; the
-            // listing gives the hooked function's first moved instruction.
+            // An entry hook's site is the jump to its stub that replaces
+            // the hooked function's first instructions.
             let form = if s.hook.is_some() { "entry hook" } else { s.form.as_str() };
             *summary.by_form.entry(form).or_default() += 1;
             *summary.by_kind.entry(e.sig.kind.as_str()).or_default() += 1;

@@ -268,10 +268,10 @@ pub struct SitePlan {
     /// Index in [`Plan::entries`].
     pub entry: usize,
     pub decision: Decision,
-    /// An entry hook's (see `crate::hooks`): its stub, whose first
-    /// instruction is the site, and the jump to it that replaces the
-    /// function's first instructions (an offset in the input and the new
-    /// bytes), written only when the site is patched.
+    /// An entry hook's (see `crate::hooks`): its stub, and the jump to it
+    /// that replaces the function's first instructions (an offset in the
+    /// input and the new bytes; the site is that jump), written only when
+    /// the site is patched.
     pub hook: Option<HookPlan>,
 }
 
@@ -1170,23 +1170,19 @@ fn plan_sites(
     let mut programs = Vec::new();
     let mut ctx_cfi = gimli::UnwindContext::new();
     for (i, site) in a.scan.sites.iter().enumerate() {
-        // An entry hook's stub goes first; the site is its first
-        // instruction, a jump to the moved code that follows it.
+        // An entry hook's stub goes before its trampoline: the site is the
+        // jump to it, whose target is the moved code.
         let hook = site.hook.as_deref().map(|h| {
             let stub_at = text.offset.wrapping_add(text.delta);
             (h, stub_at, h.stub(stub_at))
         });
-        let (site_addr, target) = match &hook {
-            Some((_, stub_at, _)) => (*stub_at, stub_at + crate::hooks::JUMP_LEN as u64),
-            None => (site.vaddr.0, site.target.0),
+        let target = match &hook {
+            Some((_, stub_at, _)) => *stub_at,
+            None => site.target.0,
         };
-        // (A stub that cannot be made still takes the room of its jump,
-        // so that the table's sites stay in strict address order.)
         let mut stub_unwind = None;
         let hook_plan = hook.map(|(h, stub_at, made)| {
-            let (bytes, points) = made.inspect_err(|_| {
-                place_code(text, vec![0xcc; crate::hooks::JUMP_LEN]);
-            })?;
+            let (bytes, points) = made?;
             let stub = place_code(text, bytes);
             debug_assert_eq!(stub.addr.0, stub_at);
             stub_unwind = sources.and_then(|src| src.stub_program(stub_at, stub.bytes.len() as u64, &points).ok());
@@ -1202,7 +1198,7 @@ fn plan_sites(
             Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
         };
         let spec = TrampolineSpec {
-            site: site_addr,
+            site: site.vaddr.0,
             len: site.len,
             form: site.form,
             target,
@@ -1262,7 +1258,7 @@ fn plan_sites(
                                     addr: at,
                                     len: t.code.len() as u64,
                                     frames: &frames,
-                                    ret: site_addr + u64::from(site.len),
+                                    ret: site.vaddr.0 + u64::from(site.len),
                                     tail: site.form.is_tail(),
                                     site: src.site(site.vaddr.0, &mut ctx_cfi).ok(),
                                     index: i as u32,
@@ -1300,14 +1296,7 @@ fn plan_sites(
             }
             _ => None,
         };
-        sites.push(SitePlan {
-            addr: Vaddr(site_addr),
-            len: site.len,
-            form: site.form,
-            entry: site.entry,
-            decision,
-            hook,
-        });
+        sites.push(SitePlan { addr: site.vaddr, len: site.len, form: site.form, entry: site.entry, decision, hook });
         programs.extend(unwind);
     }
     (sites, programs)

@@ -41,9 +41,9 @@ pub struct Site {
     /// wrapper) is inside a hooked function (see [`Charge::Hook`]): during
     /// a hook's call it counts into the hook's cell instead.
     pub under_hook: bool,
-    /// The site is an entry hook's (see `crate::hooks`): its instruction is
-    /// the first of a stub the plan places, and `vaddr` the hooked
-    /// function's first moved instruction until then.
+    /// The site is an entry hook's (see `crate::hooks`): at `vaddr`, the
+    /// hooked function's first moved instruction, the patched file holds
+    /// a jump to the stub the plan places (`target`, known then).
     pub hook: Option<Box<crate::hooks::EntryHook>>,
 }
 

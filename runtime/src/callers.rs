@@ -101,8 +101,9 @@ pub unsafe extern "C" fn capture(frame: *mut Frame, control: *const ControlBlock
 /// size it must refuse, so that the C++ runtime throws `std::bad_alloc`
 /// from the call.
 ///
-/// The call of an allocation wrapper (a hook, or a wrapper whose own sites
-/// check the depth) is not failed itself: the first allocation the wrapper
+/// The call of an allocation wrapper (a hook, or a wrapper the patcher
+/// found whose own sites check the depth: `Table::calls_wrapper`) is not
+/// failed itself: the first allocation the wrapper
 /// makes during the call is, so that the wrapper's own handling of a
 /// failure runs (git's `xmalloc` dies with its message, redis' `zmalloc`
 /// calls its out-of-memory handler). The thread's `FAIL_*` words say
@@ -144,7 +145,9 @@ unsafe fn inject(f: &mut Frame, control: *const ControlBlock, t: u64, index: u64
             tls::set(tls::FAIL_SP, 0);
         }
     }
-    let wrapper = flags & (site_flags::HOOK | site_flags::DEPTH_BUMP) != 0;
+    let wrapper = flags & (site_flags::HOOK | site_flags::DEPTH_BUMP) != 0
+        && registry::table_at(t).and_then(|table| Some(table.calls_wrapper(&table.get_site(index as usize)?)))
+            != Some(false);
     if !crate::fault::decide(t, index, || registry::table_at(t)) {
         if wrapper && tls::get(tls::FAIL_SP) == sp {
             tls::set(tls::FAIL_SP, 0);

@@ -255,7 +255,7 @@ pub fn set_wrapped(v: bool) -> bool {
 
 /// Whether `site` calls an allocation wrapper a spec names.
 pub fn names_wrapper(table: &Table, site: &Site) -> bool {
-    site.flags & (site_flags::HOOK | site_flags::DEPTH_BUMP) != 0 && names(table, site)
+    table.calls_wrapper(site) && names(table, site)
 }
 
 fn failable(table: &Table, site: &Site) -> bool {

@@ -130,33 +130,25 @@ struct Unprotected {
 const MAX_MAPPINGS: usize = 32;
 
 impl Unprotected {
-    /// Makes every page of each span `[lo, hi)` of `spans` (in address
-    /// order, apart) writable, keeping each mapping's other permissions. On
-    /// failure, nothing stays changed.
-    fn new(spans: &[(u64, u64)]) -> Result<Unprotected, &'static str> {
-        let page =
-            |&(lo, hi): &(u64, u64)| (lo & !(PAGE - 1), hi.checked_next_multiple_of(PAGE).unwrap_or(!(PAGE - 1)));
-        let last = spans.last().map_or(0, |s| page(s).1);
+    /// Makes every page of `[lo, hi)` writable, keeping each mapping's other
+    /// permissions. On failure, nothing stays changed.
+    fn new(lo: u64, hi: u64) -> Result<Unprotected, &'static str> {
+        let (lo, hi) = (lo & !(PAGE - 1), hi.checked_next_multiple_of(PAGE).unwrap_or(!(PAGE - 1)));
         let mut u = Unprotected { n: 0, saved: [(0, 0, 0); MAX_MAPPINGS] };
         let mut too_many = false;
         // The mappings are read in full before any changes them.
         let read = sys::for_each_mapping(|start, end, prot| {
-            if start >= last {
+            let (s, e) = (start.max(lo), end.min(hi));
+            if start >= hi {
                 return false;
             }
-            if prot & libc::PROT_WRITE != 0 {
-                return true;
-            }
-            for (lo, hi) in spans.iter().map(page) {
-                let (s, e) = (start.max(lo), end.min(hi));
-                if s < e {
-                    let Some(free) = u.saved.get_mut(u.n) else {
-                        too_many = true;
-                        return false;
-                    };
-                    *free = (s, e, prot);
-                    u.n += 1;
-                }
+            if s < e && prot & libc::PROT_WRITE == 0 {
+                let Some(free) = u.saved.get_mut(u.n) else {
+                    too_many = true;
+                    return false;
+                };
+                *free = (s, e, prot);
+                u.n += 1;
             }
             true
         });
@@ -232,24 +224,9 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     if on != Sites::Off && !waits && table.sites().any(|s| active(&s) && s.flags & charges != 0) {
         FAULT_HANDLER.ensure()?;
     }
-    // Entry hooks' sites are in the module's trampoline text, after every
-    // other site: the pages between the two runs (read-only data, RELRO)
-    // are left as they are.
     let (lo, hi) = m.span;
-    let text = bias.wrapping_add(table.header.text_addr);
-    let (mut code_end, mut first_stub) = (lo, None);
-    for s in table.sites() {
-        let a = at(&s) as u64;
-        if a >= text {
-            first_stub.get_or_insert(a);
-        } else {
-            code_end = code_end.max(a + u64::from(s.len));
-        }
-    }
-    let (two, one) = ([(lo, code_end), (first_stub.unwrap_or(hi), hi)], [(lo, hi)]);
-    let spans: &[(u64, u64)] = if first_stub.is_some() && code_end > lo { &two } else { &one };
     let blocked = alone.then(sys::SignalsBlocked::new);
-    let unprotected = Unprotected::new(spans)?;
+    let unprotected = Unprotected::new(lo, hi)?;
     populate(table.sites().filter(active).map(|s| at(&s) as u64));
     if blocked.is_some() {
         for s in table.sites().filter(active) {

@@ -17,7 +17,12 @@
    table are seen.
 
    With the argument `wait`, the program prints "ready" and waits for a
-   line on stdin before it starts (profiling is switched on meanwhile). */
+   line on stdin before it starts (profiling is switched on meanwhile);
+   with `pause`, between the main thread's part and the threads', it
+   prints "paused" and waits for a line (profiling is switched off: the
+   hooks' jumps go back to the stubs), allocates and frees through the
+   table uncounted, then prints "resumed" and waits for a line (profiling
+   is switched on again). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -91,6 +96,7 @@ int main(int argc, char **argv)
         if (fgets(line, sizeof line, stdin) == NULL)
             return 1;
     }
+    int pause = argc > 1 && strcmp(argv[1], "pause") == 0;
     unsigned long sum = 0, kept = 0;
     static void *keep[2 * N];
     for (int i = 0; i < N; i++) {
@@ -112,6 +118,23 @@ int main(int argc, char **argv)
             pool_free(b); /* @site pool_free calls=500 */
         else
             keep[kept++] = b;
+    }
+    if (pause) {
+        char line[16];
+        puts("paused");
+        fflush(stdout);
+        if (fgets(line, sizeof line, stdin) == NULL)
+            return 1;
+        for (int i = 0; i < 100; i++) {
+            void *p = ops->alloc(40);
+            if (p == NULL)
+                return 1;
+            ops->free(p);
+        }
+        puts("resumed");
+        fflush(stdout);
+        if (fgets(line, sizeof line, stdin) == NULL)
+            return 1;
     }
     pthread_t t[THREADS];
     for (int k = 0; k < THREADS; k++)

@@ -1341,6 +1341,16 @@ impl<'a> Table<'a> {
         pod::read(self.bytes, self.header.entries_offset as usize + i * ENTRY_SIZE)
     }
 
+    /// Whether `site` calls an allocation wrapper whose own allocation a
+    /// fault injection fails rather than its call: a hook, or a wrapper
+    /// the patcher found ([`entry_flags::WRAPPER`]) whose call raises the
+    /// depth. A call of an allocator that raises the depth (an entry the
+    /// user names, imported or reached through pointers too) fails itself.
+    pub fn calls_wrapper(&self, site: &Site) -> bool {
+        let wrapper_entry = || self.entry(usize::from(site.entry)).is_none_or(|e| e.flags & entry_flags::WRAPPER != 0);
+        site.flags & site_flags::HOOK != 0 || (site.flags & site_flags::DEPTH_BUMP != 0 && wrapper_entry())
+    }
+
     /// What the entry a site calls does; `None` for an entry the table
     /// does not have or a kind this build does not know.
     pub fn entry_kind(&self, entry: u16) -> Option<Kind> {

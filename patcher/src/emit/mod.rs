@@ -71,18 +71,23 @@ fn tls_symbols(elf: &Elf, shift: u64) -> Vec<(u64, [u8; 8])> {
 }
 
 /// The jumps to the entry hooks' stubs, over the functions' first
-/// instructions, as fixups of eight bytes (the bytes after a jump that the
-/// last one covers are the input's).
+/// instructions, as fixups of the eight-byte-aligned words of the input
+/// that hold them (the other bytes of those words are the input's; no two
+/// hooks share a word: `hooks::add`).
 fn hook_jumps(elf: &Elf, plan: &Plan) -> Vec<(u64, [u8; 8])> {
     let mut out = Vec::new();
     for (offset, bytes) in plan.sites.iter().filter_map(|s| s.hook.as_ref()).map(|h| &h.jump) {
-        for (k, part) in bytes.chunks(8).enumerate() {
-            let at = offset.0 as usize + 8 * k;
+        let (lo, hi) = (offset.0 as usize, offset.0 as usize + bytes.len());
+        for at in (lo & !7..hi).step_by(8) {
             let mut word = [0u8; 8];
-            let tail = elf.data.get(at..).unwrap_or_default();
-            let n = tail.len().min(8);
-            word[..n].copy_from_slice(&tail[..n]);
-            word[..part.len()].copy_from_slice(part);
+            let input = elf.data.get(at..).unwrap_or_default();
+            let n = input.len().min(8);
+            word[..n].copy_from_slice(&input[..n]);
+            for (k, b) in word.iter_mut().enumerate() {
+                if (lo..hi).contains(&(at + k)) {
+                    *b = bytes[at + k - lo];
+                }
+            }
             out.push((at as u64, word));
         }
     }

@@ -34,11 +34,10 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
         .zip(&s.sites)
         .map(|(site, &(function, file, line))| {
             let mut original = [0u8; 8];
-            // An entry hook's site is its stub's jump to the next
-            // instruction.
-            let stub = [0xe9, 0, 0, 0, 0];
-            let orig = match site.hook {
-                Some(_) => &stub[..],
+            // An entry hook's site is the jump to its stub that the patched
+            // file holds.
+            let orig = match &site.hook {
+                Some(h) => h.jump.1.get(..site.len as usize).unwrap_or(&[]),
                 None => elf.bytes_at(site.addr.0, site.len as usize).unwrap_or(&[]),
             };
             let n = orig.len().min(8);
