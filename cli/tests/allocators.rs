@@ -320,8 +320,10 @@ fn the_python_interpreter_library_counts_what_a_script_holds_and_frees() {
     }
     assert!(child.wait().unwrap().success());
     let [(start, before), (holding, held), (_, after)] = &steps[..] else { unreachable!() };
-    // The 100,000 strings (and the list's array), then back where it was.
-    assert!((100_000..=100_010).contains(&held.saturating_sub(*before)), "{before} live objects, then {held}");
+    // The 100,000 strings (and the list's array), then back where it was,
+    // give or take the interpreter's own few objects (the line `readline`
+    // returned, its buffers), which come and go between the steps.
+    assert!(held.abs_diff(before + 100_000) <= 10, "{before} live objects, then {held}");
     assert!(after.abs_diff(*before) <= 5, "{before} live objects at the start, {after} once released");
     // One C function of CPython holds the strings.
     let grown: Vec<(&String, u64)> = holding

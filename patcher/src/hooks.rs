@@ -154,6 +154,10 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
         if !wanted || slot_site {
             continue;
         }
+        // (Aliases of one function are hooked once.)
+        if heads.iter().any(|(g, _, _): &(&Hookable, EntryHook, _)| g.start == h.start) {
+            continue;
+        }
         let Some(hook) = movable_head(elf, h.start, h.end) else { continue };
         let Some(offset) = elf.offset_of(hook.at) else { continue };
         heads.push((h, hook, offset));
@@ -177,7 +181,7 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
             continue;
         }
         let window = (offset.0 & !7, (offset.0 + hook.bytes.len() as u64).next_multiple_of(8));
-        if windows.iter().any(|&(s, e)| s < window.1 && window.0 < e) {
+        if windows.iter().any(|&(s, e)| s < window.1 && window.0 < e) || window.1 > elf.data.len() as u64 {
             continue;
         }
         windows.push(window);
@@ -205,8 +209,9 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
 /// and the end of the moved bytes), whether a direct branch or a reference
 /// relative to rip anywhere in the file's code reaches inside the moved
 /// bytes, or a branch reaches the first of them past an `endbr64`. The
-/// code is decoded from each section's start (a sweep that lost step only
-/// refuses a hook it need not).
+/// code is decoded from each section's start, realigned at every function
+/// start as the scan's sweep is (bytes of data among the code could
+/// otherwise hide a branch).
 fn reached_inside(elf: &Elf, heads: &[(u64, u64, u64)]) -> Vec<bool> {
     let mut hit = vec![false; heads.len()];
     if heads.is_empty() {
@@ -225,11 +230,30 @@ fn reached_inside(elf: &Elf, heads: &[(u64, u64, u64)]) -> Vec<bool> {
         }
     };
     let ours = |s: &crate::elf::Section| s.name == alloctramp_trampolines::layout::SEC_TEXT;
+    let mut starts: Vec<u64> = elf
+        .symbols(false)
+        .iter()
+        .chain(elf.symbols(true))
+        .filter(|s| s.defined && s.is_func)
+        .map(|s| s.value)
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
     for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !ours(s)) {
         let mut dec = Decoder::with_ip(64, sec.data, sec.addr.0, DecoderOptions::NONE);
         let mut ins = Instruction::default();
         while dec.can_decode() {
             dec.decode_out(&mut ins);
+            // Realign at a function start that this instruction overlaps.
+            let next = starts.partition_point(|&a| a <= ins.ip());
+            if let Some(&s) = starts.get(next).filter(|&&s| s < ins.next_ip()) {
+                let Some(at) = s.checked_sub(sec.addr.0).and_then(|o| usize::try_from(o).ok()) else { break };
+                dec.set_ip(s);
+                if dec.set_position(at).is_err() {
+                    break;
+                }
+                continue;
+            }
             let branch = (0..ins.op_count())
                 .any(|i| matches!(ins.op_kind(i), OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64));
             if branch {

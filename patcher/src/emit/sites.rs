@@ -76,8 +76,10 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
             kind: en.sig.kind.code(),
             sig: layout::encode_sig(&en.sig),
             // Entries past the defaults and the user's are the wrappers
-            // charging found.
-            flags: if i >= a.scan.user.end { layout::entry_flags::WRAPPER } else { 0 },
+            // charging found, but for the slots an allocator API calls its
+            // allocator through (`crate::slots`): a call through one is an
+            // allocator's call, which a fault fails itself.
+            flags: if i >= a.scan.user.end && !a.scan.is_slot(i) { layout::entry_flags::WRAPPER } else { 0 },
             ..layout::Entry::default()
         })
         .collect();
