@@ -311,7 +311,11 @@ fn may_throw(e: &EntryPoint) -> bool {
 /// Returns them with where each is held, and whether that is program data
 /// (`SHT_PROGBITS` or an array of initializers, not a relocation or symbol
 /// table).
-fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashMap<u64, Vec<(u64, bool)>> {
+///
+/// Where is kept only for the starts of `placed` (the definitions of entry
+/// points, candidates for entry hooks): a library's tables hold its other
+/// functions' addresses by the hundred thousand.
+fn stored_in_data(elf: &Elf, starts: HashSet<u64>, placed: &HashSet<u64>) -> HashMap<u64, Vec<(u64, bool)>> {
     let mut out: HashMap<u64, Vec<(u64, bool)>> = HashMap::new();
     if starts.is_empty() {
         return out;
@@ -321,8 +325,11 @@ fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashMap<u64, Vec<(u64, boo
         for (k, w) in sec.data.get(skip..).unwrap_or_default().chunks_exact(8).enumerate() {
             let v = u64::from_le_bytes(w.try_into().unwrap_or_default());
             if starts.contains(&v) {
-                let data = matches!(sec.sh_type, 1 | 14 | 15 | 16);
-                out.entry(v).or_default().push((sec.addr.0 + (skip + 8 * k) as u64, data));
+                let held = out.entry(v).or_default();
+                if placed.contains(&v) {
+                    let data = matches!(sec.sh_type, 1 | 14 | 15 | 16);
+                    held.push((sec.addr.0 + (skip + 8 * k) as u64, data));
+                }
             }
         }
     }
@@ -333,7 +340,8 @@ fn stored_in_data(elf: &Elf, starts: HashSet<u64>) -> HashMap<u64, Vec<(u64, boo
 /// (see the module's description). Calls to wrappers that are not charged
 /// stop being sites.
 pub fn assign(elf: &Elf, scan: &mut Scan, charged: &[Charged], unwinding: Unwinding) -> Vec<Hookable> {
-    let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect());
+    let definitions = charged.iter().filter(|c| c.definition).filter_map(|c| c.code.map(|(s, _)| s)).collect();
+    let stored = stored_in_data(elf, charged.iter().filter_map(|c| c.code.map(|(s, _)| s)).collect(), &definitions);
     // With unwind entries for the trampolines, an exception passes a
     // hook's call as it passed the original call.
     decide(scan, charged, &stored, unwinding.hooks(), unwinding.entries)

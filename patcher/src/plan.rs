@@ -272,7 +272,7 @@ pub struct SitePlan {
     /// that replaces the function's first instructions (an offset in the
     /// input and the new bytes; the site is that jump), written only when
     /// the site is patched.
-    pub hook: Option<HookPlan>,
+    pub hook: Option<Box<HookPlan>>,
 }
 
 /// An entry hook's stub and the function's jump to it.
@@ -1292,7 +1292,7 @@ fn plan_sites(
         let hook = match (hook_plan, &decision) {
             (Some(Ok((stub, jump))), Decision::Patched(_)) => {
                 programs.extend(stub_unwind);
-                Some(HookPlan { stub, jump })
+                Some(Box::new(HookPlan { stub, jump }))
             }
             _ => None,
         };
