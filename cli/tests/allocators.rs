@@ -9,7 +9,7 @@ use crate::util::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// (line, entry) -> (calls, bytes, live objects and bytes; None for frees).
@@ -144,16 +144,12 @@ fn a_pool_called_through_a_table_of_operations_is_hooked_at_its_entry_with_exact
 }
 
 /// The hooked pool switched on while it waits (`alloctramp enable`): the
-/// stubs' jumps switch as any site does, and every figure is exact.
+/// hooks' jumps switch as any site does, and every figure is exact.
 #[test]
 fn an_entry_hook_switched_on_while_running_counts_exactly() {
-    let dir = scratch("apis-ptrpool-enabled");
-    let counters = counters_dir("apis-ptrpool-enabled");
-    let bin = build_source(POOL, &dir);
-    let patched = dir.join("patched");
-    patch_to(&bin, &patched, &POOL_ENTRIES);
+    let (bin, patched) = built_pool("apis-ptrpool-enabled");
     let plain = Command::new(&bin).output().unwrap();
-    pool_enabled_while_waiting(&patched, &counters, &plain.stdout);
+    pool_switched(&patched, &counters_dir("apis-ptrpool-enabled"), &plain.stdout, "wait", &[("ready", "enable")]);
 }
 
 /// The hooked pool switched off between its two parts (`alloctramp
@@ -162,68 +158,56 @@ fn an_entry_hook_switched_on_while_running_counts_exactly() {
 /// exact.
 #[test]
 fn an_entry_hook_switched_off_and_on_again_counts_exactly() {
-    let dir = scratch("apis-ptrpool-paused");
-    let counters = counters_dir("apis-ptrpool-paused");
+    let (bin, patched) = built_pool("apis-ptrpool-paused");
+    let plain = Command::new(&bin).output().unwrap();
+    let steps = [("paused", "disable"), ("resumed", "enable")];
+    pool_switched(&patched, &counters_dir("apis-ptrpool-paused"), &plain.stdout, "pause", &steps);
+}
+
+/// testbins/apis/ptrpool.c built in the scratch directory `name` and
+/// patched with the pool's entries: the program and its patched copy.
+fn built_pool(name: &str) -> (PathBuf, PathBuf) {
+    let dir = scratch(name);
     let bin = build_source(POOL, &dir);
     let patched = dir.join("patched");
     patch_to(&bin, &patched, &POOL_ENTRIES);
-    let plain = Command::new(&bin).output().unwrap();
-    let mut child = Command::new(&patched)
-        .arg("pause")
-        .env("ALLOCTRAMP_DIR", &counters)
-        .env("ALLOCTRAMP", "on")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    (bin, patched)
+}
+
+/// Runs `patched` (a build of testbins/apis/ptrpool.c) with `arg`, on from
+/// start unless the first step switches it on; at each of `steps` (a line
+/// the program prints, then `alloctramp enable` or `disable`) switches it
+/// and lets it go on. Checks its output and that every marked row is exact.
+pub fn pool_switched(patched: &Path, counters: &Path, plain: &[u8], arg: &str, steps: &[(&str, &str)]) {
+    let mut c = Command::new(patched);
+    c.arg(arg).env("ALLOCTRAMP_DIR", counters).stdin(Stdio::piped()).stdout(Stdio::piped());
+    if steps.first().is_some_and(|s| s.1 != "enable") {
+        c.env("ALLOCTRAMP", "on");
+    }
+    let mut child = c.spawn().unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "paused\n");
     let mut stdin = child.stdin.take().unwrap();
-    for (switch, next) in [("disable", "resumed\n"), ("enable", "")] {
-        let o = alloctramp().args([switch, &child.id().to_string(), "--dir"]).arg(&counters).output().unwrap();
+    for &(prompt, switch) in steps {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim_end(), prompt);
+        let o = alloctramp().args([switch, &child.id().to_string(), "--dir"]).arg(counters).output().unwrap();
         assert!(o.status.success(), "{switch}: {}", String::from_utf8_lossy(&o.stderr));
         stdin.write_all(b"go\n").unwrap();
-        if !next.is_empty() {
-            line.clear();
-            out.read_line(&mut line).unwrap();
-            assert_eq!(line, next);
-        }
     }
     drop(stdin);
     let mut rest = Vec::new();
     std::io::Read::read_to_end(&mut out, &mut rest).unwrap();
     assert!(child.wait().unwrap().success());
-    assert_eq!(rest, plain.stdout, "the same output");
-    let doc = report(only_counters_file(&counters).to_str().unwrap(), &counters);
-    assert_eq!(near_markers(rows(&doc, POOL), &marks(POOL)), marks(POOL), "(line, entry) -> (calls, bytes, live)");
+    assert_eq!(rest, plain, "the same output");
+    assert_pool_rows(&report(only_counters_file(counters).to_str().unwrap(), counters), "");
 }
 
-/// Runs `patched` (a build of testbins/apis/ptrpool.c) with `wait`,
-/// switches profiling on with `alloctramp enable` once it is ready, and
-/// checks its output and that every marked row is exact.
-pub fn pool_enabled_while_waiting(patched: &Path, counters: &Path, plain: &[u8]) {
-    let mut child = Command::new(patched)
-        .arg("wait")
-        .env("ALLOCTRAMP_DIR", counters)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "ready\n");
-    let o = alloctramp().args(["enable", &child.id().to_string(), "--dir"]).arg(counters).output().unwrap();
-    assert!(o.status.success(), "enable: {}", String::from_utf8_lossy(&o.stderr));
-    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    let mut rest = Vec::new();
-    std::io::Read::read_to_end(&mut out, &mut rest).unwrap();
-    assert!(child.wait().unwrap().success());
-    assert_eq!(rest, plain, "the same output");
-    let doc = report(only_counters_file(counters).to_str().unwrap(), counters);
-    assert_eq!(near_markers(rows(&doc, POOL), &marks(POOL)), marks(POOL), "(line, entry) -> (calls, bytes, live)");
+/// Every marked row of testbins/apis/ptrpool.c in `doc` is exact (`what`
+/// says which run failed).
+pub fn assert_pool_rows(doc: &Value, what: &str) {
+    let want = marks(POOL);
+    assert_eq!(near_markers(rows(doc, POOL), &want), want, "{what} (line, entry) -> (calls, bytes, live)");
 }
 
 /// `got` with each row that no marker of `want` names moved to the line of

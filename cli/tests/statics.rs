@@ -365,7 +365,7 @@ fn a_stripped_static_program_without_thread_locals_keeps_the_runtime_s_block() {
 /// exact figures on from start and switched on while it waits.
 #[test]
 fn entry_hooks_count_exactly_in_static_programs() {
-    use crate::allocators::{POOL, POOL_ENTRIES, near_markers, pool_enabled_while_waiting};
+    use crate::allocators::{POOL, POOL_ENTRIES, assert_pool_rows, pool_switched};
     ensure_tool("musl-gcc", "musl-tools");
     for cc in ["gcc", "musl-gcc"] {
         let dir = scratch(&format!("static-ptrpool-{cc}"));
@@ -397,10 +397,10 @@ fn entry_hooks_count_exactly_in_static_programs() {
                 let files = files(&counters);
                 assert_eq!(files.len(), 1, "{cc}: {files:?}");
                 let doc = report(files.values().next().unwrap().to_str().unwrap(), &counters);
-                assert_eq!(near_markers(rows(&doc, POOL), &marks(POOL)), marks(POOL), "{cc}: on from start");
+                assert_pool_rows(&doc, &format!("{cc}: on from start"));
             }
         }
         let counters = counters_dir(&format!("static-ptrpool-{cc}-enabled"));
-        pool_enabled_while_waiting(&patched, &counters, &plain.stdout);
+        pool_switched(&patched, &counters, &plain.stdout, "wait", &[("ready", "enable")]);
     }
 }

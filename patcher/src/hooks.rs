@@ -208,10 +208,9 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
 /// For each of `heads` (a function's start, its first moved instruction
 /// and the end of the moved bytes), whether a direct branch or a reference
 /// relative to rip anywhere in the file's code reaches inside the moved
-/// bytes, or a branch reaches the first of them past an `endbr64`. The
-/// code is decoded from each section's start, realigned at every function
-/// start as the scan's sweep is (bytes of data among the code could
-/// otherwise hide a branch).
+/// bytes, or a branch reaches the first of them past an `endbr64`: the
+/// code the scan sweeps, decoded as it decodes it (realigned at every
+/// function start).
 fn reached_inside(elf: &Elf, heads: &[(u64, u64, u64)]) -> Vec<bool> {
     let mut hit = vec![false; heads.len()];
     if heads.is_empty() {
@@ -229,40 +228,14 @@ fn reached_inside(elf: &Elf, heads: &[(u64, u64, u64)]) -> Vec<bool> {
             }
         }
     };
-    let ours = |s: &crate::elf::Section| s.name == alloctramp_trampolines::layout::SEC_TEXT;
-    let mut starts: Vec<u64> = elf
-        .symbols(false)
-        .iter()
-        .chain(elf.symbols(true))
-        .filter(|s| s.defined && s.is_func)
-        .map(|s| s.value)
-        .collect();
-    starts.sort_unstable();
-    starts.dedup();
-    for sec in elf.sections.iter().filter(|s| s.is_exec() && s.is_alloc() && !ours(s)) {
-        let mut dec = Decoder::with_ip(64, sec.data, sec.addr.0, DecoderOptions::NONE);
-        let mut ins = Instruction::default();
-        while dec.can_decode() {
-            dec.decode_out(&mut ins);
-            // Realign at a function start that this instruction overlaps.
-            let next = starts.partition_point(|&a| a <= ins.ip());
-            if let Some(&s) = starts.get(next).filter(|&&s| s < ins.next_ip()) {
-                let Some(at) = s.checked_sub(sec.addr.0).and_then(|o| usize::try_from(o).ok()) else { break };
-                dec.set_ip(s);
-                if dec.set_position(at).is_err() {
-                    break;
-                }
-                continue;
-            }
-            let branch = (0..ins.op_count())
-                .any(|i| matches!(ins.op_kind(i), OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64));
-            if branch {
-                check(ins.near_branch_target(), true);
-            } else if ins.is_ip_rel_memory_operand() {
-                check(ins.ip_rel_memory_address(), false);
-            }
+    let starts = crate::scan::function_starts(elf);
+    crate::scan::for_each_instruction(elf, &starts, |ins| {
+        if near_branch(ins) {
+            check(ins.near_branch_target(), true);
+        } else if ins.is_ip_rel_memory_operand() {
+            check(ins.ip_rel_memory_address(), false);
         }
-    }
+    });
     hit
 }
 
@@ -314,8 +287,7 @@ pub fn movable_head(elf: &Elf, start: u64, end: u64) -> Option<EntryHook> {
         let mut dec = Decoder::with_ip(64, bytes, from, DecoderOptions::NONE);
         while dec.can_decode() {
             dec.decode_out(&mut ins);
-            let branch = (0..ins.op_count())
-                .any(|i| matches!(ins.op_kind(i), OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64));
+            let branch = near_branch(&ins);
             let target = ins.near_branch_target();
             let jump = branch && ins.flow_control() != FlowControl::Call;
             if (branch && inside(target))
@@ -331,6 +303,12 @@ pub fn movable_head(elf: &Elf, start: u64, end: u64) -> Option<EntryHook> {
         return None;
     }
     Some(EntryHook { function: Vaddr(start), at: Vaddr(at), bytes: code[skip..skip + n].to_vec(), lens })
+}
+
+/// A direct near branch: a call, jump or conditional jump to an address.
+fn near_branch(ins: &Instruction) -> bool {
+    (0..ins.op_count())
+        .any(|i| matches!(ins.op_kind(i), OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64))
 }
 
 /// A far branch (never in 64-bit code a compiler makes).

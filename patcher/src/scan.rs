@@ -369,18 +369,7 @@ pub fn scan_with(
         return Ok(out);
     }
 
-    // Function starts per section, so a sweep that lost step realigns at
-    // every symbol as a disassembler does.
-    let mut starts: Vec<u64> = elf
-        .symbols(false)
-        .iter()
-        .chain(elf.symbols(true))
-        .filter(|s| s.defined && s.is_func)
-        .map(|s| s.value)
-        .collect();
-    starts.sort_unstable();
-    starts.dedup();
-
+    let starts = function_starts(elf);
     let absolute_immediates = elf.file_type == FileType::Exec;
     let chunks = plan_chunks(elf, &starts);
     out.code_bytes = chunks.iter().map(|c| c.2 - c.1).sum();
@@ -480,6 +469,37 @@ fn plan_chunks(elf: &Elf, starts: &[u64]) -> Vec<(usize, u64, u64)> {
 /// instruction, realigning at function starts.
 fn sweep(elf: &Elf, targets: &Targets, starts: &[u64], sec: &Section, lo: u64, hi: u64, abs_imm: bool) -> Found {
     let mut found = Found::default();
+    walk(starts, sec, lo, hi, |ins| classify(elf, targets, ins, abs_imm, &mut found));
+    found
+}
+
+/// The starts of the file's functions, sorted: where a sweep that lost
+/// step realigns, as a disassembler does at every symbol.
+pub(crate) fn function_starts(elf: &Elf) -> Vec<u64> {
+    let mut starts: Vec<u64> = elf
+        .symbols(false)
+        .iter()
+        .chain(elf.symbols(true))
+        .filter(|s| s.defined && s.is_func)
+        .map(|s| s.value)
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
+    starts
+}
+
+/// Every range of code the scan sweeps (see [`plan_chunks`]), decoded, each
+/// instruction given to `f`.
+pub(crate) fn for_each_instruction(elf: &Elf, starts: &[u64], mut f: impl FnMut(&Instruction)) {
+    for (sec, lo, hi) in plan_chunks(elf, starts) {
+        walk(starts, &elf.sections[sec], lo, hi, &mut f);
+    }
+}
+
+/// Decodes `[lo, hi)` of a section linearly, realigning at the function
+/// starts `starts`, and gives each instruction to `f`.
+#[inline]
+fn walk(starts: &[u64], sec: &Section, lo: u64, hi: u64, mut f: impl FnMut(&Instruction)) {
     let base = sec.addr.0;
     let data = &sec.data[(lo - base) as usize..(hi - base) as usize];
     let mut next_start = starts.partition_point(|&a| a <= lo);
@@ -504,9 +524,8 @@ fn sweep(elf: &Elf, targets: &Targets, starts: &[u64], sec: &Section, lo: u64, h
             }
             continue;
         }
-        classify(elf, targets, &ins, abs_imm, &mut found);
+        f(&ins);
     }
-    found
 }
 
 fn site_offset(elf: &Elf, vaddr: u64) -> Result<FileOffset> {
