@@ -208,6 +208,7 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         foreign_unwind,
         skip_allocator_layers: args.skip_allocator_layers,
         static_runtime,
+        threads: 0,
     };
     let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
 
@@ -232,11 +233,13 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         let site = &analysis.scan.sites[s.site];
         eprintln!("alloctramp: {}: site {} not patched: {}", args.input.display(), site.vaddr, s.reason);
     }
-    Ok(Summary {
+    let summary = Summary {
         output,
         sites: patched.sites,
         skipped: patched.skipped.iter().filter(|s| s.reason.is_loss()).count(),
         unpatchable: analysis.scan.unpatchable.len(),
         text_size: patched.text_size as u64,
-    })
+    };
+    crate::util::free_later(analysis);
+    Ok(summary)
 }

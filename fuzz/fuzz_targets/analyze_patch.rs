@@ -35,10 +35,16 @@ fuzz_target!(|data: &[u8]| {
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,
         static_runtime: static_runtime(),
+        threads: 0,
     };
     let Ok(patched) = patch(data, &analysis, &opts) else { return };
     let mut out = Vec::new();
     patched.write_to(&mut out).expect("writing to memory");
+    // Trampolines made on several threads give the same file.
+    let threads = PatchOptions { threads: 3, ..opts.clone() };
+    let mut other = Vec::new();
+    patch(data, &analysis, &threads).expect("patches on 3 threads").write_to(&mut other).expect("writing to memory");
+    assert!(out == other, "3 threads give another file");
     let again = alloctramp_patcher::analyze(&out, "fuzz.patched", None, &[]).expect("a patched file analyzes");
     assert!(patch(&out, &again, &opts).is_err(), "a patched file is refused");
 });

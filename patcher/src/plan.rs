@@ -20,7 +20,7 @@ use crate::bytes::align;
 use crate::ehframe;
 use crate::elf::Elf;
 use crate::error::{Error, ErrorKind, Location, Result};
-use crate::scan::Charge;
+use crate::scan::{Charge, Site as ScanSite};
 use crate::tables::{Jmprel, Phdr, Tables};
 use crate::{Analysis, SiteInfo, Via};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
@@ -56,6 +56,9 @@ pub struct PatchOptions {
     /// a static program carries (see `statics`); a static program is
     /// refused without it.
     pub static_runtime: Option<Vec<u8>>,
+    /// How many threads make the trampolines: 0 for one per core (see
+    /// `plan_sites`); the plan is the same whatever the number.
+    pub threads: usize,
 }
 
 impl Default for PatchOptions {
@@ -65,6 +68,7 @@ impl Default for PatchOptions {
             foreign_unwind: Vec::new(),
             skip_allocator_layers: false,
             static_runtime: None,
+            threads: 0,
         }
     }
 }
@@ -438,6 +442,8 @@ pub struct Plan<'a> {
     pub entries: Vec<String>,
     /// In the analysis's order.
     pub sites: Vec<SitePlan>,
+    /// How many threads made the trampolines (1: one site after another).
+    pub threads: usize,
     pub(crate) strings: SiteStrings,
     /// Libraries' unwind rows the site table carries (none when the file
     /// has no rows of its own).
@@ -649,7 +655,8 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         true => allocator_definitions(elf, a),
         false => Vec::new(),
     };
-    let (sites, mut programs) = plan_sites(&mut cursor, &ctx, a, &layers, sources.as_ref(), unwinds);
+    let (sites, mut programs, threads) =
+        plan_sites(&mut cursor, &ctx, a, &layers, sources.as_ref(), unwinds, opts.threads);
     // A walk from inside a runtime function goes on through the vector
     // stub to the trampoline that called it.
     if !programs.is_empty() {
@@ -739,6 +746,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         repoints,
         entries: a.scan.entries.iter().map(|e| e.display.clone()).collect(),
         sites,
+        threads,
         strings,
         foreign_unwind: if a.unwind.is_empty() { Vec::new() } else { opts.foreign_unwind.clone() },
         statics: static_parts,
@@ -1158,7 +1166,176 @@ fn allocator_definitions(elf: &Elf, a: &Analysis) -> Vec<(u64, u64)> {
 /// another), and for each patched one that its file's unwind information
 /// covers, its trampoline's unwind entry (to be placed). Sites inside
 /// `layers` (sorted extents) are skipped.
+///
+/// Trampolines are generated on every core when no site is an entry hook
+/// (a hook's stub is placed before its trampoline and its length depends
+/// on its address): each site's address is worked out first from the
+/// lengths of trampolines of its shape ([`TrampolineSpec::shape`]), and
+/// each thread checks that the trampolines it makes have those lengths.
+/// If one does not, the sites are planned one after another instead: the
+/// plan is the same either way. `threads`: as many (0: one per core, for
+/// files of [`PARALLEL_FROM`] sites or more). Returns the threads used.
 fn plan_sites(
+    text: &mut Cursor,
+    ctx: &TextContext,
+    a: &Analysis,
+    layers: &[(u64, u64)],
+    sources: Option<&ehframe::Sources<'_>>,
+    unwinds: bool,
+    threads: usize,
+) -> (Vec<SitePlan>, Vec<ehframe::Program>, usize) {
+    let threads = match threads {
+        0 if a.scan.sites.len() < PARALLEL_FROM => 1,
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS),
+        n => n,
+    };
+    // As many runs of sites as threads, each as long (the last shorter).
+    let n = a.scan.sites.len();
+    let threads = n.div_ceil(n.div_ceil(threads.max(1)).max(1));
+    if threads > 1
+        && a.scan.sites.iter().all(|s| s.hook.is_none())
+        && let Some((sites, programs)) = plan_sites_parallel(text, ctx, a, layers, sources, unwinds, threads)
+    {
+        return (sites, programs, threads);
+    }
+    let (sites, programs) = plan_sites_in_turn(text, ctx, a, layers, sources, unwinds);
+    (sites, programs, 1)
+}
+
+/// One thread per core, up to this many.
+const MAX_THREADS: usize = 8;
+
+/// Fewer sites than this are planned on one thread (by default).
+pub const PARALLEL_FROM: usize = 512;
+
+/// What a site becomes before its code is placed.
+enum Made {
+    Skipped(SkipReason),
+    /// Its trampoline, and the trampoline's unwind entry if it has one.
+    Code(codegen::Trampoline, Option<ehframe::Program>),
+}
+
+/// What the site's trampoline must do.
+fn spec_of(i: usize, site: &ScanSite, target: u64, ctx: &TextContext, a: &Analysis) -> TrampolineSpec {
+    let entry = &a.scan.entries[site.entry];
+    let (depth_check, depth_bump, external) = match site.charge {
+        Charge::Own => (false, false, false),
+        Charge::Hook { external } => (false, false, external),
+        Charge::Caller { bump, external } => (false, bump, external),
+        Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
+    };
+    TrampolineSpec {
+        site: site.vaddr.0,
+        len: site.len,
+        form: site.form,
+        target,
+        sig: entry.sig,
+        index: i as u32,
+        // A free or realloc wrapper's trampoline calls the runtime
+        // before the wrapper: preserve mode keeps its vector registers
+        // (arguments, for a wrapper that takes floating point ones). A
+        // hook's trampoline uses r10 and r11 only.
+        preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
+        vectors: ctx.vectors,
+        wide: ctx.wide,
+        trace: ctx.trace,
+        args: entry.args,
+        control: ctx.control,
+        shard_mask: ctx.shards - 1,
+        shard_stride: ctx.stride as u32,
+        depth_check,
+        depth_bump,
+        key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
+        key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
+        // A default entry called through the PLT or GOT takes no
+        // vector arguments and clobbers every vector register.
+        capture: if site.via != Via::Direct && site.entry < a.scan.user.start {
+            ctx.capture_plain
+        } else {
+            ctx.capture
+        },
+        hook: matches!(site.charge, Charge::Hook { .. }),
+        charge_check: site.under_hook,
+        plain_store: a.scan.plain_store(site.entry),
+        aligned: a.scan.aligned(site.entry),
+    }
+}
+
+/// Why a site gets no trampoline, whatever its address: a call inside a
+/// wrapper that its callers count for, an entry hook whose stub cannot be
+/// made, or a site inside an allocator's own layers (`alloctramp run`).
+fn skipped_before(
+    site: &ScanSite,
+    a: &Analysis,
+    layers: &[(u64, u64)],
+    hook: Option<&'static str>,
+) -> Option<SkipReason> {
+    // (A call through an allocator API's slot counts the calls its
+    // callers' sites did not: those through pointers.)
+    // (Nor does an entry hook: it counts the calls no site makes.)
+    let in_layer = !a.scan.is_slot(site.entry)
+        && site.hook.is_none()
+        && layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
+    if matches!(site.charge, Charge::Inside { checked: false, .. }) {
+        Some(SkipReason::InsideWrapper)
+    } else if let Some(why) = hook {
+        Some(SkipReason::HookStub(why))
+    } else if in_layer {
+        Some(SkipReason::InsideAllocator)
+    } else {
+        None
+    }
+}
+
+/// The site's trampoline at `at`, with its unwind entry.
+fn make(
+    i: usize,
+    site: &ScanSite,
+    spec: &TrampolineSpec,
+    at: u64,
+    sources: Option<&ehframe::Sources<'_>>,
+    unwinds: bool,
+    cfi: &mut gimli::UnwindContext<usize>,
+) -> Made {
+    let t = match trampoline(spec, at) {
+        Ok(t) => t,
+        Err(reason) => return Made::Skipped(reason),
+    };
+    let entries = t.entries();
+    let found: std::result::Result<_, &'static str> = match sources {
+        None => Err("the file has no .eh_frame_hdr to extend"),
+        Some(src) => frames::frames(&t.code, at, &entries, spec.target)
+            .map_err(|_| "the trampoline's stack cannot be followed")
+            .and_then(|frames| {
+                ehframe::Entry {
+                    addr: at,
+                    len: t.code.len() as u64,
+                    frames: &frames,
+                    ret: site.vaddr.0 + u64::from(site.len),
+                    tail: site.form.is_tail(),
+                    site: src.site(site.vaddr.0, cfi).ok(),
+                    index: i as u32,
+                    undo: &t.undo,
+                }
+                .program()
+            }),
+    };
+    match found {
+        // An exception through a hook's call must find an entry: without
+        // one the site stays as it is.
+        Err(why) if spec.hook && unwinds => Made::Skipped(SkipReason::NoUnwind(why)),
+        found => Made::Code(t, found.ok()),
+    }
+}
+
+/// Places a made trampoline's code at the cursor.
+fn place_trampoline(text: &mut Cursor, t: codegen::Trampoline) -> Trampoline {
+    let (drain, count, callers, traced, flags) = (t.drain, t.count, t.callers, t.traced, t.flags);
+    Trampoline { code: place_code(text, t.code), drain, count, callers, traced, flags }
+}
+
+/// [`plan_sites`] on this thread, site after site.
+fn plan_sites_in_turn(
     text: &mut Cursor,
     ctx: &TextContext,
     a: &Analysis,
@@ -1168,7 +1345,7 @@ fn plan_sites(
 ) -> (Vec<SitePlan>, Vec<ehframe::Program>) {
     let mut sites = Vec::with_capacity(a.scan.sites.len());
     let mut programs = Vec::new();
-    let mut ctx_cfi = gimli::UnwindContext::new();
+    let mut cfi = gimli::UnwindContext::new();
     for (i, site) in a.scan.sites.iter().enumerate() {
         // An entry hook's stub goes before its trampoline: the site is the
         // jump to it, whose target is the moved code.
@@ -1190,104 +1367,20 @@ fn plan_sites(
             Ok((stub, (site.offset, jump)))
         });
         let at = text.offset.wrapping_add(text.delta);
-        let entry = &a.scan.entries[site.entry];
-        let (depth_check, depth_bump, external) = match site.charge {
-            Charge::Own => (false, false, false),
-            Charge::Hook { external } => (false, false, external),
-            Charge::Caller { bump, external } => (false, bump, external),
-            Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
-        };
-        let spec = TrampolineSpec {
-            site: site.vaddr.0,
-            len: site.len,
-            form: site.form,
-            target,
-            sig: entry.sig,
-            index: i as u32,
-            // A free or realloc wrapper's trampoline calls the runtime
-            // before the wrapper: preserve mode keeps its vector registers
-            // (arguments, for a wrapper that takes floating point ones). A
-            // hook's trampoline uses r10 and r11 only.
-            preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
-            vectors: ctx.vectors,
-            wide: ctx.wide,
-            trace: ctx.trace,
-            args: entry.args,
-            control: ctx.control,
-            shard_mask: ctx.shards - 1,
-            shard_stride: ctx.stride as u32,
-            depth_check,
-            depth_bump,
-            key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
-            key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
-            // A default entry called through the PLT or GOT takes no
-            // vector arguments and clobbers every vector register.
-            capture: if site.via != Via::Direct && site.entry < a.scan.user.start {
-                ctx.capture_plain
-            } else {
-                ctx.capture
-            },
-            hook: matches!(site.charge, Charge::Hook { .. }),
-            charge_check: site.under_hook,
-            plain_store: a.scan.plain_store(site.entry),
-            aligned: a.scan.aligned(site.entry),
+        let hook_err = match &hook_plan {
+            Some(Err(why)) => Some(*why),
+            _ => None,
         };
         let mut unwind = None;
-        // (A call through an allocator API's slot counts the calls its
-        // callers' sites did not: those through pointers.)
-        // (Nor does an entry hook: it counts the calls no site makes.)
-        let in_layer = !a.scan.is_slot(site.entry)
-            && site.hook.is_none()
-            && layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
-        let decision = if matches!(site.charge, Charge::Inside { checked: false, .. }) {
-            Decision::Skipped(SkipReason::InsideWrapper)
-        } else if let Some(Err(why)) = hook_plan {
-            Decision::Skipped(SkipReason::HookStub(why))
-        } else if in_layer {
-            Decision::Skipped(SkipReason::InsideAllocator)
-        } else {
-            match trampoline(&spec, at) {
-                Ok(t) => {
-                    let entries = t.entries();
-                    let found: std::result::Result<_, &'static str> = match sources {
-                        None => Err("the file has no .eh_frame_hdr to extend"),
-                        Some(src) => frames::frames(&t.code, at, &entries, spec.target)
-                            .map_err(|_| "the trampoline's stack cannot be followed")
-                            .and_then(|frames| {
-                                ehframe::Entry {
-                                    addr: at,
-                                    len: t.code.len() as u64,
-                                    frames: &frames,
-                                    ret: site.vaddr.0 + u64::from(site.len),
-                                    tail: site.form.is_tail(),
-                                    site: src.site(site.vaddr.0, &mut ctx_cfi).ok(),
-                                    index: i as u32,
-                                    undo: &t.undo,
-                                }
-                                .program()
-                            }),
-                    };
-                    match found {
-                        // An exception through a hook's call must find an
-                        // entry: without one the site stays as it is.
-                        Err(why) if spec.hook && unwinds => Decision::Skipped(SkipReason::NoUnwind(why)),
-                        found => {
-                            unwind = found.ok();
-                            let (drain, count, callers, traced, flags) =
-                                (t.drain, t.count, t.callers, t.traced, t.flags);
-                            Decision::Patched(Trampoline {
-                                code: place_code(text, t.code),
-                                drain,
-                                count,
-                                callers,
-                                traced,
-                                flags,
-                            })
-                        }
-                    }
+        let decision = match skipped_before(site, a, layers, hook_err) {
+            Some(reason) => Decision::Skipped(reason),
+            None => match make(i, site, &spec_of(i, site, target, ctx, a), at, sources, unwinds, &mut cfi) {
+                Made::Skipped(reason) => Decision::Skipped(reason),
+                Made::Code(t, found) => {
+                    unwind = found;
+                    Decision::Patched(place_trampoline(text, t))
                 }
-                Err(reason) => Decision::Skipped(reason),
-            }
+            },
         };
         let hook = match (hook_plan, &decision) {
             (Some(Ok((stub, jump))), Decision::Patched(_)) => {
@@ -1300,6 +1393,113 @@ fn plan_sites(
         programs.extend(unwind);
     }
     (sites, programs)
+}
+
+/// [`plan_sites`] on `threads` threads, for sites none of which is an
+/// entry hook; `None` if a trampoline's length was not its shape's (the
+/// cursor is then unchanged).
+fn plan_sites_parallel(
+    text: &mut Cursor,
+    ctx: &TextContext,
+    a: &Analysis,
+    layers: &[(u64, u64)],
+    sources: Option<&ehframe::Sources<'_>>,
+    unwinds: bool,
+    threads: usize,
+) -> Option<(Vec<SitePlan>, Vec<ehframe::Program>)> {
+    // The address each site's trampoline gets: the addresses follow from
+    // the lengths of the trampolines before it, known from one trampoline
+    // of each shape (none: the site gets none).
+    let spec = |i: usize, site: &ScanSite| match skipped_before(site, a, layers, None) {
+        Some(reason) => Err(reason),
+        None => Ok(spec_of(i, site, site.target.0, ctx, a)),
+    };
+    let n = a.scan.sites.len();
+    let mut lengths: std::collections::HashMap<TrampolineSpec, Option<usize>> = std::collections::HashMap::new();
+    let mut cursor = text.offset;
+    let mut expect: Vec<(u64, Option<usize>)> = Vec::with_capacity(n);
+    for (i, site) in a.scan.sites.iter().enumerate() {
+        let at = cursor.wrapping_add(text.delta);
+        let len = match spec(i, site) {
+            Err(_) => None,
+            Ok(spec) => {
+                *lengths.entry(spec.shape()).or_insert_with(|| trampoline(&spec, at).ok().map(|t| t.code.len()))
+            }
+        };
+        if let Some(len) = len {
+            cursor = align(cursor + len as u64, 16);
+        }
+        expect.push((at, len));
+    }
+    drop(lengths);
+    // Runs of sites, one per thread, made at those addresses, and placed
+    // run after run (the cursor goes back where it was if a run's lengths
+    // were not those expected).
+    let run = n.div_ceil(threads);
+    let start = (text.offset, text.delta);
+    let mut sites = Vec::with_capacity(n);
+    let mut programs = Vec::new();
+    let placed = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .step_by(run)
+            .map(|first| {
+                let (expect, spec) = (&expect, &spec);
+                scope.spawn(move || {
+                    let mut cfi = gimli::UnwindContext::new();
+                    let mut out = Vec::with_capacity(run);
+                    let last = (first + run).min(n);
+                    for (i, (&(at, len), site)) in
+                        expect[first..last].iter().zip(&a.scan.sites[first..last]).enumerate()
+                    {
+                        let i = first + i;
+                        let m = match spec(i, site) {
+                            Err(reason) => Made::Skipped(reason),
+                            Ok(spec) => make(i, site, &spec, at, sources, unwinds, &mut cfi),
+                        };
+                        let as_expected = match (&m, len) {
+                            (Made::Code(t, _), Some(len)) => t.code.len() == len,
+                            (Made::Skipped(_), None) => true,
+                            _ => false,
+                        };
+                        if !as_expected {
+                            return None;
+                        }
+                        out.push(m);
+                    }
+                    Some(out)
+                })
+            })
+            .collect();
+        for h in handles {
+            // (A thread that panicked: its panic goes on here.)
+            let made = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+            for m in made {
+                let (i, site) = (sites.len(), &a.scan.sites[sites.len()]);
+                let decision = match m {
+                    Made::Skipped(reason) => Decision::Skipped(reason),
+                    Made::Code(t, unwind) => {
+                        debug_assert_eq!(text.offset.wrapping_add(text.delta), expect[i].0);
+                        programs.extend(unwind);
+                        Decision::Patched(place_trampoline(text, t))
+                    }
+                };
+                sites.push(SitePlan {
+                    addr: site.vaddr,
+                    len: site.len,
+                    form: site.form,
+                    entry: site.entry,
+                    decision,
+                    hook: None,
+                });
+            }
+        }
+        Some(())
+    });
+    if placed.is_none() {
+        (text.offset, text.delta) = start;
+        return None;
+    }
+    Some((sites, programs))
 }
 
 /// Places the trampolines' unwind information after them. In a file that

@@ -35,6 +35,7 @@ fn opts() -> PatchOptions {
         foreign_unwind: Vec::new(),
         skip_allocator_layers: false,
         static_runtime: None,
+        threads: 0,
     }
 }
 
@@ -191,6 +192,28 @@ fn repointed_sections_are_the_dynamic_tables() {
             "{name}: {names:?}"
         );
     });
+}
+
+#[test]
+fn trampolines_made_on_several_threads_give_the_same_file() {
+    for name in FIXTURES {
+        let data = fixture(name);
+        let a = analysis(&data, name);
+        let in_turn = PatchOptions { threads: 1, ..opts() };
+        let one = plan_of(&data, &a, &in_turn).unwrap();
+        assert_eq!(one.threads, 1, "{name}");
+        for threads in [2, 3, 7] {
+            let o = PatchOptions { threads, ..opts() };
+            let p = plan_of(&data, &a, &o).unwrap();
+            // Every site's trampoline had its shape's length: no fallback.
+            let n = a.scan.sites.len();
+            assert_eq!(p.threads, n.div_ceil(n.div_ceil(threads)), "{name}: {threads} threads");
+            assert!(p.threads > 1, "{name}: {threads} threads");
+            assert_eq!(p.to_string(), one.to_string(), "{name}: {threads} threads");
+            let bytes = |o: &PatchOptions| patch(&data, &a, o).unwrap().to_vec();
+            assert!(bytes(&o) == bytes(&in_turn), "{name}: {threads} threads: the files differ");
+        }
+    }
 }
 
 #[test]

@@ -19,7 +19,7 @@ use iced_x86::code_asm::*;
 use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
 /// Everything a trampoline needs to know about its site and module.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TrampolineSpec {
     /// Address of the site instruction and its length.
     pub site: u64,
@@ -94,6 +94,24 @@ pub struct TrampolineSpec {
     /// decoded with such a pointer an empty granule's entry (or a freed
     /// record at the granule's start) would pass for a record.
     pub aligned: bool,
+}
+
+impl TrampolineSpec {
+    /// The spec with what changes only the values in its trampoline's
+    /// code, not their lengths, made alike: the addresses of the site and
+    /// the target (rel32 operands), and the counter index beyond what
+    /// 8-bit operands hold (displacements and immediates; an index beyond
+    /// the shadow map's ids takes another path). Specs of one shape give
+    /// trampolines of one length wherever their entries are in reach; the
+    /// patcher, which lays trampolines out by these lengths, checks each.
+    pub fn shape(&self) -> TrampolineSpec {
+        let index = match self.index {
+            i if i < 128 => i,
+            i if i < 1 << shadow::ID_BITS => 128,
+            _ => 129,
+        };
+        TrampolineSpec { site: 0, target: 0, index, ..self.clone() }
+    }
 }
 
 /// Why a trampoline or stub could not be generated.
