@@ -344,8 +344,19 @@ impl<'a> Sources<'a> {
     /// The programs are consumed as they are copied, so that the patcher
     /// does not hold both at their full size.
     pub fn region(&self, entries: Vec<Program>, at: u64, control_block: u64) -> Result<(Vec<u8>, u64), Why> {
-        let mut out: Vec<u8> =
-            Vec::with_capacity(entries.iter().map(|e| e.instructions.len() + 28).sum::<usize>() + 64);
+        // (Room for it all at once: a large library's is tens of
+        // megabytes, which growing would hold twice for a moment.) An
+        // entry is at most 28 bytes and its instructions, its undo list
+        // (if any) a header and its calls; the search table 8 bytes per
+        // entry, the input's and these.
+        let undo = |e: &Program| match e.undo.len() {
+            0 => 0,
+            n => size_of::<UndoHeader>() + n * size_of::<UndoCall>(),
+        };
+        let size = entries.iter().map(|e| e.instructions.len() + 28 + undo(e)).sum::<usize>()
+            + 8 * (self.table.len() + entries.len())
+            + 64;
+        let mut out: Vec<u8> = Vec::with_capacity(size);
         cie(&mut out, at, None)?;
         // The CIE naming the runtime's personality routine, through the
         // control block's slot.

@@ -21,12 +21,13 @@ pub struct Skipped {
     pub reason: SkipReason,
 }
 
-/// The patched file and what was done. The file is `head`, then the
-/// original file with `fixups` applied, then `tail`: the original is
-/// borrowed, not copied.
+/// The patched file and what was done. The file is the new segments
+/// (`head`, parts at their offsets), then the original file with `fixups`
+/// applied, then `tail`: the original is borrowed, not copied, and the new
+/// segments are never gathered in one buffer.
 #[derive(Debug)]
 pub struct Patched<'a> {
-    pub head: Vec<u8>,
+    head: emit::Head,
     pub original: &'a [u8],
     /// (offset in the original, new bytes).
     pub fixups: Vec<(u64, [u8; 8])>,
@@ -41,7 +42,7 @@ pub struct Patched<'a> {
 impl Patched<'_> {
     /// Gives the patched file's bytes, in order, in pieces.
     fn pieces(&self, mut put: impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
-        put(&self.head)?;
+        self.head.pieces(&mut put)?;
         let mut at = 0usize;
         let mut fixups = self.fixups.clone();
         fixups.sort();
@@ -111,7 +112,7 @@ impl Patched<'_> {
 
     /// The patched file in one buffer.
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(self.head.len() + self.original.len() + self.tail.len());
+        let mut v = Vec::with_capacity(self.head.len() as usize + self.original.len() + self.tail.len());
         self.write_to(&mut v).expect("writing to a Vec");
         v
     }
@@ -125,9 +126,9 @@ fn is_zero(b: &[u8]) -> bool {
 /// Patches a file: `data` is the input, `a` its analysis.
 pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Patched<'a>> {
     let elf = Elf::parse(data)?;
-    let plan = plan::plan(&elf, a, opts)?;
-    let out = emit::emit(&elf, a, &plan);
+    let mut plan = plan::plan(&elf, a, opts)?;
     let skipped: Vec<Skipped> = plan.skipped().map(|(site, reason)| Skipped { site, reason: reason.clone() }).collect();
+    let out = emit::emit(&elf, a, &mut plan);
     Ok(Patched {
         head: out.head,
         original: data,
@@ -176,7 +177,7 @@ mod tests {
         original[5000] = 1;
         original[40_000] = 2;
         let p = Patched {
-            head: vec![7u8; 4096 + 100],
+            head: emit::Head::from_bytes(vec![7u8; 4096 + 100]),
             original: &original,
             fixups: vec![(20_000, [9; 8])],
             tail: vec![0u8; 5000],

@@ -1574,7 +1574,11 @@ pub fn trampoline(spec: &TrampolineSpec, at: u64) -> R<Trampoline> {
         | if spec.charge_check { site_flags::UNDER_HOOK } else { 0 }
         | if spec.depth_check { site_flags::DEPTH_CHECK } else { 0 }
         | if spec.depth_bump { site_flags::DEPTH_BUMP } else { 0 };
-    Ok(Trampoline { code: r.inner.code_buffer, drain, count, callers, flags, traced, undo: g.undo })
+    // (The encoder's buffer has room to spare: a patcher holds a hundred
+    // thousand of these.)
+    let mut code = r.inner.code_buffer;
+    code.shrink_to_fit();
+    Ok(Trampoline { code, drain, count, callers, flags, traced, undo: g.undo })
 }
 
 impl Trampoline {

@@ -1122,6 +1122,9 @@ pub fn encode_with_unwind(
     header.unwind_blocks = index.len() as u32;
     header.foreign_count = foreign.len() as u32;
     let mut b = encode(header, sites, entries, strings);
+    // (The whole size at once: the table of a large library is tens of
+    // megabytes, which growing would hold twice for a moment.)
+    b.reserve_exact(table_and_unwind_size(len, rows.len(), index.len(), foreign).saturating_sub(b.len()));
     if !rows.is_empty() {
         b.resize(unwind_offset(len), 0);
         rows.iter().for_each(|r| b.extend_from_slice(pod::bytes_of(r)));

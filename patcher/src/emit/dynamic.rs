@@ -17,26 +17,26 @@ pub(super) fn emit(head: &mut Head, plan: &Plan, follow: &Follow) {
     let strtab = dynstr(t);
     let syms = dynsym(t, &strtab.names);
     if let (Some(r), Some(h)) = (c.hash, t.hash) {
-        head.put(r, &hash(&syms, &strtab.bytes, h.1));
+        head.put(r, hash(&syms, &strtab.bytes, h.1));
     }
     let syms: Vec<Sym> = syms.iter().map(|s| follow.symbol(s, &strtab.bytes).unwrap_or(*s)).collect();
-    head.put(c.dynsym, &syms.iter().flat_map(|s| bytes_of(s).to_vec()).collect::<Vec<u8>>());
-    head.put(c.dynstr, &strtab.bytes);
+    head.put(c.dynsym, syms.iter().flat_map(|s| bytes_of(s).to_vec()).collect::<Vec<u8>>());
+    head.put(c.dynstr, strtab.bytes.clone());
     if let (Some(r), Some(v)) = (c.versym, t.versym) {
-        head.put(r, &versym(t, v.items));
+        head.put(r, versym(t, v.items));
     }
     if let (Some(r), Some(h)) = (c.gnu_hash, t.gnu_hash) {
-        head.put(r, &gnu_hash(h.items));
+        head.put(r, gnu_hash(h.items));
     }
     let mut rela = t.rela.map_or_else(Vec::new, |r| relocations(t, r));
     for (k, import) in layout::IMPORTS.iter().enumerate() {
         rela.extend_from_slice(bytes_of(&import_slot(plan, k as u64, import)));
     }
-    head.put(c.rela, &rela);
+    head.put(c.rela, rela);
     if let (Some(r), Some(Jmprel::Separate(j))) = (c.jmprel, t.jmprel) {
-        head.put(r, &relocations(t, j));
+        head.put(r, relocations(t, j));
     }
-    head.put(plan.dynamic, &new_dynamic(plan, strtab.libc));
+    head.put(plan.dynamic, new_dynamic(plan, strtab.libc));
 }
 
 /// The new .dynstr and where the imported symbols' names are in it.

@@ -25,17 +25,52 @@ use alloctramp_trampolines::layout;
 /// The patched file: `head`, the original with `fixups` applied (offset in
 /// the original, new bytes), `tail`.
 pub(crate) struct Emitted {
-    pub head: Vec<u8>,
+    pub head: Head,
     pub fixups: Vec<(u64, [u8; 8])>,
     pub tail: Vec<u8>,
 }
 
-/// The bytes before the original file: the new segments.
-struct Head(Vec<u8>);
+/// The bytes before the original file (the new segments), as the parts
+/// the emitters wrote, at their offsets: zeros lie between them. The
+/// largest parts (the trampolines, their unwind entries, the site table)
+/// are the plan's or the emitters' own buffers, moved here: the head is
+/// never copied into one buffer.
+#[derive(Debug)]
+pub(crate) struct Head {
+    len: u64,
+    /// In file order, none overlapping another (`finish`).
+    parts: Vec<(u64, Part)>,
+}
+
+/// A part's bytes: its own, or one byte repeated.
+#[derive(Debug)]
+enum Part {
+    Bytes(Vec<u8>),
+    Fill(u8, u64),
+}
+
+impl Part {
+    fn len(&self) -> u64 {
+        match self {
+            Part::Bytes(b) => b.len() as u64,
+            Part::Fill(_, n) => *n,
+        }
+    }
+}
 
 impl Head {
+    fn new(len: u64) -> Head {
+        Head { len, parts: Vec::new() }
+    }
+
+    /// A head of the given bytes (for tests of the writers).
+    #[cfg(test)]
+    pub(crate) fn from_bytes(bytes: Vec<u8>) -> Head {
+        Head { len: bytes.len() as u64, parts: vec![(0, Part::Bytes(bytes))] }
+    }
+
     /// Writes a part: exactly the size the plan gave it.
-    fn put(&mut self, r: Region, bytes: &[u8]) {
+    fn put(&mut self, r: Region, bytes: Vec<u8>) {
         assert_eq!(
             bytes.len() as u64,
             r.size,
@@ -44,15 +79,63 @@ impl Head {
             r.size,
             r.offset
         );
-        let at = r.offset.0 as usize;
-        self.0[at..at + bytes.len()].copy_from_slice(bytes);
+        self.parts.push((r.offset.0, Part::Bytes(bytes)));
     }
 
-    /// A part's bytes, for an emitter that writes them in place.
-    fn part(&mut self, r: Region) -> &mut [u8] {
-        let at = r.offset.0 as usize;
-        &mut self.0[at..at + r.size as usize]
+    /// Room for `n` more parts.
+    fn reserve(&mut self, n: usize) {
+        self.parts.reserve(n);
     }
+
+    /// `n` bytes `byte` at `offset`.
+    fn fill(&mut self, offset: u64, n: u64, byte: u8) {
+        if n > 0 {
+            self.parts.push((offset, Part::Fill(byte, n)));
+        }
+    }
+
+    /// Puts the parts in file order; every part lies inside the head and
+    /// apart from the others.
+    fn finish(mut self) -> Head {
+        self.parts.sort_by_key(|p| p.0);
+        let mut end = 0;
+        for (at, part) in &self.parts {
+            assert!(*at >= end, "a part at {at:#x} overlaps the part before it, which ends at {end:#x}");
+            end = at + part.len();
+        }
+        assert!(end <= self.len, "a part ends at {end:#x}, past the new segments' end {:#x}", self.len);
+        self
+    }
+
+    /// The head's length in the file.
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Gives the head's bytes, in order, in pieces.
+    pub(crate) fn pieces(&self, put: &mut impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        let mut at = 0;
+        for (off, part) in &self.parts {
+            repeat(put, 0, off - at)?;
+            match part {
+                Part::Bytes(b) => put(b)?,
+                Part::Fill(byte, n) => repeat(put, *byte, *n)?,
+            }
+            at = off + part.len();
+        }
+        repeat(put, 0, self.len - at)
+    }
+}
+
+/// Gives `n` bytes `byte`, in pieces.
+fn repeat(put: &mut impl FnMut(&[u8]) -> std::io::Result<()>, byte: u8, mut n: u64) -> std::io::Result<()> {
+    let chunk = [byte; 4096];
+    while n > 0 {
+        let k = n.min(chunk.len() as u64);
+        put(&chunk[..k as usize])?;
+        n -= k;
+    }
+    Ok(())
 }
 
 /// A static program's thread-local symbols (values relative to the
@@ -94,34 +177,37 @@ fn hook_jumps(elf: &Elf, plan: &Plan) -> Vec<(u64, [u8; 8])> {
     out
 }
 
-pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &Plan) -> Emitted {
-    let mut head = Head(vec![0u8; plan.shift as usize]);
+/// The patched file's parts. The plan's generated code and unwind entries
+/// are moved into the head (the plan keeps empty buffers in their place).
+pub(crate) fn emit(elf: &Elf, a: &Analysis, plan: &mut Plan) -> Emitted {
+    let mut head = Head::new(plan.shift);
     let follow = symbols::Follow::new(plan);
-    head.put(plan.ehdr, &headers::elf_header(elf, plan));
-    head.put(plan.phdrs, &headers::program_headers(elf, plan));
-    head.put(plan.site_table, &sites::table(elf, a, plan));
+    head.put(plan.ehdr, headers::elf_header(elf, plan));
+    head.put(plan.phdrs, headers::program_headers(elf, plan));
+    head.put(plan.site_table, sites::table(elf, a, plan));
     let mut fixups = follow.symtab_fixups(elf);
-    match &plan.statics {
+    match &mut plan.statics {
         None => dynamic::emit(&mut head, plan, &follow),
         Some(s) => {
             // The runtime, and its API table in the control block's slot,
             // where a dynamic linker would have put it.
-            head.put(s.runtime.image, &s.runtime.bytes);
-            head.put(s.tls_image, &s.runtime.tls_bytes);
+            head.put(s.runtime.image, std::mem::take(&mut s.runtime.bytes));
+            head.put(s.tls_image, std::mem::take(&mut s.runtime.tls_bytes));
             let slot = Region {
                 offset: FileOffset(plan.control.offset.0 + u64::from(layout::control::RUNTIME)),
                 addr: Vaddr(plan.control.addr.0 + u64::from(layout::control::RUNTIME)),
                 size: 8,
             };
-            head.put(slot, &s.runtime.api.to_le_bytes());
+            head.put(slot, s.runtime.api.to_le_bytes().to_vec());
             fixups.extend(s.words.iter().copied());
             fixups.extend(tls_symbols(elf, s.runtime.tls_shift));
         }
     }
     fixups.extend(hook_jumps(elf, plan));
-    text::fill(plan, head.part(plan.text));
-    if let Some(eh) = &plan.eh_frame {
-        head.put(eh.region, &eh.bytes);
+    text::fill(plan, &mut head);
+    if let Some(eh) = &mut plan.eh_frame {
+        head.put(eh.region, std::mem::take(&mut eh.bytes));
     }
-    Emitted { head: head.0, fixups, tail: headers::tail(elf, plan) }
+    let tail = headers::tail(elf, plan);
+    Emitted { head: head.finish(), fixups, tail }
 }

@@ -2,22 +2,43 @@
 //! entry stub and thread-local image, then every patched site's trampoline (an entry hook's after its
 //! stub), each 16-byte aligned, with `int3` between them.
 
+use super::Head;
 use crate::plan::Plan;
 
-/// Writes the segment's code into `text` (its region of the output, which
-/// is as large as the plan made it): no copy of it is built.
-pub(super) fn fill(plan: &Plan, text: &mut [u8]) {
-    text.fill(0xcc);
-    let codes = [&plan.init, &plan.fini, &plan.capture, &plan.capture_plain, &plan.vectors, &plan.wide, &plan.trace]
-        .into_iter()
-        .chain(plan.statics.iter().map(|s| &s.entry))
-        .chain(
-            plan.sites
-                .iter()
-                .flat_map(|s| s.hook.as_ref().map(|h| &h.stub).into_iter().chain(s.trampoline().map(|t| &t.code))),
-        );
+/// Moves the segment's code into `head`, with `int3` between and after:
+/// no copy of it is built.
+pub(super) fn fill(plan: &mut Plan, head: &mut Head) {
+    let (start, end) = (plan.text.offset.0, plan.text.offset.0 + plan.text.size);
+    // (A part for each code, and one for each run of int3 before it.)
+    head.reserve(2 * (8 + 2 * plan.sites.len()));
+    let stubs = [
+        &mut plan.init,
+        &mut plan.fini,
+        &mut plan.capture,
+        &mut plan.capture_plain,
+        &mut plan.vectors,
+        &mut plan.wide,
+        &mut plan.trace,
+    ];
+    let codes = stubs.into_iter().chain(plan.statics.iter_mut().map(|s| &mut s.entry)).chain(
+        plan.sites.iter_mut().flat_map(|s| {
+            let (hook, decision) = (&mut s.hook, &mut s.decision);
+            hook.as_mut().map(|h| &mut h.stub).into_iter().chain(match decision {
+                crate::plan::Decision::Patched(t) => Some(&mut t.code),
+                crate::plan::Decision::Skipped(_) => None,
+            })
+        }),
+    );
+    let mut at = start;
     for code in codes {
-        let at = (code.offset.0 - plan.text.offset.0) as usize;
-        text[at..at + code.bytes.len()].copy_from_slice(&code.bytes);
+        let (offset, len) = (code.offset.0, code.bytes.len() as u64);
+        assert!(offset >= at && offset + len <= end, "code at {offset:#x} out of order or outside the text");
+        head.fill(at, offset - at, 0xcc);
+        head.put(
+            crate::plan::Region { offset: code.offset, addr: code.addr, size: len },
+            std::mem::take(&mut code.bytes),
+        );
+        at = offset + len;
     }
+    head.fill(at, end - at, 0xcc);
 }
