@@ -69,8 +69,6 @@ pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
     }
 }
 
-/// Refuses an output path that exists and is not a regular file (a device,
-/// a FIFO, a directory: renaming over it would replace it).
 /// Frees `v` on a thread of its own: a large file's analysis is millions
 /// of allocations, a fraction of a second to free, which the command need
 /// not wait for (a process that exits first never frees it). If no thread
@@ -79,6 +77,8 @@ pub fn free_later<T: Send + 'static>(v: T) {
     let _ = std::thread::Builder::new().name("free".into()).spawn(move || drop(v));
 }
 
+/// Refuses an output path that exists and is not a regular file (a device,
+/// a FIFO, a directory: renaming over it would replace it).
 pub fn check_output_path(path: &Path) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !dir.is_dir() {

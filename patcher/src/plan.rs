@@ -1187,7 +1187,7 @@ fn plan_sites(
     let threads = match threads {
         0 if a.scan.sites.len() < PARALLEL_FROM => 1,
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS),
-        n => n,
+        n => n.min(MAX_THREADS),
     };
     // As many runs of sites as threads, each as long (the last shorter).
     let n = a.scan.sites.len();
@@ -1202,8 +1202,8 @@ fn plan_sites(
     (sites, programs, 1)
 }
 
-/// One thread per core, up to this many.
-const MAX_THREADS: usize = 8;
+/// One thread per core, up to this many (and no more when asked).
+pub const MAX_THREADS: usize = 8;
 
 /// Fewer sites than this are planned on one thread (by default).
 pub const PARALLEL_FROM: usize = 512;
@@ -1396,8 +1396,8 @@ fn plan_sites_in_turn(
 }
 
 /// [`plan_sites`] on `threads` threads, for sites none of which is an
-/// entry hook; `None` if a trampoline's length was not its shape's (the
-/// cursor is then unchanged).
+/// entry hook; `None` if a trampoline's length was not its shape's, or a
+/// thread could not start (the cursor is then unchanged).
 fn plan_sites_parallel(
     text: &mut Cursor,
     ctx: &TextContext,
@@ -1444,7 +1444,7 @@ fn plan_sites_parallel(
             .step_by(run)
             .map(|first| {
                 let (expect, spec) = (&expect, &spec);
-                scope.spawn(move || {
+                std::thread::Builder::new().spawn_scoped(scope, move || {
                     let mut cfi = gimli::UnwindContext::new();
                     let mut out = Vec::with_capacity(run);
                     let last = (first + run).min(n);
@@ -1472,7 +1472,7 @@ fn plan_sites_parallel(
             .collect();
         for h in handles {
             // (A thread that panicked: its panic goes on here.)
-            let made = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+            let made = h.ok()?.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
             for m in made {
                 let (i, site) = (sites.len(), &a.scan.sites[sites.len()]);
                 let decision = match m {

@@ -1122,8 +1122,8 @@ pub fn encode_with_unwind(
     header.unwind_blocks = index.len() as u32;
     header.foreign_count = foreign.len() as u32;
     let mut b = encode(header, sites, entries, strings);
-    // (The whole size at once: the table of a large library is tens of
-    // megabytes, which growing would hold twice for a moment.)
+    // (Room for the rest at once, not by doubling: a large library's
+    // rows are tens of megabytes.)
     b.reserve_exact(table_and_unwind_size(len, rows.len(), index.len(), foreign).saturating_sub(b.len()));
     if !rows.is_empty() {
         b.resize(unwind_offset(len), 0);

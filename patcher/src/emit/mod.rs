@@ -69,7 +69,8 @@ impl Head {
         Head { len: bytes.len() as u64, parts: vec![(0, Part::Bytes(bytes))] }
     }
 
-    /// Writes a part: exactly the size the plan gave it.
+    /// Writes a part: exactly the size the plan gave it (an empty one is
+    /// no part).
     fn put(&mut self, r: Region, bytes: Vec<u8>) {
         assert_eq!(
             bytes.len() as u64,
@@ -79,7 +80,9 @@ impl Head {
             r.size,
             r.offset
         );
-        self.parts.push((r.offset.0, Part::Bytes(bytes)));
+        if !bytes.is_empty() {
+            self.parts.push((r.offset.0, Part::Bytes(bytes)));
+        }
     }
 
     /// Room for `n` more parts.

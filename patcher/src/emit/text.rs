@@ -10,7 +10,8 @@ use crate::plan::Plan;
 pub(super) fn fill(plan: &mut Plan, head: &mut Head) {
     let (start, end) = (plan.text.offset.0, plan.text.offset.0 + plan.text.size);
     // (A part for each code, and one for each run of int3 before it.)
-    head.reserve(2 * (8 + 2 * plan.sites.len()));
+    let hooks = plan.sites.iter().filter(|s| s.hook.is_some()).count();
+    head.reserve(2 * (9 + plan.sites.len() + hooks));
     let stubs = [
         &mut plan.init,
         &mut plan.fini,
