@@ -1395,6 +1395,16 @@ fn plan_sites_in_turn(
     (sites, programs)
 }
 
+/// The shape trampolines are laid out by (tests make it wrong, to see
+/// the threads' check fall back).
+fn shape_of(spec: &TrampolineSpec) -> TrampolineSpec {
+    #[cfg(test)]
+    if tests::WRONG_SHAPES.get() {
+        return TrampolineSpec { index: 0, ..spec.shape() };
+    }
+    spec.shape()
+}
+
 /// [`plan_sites`] on `threads` threads, for sites none of which is an
 /// entry hook; `None` if a trampoline's length was not its shape's, or a
 /// thread could not start (the cursor is then unchanged).
@@ -1423,7 +1433,7 @@ fn plan_sites_parallel(
         let len = match spec(i, site) {
             Err(_) => None,
             Ok(spec) => {
-                *lengths.entry(spec.shape()).or_insert_with(|| trampoline(&spec, at).ok().map(|t| t.code.len()))
+                *lengths.entry(shape_of(&spec)).or_insert_with(|| trampoline(&spec, at).ok().map(|t| t.code.len()))
             }
         };
         if let Some(len) = len {
@@ -1657,4 +1667,46 @@ fn plan_section_headers(elf: &Elf, end: u64, eh_frame: bool, extra: usize) -> Re
     };
     let shdrs = FileRange { offset: FileOffset(align(end + size, 8)), size: shnum as u64 * 64 };
     Ok((shstrtab, shdrs, shnum))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    thread_local! {
+        /// Lay trampolines out by shapes that ignore the counter index.
+        pub(super) static WRONG_SHAPES: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Shapes that predict wrong lengths: the threads' check sees it, the
+    /// sites are planned in turn, and the plan and file are those of one
+    /// thread.
+    #[test]
+    fn a_wrong_length_falls_back_to_planning_in_turn() {
+        let mut fell_back = 0;
+        for name in ["every_c", "libatshared.so", "cxx_new_delete"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbins/golden").join(name);
+            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let a = crate::analyze(&data, name, None, &[]).unwrap();
+            let elf = Elf::parse(&data).unwrap();
+            let opts =
+                |threads| PatchOptions { runtime_path: "liballoctramp_rt.so".into(), threads, ..Default::default() };
+            let one = plan(&elf, &a, &opts(1)).unwrap();
+            let right = plan(&elf, &a, &opts(3)).unwrap();
+            assert!(right.threads > 1, "{name}");
+            WRONG_SHAPES.set(true);
+            let wrong = plan(&elf, &a, &opts(3));
+            let file = crate::write::patch(&data, &a, &opts(3)).map(|p| p.to_vec());
+            WRONG_SHAPES.set(false);
+            let wrong = wrong.unwrap();
+            fell_back += usize::from(wrong.threads == 1);
+            assert_eq!(wrong.to_string(), one.to_string(), "{name}");
+            let file = file.unwrap();
+            assert!(file == crate::write::patch(&data, &a, &opts(1)).unwrap().to_vec(), "{name}: the files differ");
+        }
+        // (A file whose trampolines do not depend on the index may still
+        // be made on threads.)
+        assert!(fell_back >= 1, "no file fell back");
+    }
 }
