@@ -56,8 +56,9 @@ pub struct PatchOptions {
     /// a static program carries (see `statics`); a static program is
     /// refused without it.
     pub static_runtime: Option<Vec<u8>>,
-    /// How many threads make the trampolines: 0 for one per core (see
-    /// `plan_sites`); the plan is the same whatever the number.
+    /// How many threads make the trampolines (at most 8): 0 for one per
+    /// core, in files of 512 sites or more; the plan is the same whatever
+    /// the number.
     pub threads: usize,
 }
 
@@ -655,8 +656,8 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         true => allocator_definitions(elf, a),
         false => Vec::new(),
     };
-    let (sites, mut programs, threads) =
-        plan_sites(&mut cursor, &ctx, a, &layers, sources.as_ref(), unwinds, opts.threads);
+    let input = SitesInput { ctx: &ctx, a, layers: &layers, sources: sources.as_ref(), unwinds };
+    let (sites, mut programs, threads) = plan_sites(&mut cursor, &input, opts.threads);
     // A walk from inside a runtime function goes on through the vector
     // stub to the trampoline that called it.
     if !programs.is_empty() {
@@ -1165,7 +1166,7 @@ fn allocator_definitions(elf: &Elf, a: &Analysis) -> Vec<(u64, u64)> {
 /// Every site's decision (patched sites get their trampolines one after
 /// another), and for each patched one that its file's unwind information
 /// covers, its trampoline's unwind entry (to be placed). Sites inside
-/// `layers` (sorted extents) are skipped.
+/// the allocator layers are skipped.
 ///
 /// Trampolines are generated on every core when no site is an entry hook
 /// (a hook's stub is placed before its trampoline and its length depends
@@ -1175,15 +1176,8 @@ fn allocator_definitions(elf: &Elf, a: &Analysis) -> Vec<(u64, u64)> {
 /// If one does not, the sites are planned one after another instead: the
 /// plan is the same either way. `threads`: as many (0: one per core, for
 /// files of [`PARALLEL_FROM`] sites or more). Returns the threads used.
-fn plan_sites(
-    text: &mut Cursor,
-    ctx: &TextContext,
-    a: &Analysis,
-    layers: &[(u64, u64)],
-    sources: Option<&ehframe::Sources<'_>>,
-    unwinds: bool,
-    threads: usize,
-) -> (Vec<SitePlan>, Vec<ehframe::Program>, usize) {
+fn plan_sites(text: &mut Cursor, input: &SitesInput, threads: usize) -> (Vec<SitePlan>, Vec<ehframe::Program>, usize) {
+    let a = input.a;
     let threads = match threads {
         0 if a.scan.sites.len() < PARALLEL_FROM => 1,
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS),
@@ -1194,19 +1188,19 @@ fn plan_sites(
     let threads = n.div_ceil(n.div_ceil(threads.max(1)).max(1));
     if threads > 1
         && a.scan.sites.iter().all(|s| s.hook.is_none())
-        && let Some((sites, programs)) = plan_sites_parallel(text, ctx, a, layers, sources, unwinds, threads)
+        && let Some((sites, programs)) = plan_sites_parallel(text, input, threads)
     {
         return (sites, programs, threads);
     }
-    let (sites, programs) = plan_sites_in_turn(text, ctx, a, layers, sources, unwinds);
+    let (sites, programs) = plan_sites_in_turn(text, input);
     (sites, programs, 1)
 }
 
 /// One thread per core, up to this many (and no more when asked).
-pub const MAX_THREADS: usize = 8;
+const MAX_THREADS: usize = 8;
 
 /// Fewer sites than this are planned on one thread (by default).
-pub const PARALLEL_FROM: usize = 512;
+const PARALLEL_FROM: usize = 512;
 
 /// What a site becomes before its code is placed.
 enum Made {
@@ -1215,116 +1209,126 @@ enum Made {
     Code(codegen::Trampoline, Option<ehframe::Program>),
 }
 
-/// What the site's trampoline must do.
-fn spec_of(i: usize, site: &ScanSite, target: u64, ctx: &TextContext, a: &Analysis) -> TrampolineSpec {
-    let entry = &a.scan.entries[site.entry];
-    let (depth_check, depth_bump, external) = match site.charge {
-        Charge::Own => (false, false, false),
-        Charge::Hook { external } => (false, false, external),
-        Charge::Caller { bump, external } => (false, bump, external),
-        Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
-    };
-    TrampolineSpec {
-        site: site.vaddr.0,
-        len: site.len,
-        form: site.form,
-        target,
-        sig: entry.sig,
-        index: i as u32,
-        // A free or realloc wrapper's trampoline calls the runtime
-        // before the wrapper: preserve mode keeps its vector registers
-        // (arguments, for a wrapper that takes floating point ones). A
-        // hook's trampoline uses r10 and r11 only.
-        preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
-        vectors: ctx.vectors,
-        wide: ctx.wide,
-        trace: ctx.trace,
-        args: entry.args,
-        control: ctx.control,
-        shard_mask: ctx.shards - 1,
-        shard_stride: ctx.stride as u32,
-        depth_check,
-        depth_bump,
-        key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
-        key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
-        // A default entry called through the PLT or GOT takes no
-        // vector arguments and clobbers every vector register.
-        capture: if site.via != Via::Direct && site.entry < a.scan.user.start {
-            ctx.capture_plain
-        } else {
-            ctx.capture
-        },
-        hook: matches!(site.charge, Charge::Hook { .. }),
-        charge_check: site.under_hook,
-        plain_store: a.scan.plain_store(site.entry),
-        aligned: a.scan.aligned(site.entry),
-    }
-}
-
-/// Why a site gets no trampoline, whatever its address: a call inside a
-/// wrapper that its callers count for, an entry hook whose stub cannot be
-/// made, or a site inside an allocator's own layers (`alloctramp run`).
-fn skipped_before(
-    site: &ScanSite,
-    a: &Analysis,
-    layers: &[(u64, u64)],
-    hook: Option<&'static str>,
-) -> Option<SkipReason> {
-    // (A call through an allocator API's slot counts the calls its
-    // callers' sites did not: those through pointers.)
-    // (Nor does an entry hook: it counts the calls no site makes.)
-    let in_layer = !a.scan.is_slot(site.entry)
-        && site.hook.is_none()
-        && layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
-    if matches!(site.charge, Charge::Inside { checked: false, .. }) {
-        Some(SkipReason::InsideWrapper)
-    } else if let Some(why) = hook {
-        Some(SkipReason::HookStub(why))
-    } else if in_layer {
-        Some(SkipReason::InsideAllocator)
-    } else {
-        None
-    }
-}
-
-/// The site's trampoline at `at`, with its unwind entry.
-fn make(
-    i: usize,
-    site: &ScanSite,
-    spec: &TrampolineSpec,
-    at: u64,
-    sources: Option<&ehframe::Sources<'_>>,
+/// What planning the sites reads: the module's code context, the
+/// analysis, the allocator layers whose sites are skipped (sorted
+/// extents), the file's unwind information, and whether the file unwinds
+/// through its calls.
+struct SitesInput<'s, 'e> {
+    ctx: &'s TextContext,
+    a: &'s Analysis,
+    layers: &'s [(u64, u64)],
+    sources: Option<&'s ehframe::Sources<'e>>,
     unwinds: bool,
-    cfi: &mut gimli::UnwindContext<usize>,
-) -> Made {
-    let t = match trampoline(spec, at) {
-        Ok(t) => t,
-        Err(reason) => return Made::Skipped(reason),
-    };
-    let entries = t.entries();
-    let found: std::result::Result<_, &'static str> = match sources {
-        None => Err("the file has no .eh_frame_hdr to extend"),
-        Some(src) => frames::frames(&t.code, at, &entries, spec.target)
-            .map_err(|_| "the trampoline's stack cannot be followed")
-            .and_then(|frames| {
-                ehframe::Entry {
-                    addr: at,
-                    len: t.code.len() as u64,
-                    frames: &frames,
-                    ret: site.vaddr.0 + u64::from(site.len),
-                    tail: site.form.is_tail(),
-                    site: src.site(site.vaddr.0, cfi).ok(),
-                    index: i as u32,
-                    undo: &t.undo,
-                }
-                .program()
-            }),
-    };
-    match found {
-        // An exception through a hook's call must find an entry: without
-        // one the site stays as it is.
-        Err(why) if spec.hook && unwinds => Made::Skipped(SkipReason::NoUnwind(why)),
-        found => Made::Code(t, found.ok()),
+}
+
+impl SitesInput<'_, '_> {
+    /// What the site's trampoline must do.
+    fn spec(&self, i: usize, site: &ScanSite, target: u64) -> TrampolineSpec {
+        let (ctx, a) = (self.ctx, self.a);
+        let entry = &a.scan.entries[site.entry];
+        let (depth_check, depth_bump, external) = match site.charge {
+            Charge::Own => (false, false, false),
+            Charge::Hook { external } => (false, false, external),
+            Charge::Caller { bump, external } => (false, bump, external),
+            Charge::Inside { checked, bump, external, .. } => (checked, bump, external),
+        };
+        TrampolineSpec {
+            site: site.vaddr.0,
+            len: site.len,
+            form: site.form,
+            target,
+            sig: entry.sig,
+            index: i as u32,
+            // A free or realloc wrapper's trampoline calls the runtime
+            // before the wrapper: preserve mode keeps its vector registers
+            // (arguments, for a wrapper that takes floating point ones). A
+            // hook's trampoline uses r10 and r11 only.
+            preserve: site.via == Via::Direct && !(external && entry.sig.kind == Kind::Alloc),
+            vectors: ctx.vectors,
+            wide: ctx.wide,
+            trace: ctx.trace,
+            args: entry.args,
+            control: ctx.control,
+            shard_mask: ctx.shards - 1,
+            shard_stride: ctx.stride as u32,
+            depth_check,
+            depth_bump,
+            key_result: a.scan.keys.get(&site.entry).map_or(0, |k| k.result),
+            key_ptr: a.scan.keys.get(&site.entry).map_or(0, |k| k.ptr),
+            // A default entry called through the PLT or GOT takes no
+            // vector arguments and clobbers every vector register.
+            capture: if site.via != Via::Direct && site.entry < a.scan.user.start {
+                ctx.capture_plain
+            } else {
+                ctx.capture
+            },
+            hook: matches!(site.charge, Charge::Hook { .. }),
+            charge_check: site.under_hook,
+            plain_store: a.scan.plain_store(site.entry),
+            aligned: a.scan.aligned(site.entry),
+        }
+    }
+
+    /// Why a site gets no trampoline, whatever its address: a call inside a
+    /// wrapper that its callers count for, an entry hook whose stub cannot be
+    /// made, or a site inside an allocator's own layers (`alloctramp run`).
+    fn skipped_before(&self, site: &ScanSite, hook: Option<&'static str>) -> Option<SkipReason> {
+        let a = self.a;
+        // (A call through an allocator API's slot counts the calls its
+        // callers' sites did not: those through pointers.)
+        // (Nor does an entry hook: it counts the calls no site makes.)
+        let in_layer = !a.scan.is_slot(site.entry)
+            && site.hook.is_none()
+            && self.layers.iter().any(|&(lo, hi)| (lo..hi).contains(&site.vaddr.0));
+        if matches!(site.charge, Charge::Inside { checked: false, .. }) {
+            Some(SkipReason::InsideWrapper)
+        } else if let Some(why) = hook {
+            Some(SkipReason::HookStub(why))
+        } else if in_layer {
+            Some(SkipReason::InsideAllocator)
+        } else {
+            None
+        }
+    }
+
+    /// The site's trampoline at `at`, with its unwind entry.
+    fn make(
+        &self,
+        i: usize,
+        site: &ScanSite,
+        spec: &TrampolineSpec,
+        at: u64,
+        cfi: &mut gimli::UnwindContext<usize>,
+    ) -> Made {
+        let t = match trampoline(spec, at) {
+            Ok(t) => t,
+            Err(reason) => return Made::Skipped(reason),
+        };
+        let entries = t.entries();
+        let found: std::result::Result<_, &'static str> = match self.sources {
+            None => Err("the file has no .eh_frame_hdr to extend"),
+            Some(src) => frames::frames(&t.code, at, &entries, spec.target)
+                .map_err(|_| "the trampoline's stack cannot be followed")
+                .and_then(|frames| {
+                    ehframe::Entry {
+                        addr: at,
+                        len: t.code.len() as u64,
+                        frames: &frames,
+                        ret: site.vaddr.0 + u64::from(site.len),
+                        tail: site.form.is_tail(),
+                        site: src.site(site.vaddr.0, cfi).ok(),
+                        index: i as u32,
+                        undo: &t.undo,
+                    }
+                    .program()
+                }),
+        };
+        match found {
+            // An exception through a hook's call must find an entry: without
+            // one the site stays as it is.
+            Err(why) if spec.hook && self.unwinds => Made::Skipped(SkipReason::NoUnwind(why)),
+            found => Made::Code(t, found.ok()),
+        }
     }
 }
 
@@ -1335,14 +1339,8 @@ fn place_trampoline(text: &mut Cursor, t: codegen::Trampoline) -> Trampoline {
 }
 
 /// [`plan_sites`] on this thread, site after site.
-fn plan_sites_in_turn(
-    text: &mut Cursor,
-    ctx: &TextContext,
-    a: &Analysis,
-    layers: &[(u64, u64)],
-    sources: Option<&ehframe::Sources<'_>>,
-    unwinds: bool,
-) -> (Vec<SitePlan>, Vec<ehframe::Program>) {
+fn plan_sites_in_turn(text: &mut Cursor, input: &SitesInput) -> (Vec<SitePlan>, Vec<ehframe::Program>) {
+    let (a, sources) = (input.a, input.sources);
     let mut sites = Vec::with_capacity(a.scan.sites.len());
     let mut programs = Vec::new();
     let mut cfi = gimli::UnwindContext::new();
@@ -1372,9 +1370,9 @@ fn plan_sites_in_turn(
             _ => None,
         };
         let mut unwind = None;
-        let decision = match skipped_before(site, a, layers, hook_err) {
+        let decision = match input.skipped_before(site, hook_err) {
             Some(reason) => Decision::Skipped(reason),
-            None => match make(i, site, &spec_of(i, site, target, ctx, a), at, sources, unwinds, &mut cfi) {
+            None => match input.make(i, site, &input.spec(i, site, target), at, &mut cfi) {
                 Made::Skipped(reason) => Decision::Skipped(reason),
                 Made::Code(t, found) => {
                     unwind = found;
@@ -1410,19 +1408,16 @@ fn shape_of(spec: &TrampolineSpec) -> TrampolineSpec {
 /// thread could not start (the cursor is then unchanged).
 fn plan_sites_parallel(
     text: &mut Cursor,
-    ctx: &TextContext,
-    a: &Analysis,
-    layers: &[(u64, u64)],
-    sources: Option<&ehframe::Sources<'_>>,
-    unwinds: bool,
+    input: &SitesInput,
     threads: usize,
 ) -> Option<(Vec<SitePlan>, Vec<ehframe::Program>)> {
+    let a = input.a;
     // The address each site's trampoline gets: the addresses follow from
     // the lengths of the trampolines before it, known from one trampoline
     // of each shape (none: the site gets none).
-    let spec = |i: usize, site: &ScanSite| match skipped_before(site, a, layers, None) {
+    let spec = |i: usize, site: &ScanSite| match input.skipped_before(site, None) {
         Some(reason) => Err(reason),
-        None => Ok(spec_of(i, site, site.target.0, ctx, a)),
+        None => Ok(input.spec(i, site, site.target.0)),
     };
     let n = a.scan.sites.len();
     let mut lengths: std::collections::HashMap<TrampolineSpec, Option<usize>> = std::collections::HashMap::new();
@@ -1464,7 +1459,7 @@ fn plan_sites_parallel(
                         let i = first + i;
                         let m = match spec(i, site) {
                             Err(reason) => Made::Skipped(reason),
-                            Ok(spec) => make(i, site, &spec, at, sources, unwinds, &mut cfi),
+                            Ok(spec) => input.make(i, site, &spec, at, &mut cfi),
                         };
                         let as_expected = match (&m, len) {
                             (Made::Code(t, _), Some(len)) => t.code.len() == len,
