@@ -767,6 +767,9 @@ def part_git():
         "bench/bench.py). The commit ids and the log must be identical in every variant. The patched variants set "
         "GIT_EXEC_PATH to the patched git's directory, so git's own subprocesses (gc's repack and pack-objects, "
         "commit's maintenance, ...) are patched and profiled too, each with its own start-up and counters file; "
+        "switched on with live tracking, each maps the switched image `alloctramp patch` writes beside the patched "
+        "git (`$W/patched/.alloctramp-on/git`) instead of copying the code pages that hold sites; counting only has "
+        "no image and writes the sites. "
         "heaptrack and DHAT wrap each of the 15 commands and trace only the process they start.",
     )
     SECTIONS.append(sec)
@@ -980,8 +983,10 @@ def part_patch():
     s = med(runs)
     psize = os.path.getsize(out)
     os.unlink(out)
+    os.unlink(os.path.join(WORK, ".alloctramp-on", "patch-test.so"))
     sec = Section("Patching", "patch", f"`alloctramp patch` on `{f}` ({size / 2**20:.0f} MiB); the output is "
-                  f"{psize / 2**20:.0f} MiB.")
+                  f"{psize / 2**20:.0f} MiB, and its switched image (`$W/.alloctramp-on/out.so`, written with it) "
+                  "the same.")
     SECTIONS.append(sec)
     sec.table(["figure", "command", "value"], [
         [f"wall time (median of {RUNS})", f"`alloctramp patch {f} -o $W/out.so`", f"{s:.2f} s"],

@@ -44,6 +44,12 @@ pub struct Args {
     /// chains then end at the first frame in one of them).
     #[arg(long)]
     pub no_library_unwind: bool,
+    /// Do not write the switched image (DIR/.alloctramp-on/NAME beside the
+    /// output): a copy whose sites already jump to their trampolines, which
+    /// processes switched on at start-up map instead of copying every code
+    /// page that holds a site.
+    #[arg(long)]
+    pub no_image: bool,
     #[command(flatten)]
     pub wrappers: crate::sites::WrapperArgs,
     /// Leave the sites inside the file's own allocator entries unpatched
@@ -51,6 +57,33 @@ pub struct Args {
     /// `PatchOptions::skip_allocator_layers`).
     #[arg(skip)]
     pub skip_allocator_layers: bool,
+}
+
+/// The path of the switched image of the file at `output`.
+fn image_path(output: &Path) -> Result<std::path::PathBuf> {
+    let dir = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    Ok(dir.join(layout::IMAGE_DIR).join(output.file_name().context("output path has no file name")?))
+}
+
+/// Removes the switched image of the file at `output`, if there is one.
+fn remove_image(output: &Path) -> Result<()> {
+    let image = image_path(output)?;
+    match std::fs::symlink_metadata(&image) {
+        Ok(m) if m.is_file() => {
+            std::fs::remove_file(&image).with_context(|| format!("{}: cannot remove", image.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Stages the switched image `image` (`layout::IMAGE_DIR`).
+fn stage_image(
+    staged: &mut Staged,
+    image: &Path,
+    mode: u32,
+    patched: &alloctramp_patcher::write::Patched,
+) -> Result<()> {
+    staged.add_sparse(image, mode, |w| patched.write_image_sparse(w))
 }
 
 /// Finds the runtime library.
@@ -227,8 +260,30 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         }
     }
     // Runs of zero pages in the input (a sparse file) stay holes.
-    staged.add_sparse(&output, in_meta.permissions().mode() & 0o7777, |w| patched.write_sparse(w))?;
-    staged.commit()?;
+    let mode = in_meta.permissions().mode() & 0o7777;
+    staged.add_sparse(&output, mode, |w| patched.write_sparse(w))?;
+    if args.no_image {
+        staged.commit()?;
+        // An earlier patch's image is not this file's: the runtime would
+        // not use it, and it takes the space of the file.
+        remove_image(&output)?;
+    } else {
+        let image = image_path(&output)?;
+        let dir = image.parent().unwrap_or(Path::new("."));
+        let made = match std::fs::create_dir(dir) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+            Err(e) => return Err(e).with_context(|| format!("{}: cannot create the directory", dir.display())),
+        };
+        let staged = stage_image(&mut staged, &image, mode & 0o755, &patched)
+            // The runtime maps the image only over the file it has the time of.
+            .and_then(|()| staged.set_modified_like(&image, &output))
+            .and_then(|()| staged.commit());
+        if staged.is_err() && made {
+            let _ = std::fs::remove_dir(dir);
+        }
+        staged?;
+    }
     for s in patched.skipped.iter().filter(|s| s.reason.is_loss()) {
         let site = &analysis.scan.sites[s.site];
         eprintln!("alloctramp: {}: site {} not patched: {}", args.input.display(), site.vaddr, s.reason);

@@ -209,7 +209,7 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<()> {
 /// descriptor before it has its name (root writing into a directory that
 /// user controls: a path there is not to be trusted).
 pub fn write_atomic_as(path: &Path, data: &[u8], mode: u32, owner: Option<u32>) -> Result<()> {
-    let mut staged = Staged { files: Vec::new(), owner };
+    let mut staged = Staged { files: Vec::new(), written: Vec::new(), owner };
     staged.add(path, mode, |w| w.write_all(data))?;
     staged.commit()
 }
@@ -230,6 +230,8 @@ pub fn write_atomic_with(path: &Path, mode: u32, fill: impl FnOnce(&mut dyn Writ
 pub struct Staged {
     /// (temporary, target, whether the target existed before)
     files: Vec<(std::path::PathBuf, std::path::PathBuf, bool)>,
+    /// The temporary files, written (in the order of `files`).
+    written: Vec<File>,
     /// The user the files are given to (none: they stay ours).
     owner: Option<u32>,
 }
@@ -286,7 +288,19 @@ impl Staged {
                 .with_context(|| format!("{}: cannot give it to uid {uid}", path.display()))?;
         }
         f.sync_all().ok();
+        self.written.push(f);
         Ok(())
+    }
+
+    /// Gives the staged file `path` the modification time of the staged
+    /// file `like`, to the nanosecond.
+    pub fn set_modified_like(&self, path: &Path, like: &Path) -> Result<()> {
+        let file =
+            |p: &Path| self.files.iter().zip(&self.written).find(|((_, target, _), _)| target == p).map(|(_, f)| f);
+        let (Some(f), Some(l)) = (file(path), file(like)) else {
+            anyhow::bail!("{}: not staged with {}", path.display(), like.display());
+        };
+        f.set_modified(l.metadata()?.modified()?).with_context(|| format!("{}: cannot set its time", path.display()))
     }
 
     pub fn commit(mut self) -> Result<()> {

@@ -138,6 +138,26 @@ fn elf_checkers_accept_and_strip_keeps_it_running() {
 }
 
 #[test]
+fn patch_writes_the_switched_image_beside_the_output() {
+    use std::os::unix::fs::MetadataExt;
+    let b = built(Config::default_o2());
+    let dir = scratch("image-out");
+    let out = dir.join("basic");
+    patch_to(&b.path("basic"), &out, &[]);
+    let image = dir.join(alloctramp_trampolines::layout::IMAGE_DIR).join("basic");
+    let (file, img) = (std::fs::metadata(&out).unwrap(), std::fs::metadata(&image).unwrap());
+    assert_eq!((img.len(), img.mtime(), img.mtime_nsec()), (file.len(), file.mtime(), file.mtime_nsec()));
+    assert_eq!(img.mode() & 0o7777, file.mode() & 0o755);
+    let bytes = std::fs::read(&out).unwrap();
+    assert!(std::fs::read(&image).unwrap() == alloctramp_patcher::image::switched_image(&bytes).unwrap());
+    assert!(std::fs::read(&image).unwrap() != bytes);
+    // Without one, an image left by an earlier patch goes too.
+    patch_to(&b.path("basic"), &out, &["--no-image"]);
+    assert!(!image.exists());
+    assert!(std::fs::read(&out).unwrap() == bytes, "the same output");
+}
+
+#[test]
 fn gdb_sets_breakpoints_and_shows_source_lines() {
     let b = built(Config { opt: "-O0", pie: true, extra: "" });
     let dir = scratch("gdb");
@@ -259,10 +279,15 @@ fn expect_refused(args: &[&std::ffi::OsStr], out: &Path, what: &str) {
     assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
     assert!(stderr.contains(what), "expected {what:?}: {stderr}");
     assert!(!out.exists(), "no output left behind: {}", out.display());
-    let leftovers: Vec<_> = std::fs::read_dir(out.parent().unwrap())
-        .unwrap()
+    let images = out.parent().unwrap().join(alloctramp_trampolines::layout::IMAGE_DIR);
+    assert!(!images.join(out.file_name().unwrap()).exists(), "no image left behind: {}", out.display());
+    // Temporary files (`.NAME.alloctramp-PID-N`), beside the output and
+    // among the images of the files patched before.
+    let leftovers: Vec<_> = [out.parent().unwrap(), &images]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).into_iter().flatten())
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains(".alloctramp-"))
+        .filter(|e| e.file_name().to_string_lossy().contains(".alloctramp-") && e.path() != images)
         .collect();
     assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
 }

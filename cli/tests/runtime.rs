@@ -4,6 +4,7 @@
 
 use crate::patch::patch_to;
 use crate::util::*;
+use alloctramp_trampolines::layout;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -193,10 +194,22 @@ impl Server {
     /// Starts the server, optionally through a launcher command that execs
     /// it (the program path is appended).
     pub fn start_with(name: &str, env: &[(&str, &str)], launcher: Option<&[&str]>) -> Server {
+        Self::start_prepared(name, env, launcher, |_| {})
+    }
+
+    /// Like [`start_with`](Self::start_with), calling `prepare` with the
+    /// patched program's path before it starts.
+    pub fn start_prepared(
+        name: &str,
+        env: &[(&str, &str)],
+        launcher: Option<&[&str]>,
+        prepare: impl FnOnce(&Path),
+    ) -> Server {
         let b = built(Config::default_o2());
         let dir = counters_dir(name);
         let bin = dir.join("server.bin");
         patch_to(&b.path("server"), &bin, &[]);
+        prepare(&bin);
         let mut command = match launcher {
             Some(l) => {
                 let mut c = Command::new(l[0]);
@@ -365,6 +378,103 @@ fn switching_on_at_start_by_environment_and_by_watcher() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("takes no requests while it runs"));
     s.quit();
+}
+
+/// The path of process `pid`'s first executable mapping of a file named
+/// `name`: its code (the trampolines follow it).
+fn code_path(pid: &str, name: &str) -> String {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    maps.lines()
+        .filter(|l| l.split_whitespace().nth(1) == Some("r-xp"))
+        .filter_map(|l| l.find('/').map(|i| l[i..].to_string()))
+        .find(|p| p.rsplit('/').next() == Some(name))
+        .unwrap_or_else(|| panic!("process {pid} maps no code of {name}: {maps}"))
+}
+
+#[test]
+fn switched_on_at_start_the_code_is_the_switched_image_not_copied_pages() {
+    let image = |s: &Server| s.dir.join(layout::IMAGE_DIR).join("server.bin").display().to_string();
+    let own = |s: &Server| s.dir.join("server.bin").display().to_string();
+    // Live tracking from the start: the code is the image's, the counts
+    // are exact, and switching off and on again writes over its pages.
+    let mut s = Server::start("image", &[("ALLOCTRAMP", "on")]);
+    assert_eq!(code_path(&s.pid(), "server.bin"), image(&s));
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(1));
+    assert!(s.switch("disable").status.success());
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(1), "off: not counted");
+    assert!(s.switch("enable").status.success());
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(2));
+    s.quit();
+
+    // Counting only wants other jumps than the image holds: the sites are
+    // written, and count exactly.
+    let mut s = Server::start("image-count", &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_LIVE", "0")]);
+    assert_eq!(code_path(&s.pid(), "server.bin"), own(&s));
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(1));
+    s.quit();
+
+    // An image that is not the file's (the file was written since), or
+    // that others may write, is not used.
+    let older = |bin: &Path| {
+        let f = std::fs::OpenOptions::new().write(true).open(bin).unwrap();
+        f.set_modified(std::time::SystemTime::now() - Duration::from_secs(60)).unwrap();
+    };
+    let writable = |bin: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        let image = bin.parent().unwrap().join(layout::IMAGE_DIR).join("server.bin");
+        std::fs::set_permissions(image, std::fs::Permissions::from_mode(0o757)).unwrap();
+    };
+    type Prepare<'a> = &'a dyn Fn(&Path);
+    let preparations: [(&str, Prepare); 2] = [("image-stale", &older), ("image-writable", &writable)];
+    for (name, prepare) in preparations {
+        let mut s = Server::start_prepared(name, &[("ALLOCTRAMP", "on")], None, prepare);
+        assert_eq!(code_path(&s.pid(), "server.bin"), own(&s), "{name}");
+        assert_eq!(s.cmd("round"), "done");
+        assert_eq!(s.figures(), round_figures(1), "{name}");
+        s.quit();
+    }
+
+    // Switched on later, with the watcher thread running: the sites are
+    // written (the image replaces code only while one thread runs).
+    let mut s = Server::start("image-later", &[]);
+    assert!(s.switch("enable").status.success());
+    assert_eq!(code_path(&s.pid(), "server.bin"), own(&s));
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(s.figures(), round_figures(1));
+    s.quit();
+}
+
+#[test]
+fn a_debugger_s_breakpoint_survives_switching_on_at_start() {
+    // gdb writes its breakpoints into the code before the runtime switches
+    // the sites on at start-up: the runtime sees the written page and
+    // writes the sites instead of mapping the image over gdb's breakpoint.
+    let b = built(Config { opt: "-O0", pie: true, extra: "" });
+    let dir = counters_dir("gdb-on");
+    let out = dir.join("basic");
+    patch_to(&b.path("basic"), &out, &[]);
+    assert!(dir.join(layout::IMAGE_DIR).join("basic").is_file());
+    let o = Command::new("gdb")
+        .args(["-nx", "-batch", "-ex", "break main", "-ex", "run", "-ex", "info proc mappings", "-ex", "continue"])
+        .arg(&out)
+        .env("ALLOCTRAMP", "on")
+        .env("ALLOCTRAMP_DIR", &dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("Breakpoint 1, main ()"), "{text}");
+    assert!(text.contains("exited normally"), "{text}");
+    let code = text
+        .lines()
+        .find(|l| l.contains("r-xp") && l.ends_with("/basic"))
+        .unwrap_or_else(|| panic!("no code mapping: {text}"));
+    assert!(code.ends_with(&format!(" {}", out.display())), "the file's own code, not the image: {code}");
+    let doc = report(only_counters_file(&dir).to_str().unwrap(), &dir);
+    assert_eq!(figures(&doc), expected(&[program("basic")]), "under gdb");
 }
 
 /// Sends a signal with kill(2).

@@ -15,6 +15,7 @@ pub mod elf;
 mod emit;
 pub mod error;
 pub mod hooks;
+pub mod image;
 pub mod lines;
 pub mod output;
 pub mod plan;

@@ -10,6 +10,7 @@
 use crate::elf::Elf;
 use crate::error::Result;
 use crate::{Analysis, emit, plan};
+use alloctramp_trampolines::layout;
 
 pub use crate::plan::{PatchOptions, SkipReason, is_patched};
 
@@ -37,6 +38,9 @@ pub struct Patched<'a> {
     pub text_size: u64,
     pub table_size: u64,
     pub counters_size: u64,
+    /// The switched image's jumps (`layout::switched_site`): (offset in
+    /// the patched file, bytes), in file order.
+    pub switched: Vec<(u64, [u8; 5])>,
 }
 
 impl Patched<'_> {
@@ -59,6 +63,39 @@ impl Patched<'_> {
         put(&self.tail)
     }
 
+    /// The bytes of `pieces`, with `over` (offset, bytes; in file order,
+    /// apart) in place of the bytes they cover.
+    fn pieces_over(
+        &self,
+        over: &[(u64, [u8; 5])],
+        mut put: impl FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let (mut pos, mut k) = (0u64, 0usize);
+        self.pieces(|mut p| {
+            while !p.is_empty() {
+                let end = pos + p.len() as u64;
+                while over.get(k).is_some_and(|&(o, _)| o + 5 <= pos) {
+                    k += 1;
+                }
+                match over.get(k) {
+                    Some(&(o, bytes)) if o < end => {
+                        let (lo, hi) = (o.max(pos), (o + 5).min(end));
+                        put(&p[..(lo - pos) as usize])?;
+                        put(&bytes[(lo - o) as usize..(hi - o) as usize])?;
+                        p = &p[(hi - pos) as usize..];
+                        pos = hi;
+                    }
+                    _ => {
+                        put(p)?;
+                        pos = end;
+                        p = &[];
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
     /// Writes the patched file.
     pub fn write_to(&self, w: &mut (impl std::io::Write + ?Sized)) -> std::io::Result<()> {
         self.pieces(|p| w.write_all(p))
@@ -70,6 +107,16 @@ impl Patched<'_> {
     /// the file's length: the caller sets it (`File::set_len`), since a
     /// trailing hole is never written.
     pub fn write_sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W) -> std::io::Result<u64> {
+        self.sparse(w, &[])
+    }
+
+    /// Writes the patched file's switched image (`layout::IMAGE_DIR`) as
+    /// [`write_sparse`](Self::write_sparse) writes the file.
+    pub fn write_image_sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W) -> std::io::Result<u64> {
+        self.sparse(w, &self.switched)
+    }
+
+    fn sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W, over: &[(u64, [u8; 5])]) -> std::io::Result<u64> {
         const BLOCK: usize = 4096;
         // `pos` bytes given so far; `written` where the writer stands; a
         // block that spans pieces is gathered in `partial` first.
@@ -85,7 +132,7 @@ impl Patched<'_> {
             }
             Ok(())
         };
-        self.pieces(|mut p| {
+        self.pieces_over(over, |mut p| {
             while !p.is_empty() {
                 if partial.is_empty() && p.len() >= BLOCK && pos % BLOCK as u64 == 0 {
                     let (block, rest) = p.split_at(BLOCK);
@@ -116,6 +163,17 @@ impl Patched<'_> {
         self.write_to(&mut v).expect("writing to a Vec");
         v
     }
+
+    /// The switched image in one buffer.
+    pub fn image_to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.head.len() as usize + self.original.len() + self.tail.len());
+        self.pieces_over(&self.switched, |p| {
+            v.extend_from_slice(p);
+            Ok(())
+        })
+        .expect("writing to a Vec");
+        v
+    }
 }
 
 fn is_zero(b: &[u8]) -> bool {
@@ -129,6 +187,18 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let mut plan = plan::plan(&elf, a, opts)?;
     let skipped: Vec<Skipped> = plan.skipped().map(|(site, reason)| Skipped { site, reason: reason.clone() }).collect();
     let out = emit::emit(&elf, a, &mut plan);
+    // Every byte of the input is at its offset plus the head's length.
+    let mut switched: Vec<(u64, [u8; 5])> = plan
+        .sites
+        .iter()
+        .filter_map(|site| {
+            let t = site.trampoline()?;
+            let s =
+                layout::Site { addr: site.addr.0, trampoline: t.code.addr.0, len: site.len, ..layout::Site::default() };
+            Some((elf.offset_of(site.addr)?.0 + out.head.len(), layout::switched_site(&s)?))
+        })
+        .collect();
+    switched.sort_unstable_by_key(|j| j.0);
     Ok(Patched {
         head: out.head,
         original: data,
@@ -139,6 +209,7 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
         text_size: plan.text.size,
         table_size: plan.site_table.size,
         counters_size: plan.counters.region.size,
+        switched,
     })
 }
 
@@ -186,6 +257,7 @@ mod tests {
             text_size: 0,
             table_size: 0,
             counters_size: 0,
+            switched: vec![],
         };
         let mut r = Recorder { inner: Cursor::new(Vec::new()), written: 0 };
         let len = p.write_sparse(&mut r).unwrap();

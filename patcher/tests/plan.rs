@@ -560,3 +560,44 @@ fn a_search_table_entry_outside_eh_frame_gives_no_unwind_entries() {
     assert!(p.eh_frame.is_none(), "no unwind entries from a damaged table");
     assert!(patch(&d, &a, &opts()).is_ok());
 }
+
+#[test]
+fn the_switched_image_is_the_file_with_a_jump_to_each_trampoline() {
+    for name in FIXTURES {
+        let data = fixture(name);
+        let a = analysis(&data, name);
+        let patched = patch(&data, &a, &opts()).unwrap();
+        let file = patched.to_vec();
+        let elf = Elf::parse(&file).unwrap();
+        let table = layout::Table::parse(&file[layout::table_after_phdrs(&file).unwrap()..]).unwrap();
+        let writes = alloctramp_patcher::image::switched_writes(&file).unwrap();
+        assert_eq!(writes.len(), patched.sites, "{name}: one jump per patched site");
+        // Each jump lands on its site's trampoline, at the site's offset.
+        let mut want = std::collections::BTreeMap::new();
+        for s in table.sites().filter(|s| s.trampoline != 0) {
+            let at = elf.offset_of(alloctramp_trampolines::addr::Vaddr(s.addr)).unwrap();
+            want.insert(at.0, (s.addr, s.trampoline));
+        }
+        for (at, jump) in &writes {
+            let (addr, trampoline) = want[&at.0];
+            assert_eq!(jump[0], 0xe9, "{name}: {at}");
+            let rel = i32::from_le_bytes(jump[1..].try_into().unwrap());
+            assert_eq!(addr.wrapping_add(5).wrapping_add(rel as i64 as u64), trampoline, "{name}: {at}");
+        }
+        // The image differs from the file in those bytes only, read from
+        // the file or written with it.
+        assert_eq!(patched.switched, writes.iter().map(|(at, j)| (at.0, *j)).collect::<Vec<_>>(), "{name}");
+        let image = alloctramp_patcher::image::switched_image(&file).unwrap();
+        assert!(patched.image_to_vec() == image, "{name}");
+        assert_eq!(image.len(), file.len(), "{name}");
+        let mut expected = file.clone();
+        for (at, jump) in &writes {
+            expected[at.0 as usize..at.0 as usize + 5].copy_from_slice(jump);
+        }
+        assert!(image == expected, "{name}: the image differs from the file elsewhere");
+        assert!(writes.iter().all(|(at, j)| &file[at.0 as usize..at.0 as usize + 5] != j), "{name}: a site unchanged");
+        // An unpatched file has no image.
+        let e = alloctramp_patcher::image::switched_writes(&data).unwrap_err();
+        assert!(e.to_string().contains("not a file patched by alloctramp"), "{name}: {e}");
+    }
+}

@@ -937,7 +937,9 @@ fn append_maps(region: u64, kept: u64) -> Option<u64> {
     let mut n = kept;
     let mut fits = true;
     sys::for_each_maps_line(|line| {
-        let Some((start, end, prot, offset, path)) = sys::parse_maps_file_line(line) else { return true };
+        let Some(sys::FileMapping { start, end, prot, offset, path, .. }) = sys::parse_maps_file(line) else {
+            return true;
+        };
         if prot & libc::PROT_EXEC == 0 || path.first() != Some(&b'/') {
             return true;
         }

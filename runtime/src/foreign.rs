@@ -464,7 +464,9 @@ fn loaded_bias(path: &[u8], id: &[u8]) -> Option<(u64, u64)> {
     let want = base(path);
     let mut found = None;
     sys::for_each_maps_line(|line| {
-        let Some((start, end, prot, offset, p)) = sys::parse_maps_file_line(line) else { return true };
+        let Some(sys::FileMapping { start, end, prot, offset, path: p, .. }) = sys::parse_maps_file(line) else {
+            return true;
+        };
         if offset != 0 || prot & libc::PROT_READ == 0 || base(p) != want {
             return true;
         }

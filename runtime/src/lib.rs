@@ -33,6 +33,7 @@ mod control;
 mod drain;
 mod fault;
 mod foreign;
+mod image;
 mod live;
 mod patching;
 mod procfile;
@@ -656,7 +657,7 @@ unsafe extern "C" fn unregister(table: *const u8) {
 #[cfg(test)]
 const LAYERS: &[&[&str]] = &[
     &["sys", "tls"],
-    &["shards"],
+    &["shards", "image"],
     &["procfile"],
     &["state", "fault", "trace"],
     &["patching", "live", "foreign"],

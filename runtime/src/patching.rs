@@ -226,6 +226,18 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     }
     let (lo, hi) = m.span;
     let blocked = alone.then(sys::SignalsBlocked::new);
+    // Switched on at start-up: the module's switched image, if it has one
+    // that holds exactly these sites' wanted bytes, replaces its code
+    // without copying a page.
+    // SAFETY: this thread is alone with its signals blocked (`blocked`);
+    // the module stays mapped (caller).
+    if blocked.is_some()
+        && on != Sites::Off
+        // SAFETY: as above.
+        && unsafe { crate::image::adopt(table, bias, m.span, active, |s| wanted(table, bias, s, on)) }
+    {
+        return Ok(());
+    }
     let unprotected = Unprotected::new(lo, hi)?;
     populate(table.sites().filter(active).map(|s| at(&s) as u64));
     if blocked.is_some() {

@@ -455,28 +455,55 @@ pub fn for_each_maps_line(mut f: impl FnMut(&[u8]) -> bool) -> bool {
     ok
 }
 
-/// A maps line's range, protection, file offset and path (empty for an
-/// anonymous mapping): `start-end perms offset dev inode path`.
-pub fn parse_maps_file_line(line: &[u8]) -> Option<(u64, u64, i32, u64, &[u8])> {
-    let (start, end, prot) = parse_maps_line(line)?;
-    // Skip four fields (range, perms, offset, dev, inode: the offset is
-    // the third), then spaces; the rest is the path.
-    let mut rest = line;
-    let mut offset = 0;
-    for k in 0..5 {
-        let sp = rest.iter().position(|&c| c == b' ').unwrap_or(rest.len());
-        if k == 2 {
-            offset =
-                rest.get(..sp)?.iter().try_fold(0u64, |v, &c| Some(v << 4 | u64::from((c as char).to_digit(16)?)))?;
-        }
-        rest = rest.get(sp..)?;
-        let words = rest.iter().position(|&c| c != b' ').unwrap_or(rest.len());
-        rest = rest.get(words..)?;
-    }
-    Some((start, end, prot, offset, rest))
+/// A mapping of a file, from a line of `/proc/self/maps`.
+pub struct FileMapping<'a> {
+    pub start: u64,
+    pub end: u64,
+    pub prot: i32,
+    /// `p` (copy-on-write) rather than `s`.
+    pub private: bool,
+    /// Offset in the file of `start`.
+    pub offset: u64,
+    /// The file's device (as `st_dev`) and inode.
+    pub dev: u64,
+    pub inode: u64,
+    /// The file's path as the kernel shows it (it may end in
+    /// ` (deleted)`); empty for a mapping of no file.
+    pub path: &'a [u8],
 }
 
-/// `start-end perms ...` of a maps line.
+/// Reads a line of `/proc/self/maps` in full: `start-end perms offset
+/// dev inode path`.
+pub fn parse_maps_file(line: &[u8]) -> Option<FileMapping<'_>> {
+    let (start, end, prot) = parse_maps_line(line)?;
+    let mut fields = line.splitn(6, |&c| c == b' ');
+    let perms = fields.nth(1)?;
+    let offset = fields.next()?;
+    let (dev, inode) = (fields.next()?, fields.next()?);
+    let path = fields.next().unwrap_or_default();
+    let first = path.iter().position(|&c| c != b' ').unwrap_or(path.len());
+    let number = |s: &[u8], radix: u32| -> Option<u64> {
+        if s.is_empty() || s.len() > 20 {
+            return None;
+        }
+        s.iter().try_fold(0u64, |v, &c| {
+            v.checked_mul(u64::from(radix))?.checked_add(u64::from((c as char).to_digit(radix)?))
+        })
+    };
+    let colon = dev.iter().position(|&c| c == b':')?;
+    let (major, minor) = (number(dev.get(..colon)?, 16)?, number(dev.get(colon + 1..)?, 16)?);
+    Some(FileMapping {
+        start,
+        end,
+        prot,
+        private: perms.get(3) == Some(&b'p'),
+        offset: number(offset, 16)?,
+        dev: libc::makedev(u32::try_from(major).ok()?, u32::try_from(minor).ok()?),
+        inode: number(inode, 10)?,
+        path: path.get(first..).unwrap_or_default(),
+    })
+}
+
 fn parse_maps_line(line: &[u8]) -> Option<(u64, u64, i32)> {
     let hex = |s: &[u8]| -> Option<u64> {
         if s.is_empty() || s.len() > 16 {
@@ -527,16 +554,33 @@ mod tests {
     }
 
     #[test]
-    fn maps_lines_give_offset_and_path() {
-        let l = b"7f0e4c000000-7f0e4c021000 r-xp 00002000 08:01 1234     /usr/lib/x86_64-linux-gnu/libc.so.6";
-        let (s, e, prot, off, path) = parse_maps_file_line(l).unwrap();
-        assert_eq!((s, e, off), (0x7f0e4c000000, 0x7f0e4c021000, 0x2000));
-        assert_eq!(prot, libc::PROT_READ | libc::PROT_EXEC);
-        assert_eq!(path, b"/usr/lib/x86_64-linux-gnu/libc.so.6");
-        let anon = parse_maps_file_line(b"7ffd1000-7ffd2000 rw-p 00000000 00:00 0 ").unwrap();
-        assert_eq!(anon.4, b"");
-        let spaced = parse_maps_file_line(b"1000-2000 r-xp 0 08:01 5 /tmp/a b").unwrap();
-        assert_eq!(spaced.4, b"/tmp/a b");
+    fn maps_lines_give_offset_device_inode_and_path() {
+        let l = b"7f0e4c000000-7f0e4c021000 r-xp 00002000 fe:01 1234     /usr/lib/x86_64-linux-gnu/libc.so.6";
+        let m = parse_maps_file(l).unwrap();
+        assert_eq!((m.start, m.end, m.offset), (0x7f0e4c000000, 0x7f0e4c021000, 0x2000));
+        assert_eq!((m.prot, m.private), (libc::PROT_READ | libc::PROT_EXEC, true));
+        assert_eq!((m.dev, m.inode), (libc::makedev(0xfe, 1), 1234));
+        assert_eq!(m.path, b"/usr/lib/x86_64-linux-gnu/libc.so.6");
+        let anon = parse_maps_file(b"7ffd1000-7ffd2000 rw-s 00000000 00:00 0 ").unwrap();
+        assert_eq!((anon.path, anon.private), (&b""[..], false));
+        assert_eq!(parse_maps_file(b"7ffd1000-7ffd2000 rw-p 00000000 00:00 0").unwrap().path, b"");
+        let spaced = parse_maps_file(b"1000-2000 r-xp 0 08:01 5 /tmp/a b (deleted)").unwrap();
+        assert_eq!(spaced.path, b"/tmp/a b (deleted)");
+        assert!(parse_maps_file(b"1000-2000 r-xp 0 0801 5 /x").is_none(), "a device without a colon");
+        // Every mapping of this process reads, and one is this test's code.
+        let here = maps_lines_give_offset_device_inode_and_path as *const () as u64;
+        let mut code = None;
+        assert!(for_each_maps_line(|l| {
+            let m = parse_maps_file(l).unwrap();
+            if (m.start..m.end).contains(&here) {
+                code = Some((m.dev, m.inode, m.path.to_vec()));
+            }
+            true
+        }));
+        let (dev, inode, path) = code.unwrap();
+        let meta = std::fs::metadata(std::str::from_utf8(&path).unwrap()).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!((meta.dev(), meta.ino()), (dev, inode));
     }
 
     #[test]

@@ -52,6 +52,27 @@ pub fn site_jump(site: u64, target: u64) -> Option<[u8; 5]> {
     Some([0xe9, b[0], b[1], b[2], b[3]])
 }
 
+/// The directory, beside a patched file, that holds its *switched image*
+/// under the same name: a copy of the file whose patched sites already
+/// jump to their trampolines' start (counting and tracking live bytes,
+/// [`switched_site`]). A process switched on at start-up maps the image's
+/// code over its own instead of writing every site (which copies every
+/// page that holds one), after checking that the image is byte for byte
+/// its code with the sites switched (`runtime/src/image.rs`). The same
+/// name keeps profilers that name code by its file (`perf report`'s
+/// DSO column) showing the program's name.
+pub const IMAGE_DIR: &str = ".alloctramp-on";
+
+/// The bytes a switched image holds at `site`: `jmp` to its trampoline's
+/// start, or `None` for a site without a trampoline (or too short to
+/// hold a jump), which keeps its original bytes.
+pub fn switched_site(site: &Site) -> Option<[u8; 5]> {
+    if site.trampoline == 0 || site.len < 5 {
+        return None;
+    }
+    site_jump(site.addr, site.entry_at(0))
+}
+
 /// Section names.
 pub const SEC_TEXT: &str = ".alloctramp.text";
 pub const SEC_SITES: &str = ".alloctramp.sites";

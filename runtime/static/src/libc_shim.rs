@@ -251,6 +251,19 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> c_int {
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: c_int) -> c_int {
     call!(libc::SYS_mprotect, addr, len, prot) as c_int
 }
+/// Variadic in C, with the new address read only under `MREMAP_FIXED` or
+/// `MREMAP_DONTUNMAP`; on x86-64 the fifth integer argument is passed in
+/// the same register either way.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: usize,
+    new_len: usize,
+    flags: c_int,
+    new: *mut c_void,
+) -> *mut c_void {
+    call!(libc::SYS_mremap, old, old_len, new_len, flags, new) as *mut c_void
+}
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: c_int) -> c_int {
     call!(libc::SYS_madvise, addr, len, advice) as c_int

@@ -1,0 +1,233 @@
+//! Switching a module on at start-up by mapping its switched image over its
+//! code (`layout::IMAGE_DIR`).
+//!
+//! Writing a site copies the page it is on, and a program's sites are on
+//! most of its code pages: switching git on copies 609 of its 654 code
+//! pages in every process it starts, which costs more than the rest of a
+//! short command's profiling. The image is a copy of the patched file with
+//! its sites switched, written beside it by `alloctramp patch`; its pages
+//! are in the page cache once, shared by every process that maps them,
+//! like the file's own.
+//!
+//! The image is used only when nothing can tell it from the module's code
+//! with its sites switched, without reading the code (reading both would
+//! cost half of what the image saves):
+//!
+//! * it is the image of the file mapped: the file at the mapping's path is
+//!   the mapped one (device and inode), and the image has its size and its
+//!   modification time to the nanosecond (`patch` gives both files one
+//!   time; any later write to the file changes it);
+//! * it is a regular file that neither group nor others may write, owned
+//!   by root, the process's user or the owner of the module's file (who
+//!   can change the code the process runs either way);
+//! * every page of the code is still the file's (`/proc/self/pagemap`):
+//!   nothing, such as a debugger's breakpoint, changed it in memory;
+//! * every site's wanted bytes are the image's jump to its trampoline's
+//!   start (live tracking, no trace, callers capture or fault injection),
+//!   and the image holds them at its first and last site.
+//!
+//! It is then mapped privately at a free address with the code's
+//! protection and moved over the code with one `mremap`. Anything else,
+//! and the sites are written as before. Only the thread that switches at
+//! start-up, alone in the process with its signals blocked, maps an image;
+//! `/proc/self/maps` then names the image for that range (same file name,
+//! same offsets, same build-id), so profilers that read it still find the
+//! code's symbols.
+
+use crate::sys::{self, Buf};
+use alloctramp_trampolines::layout::{self, PAGE, Site, Table};
+
+/// The module's code mapping: the one private, read-and-execute mapping
+/// of a file that holds all its sites.
+struct Code {
+    start: u64,
+    end: u64,
+    offset: u64,
+    dev: u64,
+    inode: u64,
+    path: Buf<4096>,
+}
+
+/// Finds the mapping that holds `[lo, hi)`, if it is one mapping of a
+/// file, private, readable and executable and not writable.
+fn code_mapping(lo: u64, hi: u64) -> Option<Code> {
+    let mut found: Option<Code> = None;
+    let mut fits = true;
+    let read = sys::for_each_maps_line(|line| {
+        let Some(f) = sys::parse_maps_file(line) else { return true };
+        if f.end <= lo {
+            return true;
+        }
+        if f.start >= hi {
+            return false;
+        }
+        let usable = found.is_none()
+            && f.start <= lo
+            && f.end >= hi
+            && f.prot == libc::PROT_READ | libc::PROT_EXEC
+            && f.private
+            && f.path.first() == Some(&b'/')
+            && !f.path.ends_with(b" (deleted)")
+            && f.path.len() < 3000;
+        if !usable {
+            fits = false;
+            return false;
+        }
+        let mut path = Buf::new();
+        path.push(f.path);
+        found = Some(Code { start: f.start, end: f.end, offset: f.offset, dev: f.dev, inode: f.inode, path });
+        true
+    });
+    if read && fits { found } else { None }
+}
+
+/// The image's path for the file at `path`: `DIR/IMAGE_DIR/NAME`.
+fn image_path(path: &[u8]) -> Option<Buf<4096>> {
+    let slash = path.iter().rposition(|&c| c == b'/')?;
+    let (dir, name) = (path.get(..slash)?, path.get(slash + 1..)?);
+    let mut b = Buf::new();
+    b.push(dir).push(b"/").str(layout::IMAGE_DIR).push(b"/").push(name);
+    (b.bytes().len() == dir.len() + layout::IMAGE_DIR.len() + 2 + name.len() && !name.is_empty()).then_some(b)
+}
+
+/// Whether every page of `[start, end)` that is in memory is still a page
+/// of the mapped file (`/proc/self/pagemap`: present pages that are not
+/// file pages, and swapped pages, were written in this process).
+fn unwritten(start: u64, end: u64) -> bool {
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    const FILE: u64 = 1 << 61;
+    // SAFETY: a NUL-terminated path.
+    let fd = unsafe { libc::open(c"/proc/self/pagemap".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    let fd = sys::Fd(fd);
+    let mut entries = [0u64; 512];
+    let mut page = start / PAGE;
+    while page < end / PAGE {
+        let n = ((end / PAGE - page) as usize).min(entries.len());
+        // SAFETY: reads at most the buffer's size into it.
+        let got = unsafe { libc::pread(fd.0, entries.as_mut_ptr().cast(), n * 8, (page * 8) as libc::off_t) };
+        if got != (n * 8) as isize {
+            return false;
+        }
+        if entries.iter().take(n).any(|&e| e & SWAPPED != 0 || (e & PRESENT != 0 && e & FILE == 0)) {
+            return false;
+        }
+        page += n as u64;
+    }
+    true
+}
+
+/// A mapping this module made and still owns.
+struct Scratch(u64, usize);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.1 != 0 {
+            // SAFETY: a mapping of our own, not used after this.
+            unsafe { libc::munmap(self.0 as *mut libc::c_void, self.1) };
+        }
+    }
+}
+
+/// Maps the switched image of the module whose sites `table` lists (at
+/// run-time addresses `bias` plus theirs, within `span`) over its code, if
+/// it has one and each site with a trampoline (`active`) is wanted as the
+/// image holds it (`wanted`). Returns whether it did; on false nothing
+/// changed.
+///
+/// # Safety
+/// The caller is the process's only thread, with its signals blocked, and
+/// the module stays mapped.
+pub unsafe fn adopt(
+    table: &Table,
+    bias: u64,
+    span: (u64, u64),
+    active: impl Fn(&Site) -> bool,
+    wanted: impl Fn(&Site) -> [u8; 5],
+) -> bool {
+    let (lo, hi) = span;
+    // The image holds the jumps `patch` writes: are they the wanted ones?
+    let (mut first, mut last) = (None, None);
+    for s in table.sites().filter(|s| active(s)) {
+        let w = wanted(&s);
+        if layout::switched_site(&s) != Some(w) {
+            return false;
+        }
+        first = first.or(Some((s.addr, w)));
+        last = Some((s.addr, w));
+    }
+    let (Some(first), Some(last)) = (first, last) else { return false };
+    let Some(mut code) = code_mapping(lo, hi) else { return false };
+    let Some(mut path) = image_path(code.path.bytes()) else { return false };
+    let len = (code.end - code.start) as usize;
+    if code.start % PAGE != 0 || code.offset % PAGE != 0 || len == 0 || !unwritten(code.start, code.end) {
+        return false;
+    }
+    // SAFETY: NUL-terminated paths; stat and fstat fill plain structs.
+    let (fd, image, module) = unsafe {
+        let fd = libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW);
+        if fd < 0 {
+            return false;
+        }
+        let fd = sys::Fd(fd);
+        let mut image: libc::stat = std::mem::zeroed();
+        let mut module: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.0, &mut image) != 0 || libc::stat(code.path.c_str().as_ptr(), &mut module) != 0 {
+            return false;
+        }
+        (fd, image, module)
+    };
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let mapped = module.st_dev == code.dev && module.st_ino == code.inode;
+    let same = image.st_size == module.st_size
+        && image.st_mtime == module.st_mtime
+        && image.st_mtime_nsec == module.st_mtime_nsec;
+    let trusted = image.st_uid == 0 || image.st_uid == me || image.st_uid == module.st_uid;
+    let safe = image.st_mode & libc::S_IFMT == libc::S_IFREG && image.st_mode & 0o022 == 0;
+    let fits = u64::try_from(image.st_size).is_ok_and(|size| size >= code.offset + len as u64);
+    if !(mapped && same && trusted && safe && fits) {
+        return false;
+    }
+    // SAFETY: a new private mapping of the image, at an address the kernel
+    // chooses; the file holds `len` bytes from the offset.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_EXEC,
+            libc::MAP_PRIVATE,
+            fd.0,
+            code.offset as libc::off_t,
+        )
+    };
+    drop(fd);
+    if at == libc::MAP_FAILED {
+        return false;
+    }
+    let mut scratch = Scratch(at as u64, len);
+    let holds = |(addr, w): (u64, [u8; 5])| {
+        let off = bias.wrapping_add(addr).wrapping_sub(code.start) as usize;
+        // SAFETY: the site lies in the code mapping (`code_mapping`), so
+        // its five bytes lie in the image's mapping of the same length.
+        off.checked_add(5).is_some_and(|e| e <= len)
+            && unsafe { std::ptr::read((at as *const u8).add(off) as *const [u8; 5]) } == w
+    };
+    if !holds(first) || !holds(last) {
+        return false;
+    }
+    // SAFETY: moves our mapping over the module's code, which it equals
+    // but for the sites' wanted jumps; this thread is the only one
+    // (caller), so no code runs from the range meanwhile.
+    let moved = unsafe {
+        libc::mremap(at, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, code.start as *mut libc::c_void)
+    };
+    if moved as u64 != code.start {
+        return false;
+    }
+    scratch.1 = 0;
+    true
+}
