@@ -56,7 +56,7 @@
 //! starts with an empty map (`MADV_WIPEONFORK`).
 
 use crate::procfile::{ProcFile, header};
-use crate::{tls, trace};
+use crate::{sys, tls, trace};
 use alloctramp_trampolines::layout::shadow;
 use alloctramp_trampolines::layout::{CELL_SIZE, ControlBlock, cell};
 use alloctramp_trampolines::trace::kind as trace_kind;
@@ -547,12 +547,7 @@ static WIPE_IN_CHILD: AtomicBool = AtomicBool::new(false);
 /// exports `__libc_malloc`): only then do the trampolines write entries
 /// with plain stores (one live object per granule).
 fn malloc_is_glibcs() -> bool {
-    let object_of = |f: *const libc::c_void| {
-        // SAFETY: Dl_info is plain data, valid zeroed.
-        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-        // SAFETY: dladdr only reads the loader's tables and writes info.
-        (unsafe { libc::dladdr(f, &mut info) } != 0).then_some(info.dli_fbase as usize)
-    };
+    let object_of = |f: *const libc::c_void| sys::object_of(f as usize);
     // SAFETY: dlsym with a static C string.
     let libc_malloc = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__libc_malloc".as_ptr()) };
     if libc_malloc.is_null() {
@@ -654,12 +649,15 @@ fn insert_shadow(e: &AtomicU32, ptr: u64, id: u32, size: u64) -> bool {
         // The next granule lies inside the object: whatever live record
         // or extension it holds is of an object freed unseen.
         let next = next_entry(e);
+        sys::touch_for_write(next);
         let x = next.load(Ordering::Relaxed);
         if shadow::is_live(x) && !settle_overlapped(next, x, granule + 1, ptr, size) {
             return false;
         }
     }
     let new = shadow::entry(ptr, id, if wide { 0 } else { size });
+    // A record is written: the entry's first access is a write.
+    sys::touch_for_write(e);
     let mut old = e.load(Ordering::Relaxed);
     loop {
         if shadow::is_live(old) {

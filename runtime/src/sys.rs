@@ -455,6 +455,55 @@ pub fn for_each_maps_line(mut f: impl FnMut(&[u8]) -> bool) -> bool {
     ok
 }
 
+/// Makes the page of `word` present and writable before it is read then
+/// written. The first read of an untouched anonymous page maps the shared
+/// zero page, and the write after it faults again to replace that mapping,
+/// which the kernel then flushes from the TLB of every CPU running one of
+/// the process's threads (an interrupt to each, waited for). A locked add
+/// of zero is one write fault, and changes nothing.
+#[inline(always)]
+pub fn touch_for_write(word: &std::sync::atomic::AtomicU32) {
+    // SAFETY: `word` is a valid, writable, aligned atomic: an atomic add
+    // of zero leaves its value as it is for every other access.
+    unsafe { std::arch::asm!("lock add dword ptr [{0}], 0", in(reg) word.as_ptr(), options(nostack)) };
+}
+
+/// The lowest address of the loaded object whose segments hold `addr`
+/// (as `dladdr`'s `dli_fbase`, without the symbol search that makes
+/// `dladdr` scan the object's whole symbol table).
+pub fn object_of(addr: usize) -> Option<usize> {
+    struct Find {
+        addr: u64,
+        base: Option<usize>,
+    }
+    unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut libc::c_void) -> i32 {
+        // SAFETY: dl_iterate_phdr passes a valid info, and `data` is the
+        // `Find` below, alive for the call.
+        let (info, find) = unsafe { (&*info, &mut *(data as *mut Find)) };
+        if info.dlpi_phdr.is_null() {
+            return 0;
+        }
+        // SAFETY: dlpi_phnum program headers at dlpi_phdr.
+        let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
+        let loads = || phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD);
+        let holds = |p: &libc::Elf64_Phdr| {
+            let start = info.dlpi_addr.wrapping_add(p.p_vaddr);
+            find.addr >= start && find.addr - start < p.p_memsz
+        };
+        if !loads().any(holds) {
+            return 0;
+        }
+        let lowest = loads().map(|p| p.p_vaddr & !(p.p_align.max(1) - 1)).min().unwrap_or(0);
+        find.base = Some(info.dlpi_addr.wrapping_add(lowest) as usize);
+        1
+    }
+    let mut find = Find { addr: addr as u64, base: None };
+    // SAFETY: the callback only reads what dl_iterate_phdr hands it and
+    // writes `find`.
+    unsafe { libc::dl_iterate_phdr(Some(each), (&mut find as *mut Find).cast()) };
+    find.base
+}
+
 /// A mapping of a file, from a line of `/proc/self/maps`.
 pub struct FileMapping<'a> {
     pub start: u64,
@@ -581,6 +630,46 @@ mod tests {
         let meta = std::fs::metadata(std::str::from_utf8(&path).unwrap()).unwrap();
         use std::os::unix::fs::MetadataExt;
         assert_eq!((meta.dev(), meta.ino()), (dev, inode));
+    }
+
+    #[test]
+    fn objects_of_addresses_and_writes_that_change_nothing() {
+        let (malloc, free) = (libc::malloc as *const () as usize, libc::free as *const () as usize);
+        let here = objects_of_addresses_and_writes_that_change_nothing as *const () as usize;
+        let libc_base = object_of(malloc).unwrap();
+        assert_eq!(object_of(free), Some(libc_base));
+        assert!(object_of(here).is_some_and(|b| b != libc_base && b <= here));
+        assert_eq!(object_of(0), None);
+        // A word of a fresh page, touched: its page is present (written,
+        // not read as the zero page), and its value stays.
+        // SAFETY: a fresh private anonymous page of our own.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: 4-aligned, inside the page.
+        let w = unsafe { &*(p.cast::<u8>().add(8) as *const std::sync::atomic::AtomicU32) };
+        touch_for_write(w);
+        let entry = {
+            let f = std::fs::File::open("/proc/self/pagemap").unwrap();
+            let mut e = [0u8; 8];
+            std::os::unix::fs::FileExt::read_exact_at(&f, &mut e, p as u64 / 4096 * 8).unwrap();
+            u64::from_le_bytes(e)
+        };
+        assert!(entry & 1 << 63 != 0, "present after the touch alone: {entry:#x}");
+        assert_eq!(w.load(std::sync::atomic::Ordering::Relaxed), 0);
+        w.store(7, std::sync::atomic::Ordering::Relaxed);
+        touch_for_write(w);
+        assert_eq!(w.load(std::sync::atomic::Ordering::Relaxed), 7);
+        // SAFETY: our mapping.
+        unsafe { libc::munmap(p, 4096) };
     }
 
     #[test]
