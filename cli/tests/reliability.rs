@@ -291,6 +291,12 @@ fn the_watcher_thread_blocks_every_signal_and_holds_no_descriptor() {
     };
     let mut plain = Talk::start(&bin, &["sigwait"], &[]);
     assert_eq!(plain.line(), "ready\n");
+    // (The watcher names itself before it has settled: a descriptor it
+    // uses while it starts may still be open.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fds(pid) != fds(plain.child.id()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert_eq!(fds(pid), fds(plain.child.id()));
     // SAFETY: kill(2) with the child's pid.
     assert_eq!(unsafe { libc::kill(plain.child.id() as i32, libc::SIGTERM) }, 0);

@@ -22,9 +22,9 @@
 //!   can change the code the process runs either way);
 //! * every page of the code is still the file's (`/proc/self/pagemap`):
 //!   nothing, such as a debugger's breakpoint, changed it in memory;
-//! * every site's wanted bytes are the image's jump to its trampoline's
-//!   start (live tracking, no trace, callers capture or fault injection),
-//!   and the image holds them at its first and last site.
+//! * every site wants the image's jump to its trampoline's start (live
+//!   tracking; no trace, callers capture or fault injection), and the
+//!   image holds them at its first and last site.
 //!
 //! It is then mapped privately at a free address with the code's
 //! protection and moved over the code with one `mremap`. Anything else,
@@ -35,7 +35,7 @@
 //! code's symbols.
 
 use crate::sys::{self, Buf};
-use alloctramp_trampolines::layout::{self, PAGE, Site, Table};
+use alloctramp_trampolines::layout::{self, PAGE, Table};
 
 /// The module's code mapping: the one private, read-and-execute mapping
 /// of a file that holds all its sites.
@@ -134,32 +134,19 @@ impl Drop for Scratch {
 
 /// Maps the switched image of the module whose sites `table` lists (at
 /// run-time addresses `bias` plus theirs, within `span`) over its code, if
-/// it has one and each site with a trampoline (`active`) is wanted as the
-/// image holds it (`wanted`). Returns whether it did; on false nothing
-/// changed.
+/// it has one. The caller wants every site with a trampoline to jump to
+/// its start ([`layout::switched_site`]). Returns whether it did; on false
+/// nothing changed.
 ///
 /// # Safety
 /// The caller is the process's only thread, with its signals blocked, and
 /// the module stays mapped.
-pub unsafe fn adopt(
-    table: &Table,
-    bias: u64,
-    span: (u64, u64),
-    active: impl Fn(&Site) -> bool,
-    wanted: impl Fn(&Site) -> [u8; 5],
-) -> bool {
+pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64)) -> bool {
     let (lo, hi) = span;
-    // The image holds the jumps `patch` writes: are they the wanted ones?
-    let (mut first, mut last) = (None, None);
-    for s in table.sites().filter(|s| active(s)) {
-        let w = wanted(&s);
-        if layout::switched_site(&s) != Some(w) {
-            return false;
-        }
-        first = first.or(Some((s.addr, w)));
-        last = Some((s.addr, w));
-    }
-    let (Some(first), Some(last)) = (first, last) else { return false };
+    // The image's first and last jumps, which it must hold.
+    let n = table.header.site_count as usize;
+    let jump = |i: usize| table.get_site(i).and_then(|s| layout::switched_site(&s).map(|j| (s.addr, j)));
+    let (Some(first), Some(last)) = ((0..n).find_map(jump), (0..n).rev().find_map(jump)) else { return false };
     let Some(mut code) = code_mapping(lo, hi) else { return false };
     let Some(mut path) = image_path(code.path.bytes()) else { return false };
     let len = (code.end - code.start) as usize;

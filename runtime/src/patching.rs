@@ -118,6 +118,19 @@ fn wanted(table: &Table, bias: u64, site: &alloctramp_trampolines::layout::Site,
     b
 }
 
+/// Whether every site with a trampoline wants the jump to its trampoline's
+/// start, the jump a switched image holds ([`layout::switched_site`]):
+/// switched on with live tracking, no trace of every site, no callers
+/// capture and no fault spec (the arms of [`wanted`] before live tracking's
+/// are then never taken, and it gives entry 0).
+fn wants_start(on: Sites) -> bool {
+    on == Sites::On
+        && LIVE.load(Ordering::Relaxed)
+        && crate::state::live_entry(1) == 0
+        && crate::state::CALLERS.load(Ordering::Relaxed) == 0
+        && !crate::fault::any()
+}
+
 /// The mappings of a module's code that a switch made writable, with the
 /// protection each had.
 struct Unprotected {
@@ -203,16 +216,20 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     // Nothing to do if every site already holds the wanted bytes.
     // SAFETY: sites lie in the module's mapped executable segments, which
     // stay mapped during the call (caller).
-    let differs = table.sites().filter(active).any(|s| unsafe { read5(at(&s)) } != wanted(table, m.bias, &s, on));
-    if !differs {
-        return Ok(());
-    }
+    let differs = || table.sites().filter(active).any(|s| unsafe { read5(at(&s)) } != wanted(table, m.bias, &s, on));
     // The only thread (a program switched on at start-up, before it
     // starts any): nothing else runs this code, and with its signals
     // blocked no handler on this thread runs a site half-written, so each
     // site is written once, without the protocol's traps and barriers.
     // Only this thread could start another, and it is busy here.
     let alone = sys::threads() == Some(1);
+    // Alone, with every site wanting its trampoline's start, the module's
+    // switched image may replace its code without copying a page (and
+    // without the check above, which reads every page the image replaces).
+    let image = alone && wants_start(on);
+    if !image && !differs() {
+        return Ok(());
+    }
     if barrier == sys::Barrier::None && !alone {
         return Err("membarrier is not available: cannot switch safely");
     }
@@ -226,16 +243,9 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     }
     let (lo, hi) = m.span;
     let blocked = alone.then(sys::SignalsBlocked::new);
-    // Switched on at start-up: the module's switched image, if it has one
-    // that holds exactly these sites' wanted bytes, replaces its code
-    // without copying a page.
     // SAFETY: this thread is alone with its signals blocked (`blocked`);
     // the module stays mapped (caller).
-    if blocked.is_some()
-        && on != Sites::Off
-        // SAFETY: as above.
-        && unsafe { crate::image::adopt(table, bias, m.span, active, |s| wanted(table, bias, s, on)) }
-    {
+    if image && (unsafe { crate::image::adopt(table, bias, m.span) } || !differs()) {
         return Ok(());
     }
     let unprotected = Unprotected::new(lo, hi)?;
