@@ -76,14 +76,27 @@ fn remove_image(output: &Path) -> Result<()> {
     }
 }
 
-/// Stages the switched image `image` (`layout::IMAGE_DIR`).
-fn stage_image(
-    staged: &mut Staged,
-    image: &Path,
-    mode: u32,
-    patched: &alloctramp_patcher::write::Patched,
-) -> Result<()> {
-    staged.add_sparse(image, mode, |w| patched.write_image_sparse(w))
+/// Writes the switched image of the patched file `output`, just written
+/// (`layout::IMAGE_DIR`), with the file's modification time, by which the
+/// runtime knows it belongs to the file.
+fn write_image(output: &Path, mode: u32, patched: &alloctramp_patcher::write::Patched) -> Result<()> {
+    let image = image_path(output)?;
+    let dir = image.parent().unwrap_or(Path::new("."));
+    let made = match std::fs::create_dir(dir) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot create the directory", dir.display())),
+    };
+    let time = std::fs::metadata(output).and_then(|m| m.modified()).with_context(|| format!("{}", output.display()))?;
+    let mut staged = Staged::default();
+    let written = staged
+        .add_sparse(&image, mode, |w| patched.write_image_sparse(w))
+        .and_then(|()| staged.set_modified(&image, time))
+        .and_then(|()| staged.commit());
+    if written.is_err() && made {
+        let _ = std::fs::remove_dir(dir);
+    }
+    written
 }
 
 /// Finds the runtime library.
@@ -262,27 +275,17 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
     // Runs of zero pages in the input (a sparse file) stay holes.
     let mode = in_meta.permissions().mode() & 0o7777;
     staged.add_sparse(&output, mode, |w| patched.write_sparse(w))?;
-    if args.no_image {
-        staged.commit()?;
-        // An earlier patch's image is not this file's: the runtime would
-        // not use it, and it takes the space of the file.
+    staged.commit()?;
+    // Without an image (asked, none to write, or one that cannot be
+    // written), an earlier patch's goes: the runtime would not use it, and
+    // it takes the space of the file.
+    if args.no_image || patched.switched.is_empty() {
         remove_image(&output)?;
-    } else {
-        let image = image_path(&output)?;
-        let dir = image.parent().unwrap_or(Path::new("."));
-        let made = match std::fs::create_dir(dir) {
-            Ok(()) => true,
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
-            Err(e) => return Err(e).with_context(|| format!("{}: cannot create the directory", dir.display())),
-        };
-        let staged = stage_image(&mut staged, &image, mode & 0o755, &patched)
-            // The runtime maps the image only over the file it has the time of.
-            .and_then(|()| staged.set_modified_like(&image, &output))
-            .and_then(|()| staged.commit());
-        if staged.is_err() && made {
-            let _ = std::fs::remove_dir(dir);
-        }
-        staged?;
+    } else if let Err(e) = write_image(&output, mode & 0o755, &patched) {
+        let _ = remove_image(&output);
+        eprintln!(
+            "alloctramp: {e:#}; processes switched on at start-up write their sites instead (--no-image writes none)"
+        );
     }
     for s in patched.skipped.iter().filter(|s| s.reason.is_loss()) {
         let site = &analysis.scan.sites[s.site];

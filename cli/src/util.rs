@@ -292,15 +292,12 @@ impl Staged {
         Ok(())
     }
 
-    /// Gives the staged file `path` the modification time of the staged
-    /// file `like`, to the nanosecond.
-    pub fn set_modified_like(&self, path: &Path, like: &Path) -> Result<()> {
-        let file =
-            |p: &Path| self.files.iter().zip(&self.written).find(|((_, target, _), _)| target == p).map(|(_, f)| f);
-        let (Some(f), Some(l)) = (file(path), file(like)) else {
-            anyhow::bail!("{}: not staged with {}", path.display(), like.display());
+    /// Gives the staged file `path` the modification time `time`.
+    pub fn set_modified(&self, path: &Path, time: std::time::SystemTime) -> Result<()> {
+        let Some((_, f)) = self.files.iter().zip(&self.written).find(|((_, target, _), _)| target == path) else {
+            anyhow::bail!("{}: not staged", path.display());
         };
-        f.set_modified(l.metadata()?.modified()?).with_context(|| format!("{}: cannot set its time", path.display()))
+        f.set_modified(time).with_context(|| format!("{}: cannot set its time", path.display()))
     }
 
     pub fn commit(mut self) -> Result<()> {

@@ -155,6 +155,15 @@ fn patch_writes_the_switched_image_beside_the_output() {
     patch_to(&b.path("basic"), &out, &["--no-image"]);
     assert!(!image.exists());
     assert!(std::fs::read(&out).unwrap() == bytes, "the same output");
+    // An image that cannot be written (its directory's name is a file's)
+    // is a warning: the output is written.
+    let dir = scratch("image-blocked");
+    std::fs::write(dir.join(alloctramp_trampolines::layout::IMAGE_DIR), b"").unwrap();
+    let o = alloctramp().arg("patch").arg(b.path("basic")).arg("-o").arg(dir.join("basic")).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("--no-image writes none"), "{err}");
+    assert!(std::fs::read(dir.join("basic")).unwrap() == bytes, "the output is written");
 }
 
 #[test]

@@ -380,15 +380,15 @@ fn switching_on_at_start_by_environment_and_by_watcher() {
     s.quit();
 }
 
-/// The path of process `pid`'s first executable mapping of a file named
-/// `name`: its code (the trampolines follow it).
-fn code_path(pid: &str, name: &str) -> String {
+/// The path of process `pid`'s first executable mapping of a file in
+/// `dir` or below: its code (the trampolines follow it).
+fn code_path(pid: &str, dir: &Path) -> String {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
     maps.lines()
         .filter(|l| l.split_whitespace().nth(1) == Some("r-xp"))
         .filter_map(|l| l.find('/').map(|i| l[i..].to_string()))
-        .find(|p| p.rsplit('/').next() == Some(name))
-        .unwrap_or_else(|| panic!("process {pid} maps no code of {name}: {maps}"))
+        .find(|p| Path::new(p).starts_with(dir))
+        .unwrap_or_else(|| panic!("process {pid} maps no code from {}: {maps}", dir.display()))
 }
 
 #[test]
@@ -401,7 +401,8 @@ fn switched_on_at_start_the_code_is_the_switched_image_not_copied_pages() {
     // looked at once the program answers.)
     let mut s = Server::start("image", &[("ALLOCTRAMP", "on")]);
     assert_eq!(s.cmd("round"), "done");
-    assert_eq!(code_path(&s.pid(), "server.bin"), image(&s));
+    assert_eq!(code_path(&s.pid(), &s.dir), image(&s));
+    assert_eq!(copied_kb(&s.pid(), &image(&s)), 0, "no code page copied");
     assert_eq!(s.figures(), round_figures(1));
     assert!(s.switch("disable").status.success());
     assert_eq!(s.cmd("round"), "done");
@@ -412,42 +413,105 @@ fn switched_on_at_start_the_code_is_the_switched_image_not_copied_pages() {
     s.quit();
 
     // Counting only wants other jumps than the image holds: the sites are
-    // written, and count exactly.
+    // written (their pages copied), and count exactly.
     let mut s = Server::start("image-count", &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_LIVE", "0")]);
     assert_eq!(s.cmd("round"), "done");
-    assert_eq!(code_path(&s.pid(), "server.bin"), own(&s));
+    assert_eq!(code_path(&s.pid(), &s.dir), own(&s));
+    assert!(copied_kb(&s.pid(), &own(&s)) > 0);
     assert_eq!(s.figures(), round_figures(1));
     s.quit();
 
-    // An image that is not the file's (the file was written since), or
-    // that others may write, is not used.
+    // An image that is not the file's, or that others could have changed,
+    // is not used: the file was written since; others may write the image;
+    // its site table differs from the file's (a byte of its strings); its
+    // first site does not hold the jump; it is a symbolic link (to a good
+    // copy); it belongs to another user.
+    let image_of = |bin: &Path| bin.parent().unwrap().join(layout::IMAGE_DIR).join("server.bin");
+    let keep_time = |bin: &Path, change: &dyn Fn(&mut Vec<u8>)| {
+        let path = image_of(bin);
+        let time = std::fs::metadata(&path).unwrap().modified().unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        change(&mut bytes);
+        std::fs::write(&path, &bytes).unwrap();
+        std::fs::File::options().write(true).open(&path).unwrap().set_modified(time).unwrap();
+    };
     let older = |bin: &Path| {
         let f = std::fs::OpenOptions::new().write(true).open(bin).unwrap();
         f.set_modified(std::time::SystemTime::now() - Duration::from_secs(60)).unwrap();
     };
     let writable = |bin: &Path| {
         use std::os::unix::fs::PermissionsExt;
-        let image = bin.parent().unwrap().join(layout::IMAGE_DIR).join("server.bin");
-        std::fs::set_permissions(image, std::fs::Permissions::from_mode(0o757)).unwrap();
+        std::fs::set_permissions(image_of(bin), std::fs::Permissions::from_mode(0o757)).unwrap();
     };
+    let table = |bin: &Path| {
+        keep_time(bin, &|b| {
+            let at = layout::table_after_phdrs(b).unwrap();
+            let len = layout::Table::parse(&b[at..]).unwrap().bytes().len();
+            b[at + len - 2] ^= 0x20;
+        })
+    };
+    let site = |bin: &Path| {
+        let file = std::fs::read(bin).unwrap();
+        keep_time(bin, &|b| {
+            let first = b.iter().zip(&file).position(|(x, y)| x != y).unwrap();
+            b[first] = file[first];
+        })
+    };
+    let link = |bin: &Path| {
+        let path = image_of(bin);
+        let elsewhere = bin.with_extension("image");
+        std::fs::rename(&path, &elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
+    };
+    let owner = |bin: &Path| std::os::unix::fs::chown(image_of(bin), Some(65534), Some(65534)).unwrap();
     type Prepare<'a> = &'a dyn Fn(&Path);
-    let preparations: [(&str, Prepare); 2] = [("image-stale", &older), ("image-writable", &writable)];
+    let mut preparations: Vec<(&str, Prepare)> = vec![
+        ("image-stale", &older),
+        ("image-writable", &writable),
+        ("image-table", &table),
+        ("image-site", &site),
+        ("image-link", &link),
+    ];
+    // SAFETY: geteuid cannot fail.
+    match unsafe { libc::geteuid() } {
+        0 => preparations.push(("image-owner", &owner)),
+        _ => skip(test_name(), "an image of another user's needs root to make"),
+    }
     for (name, prepare) in preparations {
         let mut s = Server::start_prepared(name, &[("ALLOCTRAMP", "on")], None, prepare);
         assert_eq!(s.cmd("round"), "done");
-        assert_eq!(code_path(&s.pid(), "server.bin"), own(&s), "{name}");
+        assert_eq!(code_path(&s.pid(), &s.dir), own(&s), "{name}");
         assert_eq!(s.figures(), round_figures(1), "{name}");
         s.quit();
     }
 
-    // Switched on later, with the watcher thread running: the sites are
-    // written (the image replaces code only while one thread runs).
-    let mut s = Server::start("image-later", &[]);
-    assert!(s.switch("enable").status.success());
-    assert_eq!(code_path(&s.pid(), "server.bin"), own(&s));
-    assert_eq!(s.cmd("round"), "done");
-    assert_eq!(s.figures(), round_figures(1));
-    s.quit();
+    // Switched on later: by the watcher thread (a second thread), or with
+    // one thread by the control signal's handler (whose stack is the
+    // program's): the sites are written.
+    for (name, env) in [("image-later", &[][..]), ("image-signal", &[("ALLOCTRAMP_SWITCH", "signal")][..])] {
+        let mut s = Server::start(name, env);
+        assert!(s.switch("enable").status.success(), "{name}");
+        assert_eq!(s.cmd("round"), "done");
+        assert_eq!(code_path(&s.pid(), &s.dir), own(&s), "{name}");
+        assert_eq!(s.figures(), round_figures(1), "{name}");
+        s.quit();
+    }
+}
+
+/// The kilobytes of process `pid`'s mapping of `path` that are copies of
+/// the file's pages (`Anonymous` in `/proc/PID/smaps`).
+fn copied_kb(pid: &str, path: &str) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut in_it = false;
+    for l in smaps.lines() {
+        let range = l.split_whitespace().next().unwrap_or("");
+        if range.contains('-') && range.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            in_it = l.ends_with(path) && l.contains(" r-xp ");
+        } else if in_it && let Some(kb) = l.strip_prefix("Anonymous:") {
+            return kb.trim().trim_end_matches("kB").trim().parse().unwrap();
+        }
+    }
+    panic!("process {pid} does not map {path}")
 }
 
 #[test]
@@ -599,6 +663,8 @@ fn stress(mode: &str) {
         wait_until_no_signal_pending(pid, sig);
         wait_until_no_switch_for(&pid.to_string(), &dir, Duration::from_millis(500));
     }
+    let doc = report(&pid.to_string(), &dir);
+    assert!(doc["generation"].as_u64().expect("the report gives the generation") > 0, "requests were carried out");
     // Requests fold together: a watcher that a loaded machine seldom runs
     // may have carried out only requests to switch off. Switched on for
     // good, the threads count.
@@ -612,9 +678,7 @@ fn stress(mode: &str) {
     // Switch off for good and wait until it is done.
     let o = alloctramp().arg("disable").arg("--dir").arg(&dir).arg(pid.to_string()).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let doc = report(&pid.to_string(), &dir);
-    assert!(doc["generation"].as_u64().expect("the report gives the generation") > 0, "requests were carried out");
-    let off = calls(&doc);
+    let off = calls(&report(&pid.to_string(), &dir));
     assert!(off >= last && off > 0, "counted while on: {off}");
     // A call already inside a trampoline when the switch completed may
     // still count; once those have returned, nothing is counted.

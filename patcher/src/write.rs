@@ -10,6 +10,7 @@
 use crate::elf::Elf;
 use crate::error::Result;
 use crate::{Analysis, emit, plan};
+use alloctramp_trampolines::addr::Vaddr;
 use alloctramp_trampolines::layout;
 
 pub use crate::plan::{PatchOptions, SkipReason, is_patched};
@@ -39,7 +40,8 @@ pub struct Patched<'a> {
     pub table_size: u64,
     pub counters_size: u64,
     /// The switched image's jumps (`layout::switched_site`): (offset in
-    /// the patched file, bytes), in file order.
+    /// the patched file, bytes), in file order; none when the file has no
+    /// image (no patched site, or one the image could not switch).
     pub switched: Vec<(u64, [u8; 5])>,
 }
 
@@ -187,17 +189,22 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let mut plan = plan::plan(&elf, a, opts)?;
     let skipped: Vec<Skipped> = plan.skipped().map(|(site, reason)| Skipped { site, reason: reason.clone() }).collect();
     let out = emit::emit(&elf, a, &mut plan);
-    // Every byte of the input is at its offset plus the head's length.
-    let mut switched: Vec<(u64, [u8; 5])> = plan
+    // Every byte of the input is at its offset plus the head's length. A
+    // site whose five bytes are not together in the file (never seen) or
+    // that cannot jump to its trampoline leaves the file without an image.
+    let jumps: Option<Vec<(u64, [u8; 5])>> = plan
         .sites
         .iter()
         .filter_map(|site| {
             let t = site.trampoline()?;
             let s =
                 layout::Site { addr: site.addr.0, trampoline: t.code.addr.0, len: site.len, ..layout::Site::default() };
-            Some((elf.offset_of(site.addr)?.0 + out.head.len(), layout::switched_site(&s)?))
+            let at = elf.offset_of(site.addr).map(|o| o.0);
+            let together = at.is_some() && elf.offset_of(Vaddr(site.addr.0 + 4)).map(|o| o.0) == at.map(|o| o + 4);
+            Some(at.filter(|_| together).zip(layout::switched_site(&s)).map(|(at, j)| (at + out.head.len(), j)))
         })
         .collect();
+    let mut switched = jumps.unwrap_or_default();
     switched.sort_unstable_by_key(|j| j.0);
     Ok(Patched {
         head: out.head,

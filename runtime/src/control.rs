@@ -296,6 +296,7 @@ fn reset_counters() {
 /// bare control signal.
 pub extern "C" fn on_signal(_sig: i32, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
     let _errno = sys::ErrnoGuard::new();
+    let _handling = crate::patching::Handling::enter();
     // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler;
     // si_value is meaningful for SI_QUEUE.
     let request = !info.is_null()

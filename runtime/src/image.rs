@@ -9,30 +9,34 @@
 //! are in the page cache once, shared by every process that maps them,
 //! like the file's own.
 //!
-//! The image is used only when nothing can tell it from the module's code
-//! with its sites switched, without reading the code (reading both would
-//! cost half of what the image saves):
+//! The image is used only when it is the module's code with its sites
+//! switched, checked without reading the code (reading both would cost a
+//! third of what the image saves):
 //!
-//! * it is the image of the file mapped: the file at the mapping's path is
-//!   the mapped one (device and inode), and the image has its size and its
-//!   modification time to the nanosecond (`patch` gives both files one
-//!   time; any later write to the file changes it);
+//! * it is the image of the file mapped: the file at the mapping's path
+//!   has the mapped inode, and the image has its size and its modification
+//!   time to the nanosecond (`patch` gives both files one time);
+//! * the image's site table is the module's, byte for byte (the same
+//!   original file, whose build-id the table holds, the same sites,
+//!   trampolines and entries), and the image holds the jumps at its first
+//!   and last sites;
 //! * it is a regular file that neither group nor others may write, owned
 //!   by root, the process's user or the owner of the module's file (who
-//!   can change the code the process runs either way);
+//!   can change the code the process runs either way), opened without
+//!   following a symbolic link;
 //! * every page of the code is still the file's (`/proc/self/pagemap`):
 //!   nothing, such as a debugger's breakpoint, changed it in memory;
 //! * every site wants the image's jump to its trampoline's start (live
-//!   tracking; no trace, callers capture or fault injection), and the
-//!   image holds them at its first and last site.
+//!   tracking; no trace, callers capture or fault injection).
 //!
 //! It is then mapped privately at a free address with the code's
 //! protection and moved over the code with one `mremap`. Anything else,
-//! and the sites are written as before. Only the thread that switches at
-//! start-up, alone in the process with its signals blocked, maps an image;
-//! `/proc/self/maps` then names the image for that range (same file name,
-//! same offsets, same build-id), so profilers that read it still find the
-//! code's symbols.
+//! and the sites are written as before. Only a switch on made by a thread
+//! alone in the process with its signals blocked, outside a signal handler
+//! (at start-up, or as a library loads before the program starts a
+//! thread), maps an image; `/proc/self/maps` then names the image for that
+//! range (same file name, same offsets, same build-id), so profilers that
+//! read it still find the code's symbols.
 
 use crate::sys::{self, Buf};
 use alloctramp_trampolines::layout::{self, PAGE, Table};
@@ -43,7 +47,6 @@ struct Code {
     start: u64,
     end: u64,
     offset: u64,
-    dev: u64,
     inode: u64,
     path: Buf<4096>,
 }
@@ -75,7 +78,7 @@ fn code_mapping(lo: u64, hi: u64) -> Option<Code> {
         }
         let mut path = Buf::new();
         path.push(f.path);
-        found = Some(Code { start: f.start, end: f.end, offset: f.offset, dev: f.dev, inode: f.inode, path });
+        found = Some(Code { start: f.start, end: f.end, offset: f.offset, inode: f.inode, path });
         true
     });
     if read && fits { found } else { None }
@@ -103,7 +106,7 @@ fn unwritten(start: u64, end: u64) -> bool {
         return false;
     }
     let fd = sys::Fd(fd);
-    let mut entries = [0u64; 512];
+    let mut entries = [0u64; 64];
     let mut page = start / PAGE;
     while page < end / PAGE {
         let n = ((end / PAGE - page) as usize).min(entries.len());
@@ -132,11 +135,37 @@ impl Drop for Scratch {
     }
 }
 
+/// Opens `path` read-only, with its status.
+fn open_file(path: &mut Buf<4096>, flags: i32) -> Option<(sys::Fd, libc::stat)> {
+    // SAFETY: a NUL-terminated path; fstat fills a plain struct.
+    unsafe {
+        let fd = libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC | flags);
+        if fd < 0 {
+            return None;
+        }
+        let fd = sys::Fd(fd);
+        let mut st: libc::stat = std::mem::zeroed();
+        (libc::fstat(fd.0, &mut st) == 0).then_some((fd, st))
+    }
+}
+
+/// Maps `len` bytes of `fd` from `offset` privately, with `prot`, at a
+/// free address (`at` 0) or over `[at, at + len)`.
+fn map(fd: &sys::Fd, at: u64, len: usize, prot: i32, offset: u64) -> Option<u64> {
+    let fixed = if at != 0 { libc::MAP_FIXED } else { 0 };
+    // SAFETY: a private mapping of a file we hold open; with MAP_FIXED, the
+    // caller replaces a range of its own (see `adopt`).
+    let p = unsafe {
+        libc::mmap(at as *mut libc::c_void, len, prot, libc::MAP_PRIVATE | fixed, fd.0, offset as libc::off_t)
+    };
+    (p != libc::MAP_FAILED).then_some(p as u64)
+}
+
 /// Maps the switched image of the module whose sites `table` lists (at
 /// run-time addresses `bias` plus theirs, within `span`) over its code, if
 /// it has one. The caller wants every site with a trampoline to jump to
 /// its start ([`layout::switched_site`]). Returns whether it did; on false
-/// nothing changed.
+/// the code is the module's, its sites as they were (see the end).
 ///
 /// # Safety
 /// The caller is the process's only thread, with its signals blocked, and
@@ -153,23 +182,17 @@ pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64)) -> bool {
     if code.start % PAGE != 0 || code.offset % PAGE != 0 || len == 0 || !unwritten(code.start, code.end) {
         return false;
     }
-    // SAFETY: NUL-terminated paths; stat and fstat fill plain structs.
-    let (fd, image, module) = unsafe {
-        let fd = libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW);
-        if fd < 0 {
-            return false;
-        }
-        let fd = sys::Fd(fd);
-        let mut image: libc::stat = std::mem::zeroed();
-        let mut module: libc::stat = std::mem::zeroed();
-        if libc::fstat(fd.0, &mut image) != 0 || libc::stat(code.path.c_str().as_ptr(), &mut module) != 0 {
-            return false;
-        }
-        (fd, image, module)
+    let (Some((fd, image)), Some((module_fd, module))) =
+        (open_file(&mut path, libc::O_NOFOLLOW), open_file(&mut code.path, 0))
+    else {
+        return false;
     };
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
-    let mapped = module.st_dev == code.dev && module.st_ino == code.inode;
+    // The file at the path is the one mapped. (Its inode: the device in
+    // the maps line is the file system's, which on btrfs and overlayfs is
+    // not the one stat gives.)
+    let mapped = module.st_ino == code.inode;
     let same = image.st_size == module.st_size
         && image.st_mtime == module.st_mtime
         && image.st_mtime_nsec == module.st_mtime_nsec;
@@ -179,23 +202,27 @@ pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64)) -> bool {
     if !(mapped && same && trusted && safe && fits) {
         return false;
     }
-    // SAFETY: a new private mapping of the image, at an address the kernel
-    // chooses; the file holds `len` bytes from the offset.
-    let at = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_EXEC,
-            libc::MAP_PRIVATE,
-            fd.0,
-            code.offset as libc::off_t,
-        )
-    };
-    drop(fd);
-    if at == libc::MAP_FAILED {
+    // The image's site table is the module's, byte for byte: the same
+    // original file (its build-id is in the table's header), sites,
+    // trampolines and entries, so the same code with the same jumps. The
+    // table follows the program headers in the segment that maps the file
+    // from offset 0 at the ELF header (`layout::table_after_phdrs`).
+    let bytes = table.bytes();
+    let table_at = (bytes.as_ptr() as u64).wrapping_sub(bias.wrapping_add(table.header.ehdr_addr));
+    let table_end = table_at.checked_add(bytes.len() as u64).filter(|&e| e <= image.st_size as u64);
+    let Some(head_len) = table_end.map(|e| e.next_multiple_of(PAGE) as usize) else { return false };
+    let Some(head) = map(&fd, 0, head_len, libc::PROT_READ, 0) else { return false };
+    let head = Scratch(head, head_len);
+    // SAFETY: `head_len` readable bytes of the image from its start, which
+    // cover the table's range (`table_end`).
+    let theirs = unsafe { std::slice::from_raw_parts((head.0 + table_at) as *const u8, bytes.len()) };
+    if theirs != bytes {
         return false;
     }
-    let mut scratch = Scratch(at as u64, len);
+    drop(head);
+    let Some(at) = map(&fd, 0, len, libc::PROT_READ | libc::PROT_EXEC, code.offset) else { return false };
+    drop(fd);
+    let mut scratch = Scratch(at, len);
     let holds = |(addr, w): (u64, [u8; 5])| {
         let off = bias.wrapping_add(addr).wrapping_sub(code.start) as usize;
         // SAFETY: the site lies in the code mapping (`code_mapping`), so
@@ -210,11 +237,26 @@ pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64)) -> bool {
     // but for the sites' wanted jumps; this thread is the only one
     // (caller), so no code runs from the range meanwhile.
     let moved = unsafe {
-        libc::mremap(at, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, code.start as *mut libc::c_void)
+        libc::mremap(
+            at as *mut libc::c_void,
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            code.start as *mut libc::c_void,
+        )
     };
-    if moved as u64 != code.start {
-        return false;
+    if moved as u64 == code.start {
+        scratch.1 = 0;
+        return true;
     }
-    scratch.1 = 0;
-    true
+    // The kernel may fail after unmapping the target (out of memory for
+    // its page tables): map the module's own code back, as it was mapped.
+    // SAFETY: msync only asks whether the page is mapped.
+    let gone = unsafe { libc::msync(code.start as *mut libc::c_void, PAGE as usize, libc::MS_ASYNC) } != 0;
+    if gone && map(&module_fd, code.start, len, libc::PROT_READ | libc::PROT_EXEC, code.offset) != Some(code.start) {
+        sys::log(b"the switched image could not replace a module's code, nor the module's code be mapped back");
+        // SAFETY: the process cannot go on without that code.
+        unsafe { libc::abort() };
+    }
+    false
 }

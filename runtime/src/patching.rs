@@ -18,7 +18,7 @@ use crate::state::{LIVE, Sites, records_chains};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
 use alloctramp_trampolines::layout::{self, PAGE, Table};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 
 const INT3: u8 = 0xcc;
 
@@ -116,6 +116,27 @@ fn wanted(table: &Table, bias: u64, site: &alloctramp_trampolines::layout::Site,
     let mut b = [0u8; 5];
     b.copy_from_slice(&site.original[..5]);
     b
+}
+
+/// The runtime's signal handlers running now that may switch (the control
+/// signal's). A switch made in one never maps an image: its stack is the
+/// interrupted code's, and the image's checks need a few KiB of it.
+static HANDLING: AtomicU32 = AtomicU32::new(0);
+
+/// Marks a signal handler that may switch, while it lives.
+pub struct Handling(());
+
+impl Handling {
+    pub fn enter() -> Handling {
+        HANDLING.fetch_add(1, Ordering::Relaxed);
+        Handling(())
+    }
+}
+
+impl Drop for Handling {
+    fn drop(&mut self) {
+        HANDLING.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Whether every site with a trampoline wants the jump to its trampoline's
@@ -226,7 +247,7 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     // Alone, with every site wanting its trampoline's start, the module's
     // switched image may replace its code without copying a page (and
     // without the check above, which reads every page the image replaces).
-    let image = alone && wants_start(on);
+    let image = alone && wants_start(on) && HANDLING.load(Ordering::Relaxed) == 0;
     if !image && !differs() {
         return Ok(());
     }
@@ -243,6 +264,10 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     }
     let (lo, hi) = m.span;
     let blocked = alone.then(sys::SignalsBlocked::new);
+    debug_assert!(
+        !image || table.sites().filter(active).all(|s| layout::switched_site(&s) == Some(wanted(table, bias, &s, on))),
+        "wants_start disagrees with wanted"
+    );
     // SAFETY: this thread is alone with its signals blocked (`blocked`);
     // the module stays mapped (caller).
     if image && (unsafe { crate::image::adopt(table, bias, m.span) } || !differs()) {

@@ -513,8 +513,7 @@ pub struct FileMapping<'a> {
     pub private: bool,
     /// Offset in the file of `start`.
     pub offset: u64,
-    /// The file's device (as `st_dev`) and inode.
-    pub dev: u64,
+    /// The file's inode.
     pub inode: u64,
     /// The file's path as the kernel shows it (it may end in
     /// ` (deleted)`); empty for a mapping of no file.
@@ -539,15 +538,16 @@ pub fn parse_maps_file(line: &[u8]) -> Option<FileMapping<'_>> {
             v.checked_mul(u64::from(radix))?.checked_add(u64::from((c as char).to_digit(radix)?))
         })
     };
+    // The device (`major:minor`, of the file system) is checked for form only.
     let colon = dev.iter().position(|&c| c == b':')?;
-    let (major, minor) = (number(dev.get(..colon)?, 16)?, number(dev.get(colon + 1..)?, 16)?);
+    number(dev.get(..colon)?, 16)?;
+    number(dev.get(colon + 1..)?, 16)?;
     Some(FileMapping {
         start,
         end,
         prot,
         private: perms.get(3) == Some(&b'p'),
         offset: number(offset, 16)?,
-        dev: libc::makedev(u32::try_from(major).ok()?, u32::try_from(minor).ok()?),
         inode: number(inode, 10)?,
         path: path.get(first..).unwrap_or_default(),
     })
@@ -603,12 +603,12 @@ mod tests {
     }
 
     #[test]
-    fn maps_lines_give_offset_device_inode_and_path() {
+    fn maps_lines_give_offset_inode_and_path() {
         let l = b"7f0e4c000000-7f0e4c021000 r-xp 00002000 fe:01 1234     /usr/lib/x86_64-linux-gnu/libc.so.6";
         let m = parse_maps_file(l).unwrap();
         assert_eq!((m.start, m.end, m.offset), (0x7f0e4c000000, 0x7f0e4c021000, 0x2000));
         assert_eq!((m.prot, m.private), (libc::PROT_READ | libc::PROT_EXEC, true));
-        assert_eq!((m.dev, m.inode), (libc::makedev(0xfe, 1), 1234));
+        assert_eq!(m.inode, 1234);
         assert_eq!(m.path, b"/usr/lib/x86_64-linux-gnu/libc.so.6");
         let anon = parse_maps_file(b"7ffd1000-7ffd2000 rw-s 00000000 00:00 0 ").unwrap();
         assert_eq!((anon.path, anon.private), (&b""[..], false));
@@ -617,19 +617,18 @@ mod tests {
         assert_eq!(spaced.path, b"/tmp/a b (deleted)");
         assert!(parse_maps_file(b"1000-2000 r-xp 0 0801 5 /x").is_none(), "a device without a colon");
         // Every mapping of this process reads, and one is this test's code.
-        let here = maps_lines_give_offset_device_inode_and_path as *const () as u64;
+        let here = maps_lines_give_offset_inode_and_path as *const () as u64;
         let mut code = None;
         assert!(for_each_maps_line(|l| {
             let m = parse_maps_file(l).unwrap();
             if (m.start..m.end).contains(&here) {
-                code = Some((m.dev, m.inode, m.path.to_vec()));
+                code = Some((m.inode, m.path.to_vec()));
             }
             true
         }));
-        let (dev, inode, path) = code.unwrap();
+        let (inode, path) = code.unwrap();
         let meta = std::fs::metadata(std::str::from_utf8(&path).unwrap()).unwrap();
-        use std::os::unix::fs::MetadataExt;
-        assert_eq!((meta.dev(), meta.ino()), (dev, inode));
+        assert_eq!(std::os::unix::fs::MetadataExt::ino(&meta), inode);
     }
 
     #[test]

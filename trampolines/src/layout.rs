@@ -57,8 +57,8 @@ pub fn site_jump(site: u64, target: u64) -> Option<[u8; 5]> {
 /// jump to their trampolines' start (counting and tracking live bytes,
 /// [`switched_site`]). A process switched on at start-up maps the image's
 /// code over its own instead of writing every site (which copies every
-/// page that holds one), after checking that the image is byte for byte
-/// its code with the sites switched (`runtime/src/image.rs`). The same
+/// page that holds one), after checking that the image belongs to the file
+/// (its time, size and site table: `runtime/src/image.rs`). The same
 /// name keeps profilers that name code by its file (`perf report`'s
 /// DSO column) showing the program's name.
 pub const IMAGE_DIR: &str = ".alloctramp-on";

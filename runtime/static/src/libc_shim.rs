@@ -265,6 +265,10 @@ pub unsafe extern "C" fn mremap(
     call!(libc::SYS_mremap, old, old_len, new_len, flags, new) as *mut c_void
 }
 #[unsafe(no_mangle)]
+pub unsafe extern "C" fn msync(addr: *mut c_void, len: usize, flags: c_int) -> c_int {
+    call!(libc::SYS_msync, addr, len, flags) as c_int
+}
+#[unsafe(no_mangle)]
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: c_int) -> c_int {
     call!(libc::SYS_madvise, addr, len, advice) as c_int
 }
