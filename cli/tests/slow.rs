@@ -111,11 +111,22 @@ fn hash_file(p: &Path) -> u64 {
 /// Files in `dir` other than the runtime copy `patch` writes beside its
 /// outputs.
 fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n != RUNTIME)
-        .collect()
+    let names = |d: &Path| -> Vec<String> {
+        std::fs::read_dir(d)
+            .map_or(vec![], |r| r.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+    };
+    // The switched images' directory, which `patch` keeps: the images in it.
+    let images = alloctramp_trampolines::layout::IMAGE_DIR;
+    let mut left: Vec<String> = names(dir).into_iter().filter(|n| n != RUNTIME && n != images).collect();
+    left.extend(names(&dir.join(images)).into_iter().map(|n| format!("{images}/{n}")));
+    left
+}
+
+/// Removes a patched output and its switched image.
+fn remove_output(out: &Path) {
+    let _ = std::fs::remove_file(out);
+    let image = out.parent().unwrap().join(alloctramp_trampolines::layout::IMAGE_DIR).join(out.file_name().unwrap());
+    let _ = std::fs::remove_file(image);
 }
 
 /// A refusal's text without the file name and numbers: the reason.
@@ -433,7 +444,7 @@ fn corpus_one(input: &Path, dir: &Path, counters: &Path, stats: &Mutex<CorpusSta
             Err(m) => fail(m),
         }
     }
-    let _ = std::fs::remove_file(&out);
+    remove_output(&out);
 }
 
 /// `--version` of the original and of the patched program (profiling off,
@@ -833,7 +844,7 @@ fn mutant_one(
             compared_on = true;
         }
     }
-    let _ = std::fs::remove_file(&out);
+    remove_output(&out);
     for f in std::fs::read_dir(counters).unwrap().flatten() {
         let _ = std::fs::remove_file(f.path());
     }
