@@ -161,15 +161,17 @@ impl Patched<'_> {
 
     /// The patched file in one buffer.
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(self.head.len() as usize + self.original.len() + self.tail.len());
-        self.write_to(&mut v).expect("writing to a Vec");
-        v
+        self.gather(&[])
     }
 
     /// The switched image in one buffer.
     pub fn image_to_vec(&self) -> Vec<u8> {
+        self.gather(&self.switched)
+    }
+
+    fn gather(&self, over: &[(u64, [u8; 5])]) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.head.len() as usize + self.original.len() + self.tail.len());
-        self.pieces_over(&self.switched, |p| {
+        self.pieces_over(over, |p| {
             v.extend_from_slice(p);
             Ok(())
         })
