@@ -195,9 +195,10 @@ __attribute__((noinline, noclone, noipa)) static void do_fork(void)
 }
 
 /*
- * spread: three threads, each allocating and freeing once, all alive until
- * every one has (a barrier), then joined: for a moment they hold three
- * counter shards besides the main thread's.
+ * spread: three threads, each allocating and freeing 600 times (more
+ * counted calls than a thread makes in shard 0 before it is given a shard
+ * of its own), all alive until every one has (a barrier), then joined: for
+ * a moment they hold three counter shards besides the main thread's.
  */
 #include <pthread.h>
 
@@ -207,8 +208,10 @@ static void *volatile spread_block[3];
 __attribute__((noinline, noclone, noipa)) static void *spread_one(void *arg)
 {
     int i = (int)(long)arg;
-    spread_block[i] = malloc(24); /* @site malloc calls=0 bytes=0 */
-    free(spread_block[i]); /* @site free calls=0 bytes=0 */
+    for (int k = 0; k < 600; k++) {
+        spread_block[i] = malloc(24); /* @site malloc calls=0 bytes=0 */
+        free(spread_block[i]); /* @site free calls=0 bytes=0 */
+    }
     pthread_barrier_wait(&spread_barrier);
     return NULL;
 }

@@ -5,6 +5,9 @@
  * main joins them. Marker counts are totals over all threads:
  *   malloc: 4*50 = 200 calls, 50 * (64 + 80 + 96 + 112) = 17600 bytes
  *   calloc: 4 calls, 32 * (1 + 2 + 3 + 4) = 320 bytes
+ * An argument N makes each thread do N pairs instead of 50 (the markers
+ * then do not hold): with N over 511 every thread makes more counted calls
+ * than a thread makes in shard 0 before it gets a shard of its own.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -51,10 +54,13 @@ static void *worker(void *arg)
     return NULL;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     pthread_t th[NTHREADS];
     int bad = 0;
+
+    if (argc > 1)
+        pairs = atoi(argv[1]);
 
     for (unsigned long t = 0; t < NTHREADS; t++)
         if (pthread_create(&th[t], NULL, worker, (void *)t) != 0)

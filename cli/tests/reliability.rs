@@ -410,27 +410,39 @@ fn rwx(dir: &Path) -> (PathBuf, (String, String, i32)) {
 /// counters were mapped over pages without storage would die of SIGBUS at
 /// its first count. Swept over tmpfs sizes (mounted in a private mount
 /// namespace) from too small for the file's header to large enough for
-/// everything, with a program of one thread and one of four (each new
-/// thread's shard needs storage of its own): every run must behave as the
-/// original, and the runs that lacked room must say so.
+/// everything, with a program of one thread and one of four (each thread
+/// that makes more than `shard::PROBATION` counted calls is given a shard,
+/// which needs storage of its own): every run must behave as the original,
+/// and the runs that lacked room must say so.
 #[test]
 fn a_full_file_system_never_kills_a_profiled_program() {
     let dir = counters_dir("nospace");
     let (rwx, rwx_out) = rwx(&dir);
     let threads = dir.join("threads.patched");
     patch_to(&built(Config::default_o2()).path("threads"), &threads, &[]);
-    let threads_out = run_program(&built(Config::default_o2()).path("threads"), &[], &[]);
+    // Each pair is two counted calls.
+    let pairs = 600;
+    assert!(2 * pairs > alloctramp_trampolines::layout::shard::PROBATION);
+    let pairs = [pairs.to_string()];
+    let threads_out = run_program(&built(Config::default_o2()).path("threads"), &pairs, &[]);
     assert_eq!(threads_out.2, 0);
     let mnt = dir.join("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
     let mut said = String::new();
-    for (program, original) in [(&rwx, &rwx_out), (&threads, &threads_out)] {
+    for (program, args, original) in [(&rwx, &[][..], &rwx_out), (&threads, &pairs[..], &threads_out)] {
         for kib in (4..=80).step_by(4) {
             let out = Command::new("unshare")
-                .args(["-rm", "sh", "-c", "mount -t tmpfs -o size=$2 tmpfs \"$1\" || exit 99; exec \"$3\"", "sh"])
+                .args([
+                    "-rm",
+                    "sh",
+                    "-c",
+                    "mount -t tmpfs -o size=$2 tmpfs \"$1\" || exit 99; shift 2; exec \"$@\"",
+                    "sh",
+                ])
                 .arg(&mnt)
                 .arg(format!("{kib}k"))
                 .arg(program)
+                .args(args)
                 .env("ALLOCTRAMP", "on")
                 .env("ALLOCTRAMP_DIR", mnt.join("d"))
                 .output()

@@ -890,6 +890,18 @@ fn a_profiled_process_s_counters_file_has_storage_for_what_its_threads_write() {
     let counters = slots[0].counters_offset.load(std::sync::atomic::Ordering::Relaxed);
     let stride = slots[0].counters_size.load(std::sync::atomic::Ordering::Relaxed) / 16;
     assert_eq!(size(), counters + 16 * stride, "the file ends with the module's counters");
+    // The thread counts in shard 0 while it has not made `PROBATION` calls
+    // of the assign stub, and is given shard 1 at the next. A round makes
+    // twelve: one per counted call, and strdup's trampoline counts the
+    // call before it and the bytes after it.
+    assert_eq!(blocks(), counters + stride, "the header, the table and shard 0: not the other 15");
+    let probation = alloctramp_trampolines::layout::shard::PROBATION;
+    let mut rounds = 1;
+    while blocks() == counters + stride && rounds < 200 {
+        assert_eq!(s.cmd("round"), "done");
+        rounds += 1;
+    }
+    assert_eq!(rounds, probation / 12 + 1, "shard 1 came with the round of the call after the first {probation}");
     assert_eq!(blocks(), counters + 2 * stride, "the header, the table, shards 0 and 1: not the other 14");
     run(&["callers", "--dir", d, &pid, "on"]);
     assert_eq!(s.cmd("round"), "done");
@@ -902,7 +914,8 @@ fn a_profiled_process_s_counters_file_has_storage_for_what_its_threads_write() {
     run(&["snapshot", "--dir", d, &pid, "-o", snap.to_str().unwrap()]);
     run(&["reset", "--dir", d, &pid]);
     assert_eq!((size(), blocks()), before, "reading and resetting keep the file as it was");
-    // Three more threads counting at once: three more shards.
+    // Three more threads counting at once, 1,200 calls each: three more
+    // shards.
     assert_eq!(s.cmd("spread"), "spread");
     assert_eq!(blocks(), before.1 + 3 * stride, "shards 2, 3 and 4 for the threads");
     // A forked child's own file holds the shards its only thread needs

@@ -5,8 +5,13 @@
 //!
 //! A thread's trampolines find its shard word 0 (static TLS starts zeroed)
 //! the first time they count and call [`alloctramp_assign_stub`] through
-//! their module's control block: it keeps every register, and
-//! [`assign`] takes a free shard, or says the thread shares. The word says
+//! their module's control block: it keeps every register. For the
+//! thread's first [`shard::PROBATION`] counted calls it only counts them and
+//! returns, and each call adds to shard 0 with `lock`: a thread that
+//! allocates little (a worker that stats files, a short command) never
+//! costs the process a shard's storage (on tmpfs, reserving 64 bytes per
+//! site takes longer than a thousand shared calls). The next call runs
+//! [`assign`], which takes a free shard, or says the thread shares. The word says
 //! "shared" while the assignment runs, so an allocation it makes (or a
 //! signal handler's) counts into shard 0 and does not come back here. A
 //! thread-specific key's destructor gives the shard back as the thread
@@ -16,8 +21,9 @@
 //! A shard is given out only once its counters have their storage in the
 //! process file ([`RESERVED`]): a module joining the file reserves the
 //! shards given out so far, and the first thread given another one
-//! reserves it in every module. A program with one thread holds 2 of the
-//! 16 shards' storage, and so does a forked child (shard 0 and its only
+//! reserves it in every module. A program with one thread holds at most 2
+//! of the 16 shards' storage (1 until its thread has made [`shard::PROBATION`]
+//! counted calls), and so does a forked child (shard 0 and its only
 //! thread's, whatever its parent held). If the storage is refused, the
 //! thread shares.
 //!
@@ -150,8 +156,11 @@ pub fn current() -> u32 {
 
 // The assignment stub the control blocks name: keeps every general
 // register and the x87/SSE state (the trampoline that calls it is about to
-// make its site's call with the arguments in them), realigns the stack for
-// `assign`, and returns.
+// make its site's call with the arguments in them). It raises the thread's
+// probation count and returns while the count is at most
+// `shard::PROBATION`; after that it realigns the stack for `assign`, and
+// returns. (It changes the flags, which the trampoline does not use across
+// the call.)
 global_asm!(
     ".pushsection .text.alloctramp_assign_stub,\"ax\",@progbits",
     ".globl alloctramp_assign_stub",
@@ -159,6 +168,14 @@ global_asm!(
     ".type alloctramp_assign_stub,@function",
     "alloctramp_assign_stub:",
     ".cfi_startproc",
+    "push r11", ".cfi_adjust_cfa_offset 8",
+    "mov r11, qword ptr [rip + alloctramp_rt_tls@GOTTPOFF]",
+    "add qword ptr fs:[r11 + {count}], 1",
+    "cmp qword ptr fs:[r11 + {count}], {probation}",
+    "pop r11", ".cfi_adjust_cfa_offset -8",
+    "ja 2f",
+    "ret",
+    "2:",
     "push rax", ".cfi_adjust_cfa_offset 8",
     "push rcx", ".cfi_adjust_cfa_offset 8",
     "push rdx", ".cfi_adjust_cfa_offset 8",
@@ -191,6 +208,8 @@ global_asm!(
     ".size alloctramp_assign_stub, . - alloctramp_assign_stub",
     ".popsection",
     assign = sym assign,
+    count = const 8 * tls::PROBATION,
+    probation = const shard::PROBATION,
 );
 
 unsafe extern "C" {
@@ -206,6 +225,19 @@ pub fn stub() -> u64 {
 mod tests {
     use super::*;
 
+    /// Calls the stub as a thread's trampolines do until it assigns the
+    /// thread's word: the first `shard::PROBATION` calls leave it 0.
+    fn count_until_assigned() {
+        for _ in 0..shard::PROBATION {
+            // SAFETY: the stub keeps every register.
+            unsafe { alloctramp_assign_stub() };
+            assert_eq!(tls::get(tls::SHARD), shard::UNASSIGNED);
+        }
+        // SAFETY: as above.
+        unsafe { alloctramp_assign_stub() };
+        assert_ne!(tls::get(tls::SHARD), shard::UNASSIGNED);
+    }
+
     #[test]
     fn threads_own_shards_while_they_live_and_share_shard_0_when_none_is_free() {
         init();
@@ -217,8 +249,7 @@ mod tests {
         for _ in 0..n {
             let (tx, all) = (tx.clone(), all.clone());
             handles.push(std::thread::spawn(move || {
-                // SAFETY: the stub keeps every register.
-                unsafe { alloctramp_assign_stub() };
+                count_until_assigned();
                 tx.send((tls::get(tls::SHARD), tls::get(tls::FREED_SHARD))).unwrap();
                 all.wait();
             }));
@@ -243,8 +274,7 @@ mod tests {
         assert_eq!(owned.len(), n - shared, "two threads owned one shard: {words:x?}");
         // Every thread exited: their shards are free again.
         let after = std::thread::spawn(|| {
-            // SAFETY: as above.
-            unsafe { alloctramp_assign_stub() };
+            count_until_assigned();
             tls::get(tls::SHARD)
         })
         .join()

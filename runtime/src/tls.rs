@@ -4,9 +4,9 @@
 //! runtime writes into each module's control block).
 //!
 //! Rust's `thread_local!` in a shared library goes through
-//! `__tls_get_addr`, which a trampoline cannot call; hence seventeen words
+//! `__tls_get_addr`, which a trampoline cannot call; hence eighteen words
 //! of `.tbss` declared here and read with `fs:`-relative moves. A library
-//! with static TLS loaded by `dlopen` takes its 136 bytes from the surplus glibc
+//! with static TLS loaded by `dlopen` takes its 144 bytes from the surplus glibc
 //! reserves for that purpose. The symbol is hidden: other code units of the
 //! library see it, other modules do not.
 
@@ -18,9 +18,9 @@ global_asm!(
     ".globl alloctramp_rt_tls",
     ".hidden alloctramp_rt_tls",
     ".type alloctramp_rt_tls,@object",
-    ".size alloctramp_rt_tls,136",
+    ".size alloctramp_rt_tls,144",
     "alloctramp_rt_tls:",
-    ".zero 136",
+    ".zero 144",
     ".popsection",
 );
 
@@ -81,6 +81,10 @@ pub const TRACE_END: usize = 15;
 /// Word 16: 1 while the thread records an event (see `trace`): an event
 /// of a signal handler that interrupts it is not recorded.
 pub const TRACE_BUSY: usize = 16;
+/// Word 17: counted calls the thread made while its shard word was still
+/// 0, which the assignment stub raises (see `shards`): the thread is given
+/// a shard of its own only after `layout::shard::PROBATION` of them.
+pub const PROBATION: usize = 17;
 // The traced entries find them as `trampolines::trace::words` says.
 const _: () = {
     use alloctramp_trampolines::trace::words;

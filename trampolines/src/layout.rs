@@ -158,10 +158,16 @@ pub mod shard {
     /// The word of a thread that shares shard 0 (every shard is owned, or
     /// the thread is exiting).
     pub const SHARED: u64 = 1;
-    /// The word of a thread the runtime has not seen yet (static TLS starts
-    /// zeroed): its trampolines call the control block's `assign`, which
-    /// writes one of the others, and try again.
+    /// The word of a thread the runtime has not given a shard yet (static
+    /// TLS starts zeroed): each of its counted calls calls the control
+    /// block's `assign`, then adds to shard 0 with `lock`. `assign` writes
+    /// one of the others at the thread's call after its first
+    /// [`PROBATION`].
     pub const UNASSIGNED: u64 = 0;
+    /// Counted calls a thread makes in shard 0 before the runtime gives it
+    /// a shard of its own: a thread that allocates little never costs the
+    /// process a shard's storage.
+    pub const PROBATION: u32 = 1024;
 
     /// The shard a word selects.
     pub fn index(word: u64, shards: u32) -> u32 {
