@@ -712,7 +712,8 @@ fn wipe_shadow() {
 /// runtime's own mapping of them (never unmapped, so a free may count into
 /// a module that was unloaded meanwhile; in a forked child, the parent's
 /// view is replaced once no record names it, see `replace_module_view`),
-/// and the module's site ids (first 0: none).
+/// and the module's site ids (first 0: none) with its index in the
+/// process file, whose counters the freed view maps.
 /// Never memory the module owns: a module whose counters cannot be given
 /// such a view is not profiled.
 pub struct ModuleCounters {
@@ -722,6 +723,7 @@ pub struct ModuleCounters {
     pub mask: AtomicU32,
     pub first_id: AtomicU32,
     pub ids: AtomicU32,
+    pub file_index: AtomicU32,
 }
 
 pub static MODULES: [ModuleCounters; 256] = [const {
@@ -732,6 +734,7 @@ pub static MODULES: [ModuleCounters; 256] = [const {
         mask: AtomicU32::new(0),
         first_id: AtomicU32::new(0),
         ids: AtomicU32::new(0),
+        file_index: AtomicU32::new(0),
     }
 }; 256];
 
@@ -745,15 +748,43 @@ pub fn set_module(slot: usize, base: u64, size: u64, stride: u64, mask: u32) {
 }
 
 /// Maps module `file_index`'s counters (shards of `stride` bytes, `mask`)
-/// into the freed view at ids `first..`: each freed shard maps the
+/// into the freed view at ids `first..`: each freed shard that a thread
+/// may add to (one whose storage is reserved, `shards::RESERVED`) maps the
 /// module's shard of the same number (modulo its shard count) from the
-/// process file.
+/// process file. The others stay unmapped until a thread is first given
+/// their shard ([`map_freed_shard`]): a process of one thread maps 2 of
+/// 16, which halves what its start-up spends on the view.
 fn alias_freed(file: &mut ProcFile, file_index: u32, first: u32, stride: u64, mask: u32) -> bool {
     let freed = FREED.load(Ordering::Relaxed);
-    file.map_module_shards(file_index, stride, mask, shadow::FREED_SHARDS, |k| {
+    let reserved = crate::shards::RESERVED.load(Ordering::Acquire) | 1;
+    file.map_module_shards(file_index, stride, mask, reserved, |k| {
         freed + u64::from(k) * shadow::FREED_SHARD_BYTES + u64::from(first) * CELL_SIZE as u64
     })
     .is_ok()
+}
+
+/// Maps freed shard `s` of every module with site ids (loaded or not: a
+/// thread may free an object of an unloaded module), before a thread is
+/// given shard `s` for the first time. Called with the process file's lock
+/// held, as `give_ids` is: a module given ids meanwhile maps the shard
+/// itself.
+pub fn map_freed_shard(file: &mut ProcFile, s: u32) -> Result<(), &'static str> {
+    let freed = FREED.load(Ordering::Relaxed);
+    if freed == 0 || s >= shadow::FREED_SHARDS {
+        return Ok(());
+    }
+    for m in &MODULES {
+        let first = m.first_id.load(Ordering::Acquire);
+        if first == 0 {
+            continue;
+        }
+        let (index, stride, mask) =
+            (m.file_index.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed), m.mask.load(Ordering::Relaxed));
+        file.map_module_shards(index, stride, mask, 1 << s, |k| {
+            freed + u64::from(k) * shadow::FREED_SHARD_BYTES + u64::from(first) * CELL_SIZE as u64
+        })?;
+    }
+    Ok(())
 }
 
 /// Gives a module site ids and its freed view, if the process file holds
@@ -765,6 +796,7 @@ fn give_ids(control: &ControlBlock, slot: usize, file: Option<(&mut ProcFile, u3
     let (stride, mask) = (m.stride.load(r), m.mask.load(r));
     let n = (stride / CELL_SIZE as u64) as u32;
     let first = NEXT_ID.load(r);
+    let index = file.as_ref().map(|&(_, index)| index);
     let fits = n > 0
         && FREED.load(r) != 0
         && u64::from(first) + u64::from(n) <= 1 << shadow::ID_BITS
@@ -775,6 +807,9 @@ fn give_ids(control: &ControlBlock, slot: usize, file: Option<(&mut ProcFile, u3
         return;
     }
     m.ids.store(n, r);
+    if let Some(index) = index {
+        m.file_index.store(index, r);
+    }
     m.first_id.store(first, Ordering::Release);
     // After the module's ids: a reader that sees the new value sees them.
     NEXT_ID.store(first + n, Ordering::Release);
@@ -819,6 +854,9 @@ pub unsafe fn replace_module_view(
     }
     let (first, stride, mask) =
         (m.first_id.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed), m.mask.load(Ordering::Relaxed));
+    if let Some((_, index)) = file {
+        m.file_index.store(index, Ordering::Relaxed);
+    }
     if first != 0
         && !file.is_some_and(|(f, index)| alias_freed(f, index, first, stride, mask) && f.set_first_id(index, first))
     {

@@ -433,21 +433,21 @@ impl ProcFile {
         Ok(())
     }
 
-    /// Maps module `index`'s counters again, shared, `count` times: the
-    /// `k`th mapping, at `at(k)` (replacing what is there), is the module's
-    /// shard `k & mask` (`stride` bytes each).
+    /// Maps module `index`'s counters again, shared, once for each bit
+    /// `k` set in `which`: the `k`th mapping, at `at(k)` (replacing what is
+    /// there), is the module's shard `k & mask` (`stride` bytes each).
     pub fn map_module_shards(
         &mut self,
         index: u32,
         stride: u64,
         mask: u32,
-        count: u32,
+        which: u32,
         at: impl Fn(u32) -> u64,
     ) -> Result<(), &'static str> {
         let Some(s) = self.slot(index) else { return Err("no such module in the counters file") };
         let off = s.counters_offset.load(Ordering::Relaxed);
         let file = self.reopen()?;
-        for k in 0..count {
+        for k in (0..u32::BITS).filter(|k| which & 1 << k != 0) {
             // SAFETY: fd is ours; the caller gives addresses of its own
             // reservation, which the shared mapping of the module's shard
             // replaces.

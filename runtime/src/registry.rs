@@ -847,8 +847,9 @@ pub static DEFER_PLACEMENT: AtomicBool = AtomicBool::new(false);
 /// switch that tried to say.
 static PLACE_ERROR: SpinLock<Option<&'static str>> = SpinLock::new(None);
 
-/// Gives shard `s` its storage in every module of the process file, then
-/// sets its bit in `shards::RESERVED` (see `shards`). Called as a thread is
+/// Gives shard `s` its storage in every module of the process file and
+/// its place in the freed view, then sets its bit in `shards::RESERVED`
+/// (see `shards`). Called as a thread is
 /// first given shard `s`: on any thread, perhaps in a signal handler,
 /// keeping errno. False (the thread shares shard 0) if the storage is
 /// refused, or the thread holds the registration lock already.
@@ -859,7 +860,7 @@ pub fn reserve_shard(s: u32) -> bool {
             return true;
         }
         if let Some(f) = proc.as_mut()
-            && let Err(e) = f.reserve_shard(s)
+            && let Err(e) = f.reserve_shard(s).and_then(|()| live::map_freed_shard(f, s))
         {
             if !SHARD_REFUSED.swap(true, Ordering::Relaxed) {
                 let mut m = sys::Buf::<512>::new();
