@@ -113,10 +113,18 @@ fn reserve_within(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
     let e = if e == libc::EOPNOTSUPP { write_zeros(fd, off, len) } else { e };
     match e {
         0 => Ok(()),
-        libc::ENOSPC => Err("no space left for the counters file"),
-        libc::EDQUOT => Err("the disk quota leaves no space for the counters file"),
-        libc::EFBIG => Err("the counters file would be too large for its file system"),
-        _ => Err("cannot reserve space for the counters file"),
+        e => Err(no_space(e).unwrap_or("cannot reserve space for the counters file")),
+    }
+}
+
+/// What error `e` of a write or a reservation says, when it says the file
+/// system has no room.
+fn no_space(e: i32) -> Option<&'static str> {
+    match e {
+        libc::ENOSPC => Some("no space left for the counters file"),
+        libc::EDQUOT => Some("the disk quota leaves no space for the counters file"),
+        libc::EFBIG => Some("the counters file would be too large for its file system"),
+        _ => None,
     }
 }
 
@@ -326,50 +334,49 @@ impl ProcFile {
         let mapped;
         let file = self.reopen()?;
         let fd = file.0;
-        // The table and the shards given out so far get their storage; the
-        // others get it as threads are given them (`reserve_shard`).
         let stride = counters_size / u64::from(shard::COUNT);
         within_limit(end)?;
-        let mut runs = shard_runs(crate::shards::RESERVED.load(Ordering::Acquire) | 1);
-        let (_, first) = runs.next().unwrap_or((0, 1));
-        reserve(fd, self.size, counters_off + u64::from(first) * stride - self.size)?;
-        for (from, to) in runs {
+        let undo = |e| {
+            // SAFETY: fd is ours; back to the size before the region.
+            unsafe { libc::ftruncate(fd, self.size as i64) };
+            Err(e)
+        };
+        // The table is written, which gives it its storage (no thread
+        // writes it through a mapping: reserving it first would only zero
+        // its pages before the copy). The shards given out so far get
+        // their storage; the others get it as threads are given them
+        // (`reserve_shard`).
+        let mut done = 0usize;
+        while done < table.len() {
+            // SAFETY: fd is ours; pwrite reads the rest of `table`.
+            let n = unsafe {
+                libc::pwrite(fd, table.as_ptr().add(done).cast(), table.len() - done, (table_off + done as u64) as i64)
+            };
+            if n <= 0 {
+                let e = if n < 0 { sys::errno() } else { libc::ENOSPC };
+                return undo(no_space(e).unwrap_or("cannot write the counters file"));
+            }
+            done += n as usize;
+        }
+        for (from, to) in shard_runs(crate::shards::RESERVED.load(Ordering::Acquire) | 1) {
             let at = counters_off + u64::from(from) * stride;
             if let Err(e) = reserve_within(fd, at, u64::from(to - from) * stride) {
-                // SAFETY: fd is ours; back to the size before the region.
-                unsafe { libc::ftruncate(fd, self.size as i64) };
-                return Err(e);
+                return undo(e);
             }
         }
         // SAFETY: fd is ours; the file grows to the end of the region (the
         // rest of the counters, without storage yet, which no thread writes
         // before its shard has it).
         if unsafe { libc::ftruncate(fd, end as i64) } != 0 {
-            // SAFETY: as above.
-            unsafe { libc::ftruncate(fd, self.size as i64) };
-            return Err("cannot grow the counters file");
+            return undo("cannot grow the counters file");
         }
-        // SAFETY: fd is ours; pwrite reads `table`; the mapping replaces the
-        // module's counters pages (page-aligned and inside one of its
-        // writable segments: checked at registration; nothing but the
-        // trampolines of this module use them) with the file's region of the
-        // same size, which holds what they will count from now on. `own` is
-        // the runtime's private mapping of `counters_size` bytes (caller).
+        // SAFETY: the mapping replaces the module's counters pages
+        // (page-aligned and inside one of its writable segments: checked at
+        // registration; nothing but the trampolines of this module use
+        // them) with the file's region of the same size, which holds what
+        // they will count from now on. `own` is the runtime's private
+        // mapping of `counters_size` bytes (caller).
         unsafe {
-            let mut done = 0usize;
-            while done < table.len() {
-                let n = libc::pwrite(
-                    fd,
-                    table.as_ptr().add(done).cast(),
-                    table.len() - done,
-                    (table_off + done as u64) as i64,
-                );
-                if n <= 0 {
-                    libc::ftruncate(fd, self.size as i64);
-                    return Err("cannot write the counters file");
-                }
-                done += n as usize;
-            }
             let p = libc::mmap(
                 counters as *mut libc::c_void,
                 counters_size as usize,
