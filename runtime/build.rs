@@ -1,5 +1,3 @@
-use std::path::PathBuf;
-
 fn main() {
     // The runtime installs signal handlers, fork handlers and a thread-exit
     // destructor, and counters outlive the modules that count into them:
@@ -9,36 +7,4 @@ fn main() {
     static_unwinder();
 }
 
-/// Links the unwinder that Rust's standard library calls (`_Unwind_*`)
-/// into the library from GCC's static `libgcc_eh.a`, so that a process
-/// loading the runtime does not also load `libgcc_s.so.1`: a second
-/// library to map and relocate, whose constructor runs CPUID a few dozen
-/// times (tens of microseconds in a virtual machine, where each traps), in
-/// every patched process, profiling off or on.
-///
-/// The standard library names `-lgcc_s` itself. A directory given with
-/// `-L` (for a cdylib only: the static runtime, which links this crate,
-/// brings its own `_Unwind_*`) holds a linker script of that name that
-/// names the static archive instead; the linker searches `-L` directories
-/// before its own. The unwinder's symbols stay local to the library.
-fn static_unwinder() {
-    let Ok(out) = std::process::Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .arg("-print-file-name=libgcc_eh.a")
-        .output()
-    else {
-        return;
-    };
-    let archive = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    if !archive.is_absolute() || !archive.is_file() {
-        // No static unwinder here: the library needs libgcc_s as before.
-        println!("cargo:warning=libgcc_eh.a not found: the runtime will load libgcc_s.so.1");
-        return;
-    }
-    let dir = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("unwinder");
-    std::fs::create_dir_all(&dir).expect("creating OUT_DIR/unwinder");
-    std::fs::write(dir.join("libgcc_s.so"), format!("INPUT({})\n", archive.display()))
-        .expect("writing the unwinder's linker script");
-    println!("cargo:rustc-cdylib-link-arg=-L{}", dir.display());
-    println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=CC");
-}
+include!("../build-support/static_unwinder.rs");

@@ -466,23 +466,26 @@ fn readelf_dynamic(file: &Path) -> Vec<String> {
         .collect()
 }
 
-/// The runtime library needs the C library and its loader alone: the
-/// unwinder Rust's standard library calls is linked in from GCC's
-/// `libgcc_eh.a`, so a patched process does not load `libgcc_s.so.1` (and
-/// run its constructor) for it, profiling off or on.
+/// The libraries alloctramp loads into other programs (the runtime, and
+/// the loader's audit library of `alloctramp run`) need the C library and
+/// its loader alone: the unwinder Rust's standard library calls is linked
+/// in from GCC's `libgcc_eh.a`, so a patched process does not load
+/// `libgcc_s.so.1` (and run its constructor) for them, profiling off or on.
 #[test]
-fn the_runtime_library_needs_only_the_c_library() {
+fn the_libraries_loaded_into_programs_need_only_the_c_library() {
     let exe_dir = Path::new(env!("CARGO_BIN_EXE_alloctramp")).parent().unwrap();
-    let runtime = [exe_dir.join("liballoctramp_rt.so"), exe_dir.join("deps/liballoctramp_rt.so")]
-        .into_iter()
-        .find(|p| p.is_file())
-        .expect("the runtime library next to alloctramp");
-    let o = Command::new("readelf").arg("-dW").arg(&runtime).output().unwrap();
-    assert!(o.status.success(), "readelf: {}", String::from_utf8_lossy(&o.stderr));
-    let needed: Vec<String> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .filter(|l| l.contains("(NEEDED)"))
-        .filter_map(|l| Some(l.split_once('[')?.1.trim_end_matches(']').to_string()))
-        .collect();
-    assert_eq!(needed, ["libc.so.6", "ld-linux-x86-64.so.2"], "{}", runtime.display());
+    for name in ["liballoctramp_rt.so", "liballoctramp_audit.so"] {
+        let lib = [exe_dir.join(name), exe_dir.join("deps").join(name)]
+            .into_iter()
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| panic!("{name} next to alloctramp"));
+        let o = Command::new("readelf").arg("-dW").arg(&lib).output().unwrap();
+        assert!(o.status.success(), "readelf: {}", String::from_utf8_lossy(&o.stderr));
+        let needed: Vec<String> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.contains("(NEEDED)"))
+            .filter_map(|l| Some(l.split_once('[')?.1.trim_end_matches(']').to_string()))
+            .collect();
+        assert_eq!(needed, ["libc.so.6", "ld-linux-x86-64.so.2"], "{}", lib.display());
+    }
 }

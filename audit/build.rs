@@ -1,0 +1,5 @@
+fn main() {
+    static_unwinder();
+}
+
+include!("../build-support/static_unwinder.rs");
