@@ -18,24 +18,25 @@ use std::path::PathBuf;
 /// links the runtime's crate and brings its own `_Unwind_*`: its build
 /// script points the name at nothing first.)
 fn static_unwinder() {
-    let Ok(out) = std::process::Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .arg("-print-file-name=libgcc_eh.a")
-        .output()
-    else {
-        return;
-    };
-    let archive = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    if !archive.is_absolute() || !archive.is_file() {
-        // No static unwinder here: the library needs libgcc_s as before.
-        println!("cargo:warning=libgcc_eh.a not found: the library will load libgcc_s.so.1");
-        return;
-    }
-    let dir = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("unwinder");
-    std::fs::create_dir_all(&dir).expect("creating OUT_DIR/unwinder");
-    std::fs::write(dir.join("libgcc_s.so"), format!("INPUT({})\n", archive.display()))
-        .expect("writing the unwinder's linker script");
-    println!("cargo:rustc-cdylib-link-arg=-L{}", dir.display());
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=../build-support/static_unwinder.rs");
-    println!("cargo:rerun-if-env-changed=CC");
+    // `cc` is the compiler driver rustc links with on this target.
+    let archive = std::process::Command::new("cc")
+        .arg("-print-file-name=libgcc_eh.a")
+        .output()
+        .ok()
+        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        .filter(|a| a.is_absolute() && a.is_file() && !a.to_string_lossy().contains('"'));
+    let Some(archive) = archive else {
+        // No static unwinder here: the library needs libgcc_s as before.
+        println!("cargo:warning=libgcc_eh.a not found (cc -print-file-name): the library will load libgcc_s.so.1");
+        return;
+    };
+    // A compiler upgrade moves the archive: the script is written again.
+    println!("cargo:rerun-if-changed={}", archive.display());
+    let dir = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("unwinder");
+    std::fs::create_dir_all(&dir).expect("creating OUT_DIR/unwinder");
+    std::fs::write(dir.join("libgcc_s.so"), format!("INPUT(\"{}\")\n", archive.display()))
+        .expect("writing the unwinder's linker script");
+    println!("cargo:rustc-cdylib-link-arg=-L{}", dir.display());
 }

@@ -69,8 +69,7 @@ pub fn index_key(meta: &std::fs::Metadata) -> String {
 /// Files never patched: the C library's (the allocator itself, the
 /// loader, and the libraries built with it, whose calls to `malloc` are
 /// the allocator's own business), the compiler's unwinder (`libgcc_s`,
-/// which the runtime itself loads; its allocations are its own frame
-/// tables) and alloctramp's.
+/// whose allocations are its own frame tables) and alloctramp's.
 pub fn excluded(base: &[u8]) -> bool {
     const PREFIXES: &[&str] = &[
         "ld-linux",

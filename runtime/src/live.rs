@@ -713,7 +713,9 @@ fn wipe_shadow() {
 /// a module that was unloaded meanwhile; in a forked child, the parent's
 /// view is replaced once no record names it, see `replace_module_view`),
 /// and the module's site ids (first 0: none) with its index in the
-/// process file, whose counters the freed view maps.
+/// process file, whose counters the freed view maps ([`NO_FILE_INDEX`]:
+/// none in this process's file, as in a forked child for a module that
+/// did not join the child's).
 /// Never memory the module owns: a module whose counters cannot be given
 /// such a view is not profiled.
 pub struct ModuleCounters {
@@ -726,6 +728,9 @@ pub struct ModuleCounters {
     pub file_index: AtomicU32,
 }
 
+/// A [`ModuleCounters::file_index`] that names no module of the file.
+pub const NO_FILE_INDEX: u32 = u32::MAX;
+
 pub static MODULES: [ModuleCounters; 256] = [const {
     ModuleCounters {
         base: AtomicU64::new(0),
@@ -734,7 +739,7 @@ pub static MODULES: [ModuleCounters; 256] = [const {
         mask: AtomicU32::new(0),
         first_id: AtomicU32::new(0),
         ids: AtomicU32::new(0),
-        file_index: AtomicU32::new(0),
+        file_index: AtomicU32::new(NO_FILE_INDEX),
     }
 }; 256];
 
@@ -755,12 +760,10 @@ pub fn set_module(slot: usize, base: u64, size: u64, stride: u64, mask: u32) {
 /// their shard ([`map_freed_shard`]): a process of one thread maps 2 of
 /// 16, which halves what its start-up spends on the view.
 fn alias_freed(file: &mut ProcFile, file_index: u32, first: u32, stride: u64, mask: u32) -> bool {
-    let freed = FREED.load(Ordering::Relaxed);
+    let base = FREED.load(Ordering::Relaxed) + u64::from(first) * CELL_SIZE as u64;
     let reserved = crate::shards::RESERVED.load(Ordering::Acquire) | 1;
-    file.map_module_shards(file_index, stride, mask, reserved, |k| {
-        freed + u64::from(k) * shadow::FREED_SHARD_BYTES + u64::from(first) * CELL_SIZE as u64
-    })
-    .is_ok()
+    file.map_module_shards(std::iter::once((file_index, stride, mask, base)), reserved, shadow::FREED_SHARD_BYTES)
+        .is_ok()
 }
 
 /// Maps freed shard `s` of every module with site ids (loaded or not: a
@@ -773,18 +776,16 @@ pub fn map_freed_shard(file: &mut ProcFile, s: u32) -> Result<(), &'static str> 
     if freed == 0 || s >= shadow::FREED_SHARDS {
         return Ok(());
     }
-    for m in &MODULES {
-        let first = m.first_id.load(Ordering::Acquire);
-        if first == 0 {
-            continue;
-        }
-        let (index, stride, mask) =
-            (m.file_index.load(Ordering::Relaxed), m.stride.load(Ordering::Relaxed), m.mask.load(Ordering::Relaxed));
-        file.map_module_shards(index, stride, mask, 1 << s, |k| {
-            freed + u64::from(k) * shadow::FREED_SHARD_BYTES + u64::from(first) * CELL_SIZE as u64
-        })?;
-    }
-    Ok(())
+    // (A forked child's module that is not in its file has no index: the
+    // child's records of it were forgotten, and no free adds to its cells.)
+    let modules = MODULES.iter().filter_map(|m| {
+        let (first, index) = (m.first_id.load(Ordering::Acquire), m.file_index.load(Ordering::Relaxed));
+        (first != 0 && index != NO_FILE_INDEX).then(|| {
+            let (stride, mask) = (m.stride.load(Ordering::Relaxed), m.mask.load(Ordering::Relaxed));
+            (index, stride, mask, freed + u64::from(first) * CELL_SIZE as u64)
+        })
+    });
+    file.map_module_shards(modules, 1 << s, shadow::FREED_SHARD_BYTES)
 }
 
 /// Gives a module site ids and its freed view, if the process file holds
@@ -1467,6 +1468,11 @@ pub fn forget_all() {
 pub fn after_fork_in_child() {
     for s in &TABLE {
         s.lock.store(false, Ordering::Release);
+    }
+    // Indexes of the parent's file; `replace_module_view` gives each
+    // module that joins the child's file its index there.
+    for m in &MODULES {
+        m.file_index.store(NO_FILE_INDEX, Ordering::Relaxed);
     }
     EPOCH.fetch_add(1, Ordering::AcqRel);
     if WIPE_IN_CHILD.load(Ordering::Relaxed) {

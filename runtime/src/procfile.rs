@@ -440,39 +440,41 @@ impl ProcFile {
         Ok(())
     }
 
-    /// Maps module `index`'s counters again, shared, once for each bit
-    /// `k` set in `which`: the `k`th mapping, at `at(k)` (replacing what is
-    /// there), is the module's shard `k & mask` (`stride` bytes each).
+    /// Maps modules' counters again, shared: for each `(index, stride,
+    /// mask, base)` of `modules` and each bit `k` set in `which`, module
+    /// `index`'s shard `k & mask` (`stride` bytes) at `base + k * step`,
+    /// replacing what is there. The file is opened once.
     pub fn map_module_shards(
         &mut self,
-        index: u32,
-        stride: u64,
-        mask: u32,
+        modules: impl Iterator<Item = (u32, u64, u32, u64)>,
         which: u32,
-        at: impl Fn(u32) -> u64,
+        step: u64,
     ) -> Result<(), &'static str> {
-        let Some(s) = self.slot(index) else { return Err("no such module in the counters file") };
-        let off = s.counters_offset.load(Ordering::Relaxed);
         let file = self.reopen()?;
-        for k in (0..u32::BITS).filter(|k| which & 1 << k != 0) {
-            // SAFETY: fd is ours; the caller gives addresses of its own
-            // reservation, which the shared mapping of the module's shard
-            // replaces.
-            let p = unsafe {
-                libc::mmap(
-                    at(k) as *mut libc::c_void,
-                    stride as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    file.0,
-                    (off + u64::from(k & mask) * stride) as i64,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err("cannot map a module's counters into the freed view");
+        for (index, stride, mask, base) in modules {
+            let Some(s) = self.slot(index) else { return Err("no such module in the counters file") };
+            let off = s.counters_offset.load(Ordering::Relaxed);
+            for k in (0..u32::BITS).filter(|k| which & 1 << k != 0) {
+                let at = base.wrapping_add(u64::from(k).wrapping_mul(step));
+                // SAFETY: fd is ours; the caller gives addresses of its own
+                // reservation, which the shared mapping of the module's
+                // shard replaces.
+                let p = unsafe {
+                    libc::mmap(
+                        at as *mut libc::c_void,
+                        stride as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED | libc::MAP_FIXED,
+                        file.0,
+                        (off + u64::from(k & mask) * stride) as i64,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    return Err("cannot map a module's counters into the freed view");
+                }
+                // SAFETY: the mapping just made.
+                unsafe { no_readaround(p, stride as usize) };
             }
-            // SAFETY: the mapping just made.
-            unsafe { no_readaround(p, stride as usize) };
         }
         Ok(())
     }

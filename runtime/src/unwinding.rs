@@ -7,14 +7,21 @@
 //! cleared. It never catches: every unwind goes on to the site's function,
 //! whose own entry finds the original landing pad.
 //!
-//! The unwinder that calls it is the process's (libgcc's, which the
-//! runtime links as every Rust library does); the routine asks it for the
-//! entry's LSDA, the return address and the stack pointer at the call.
+//! The unwinder that calls it is the process's (libgcc_s's, or another
+//! that exports the same functions); the routine asks that unwinder for
+//! the entry's LSDA, the return address and the stack pointer at the call.
+//! It looks the unwinder's functions up by name in the process (`dlsym`):
+//! the runtime's own copy of libgcc's unwinder, linked in for Rust's
+//! standard library, must not read a context another unwinder (or another
+//! version of libgcc) laid out. Where the process exports none (the static
+//! runtime, whose C library shim forwards these functions to the
+//! program's own), the linked functions are called.
 
 use crate::{live, tls};
 use alloctramp_trampolines::layout::undo::{self, UndoCall, UndoHeader};
-use std::ffi::c_void;
+use std::ffi::{CStr, c_void};
 use std::mem::size_of;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const UA_CLEANUP_PHASE: i32 = 2;
 const URC_FATAL_PHASE1_ERROR: i32 = 3;
@@ -49,15 +56,62 @@ pub unsafe extern "C" fn personality(
     URC_CONTINUE_UNWIND
 }
 
+/// An unwinder function the routine calls: its name, the linked one, and
+/// the process's once found (0: not yet).
+struct Accessor {
+    name: &'static CStr,
+    linked: unsafe extern "C" fn(*mut c_void) -> usize,
+    found: AtomicUsize,
+}
+
+static LSDA: Accessor =
+    Accessor { name: c"_Unwind_GetLanguageSpecificData", linked: lsda_linked, found: AtomicUsize::new(0) };
+static IP: Accessor = Accessor { name: c"_Unwind_GetIP", linked: _Unwind_GetIP, found: AtomicUsize::new(0) };
+static REGION_START: Accessor =
+    Accessor { name: c"_Unwind_GetRegionStart", linked: _Unwind_GetRegionStart, found: AtomicUsize::new(0) };
+static CFA: Accessor = Accessor { name: c"_Unwind_GetCFA", linked: _Unwind_GetCFA, found: AtomicUsize::new(0) };
+
+unsafe extern "C" fn lsda_linked(ctx: *mut c_void) -> usize {
+    // SAFETY: forwarded from the caller.
+    unsafe { _Unwind_GetLanguageSpecificData(ctx) as usize }
+}
+
+impl Accessor {
+    /// Calls the process's function with `ctx`: the one it exports (found
+    /// once; the unwinder that calls the routine is loaded then), else the
+    /// linked one.
+    ///
+    /// # Safety
+    /// `ctx` is the context the process's unwinder passed.
+    unsafe fn ask(&self, ctx: *mut c_void) -> usize {
+        let mut f = self.found.load(Ordering::Acquire);
+        if f == 0 {
+            // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the
+            // process's global scope, which the runtime's own (local)
+            // copies of these functions are not in.
+            f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, self.name.as_ptr()) } as usize;
+            if f != 0 {
+                self.found.store(f, Ordering::Release);
+            }
+        }
+        if f == 0 {
+            // SAFETY: forwarded from the caller.
+            return unsafe { (self.linked)(ctx) };
+        }
+        // SAFETY: the process's `_Unwind_Get*` function, which takes the
+        // context and returns a word.
+        unsafe { std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_void) -> usize>(f)(ctx) }
+    }
+}
+
 /// Undoes what the trampoline did before the call the unwind passes.
 ///
 /// # Safety
 /// As for [`personality`].
 unsafe fn undo(ctx: *mut c_void) {
     // SAFETY: the unwinder's context of the trampoline's frame.
-    let (lsda, ip, start, sp) = unsafe {
-        (_Unwind_GetLanguageSpecificData(ctx), _Unwind_GetIP(ctx), _Unwind_GetRegionStart(ctx), _Unwind_GetCFA(ctx))
-    };
+    let (lsda, ip, start, sp) =
+        unsafe { (LSDA.ask(ctx) as *const u8, IP.ask(ctx), REGION_START.ask(ctx), CFA.ask(ctx)) };
     if lsda.is_null() {
         return;
     }
