@@ -37,6 +37,7 @@ def setting(name, full, quick):
 
 
 RUNS = setting("BENCH_RUNS", 5, 3)  # timed runs per variant (median)
+MORE_RUNS = setting("BENCH_MORE_RUNS", 6, 0)  # further runs of the unpatched and patched variants (not the tools)
 LOOP_PAIRS = setting("BENCH_LOOP_PAIRS", 10_000_000, 1_000_000)  # 1 thread
 LOOP8_PAIRS = setting("BENCH_LOOP8_PAIRS", 2_000_000, 200_000)  # per thread, 8 threads
 CXX_ROUNDS = setting("BENCH_CXX_ROUNDS", 200, 20)
@@ -329,11 +330,18 @@ def side_by_side(sec, w, describe):
     notes, differs = [], []
     expected = None
     dhat_ok = True
-    for r in range(RUNS):
-        for v, label, _ in VARIANTS:
+    # The unpatched and patched variants, whose ratios are the targets, run
+    # RUNS + MORE_RUNS times (the tools RUNS times): still in turn, so that
+    # the machine's load falls on each alike, and enough runs that one
+    # disturbed run moves no median.
+    rounds = [(r, [v for v, _, _ in VARIANTS]) for r in range(RUNS)]
+    rounds += [(RUNS + r, ["unpatched", *PATCHED]) for r in range(MORE_RUNS)]
+    labels = {v: label for v, label, _ in VARIANTS}
+    for r, variants in rounds:
+        for v in variants:
             if v == "dhat" and not dhat_ok:
                 continue
-            log(f"{w.name}: {label}, run {r + 1}/{RUNS}")
+            log(f"{w.name}: {labels[v]}, run {r + 1}/{RUNS if r < RUNS else RUNS + MORE_RUNS}")
             try:
                 secs, got = run_variant(w, v, timeout=DHAT_LIMIT if v == "dhat" and r == 0 else None)
             except TimedOut:
@@ -415,7 +423,8 @@ def part_loop():
     sec = Section(
         "malloc/free loop", "loop",
         f"`bench/malloc_loop.c`: malloc of 32-63 bytes, a write, free; {LOOP_PAIRS:,} pairs on 1 thread, "
-        f"then {LOOP8_PAIRS:,} pairs on each of 8 threads. Wall time, median of {RUNS} runs, variants in turn.",
+        f"then {LOOP8_PAIRS:,} pairs on each of 8 threads. Wall time, median of {RUNS + MORE_RUNS} runs ({RUNS} for "
+        "the tools), variants in turn.",
     )
     SECTIONS.append(sec)
     w1 = Program("malloc/free loop, 1 thread", loop, [str(LOOP_PAIRS), "1"])
@@ -1606,15 +1615,16 @@ def document(parts, started, elapsed, load_start, load_end, mach):
         "",
         "## How the figures are taken",
         "",
-        f"- Wall times are medians of {RUNS} runs. The variants of a workload run in turn (unpatched, off, counting, "
-        "live, heaptrack, DHAT, then again), so a change in the machine's load affects them alike; ratios are "
-        "against the unpatched program in the same run.",
+        f"- Wall times are medians of {RUNS + MORE_RUNS} runs for the unpatched program and the patched variants "
+        f"({RUNS} for heaptrack and DHAT). The variants of a workload run in turn (unpatched, off, counting, "
+        "live, heaptrack, DHAT, then again; after the tools' runs, unpatched, off, counting and live again), so a "
+        "change in the machine's load affects them alike; ratios are against the unpatched program in the same run.",
         "- Variants: **unpatched** is the original program; **patched, profiling off** is `alloctramp patch`'s "
         "output run as is; **on, counting** sets `ALLOCTRAMP=on ALLOCTRAMP_LIVE=0`; **on, live bytes** sets "
         "`ALLOCTRAMP=on` (live tracking is the default where the runtime has it); **heaptrack** is "
         "`heaptrack -o FILE PROGRAM` (recording and its interpretation, as a user runs it); **DHAT** is "
         f"`valgrind --tool=dhat`, skipped where one run takes longer than {DHAT_LIMIT:.0f} s.",
-        f"- Sizes: BENCH_RUNS={RUNS} BENCH_LOOP_PAIRS={LOOP_PAIRS} BENCH_LOOP8_PAIRS={LOOP8_PAIRS} "
+        f"- Sizes: BENCH_RUNS={RUNS} BENCH_MORE_RUNS={MORE_RUNS} BENCH_LOOP_PAIRS={LOOP_PAIRS} BENCH_LOOP8_PAIRS={LOOP8_PAIRS} "
         f"BENCH_CXX_ROUNDS={CXX_ROUNDS} BENCH_CC1_UNITS={CC1_UNITS} BENCH_GIT_FILES={GIT_FILES} "
         f"BENCH_CALLGRIND_PAIRS={CALLGRIND_PAIRS} BENCH_STARTUP_RUNS={STARTUP_RUNS} BENCH_LIVE_OBJECTS={LIVE_OBJECTS} "
         f"BENCH_DHAT_LIMIT={DHAT_LIMIT:.0f} (environment variables of `bench/run`; BENCH_QUICK=1 makes them small).",
