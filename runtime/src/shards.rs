@@ -6,8 +6,10 @@
 //! A thread's trampolines find its shard word 0 (static TLS starts zeroed)
 //! the first time they count and call [`alloctramp_assign_stub`] through
 //! their module's control block: it keeps every register. For the
-//! thread's first [`shard::PROBATION`] counted calls it only counts them and
-//! returns, and each call adds to shard 0 with `lock`: a thread that
+//! thread's first [`shard::PROBATION`] calls (one per counted call; an
+//! entry that counts both before and after its call, as strdup's does,
+//! makes two) it only counts them and returns, and each call adds to
+//! shard 0 with `lock`: a thread that
 //! allocates little (a worker that stats files, a short command) never
 //! costs the process a shard's storage (on tmpfs, reserving 64 bytes per
 //! site takes longer than a thousand shared calls). The next call runs

@@ -81,9 +81,10 @@ pub const TRACE_END: usize = 15;
 /// Word 16: 1 while the thread records an event (see `trace`): an event
 /// of a signal handler that interrupts it is not recorded.
 pub const TRACE_BUSY: usize = 16;
-/// Word 17: counted calls the thread made while its shard word was still
-/// 0, which the assignment stub raises (see `shards`): the thread is given
-/// a shard of its own only after `layout::shard::PROBATION` of them.
+/// Word 17: the calls of the assignment stub the thread made while its
+/// shard word was still 0, which the stub counts (see `shards`): the
+/// thread is given a shard of its own only after
+/// `layout::shard::PROBATION` of them.
 pub const PROBATION: usize = 17;
 // The traced entries find them as `trampolines::trace::words` says.
 const _: () = {

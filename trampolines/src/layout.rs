@@ -164,9 +164,10 @@ pub mod shard {
     /// one of the others at the thread's call after its first
     /// [`PROBATION`].
     pub const UNASSIGNED: u64 = 0;
-    /// Counted calls a thread makes in shard 0 before the runtime gives it
-    /// a shard of its own: a thread that allocates little never costs the
-    /// process a shard's storage.
+    /// Calls of `assign` a thread makes, counting in shard 0, before the
+    /// runtime gives it a shard of its own (one per counted call; an entry
+    /// that counts before and after its call makes two): a thread that
+    /// allocates little never costs the process a shard's storage.
     pub const PROBATION: u32 = 1024;
 
     /// The shard a word selects.
