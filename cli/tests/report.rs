@@ -901,7 +901,11 @@ fn a_profiled_process_s_counters_file_has_storage_for_what_its_threads_write() {
         assert_eq!(s.cmd("round"), "done");
         rounds += 1;
     }
-    assert_eq!(rounds, probation / 12 + 1, "shard 1 came with the round of the call after the first {probation}");
+    assert_eq!(
+        rounds,
+        (probation + 1).div_ceil(12),
+        "shard 1 came with the round of the call after the first {probation}"
+    );
     assert_eq!(blocks(), counters + 2 * stride, "the header, the table, shards 0 and 1: not the other 14");
     run(&["callers", "--dir", d, &pid, "on"]);
     assert_eq!(s.cmd("round"), "done");

@@ -757,10 +757,10 @@ pub fn set_module(slot: usize, base: u64, size: u64, stride: u64, mask: u32) {
 /// may add to (one whose storage is reserved, `shards::RESERVED`) maps the
 /// module's shard of the same number (modulo its shard count) from the
 /// process file. The others stay unmapped until a thread is first given
-/// their shard ([`map_freed_shard`]): a process of one thread maps 2 of
-/// 16, which halves what its start-up spends on the view.
+/// their shard ([`map_freed_shard`]): a process of one thread maps 1 or 2
+/// of the 16.
 fn alias_freed(file: &mut ProcFile, file_index: u32, first: u32, stride: u64, mask: u32) -> bool {
-    let base = FREED.load(Ordering::Relaxed) + u64::from(first) * CELL_SIZE as u64;
+    let base = shard0_freed_cell(first);
     let reserved = crate::shards::RESERVED.load(Ordering::Acquire) | 1;
     file.map_module_shards(std::iter::once((file_index, stride, mask, base)), reserved, shadow::FREED_SHARD_BYTES)
         .is_ok()
@@ -772,8 +772,7 @@ fn alias_freed(file: &mut ProcFile, file_index: u32, first: u32, stride: u64, ma
 /// held, as `give_ids` is: a module given ids meanwhile maps the shard
 /// itself.
 pub fn map_freed_shard(file: &mut ProcFile, s: u32) -> Result<(), &'static str> {
-    let freed = FREED.load(Ordering::Relaxed);
-    if freed == 0 || s >= shadow::FREED_SHARDS {
+    if FREED.load(Ordering::Relaxed) == 0 || s >= shadow::FREED_SHARDS {
         return Ok(());
     }
     // (A forked child's module that is not in its file has no index: the
@@ -782,7 +781,7 @@ pub fn map_freed_shard(file: &mut ProcFile, s: u32) -> Result<(), &'static str> 
         let (first, index) = (m.first_id.load(Ordering::Acquire), m.file_index.load(Ordering::Relaxed));
         (first != 0 && index != NO_FILE_INDEX).then(|| {
             let (stride, mask) = (m.stride.load(Ordering::Relaxed), m.mask.load(Ordering::Relaxed));
-            (index, stride, mask, freed + u64::from(first) * CELL_SIZE as u64)
+            (index, stride, mask, shard0_freed_cell(first))
         })
     });
     file.map_module_shards(modules, 1 << s, shadow::FREED_SHARD_BYTES)
@@ -864,9 +863,8 @@ pub unsafe fn replace_module_view(
         m.first_id.store(0, Ordering::Relaxed);
         no_inline_records(control);
         // The parent's pages must not take the child's frees: fresh zeros.
-        let freed = FREED.load(Ordering::Relaxed);
         for k in 0..u64::from(shadow::FREED_SHARDS) {
-            let at = freed + k * shadow::FREED_SHARD_BYTES + u64::from(first) * CELL_SIZE as u64;
+            let at = shard0_freed_cell(first) + k * shadow::FREED_SHARD_BYTES;
             // SAFETY: the module's range of the runtime's freed view.
             unsafe {
                 libc::mmap(
@@ -1342,8 +1340,13 @@ unsafe fn origin(index: u64, control: *const u8) -> Origin {
 #[inline(always)]
 fn freed_cell(id: u32) -> u64 {
     // The thread's shard's offset in the view, as `shards` keeps it.
-    let shard = tls::word::<{ tls::FREED_SHARD }>();
-    FREED.load(Ordering::Relaxed) + shard + u64::from(id) * CELL_SIZE as u64
+    shard0_freed_cell(id) + tls::word::<{ tls::FREED_SHARD }>()
+}
+
+/// The id's cell in shard 0 of the freed view.
+#[inline(always)]
+fn shard0_freed_cell(id: u32) -> u64 {
+    FREED.load(Ordering::Relaxed) + u64::from(id) * CELL_SIZE as u64
 }
 
 /// The id of a cell in shard 0 of the freed view (0: another cell).
@@ -1580,7 +1583,7 @@ pub unsafe extern "C" fn track_realloc_begin(old: u64, token: *mut u64, index: u
             None => untracked_free(index, control),
             Some((c, size)) => {
                 let cell = match c {
-                    Charge::Id(id) => FREED.load(Ordering::Relaxed) + u64::from(id) * CELL_SIZE as u64,
+                    Charge::Id(id) => shard0_freed_cell(id),
                     Charge::Cell(cell) => cell,
                 };
                 match Entry::pack(old, cell, size) {
