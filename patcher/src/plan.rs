@@ -198,6 +198,9 @@ pub enum SkipReason {
     NoUnwind(&'static str),
     /// An entry hook whose stub cannot be made (see `crate::hooks`).
     HookStub(&'static str),
+    /// Its bytes overlap those of an earlier site (by address or in the
+    /// file): instructions decoded across each other in a malformed file.
+    Overlaps(Vaddr),
 }
 
 impl SkipReason {
@@ -219,6 +222,7 @@ impl fmt::Display for SkipReason {
             }
             SkipReason::NoUnwind(why) => write!(f, "hook without an unwind entry for its trampoline ({why})"),
             SkipReason::HookStub(why) => write!(f, "entry hook: {why}"),
+            SkipReason::Overlaps(other) => write!(f, "its bytes overlap those of the site at {other}"),
         }
     }
 }
@@ -656,7 +660,8 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
         true => allocator_definitions(elf, a),
         false => Vec::new(),
     };
-    let input = SitesInput { ctx: &ctx, a, layers: &layers, sources: sources.as_ref(), unwinds };
+    let overlaps = overlapping_sites(&a.scan.sites);
+    let input = SitesInput { ctx: &ctx, a, layers: &layers, sources: sources.as_ref(), unwinds, overlaps };
     let (sites, mut programs, threads) = plan_sites(&mut cursor, &input, opts.threads);
     // A walk from inside a runtime function goes on through the vector
     // stub to the trampoline that called it.
@@ -1219,6 +1224,8 @@ struct SitesInput<'s, 'e> {
     layers: &'s [(u64, u64)],
     sources: Option<&'s ehframe::Sources<'e>>,
     unwinds: bool,
+    /// Per site, the earlier site whose bytes its own overlap.
+    overlaps: Vec<Option<Vaddr>>,
 }
 
 impl SitesInput<'_, '_> {
@@ -1272,8 +1279,11 @@ impl SitesInput<'_, '_> {
     /// Why a site gets no trampoline, whatever its address: a call inside a
     /// wrapper that its callers count for, an entry hook whose stub cannot be
     /// made, or a site inside an allocator's own layers (`alloctramp run`).
-    fn skipped_before(&self, site: &ScanSite, hook: Option<&'static str>) -> Option<SkipReason> {
+    fn skipped_before(&self, i: usize, site: &ScanSite, hook: Option<&'static str>) -> Option<SkipReason> {
         let a = self.a;
+        if let Some(&Some(other)) = self.overlaps.get(i) {
+            return Some(SkipReason::Overlaps(other));
+        }
         // (A call through an allocator API's slot counts the calls its
         // callers' sites did not: those through pointers.)
         // (Nor does an entry hook: it counts the calls no site makes.)
@@ -1338,6 +1348,45 @@ fn place_trampoline(text: &mut Cursor, t: codegen::Trampoline) -> Trampoline {
     Trampoline { code: place_code(text, t.code), drain, count, callers, traced, flags }
 }
 
+/// Per site, the earlier one its bytes overlap, by address or by file
+/// offset (then it gets no trampoline: the two jumps would overwrite each
+/// other). A well-formed file has none; a malformed one can hold calls
+/// decoded across each other, or two addresses of the same file bytes.
+/// Sites too short for a jump write nothing and overlap nothing.
+fn overlapping_sites(sites: &[ScanSite]) -> Vec<Option<Vaddr>> {
+    let mut out = vec![None; sites.len()];
+    for in_file in [false, true] {
+        let bytes = |s: &ScanSite| {
+            let at = if in_file { s.offset.0 } else { s.vaddr.0 };
+            (at, at.saturating_add(u64::from(s.len)))
+        };
+        let mut order: Vec<(u64, u64, usize)> = sites
+            .iter()
+            .zip(&out)
+            .enumerate()
+            .filter(|(_, (s, skipped))| skipped.is_none() && usize::from(s.len) >= crate::hooks::JUMP_LEN)
+            .map(|(i, (s, _))| {
+                let (lo, hi) = bytes(s);
+                (lo, hi, i)
+            })
+            .collect();
+        order.sort_unstable();
+        // The end of the kept site whose bytes reach furthest so far.
+        let mut reach: Option<(u64, Vaddr)> = None;
+        for (lo, hi, i) in order {
+            match reach {
+                Some((end, kept)) if lo < end => {
+                    if let Some(slot) = out.get_mut(i) {
+                        *slot = Some(kept);
+                    }
+                }
+                _ => reach = sites.get(i).map(|s| (hi, s.vaddr)),
+            }
+        }
+    }
+    out
+}
+
 /// [`plan_sites`] on this thread, site after site.
 fn plan_sites_in_turn(text: &mut Cursor, input: &SitesInput) -> (Vec<SitePlan>, Vec<ehframe::Program>) {
     let (a, sources) = (input.a, input.sources);
@@ -1370,7 +1419,7 @@ fn plan_sites_in_turn(text: &mut Cursor, input: &SitesInput) -> (Vec<SitePlan>, 
             _ => None,
         };
         let mut unwind = None;
-        let decision = match input.skipped_before(site, hook_err) {
+        let decision = match input.skipped_before(i, site, hook_err) {
             Some(reason) => Decision::Skipped(reason),
             None => match input.make(i, site, &input.spec(i, site, target), at, &mut cfi) {
                 Made::Skipped(reason) => Decision::Skipped(reason),
@@ -1415,7 +1464,7 @@ fn plan_sites_parallel(
     // The address each site's trampoline gets: the addresses follow from
     // the lengths of the trampolines before it, known from one trampoline
     // of each shape (none: the site gets none).
-    let spec = |i: usize, site: &ScanSite| match input.skipped_before(site, None) {
+    let spec = |i: usize, site: &ScanSite| match input.skipped_before(i, site, None) {
         Some(reason) => Err(reason),
         None => Ok(input.spec(i, site, site.target.0)),
     };

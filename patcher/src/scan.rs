@@ -424,6 +424,10 @@ pub fn scan_with(
 
     out.sites.sort_by_key(|s| s.vaddr);
     out.unpatchable.sort_by_key(|r| (r.vaddr, r.reason));
+    // Executable sections that overlap (a malformed file's) are swept once
+    // each: an instruction at one address is one site, one reference.
+    out.sites.dedup_by_key(|s| s.vaddr);
+    out.unpatchable.dedup_by_key(|r| (r.vaddr, r.reason));
     Ok(out)
 }
 

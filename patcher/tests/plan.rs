@@ -405,6 +405,87 @@ fn a_section_name_table_in_an_unloaded_section_patches() {
     analyze(&out, "every_c", None, &[]).unwrap();
 }
 
+/// The bytes of each patched site, by address and in the file (at the
+/// analysis' offsets), overlap no other's.
+fn assert_patched_sites_apart(p: &Plan, a: &Analysis) {
+    assert_eq!(p.sites.len(), a.scan.sites.len());
+    for in_file in [false, true] {
+        let mut spans: Vec<(u64, u64)> = p
+            .sites
+            .iter()
+            .zip(&a.scan.sites)
+            .filter(|(s, _)| s.trampoline().is_some())
+            .map(|(s, found)| {
+                let at = if in_file { found.offset.0 } else { s.addr.0 };
+                (at, at + u64::from(s.len))
+            })
+            .collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            assert!(w[0].1 <= w[1].0, "patched sites overlap (in the file: {in_file}): {w:x?}");
+        }
+    }
+}
+
+/// A fuzzed input's .init section was as long as .plt and .text after it:
+/// the scan swept those bytes twice and gave each of main's calls as two
+/// sites at one address, both patched ("sites of the table overlap", when
+/// the patched file's image was read). An instruction is now one site.
+#[test]
+fn code_that_two_sections_cover_gives_each_site_once() {
+    let data = fixture("every_c");
+    let elf = Elf::parse(&data).unwrap();
+    let (init, text) = (
+        elf.sections.iter().position(|s| s.name == ".init").unwrap(),
+        elf.sections.iter().find(|s| s.name == ".text").unwrap(),
+    );
+    let header = u64::from_le_bytes(data[40..48].try_into().unwrap()) as usize + init * 64;
+    let mut d = data.clone();
+    let end = text.addr.0 + text.size - 0x1000;
+    d[header + 32..header + 40].copy_from_slice(&end.to_le_bytes());
+    let a = analysis(&d, "every_c");
+    let addrs: Vec<u64> = a.scan.sites.iter().map(|s| s.vaddr.0).collect();
+    assert!(addrs.windows(2).all(|w| w[0] < w[1]), "one site per address: {addrs:x?}");
+    for s in &analysis(&data, "every_c").scan.sites {
+        assert!(addrs.contains(&s.vaddr.0), "the site at {:#x} is still found", s.vaddr.0);
+    }
+    let p = plan_of(&d, &a, &opts()).unwrap();
+    assert_patched_sites_apart(&p, &a);
+    let out = patch(&d, &a, &opts()).unwrap().to_vec();
+    alloctramp_patcher::image::switched_image(&out).expect("the patched file's image");
+}
+
+/// Sites whose bytes overlap, by address or only in the file (calls
+/// decoded across each other, or two addresses of the same bytes): the
+/// first keeps its trampoline, the other is skipped and names it.
+#[test]
+fn a_site_overlapping_an_earlier_one_is_skipped() {
+    let data = fixture("every_c");
+    for in_file_only in [false, true] {
+        let mut a = analysis(&data, "every_c");
+        let first = a.scan.sites[0].clone();
+        let mut other = a.scan.sites[1].clone();
+        other.offset = FileOffset(first.offset.0 + 2);
+        if !in_file_only {
+            other.vaddr = alloctramp_trampolines::addr::Vaddr(first.vaddr.0 + 2);
+            a.scan.sites.insert(1, other);
+        } else {
+            a.scan.sites[1] = other;
+        }
+        let p = plan_of(&data, &a, &opts()).unwrap();
+        assert!(p.sites[0].trampoline().is_some());
+        match &p.sites[1].decision {
+            Decision::Skipped(r @ SkipReason::Overlaps(at)) => {
+                assert_eq!(*at, first.vaddr);
+                assert_eq!(r.to_string(), format!("its bytes overlap those of the site at {}", first.vaddr));
+            }
+            d => panic!("in the file only: {in_file_only}: {d:?}"),
+        }
+        assert_eq!(p.skipped().count(), 1, "only the later site");
+        assert_patched_sites_apart(&p, &a);
+    }
+}
+
 /// Each fixture's plan dump (patcher/tests/golden/NAME.plan).
 fn golden_dumps() -> Vec<(String, String)> {
     FIXTURES
