@@ -5,7 +5,7 @@
 use crate::patch::patch_to;
 use crate::runtime::{Server, counters_dir, live_figures, only_counters_file};
 use crate::util::*;
-use alloctramp_trampolines::entry::Kind;
+use alloctramp_trampolines::entry::{Kind, Target};
 use alloctramp_trampolines::process::{ProcessFile, flags};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -143,37 +143,48 @@ fn reset_forgets_tracked_objects_and_off_now_marks_figures_incomplete() {
 
 /// Runs a program that prints `held OBJECTS BYTES` (what it still holds
 /// at exit) patched, with profiling on from the start: its output is the
-/// original's, the live figures sum to what it holds, and every free was
-/// of a tracked object.
+/// original's, the live figures of its source's lines sum to what it
+/// holds, and every free was of a tracked object.
 /// `preload`: a shared library to run both programs with (`LD_PRELOAD`).
 fn live_figures_equal_what_the_program_holds(name: &str, preload: Option<&Path>) -> String {
     let b = built(Config::default_o2());
+    let source = program(name).src.file_name().unwrap().to_str().unwrap().to_string();
+    live_figures_equal_what_it_holds(&b.path(name), &source, preload, 0)
+}
+
+/// [`live_figures_equal_what_the_program_holds`] for the program `original`
+/// built from `source` (its file name), where code linked in from
+/// elsewhere (a static library) still holds `outside` objects at exit.
+fn live_figures_equal_what_it_holds(original: &Path, source: &str, preload: Option<&Path>, outside: u64) -> String {
     let dir = counters_dir(test_name());
-    let bin = dir.join(format!("{name}.bin"));
-    patch_to(&b.path(name), &bin, &[]);
+    let bin = dir.join(format!("{}.bin", original.file_name().unwrap().to_str().unwrap()));
+    patch_to(original, &bin, &[]);
     let mut env = vec![("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())];
     if let Some(lib) = preload {
         env.push(("LD_PRELOAD", lib.to_str().unwrap()));
     }
     let (out, err, code) = run_program(&bin, &[], &env);
     assert_eq!(code, 0, "{err}");
-    let (original, _, _) = run_program(&b.path(name), &[], &env[2..]);
-    assert_eq!(out, original);
+    let (unpatched, _, _) = run_program(original, &[], &env[2..]);
+    assert_eq!(out, unpatched);
     let held = out.lines().find_map(|l| l.strip_prefix("held ")).expect("a held line");
     let mut w = held.split_whitespace().map(|v| v.parse::<u64>().unwrap());
     let (objects, bytes) = (w.next().unwrap(), w.next().unwrap());
     let live: Live = live_figures(&only_counters_file(&dir));
-    let sum = live.values().fold((0, 0, 0), |a, v| (a.0 + v.0, a.1 + v.1, a.2 + v.2));
+    let (own, other): (Live, Live) = live.clone().into_iter().partition(|((f, _, _), _)| f == source);
+    let sum = own.values().fold((0, 0, 0), |a, v| (a.0 + v.0, a.1 + v.1, a.2 + v.2));
     assert_eq!((sum.0, sum.1), (objects, bytes), "live figures equal what the program holds");
+    let beside = other.values().fold((0, 0), |a, v| (a.0 + v.0, a.1 + v.2));
+    assert_eq!(beside, (outside, 0), "objects held outside the program's source: {other:?}");
     assert_eq!(sum.2, 0, "every free was of a tracked object");
     // Every allocating line the program names: its figures exactly.
     for l in out.lines().filter_map(|l| l.strip_prefix("site ")) {
         let v: Vec<u64> = l.split_whitespace().map(|v| v.parse().unwrap()).collect();
         let at_line = live
             .iter()
-            .filter(|((f, line, _), _)| f == &format!("{name}.c") && u64::from(*line) == v[0])
+            .filter(|((f, line, _), _)| f == source && u64::from(*line) == v[0])
             .fold((0, 0), |a, (_, f)| (a.0 + f.0, a.1 + f.1));
-        assert_eq!(at_line, (v[1], v[2]), "{name}.c:{}: live objects and bytes", v[0]);
+        assert_eq!(at_line, (v[1], v[2]), "{source}:{}: live objects and bytes", v[0]);
     }
     let file = std::fs::read(only_counters_file(&dir)).unwrap();
     let pf = ProcessFile::parse(&file).unwrap();
@@ -185,6 +196,55 @@ fn live_figures_equal_what_the_program_holds(name: &str, preload: Option<&Path>)
 #[test]
 fn eight_threads_a_million_objects_in_flight() {
     live_figures_equal_what_the_program_holds("live_stress", None);
+}
+
+/// A C++ program with libstdc++ linked in (`-static-libstdc++`) defines
+/// operator new and delete itself, as wrappers of malloc and free: its
+/// objects are the process's malloc's, recorded by plain store like a C
+/// program's (`Scan::forward_own_definitions`), and its live figures stay
+/// exact with 8 threads deleting each other's objects.
+#[test]
+fn a_program_with_libstdcxx_linked_in_keeps_live_figures_exact() {
+    let dir = counters_dir(&format!("{}-build", test_name()));
+    let exe = build_source("libstdcxx/live_stress.cpp", &dir);
+    let data = std::fs::read(&exe).unwrap();
+    let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
+    let a = alloctramp_patcher::analyze_with(&data, "live_stress", None, &[], &search).unwrap();
+    assert!(!a.scan.own_definitions.is_empty(), "the program defines operator new");
+    assert!(!a.scan.own_allocator, "its operator new only leads to malloc");
+    let new = a.scan.entries.iter().position(|e| e.target == Target::Symbol("_Znam".into())).unwrap();
+    assert!(a.scan.plain_store(new), "new[] is recorded by plain store");
+    // (libstdc++'s emergency pool for exceptions, allocated at start-up.)
+    live_figures_equal_what_it_holds(&exe, "live_stress.cpp", None, 1);
+}
+
+/// An operator new of the program's own that hands out pieces of an
+/// arena, side by side, is another allocator: the file's objects keep
+/// compare-and-swap records.
+#[test]
+fn a_program_s_own_pool_operator_new_keeps_compare_and_swap_records() {
+    let dir = counters_dir(test_name());
+    let src = dir.join("pool_new.cpp");
+    std::fs::write(
+        &src,
+        "#include <cstdlib>\n#include <new>\n\
+         static unsigned char arena[1 << 16] alignas(16);\nstatic std::size_t used;\n\
+         void *operator new(std::size_t n) { void *p = arena + used; used += (n + 15) & ~std::size_t(15); return p; }\n\
+         void operator delete(void *) noexcept {}\n\
+         int main() { int *a = new int(1); int *b = new int(2); int r = *a + *b - 3; delete a; delete b;\n\
+         void *c = std::malloc(4); std::free(c); return r; }\n",
+    )
+    .unwrap();
+    let bin = dir.join("pool_new");
+    let out = std::process::Command::new("g++").args(["-O2", "-o"]).arg(&bin).arg(&src).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let data = std::fs::read(&bin).unwrap();
+    let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
+    let a = alloctramp_patcher::analyze_with(&data, "pool_new", None, &[], &search).unwrap();
+    assert!(!a.scan.own_definitions.is_empty(), "the program defines operator new");
+    assert!(a.scan.own_allocator, "its operator new is an allocator of its own");
+    let malloc = a.scan.entries.iter().position(|e| e.target == Target::Symbol("malloc".into())).unwrap();
+    assert!(!a.scan.plain_store(malloc));
 }
 
 /// Objects of 1 KiB or more, which the shadow map describes with a record

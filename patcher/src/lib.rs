@@ -183,6 +183,7 @@ pub fn analyze_with(
     };
     let slots = slots::attach(&elf, &mut entries, &mut charged);
     let mut scan = scan::scan_with(&elf, entries, user_entries, slots)?;
+    scan.forward_own_definitions(&found);
     let hookable = charge::assign(&elf, &mut scan, &charged, unwinding);
     if wrapper_opts.entry_hooks {
         hooks::add(&elf, &mut scan, &hookable);

@@ -5,7 +5,7 @@
 use crate::elf::{Elf, FileType, Section};
 use crate::error::{Error, ErrorKind, Location, Result};
 use alloctramp_trampolines::addr::{FileOffset, Vaddr};
-use alloctramp_trampolines::entry::{EntryPoint, Heap, Target};
+use alloctramp_trampolines::entry::{EntryPoint, Heap, Kind, Target};
 use alloctramp_trampolines::layout::SiteForm;
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
 use std::collections::HashMap;
@@ -136,9 +136,14 @@ pub struct Scan {
     pub keys: HashMap<usize, Keys>,
     /// The entries the user named.
     pub user: std::ops::Range<usize>,
-    /// The file defines a default entry itself (its own malloc or
-    /// operator new, which may be another allocator).
+    /// The file defines a default entry that allocates itself (its own
+    /// malloc or operator new, which may be another allocator), and not
+    /// only as a way to the process's malloc (see
+    /// [`Scan::forward_own_definitions`]).
     pub own_allocator: bool,
+    /// The file's own definitions of default entries: (address, entry),
+    /// sorted.
+    pub own_definitions: Vec<(Vaddr, usize)>,
     /// The file reaches a default entry of another heap than the
     /// process's malloc ([`Heap::Other`]: jemalloc's `mallocx`,
     /// mimalloc's `mi_malloc`).
@@ -163,6 +168,53 @@ impl Scan {
             return self.entries.get(entry).is_some_and(|e| e.heap == Heap::Malloc);
         }
         self.user.is_empty() && !self.other_heap
+    }
+
+    /// Clears [`Scan::own_allocator`] where each of the file's own
+    /// definitions of a default entry that allocates is only a way to the
+    /// process's malloc: a wrapper found (`wrappers`, by
+    /// `crate::wrappers::discover`) that returns unchanged what its call of
+    /// the process's malloc returns, or tail-calls it; that call goes
+    /// through the PLT or GOT, or to another such definition. (libstdc++'s
+    /// operator new, linked into a program with `-static-libstdc++`: its
+    /// objects are malloc's, which the runtime checks is glibc's, and their
+    /// records can take a plain store.) Without the search, or with any
+    /// other definition, the file keeps compare-and-swap records.
+    pub fn forward_own_definitions(&mut self, wrappers: &[crate::wrappers::Wrapper]) {
+        use crate::wrappers::{Callee, Why};
+        let allocates = |i: usize| self.entries.get(i).is_some_and(|e| e.sig.kind != Kind::Free);
+        let mut pending: Vec<u64> =
+            self.own_definitions.iter().filter(|&&(_, i)| allocates(i)).map(|(a, _)| a.0).collect();
+        let mut forwarding: Vec<u64> = Vec::new();
+        loop {
+            let before = pending.len();
+            pending.retain(|&addr| {
+                let Some(w) = wrappers.iter().find(|w| w.start == addr) else { return true };
+                let at = match w.why {
+                    Why::Returns { at, offset: 0 } | Why::TailCall { at } => at,
+                    _ => return true,
+                };
+                let call =
+                    self.sites.binary_search_by_key(&Vaddr(at), |s| s.vaddr).ok().and_then(|k| self.sites.get(k));
+                let to_malloc = call.is_some_and(|c| {
+                    c.entry < self.user.start
+                        && self.entries.get(c.entry).is_some_and(|e| e.heap == Heap::Malloc)
+                        && (c.via != Via::Direct || forwarding.contains(&c.target.0))
+                });
+                let plain = matches!(w.role, Callee::Alloc { .. } | Callee::Realloc { .. }) && w.offsets.result == 0;
+                if plain && to_malloc {
+                    forwarding.push(addr);
+                }
+                !(plain && to_malloc)
+            });
+            if pending.is_empty() {
+                self.own_allocator = false;
+                return;
+            }
+            if pending.len() == before {
+                return;
+            }
+        }
     }
 
     /// Whether entry `entry`'s allocator returns 8-aligned pointers only:
@@ -354,13 +406,21 @@ pub fn scan_with(
     slots: Vec<(u64, usize)>,
 ) -> Result<Scan> {
     let (targets, found) = resolve_targets(elf, &entries, &slots);
-    let own_allocator = targets.code.values().any(|&(i, via)| via == Via::Direct && i < user.start);
+    let mut own_definitions: Vec<(Vaddr, usize)> = targets
+        .code
+        .iter()
+        .filter(|&(_, &(i, via))| via == Via::Direct && i < user.start)
+        .map(|(&addr, &(i, _))| (Vaddr(addr), i))
+        .collect();
+    own_definitions.sort_unstable();
+    let own_allocator = own_definitions.iter().any(|&(_, i)| entries.get(i).is_some_and(|e| e.sig.kind != Kind::Free));
     let other_heap = (0..user.start).any(|i| found.get(i) == Some(&true) && entries[i].heap == Heap::Other);
     let mut out = Scan {
         unresolved: user.clone().filter(|&i| !found[i]).collect(),
         entries,
         user,
         own_allocator,
+        own_definitions,
         other_heap,
         slots,
         ..Scan::default()
