@@ -214,37 +214,68 @@ fn a_program_with_libstdcxx_linked_in_keeps_live_figures_exact() {
     assert!(!a.scan.own_allocator, "its operator new only leads to malloc");
     let new = a.scan.entries.iter().position(|e| e.target == Target::Symbol("_Znam".into())).unwrap();
     assert!(a.scan.plain_store(new), "new[] is recorded by plain store");
-    // (libstdc++'s emergency pool for exceptions, allocated at start-up.)
+    // The command's patched file has the plain path (`bts` of an entry's
+    // LIVE bit), which only plain-store trampolines hold.
+    let patched = dir.join("live_stress.patched");
+    patch_to(&exe, &patched, &[]);
+    let asm = std::process::Command::new("objdump").args(["-d", "-j", ".alloctramp.text"]).arg(&patched).output();
+    let asm = String::from_utf8(asm.unwrap().stdout).unwrap();
+    let plain = |l: &&str| l.contains("\tbtsl") && l.contains("$0x2,(");
+    assert!(asm.lines().any(|l| plain(&l)), "a plain-store path in the trampolines");
+    // (GLIBCXX_TUNABLES could size libstdc++'s emergency pool for
+    // exceptions, allocated at start-up, which the figures count.)
+    assert!(std::env::var_os("GLIBCXX_TUNABLES").is_none(), "the test needs libstdc++'s default pool");
     live_figures_equal_what_it_holds(&exe, "live_stress.cpp", None, 1);
 }
 
-/// An operator new of the program's own that hands out pieces of an
-/// arena, side by side, is another allocator: the file's objects keep
-/// compare-and-swap records.
+/// An operator new of the program's own that is more than a way to malloc
+/// keeps the file's records compare-and-swap: one that hands out pieces of
+/// an arena, side by side; one that takes small objects from a wrapper
+/// with a size header and the others from malloc (two sources); one that
+/// returns malloc's pointer on one path and a header's length past it on
+/// another.
 #[test]
-fn a_program_s_own_pool_operator_new_keeps_compare_and_swap_records() {
+fn a_program_s_own_operator_new_that_is_more_than_malloc_keeps_compare_and_swap_records() {
+    const SHAPES: [(&str, &str); 3] = [
+        (
+            "arena",
+            "static unsigned char arena[1 << 16] alignas(16);\nstatic std::size_t used;\n\
+            void *operator new(std::size_t n) { void *p = arena + used; used += (n + 15) & ~std::size_t(15); return p; }\n",
+        ),
+        (
+            "two_sources",
+            "__attribute__((noinline)) static void *small_new(std::size_t n) {\n\
+            char *p = static_cast<char *>(std::malloc(n + 16)); if (!p) std::abort(); return p + 16; }\n\
+            void *operator new(std::size_t n) { if (n <= 16) return small_new(n);\n\
+            void *p = std::malloc(n); if (!p) std::abort(); return p; }\n",
+        ),
+        (
+            "two_offsets",
+            "static volatile int whole;\n\
+            void *operator new(std::size_t n) { char *p = static_cast<char *>(std::malloc(n + 16)); if (!p) std::abort();\n\
+            if (whole) { asm volatile(\"\" ::: \"memory\"); return p; } return p + 16; }\n",
+        ),
+    ];
     let dir = counters_dir(test_name());
-    let src = dir.join("pool_new.cpp");
-    std::fs::write(
-        &src,
-        "#include <cstdlib>\n#include <new>\n\
-         static unsigned char arena[1 << 16] alignas(16);\nstatic std::size_t used;\n\
-         void *operator new(std::size_t n) { void *p = arena + used; used += (n + 15) & ~std::size_t(15); return p; }\n\
-         void operator delete(void *) noexcept {}\n\
-         int main() { int *a = new int(1); int *b = new int(2); int r = *a + *b - 3; delete a; delete b;\n\
-         void *c = std::malloc(4); std::free(c); return r; }\n",
-    )
-    .unwrap();
-    let bin = dir.join("pool_new");
-    let out = std::process::Command::new("g++").args(["-O2", "-o"]).arg(&bin).arg(&src).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let data = std::fs::read(&bin).unwrap();
-    let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
-    let a = alloctramp_patcher::analyze_with(&data, "pool_new", None, &[], &search).unwrap();
-    assert!(!a.scan.own_definitions.is_empty(), "the program defines operator new");
-    assert!(a.scan.own_allocator, "its operator new is an allocator of its own");
-    let malloc = a.scan.entries.iter().position(|e| e.target == Target::Symbol("malloc".into())).unwrap();
-    assert!(!a.scan.plain_store(malloc));
+    for (name, new) in SHAPES {
+        let src = dir.join(format!("{name}.cpp"));
+        let program = format!(
+            "#include <cstdlib>\n#include <new>\n{new}void operator delete(void *) noexcept {{}}\n\
+             int main() {{ int *a = new int(1); int *b = new int(2); int r = *a + *b - 3; delete a; delete b;\n\
+             void *c = std::malloc(4); std::free(c); return r; }}\n"
+        );
+        std::fs::write(&src, program).unwrap();
+        let bin = dir.join(name);
+        let out = std::process::Command::new("g++").args(["-O2", "-o"]).arg(&bin).arg(&src).output().unwrap();
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let data = std::fs::read(&bin).unwrap();
+        let search = alloctramp_patcher::wrappers::Options { search: true, charge: true, ..Default::default() };
+        let a = alloctramp_patcher::analyze_with(&data, name, None, &[], &search).unwrap();
+        assert!(!a.scan.own_definitions.is_empty(), "{name}: the program defines operator new");
+        assert!(a.scan.own_allocator, "{name}: its operator new is more than a way to malloc");
+        let malloc = a.scan.entries.iter().position(|e| e.target == Target::Symbol("malloc".into())).unwrap();
+        assert!(!a.scan.plain_store(malloc), "{name}");
+    }
 }
 
 /// Objects of 1 KiB or more, which the shadow map describes with a record

@@ -173,16 +173,20 @@ impl Scan {
     /// Clears [`Scan::own_allocator`] where each of the file's own
     /// definitions of a default entry that allocates is only a way to the
     /// process's malloc: a wrapper found (`wrappers`, by
-    /// `crate::wrappers::discover`) that returns unchanged what its call of
-    /// the process's malloc returns, or tail-calls it; that call goes
-    /// through the PLT or GOT, or to another such definition. (libstdc++'s
-    /// operator new, linked into a program with `-static-libstdc++`: its
-    /// objects are malloc's, which the runtime checks is glibc's, and their
-    /// records can take a plain store.) Without the search, or with any
-    /// other definition, the file keeps compare-and-swap records.
+    /// `crate::wrappers::discover`) whose every path returns, at offset 0,
+    /// what its one call of an allocator returns, or tail-calls it
+    /// ([`Wrapper::one_source`](crate::wrappers::Wrapper)), where that call
+    /// is of a process-malloc entry the file imports (through the PLT or
+    /// GOT), or of another such definition. (libstdc++'s operator new,
+    /// linked into a program with `-static-libstdc++`: its objects are
+    /// malloc's, which the runtime checks is glibc's, and their records can
+    /// take a plain store.) Without the search, or with any other
+    /// definition (a pool on one path, a size header), the file keeps
+    /// compare-and-swap records.
     pub fn forward_own_definitions(&mut self, wrappers: &[crate::wrappers::Wrapper]) {
         use crate::wrappers::{Callee, Why};
         let allocates = |i: usize| self.entries.get(i).is_some_and(|e| e.sig.kind != Kind::Free);
+        let own = |i: usize| self.own_definitions.iter().any(|&(_, e)| e == i);
         let mut pending: Vec<u64> =
             self.own_definitions.iter().filter(|&&(_, i)| allocates(i)).map(|(a, _)| a.0).collect();
         let mut forwarding: Vec<u64> = Vec::new();
@@ -199,9 +203,15 @@ impl Scan {
                 let to_malloc = call.is_some_and(|c| {
                     c.entry < self.user.start
                         && self.entries.get(c.entry).is_some_and(|e| e.heap == Heap::Malloc)
-                        && (c.via != Via::Direct || forwarding.contains(&c.target.0))
+                        && match own(c.entry) {
+                            // The file's own definition, called directly.
+                            true => c.via == Via::Direct && forwarding.contains(&c.target.0),
+                            false => c.via != Via::Direct,
+                        }
                 });
-                let plain = matches!(w.role, Callee::Alloc { .. } | Callee::Realloc { .. }) && w.offsets.result == 0;
+                let plain = matches!(w.role, Callee::Alloc { .. } | Callee::Realloc { .. })
+                    && w.offsets.result == 0
+                    && w.one_source;
                 if plain && to_malloc {
                     forwarding.push(addr);
                 }
@@ -483,11 +493,11 @@ pub fn scan_with(
     }
 
     out.sites.sort_by_key(|s| s.vaddr);
-    out.unpatchable.sort_by_key(|r| (r.vaddr, r.reason));
+    out.unpatchable.sort_by_key(|r| (r.vaddr, r.reason, r.entry));
     // Executable sections that overlap (a malformed file's) are swept once
     // each: an instruction at one address is one site, one reference.
     out.sites.dedup_by_key(|s| s.vaddr);
-    out.unpatchable.dedup_by_key(|r| (r.vaddr, r.reason));
+    out.unpatchable.dedup_by_key(|r| (r.vaddr, r.reason, r.entry));
     Ok(out)
 }
 

@@ -174,6 +174,9 @@ pub struct Wrapper {
     pub chargeable: bool,
     /// Its pointers relative to those of the call at `why`'s address.
     pub offsets: Offsets,
+    /// Every object it returns comes from one call or tail call, `why`'s:
+    /// the only call of an allocator or wrapper its paths make.
+    pub one_source: bool,
 }
 
 /// What [`analyze`] finds a wrapper to be.
@@ -183,6 +186,7 @@ struct Found {
     frees: Frees,
     chargeable: bool,
     offsets: Offsets,
+    one_source: bool,
 }
 
 /// Where a wrapper's pointers are relative to those of the call it makes
@@ -316,8 +320,18 @@ pub fn find(
             if let Some(a) = a
                 && !(again && matches!(a.role, Callee::Free { .. }))
             {
-                let Found { role, why, frees, chargeable, offsets } = a;
-                new.push(Wrapper { start: f.start, end: f.end, role, why, depth, frees, chargeable, offsets });
+                let Found { role, why, frees, chargeable, offsets, one_source } = a;
+                new.push(Wrapper {
+                    start: f.start,
+                    end: f.end,
+                    role,
+                    why,
+                    depth,
+                    frees,
+                    chargeable,
+                    offsets,
+                    one_source,
+                });
             }
         }
         for w in &new {
@@ -808,6 +822,8 @@ struct Ends {
     frees: Vec<(Val, u64)>,
     /// Where results come from: call address per origin.
     first_call: Option<u64>,
+    /// Every call whose result is an object (allocators and wrappers).
+    calls: Vec<u64>,
     /// A path the analysis cannot follow.
     lost: bool,
     /// A result is stored somewhere other than the frame (a global, a list):
@@ -853,6 +869,9 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     for &(v, _) in &ends.returned {
         match v {
             Val::Zero => {}
+            // (Every path returns its object at one offset from the
+            // allocator's pointer, or the offset means nothing.)
+            Val::Result(_, off) if result.is_some_and(|(_, o)| o != off) => other = true,
             Val::Result(Origin::Alloc(s), off) => {
                 alloc = true;
                 ask(s);
@@ -907,7 +926,13 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
             _ => 0,
         };
         let offsets = Offsets { result, ptr: ptr_offset.unwrap_or(0) };
-        return Some(Found { role, why, frees, chargeable: !ends.throws, offsets });
+        let allocating = |c: &Callee| matches!(c, Callee::Alloc { .. } | Callee::Realloc { .. });
+        let tails = ends.tail.iter().filter(|t| allocating(&t.0)).map(|t| t.3);
+        let mut sources: Vec<u64> = ends.calls.iter().copied().chain(tails).collect();
+        sources.sort_unstable();
+        sources.dedup();
+        let one_source = sources.len() == 1;
+        return Some(Found { role, why, frees, chargeable: !ends.throws, offsets, one_source });
     }
     // A free wrapper: every free frees the same argument, and every path
     // that returns frees it or found it NULL (not a reference count's
@@ -926,7 +951,8 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
     }
     let why = Why::Frees { at, offset };
     let offsets = Offsets { result: 0, ptr: offset };
-    Some(Found { role: Callee::Free { ptr: n }, why, frees: Frees::default(), chargeable: !ends.throws, offsets })
+    let (frees, chargeable) = (Frees::default(), !ends.throws);
+    Some(Found { role: Callee::Free { ptr: n }, why, frees, chargeable, offsets, one_source: false })
 }
 
 /// How far [`flow`] follows a function.
@@ -1149,6 +1175,7 @@ fn call(s: &mut State, ins: &Instruction, callee: Option<Callee>, ends: &mut End
     };
     if matches!(result, Val::Result(..)) {
         ends.first_call.get_or_insert(ins.ip());
+        ends.calls.push(ins.ip());
     }
     for r in CALLER_SAVED {
         s.set(r, Val::Unknown);
@@ -1671,6 +1698,7 @@ pub fn discover(elf: &Elf, entries: &[EntryPoint], opts: &Options) -> (Vec<Wrapp
                 frees: Frees::default(),
                 chargeable,
                 offsets: Offsets::default(),
+                one_source: false,
             });
         }
     }

@@ -435,18 +435,18 @@ fn assert_patched_sites_apart(p: &Plan, a: &Analysis) {
 fn code_that_two_sections_cover_gives_each_site_once() {
     let data = fixture("every_c");
     let elf = Elf::parse(&data).unwrap();
-    let (init, text) = (
-        elf.sections.iter().position(|s| s.name == ".init").unwrap(),
-        elf.sections.iter().find(|s| s.name == ".text").unwrap(),
-    );
+    let init = elf.sections.iter().position(|s| s.name == ".init").unwrap();
+    let text = elf.sections.iter().find(|s| s.name == ".text").unwrap();
     let header = u64::from_le_bytes(data[40..48].try_into().unwrap()) as usize + init * 64;
     let mut d = data.clone();
-    let end = text.addr.0 + text.size - 0x1000;
-    d[header + 32..header + 40].copy_from_slice(&end.to_le_bytes());
+    let size = text.addr.0 + text.size - elf.sections[init].addr.0;
+    d[header + 32..header + 40].copy_from_slice(&size.to_le_bytes());
     let a = analysis(&d, "every_c");
+    let before = analysis(&data, "every_c");
+    assert!(a.scan.code_bytes >= before.scan.code_bytes + text.size, "the grown .init is swept too");
     let addrs: Vec<u64> = a.scan.sites.iter().map(|s| s.vaddr.0).collect();
     assert!(addrs.windows(2).all(|w| w[0] < w[1]), "one site per address: {addrs:x?}");
-    for s in &analysis(&data, "every_c").scan.sites {
+    for s in &before.scan.sites {
         assert!(addrs.contains(&s.vaddr.0), "the site at {:#x} is still found", s.vaddr.0);
     }
     let p = plan_of(&d, &a, &opts()).unwrap();
