@@ -241,7 +241,7 @@ pub fn find(
 ) -> (Vec<Wrapper>, Vec<u64>) {
     // A first pass keeps only what each function calls and how it ends; the
     // instructions of the few candidates are decoded again when analyzed.
-    let decoded: Vec<Decoded> = functions.iter().map(|&f| Decoded::new(code, f, false)).collect();
+    let decoded: Vec<Decoded> = map_parallel(functions, |&f| Decoded::new(code, f, false));
     let by_start: FastMap<u64, usize> = functions.iter().enumerate().map(|(i, f)| (f.start, i)).collect();
     let mut found: FastMap<u64, (Callee, u32)> = FastMap::default();
     let own = |t: Target| code.local.get(&t).map_or(t, |&a| Target::Code(a));
