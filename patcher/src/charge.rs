@@ -317,14 +317,14 @@ fn may_throw(e: &EntryPoint) -> bool {
 /// functions' addresses by the hundred thousand.
 fn stored_in_data(elf: &Elf, starts: HashSet<u64>, placed: &HashSet<u64>) -> HashMap<u64, Vec<(u64, bool)>> {
     let mut out: HashMap<u64, Vec<(u64, bool)>> = HashMap::new();
-    if starts.is_empty() {
-        return out;
-    }
+    let (Some(&lo), Some(&hi)) = (starts.iter().min(), starts.iter().max()) else { return out };
     for sec in elf.sections.iter().filter(|s| s.is_alloc() && !s.is_exec()) {
         let skip = (sec.addr.0.wrapping_neg() & 7) as usize;
         for (k, w) in sec.data.get(skip..).unwrap_or_default().chunks_exact(8).enumerate() {
             let v = u64::from_le_bytes(w.try_into().unwrap_or_default());
-            if starts.contains(&v) {
+            // (Most words are no code address at all: only those in the
+            // wrappers' range are looked up.)
+            if (lo..=hi).contains(&v) && starts.contains(&v) {
                 let held = out.entry(v).or_default();
                 if placed.contains(&v) {
                     let data = matches!(sec.sh_type, 1 | 14 | 15 | 16);

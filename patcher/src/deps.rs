@@ -10,6 +10,7 @@
 //! patcher takes bytes.
 
 use crate::elf::Elf;
+use object::ReadRef;
 use object::elf;
 use object::read::elf::{Dyn, ElfFile64};
 use std::path::{Path, PathBuf};
@@ -28,7 +29,7 @@ pub struct Needs {
 }
 
 /// `DT_NEEDED`, `DT_RPATH` and `DT_RUNPATH` of a file.
-pub fn needs(file: &ElfFile64<'_, object::LittleEndian>) -> Needs {
+pub fn needs<'d, R: ReadRef<'d>>(file: &ElfFile64<'d, object::LittleEndian, R>) -> Needs {
     let mut n = Needs::default();
     let Ok(table) = file.elf_dynamic_table() else { return n };
     let e = object::LittleEndian;
@@ -86,8 +87,11 @@ pub fn libraries(path: &Path, elf: &Elf) -> Vec<PathBuf> {
             };
             names.push(name.clone());
             let Some(lib) = lib else { continue };
-            if let Ok(data) = std::fs::read(&lib)
-                && let Ok(file) = ElfFile64::<object::LittleEndian>::parse(&*data)
+            // (Only the parts parsed are read: the library may be large,
+            // libicudata's 31 MB of data.)
+            let cache = std::fs::File::open(&lib).map(object::ReadCache::new);
+            if let Ok(cache) = &cache
+                && let Ok(file) = ElfFile64::<object::LittleEndian, _>::parse(cache)
             {
                 more.push((lib.clone(), needs(&file)));
                 found.push(lib);
