@@ -209,9 +209,7 @@ impl Scan {
                             false => c.via != Via::Direct,
                         }
                 });
-                let plain = matches!(w.role, Callee::Alloc { .. } | Callee::Realloc { .. })
-                    && w.offsets.result == 0
-                    && w.one_source;
+                let plain = matches!(w.role, Callee::Alloc { .. } | Callee::Realloc { .. }) && w.one_source;
                 if plain && to_malloc {
                     forwarding.push(addr);
                 }

@@ -820,9 +820,8 @@ struct Ends {
     tail: Vec<(Callee, Val, Asked, u64)>,
     /// Frees made: value of the pointer argument, at.
     frees: Vec<(Val, u64)>,
-    /// Where results come from: call address per origin.
-    first_call: Option<u64>,
-    /// Every call whose result is an object (allocators and wrappers).
+    /// Every call whose result is an object (allocators and wrappers), in
+    /// the order followed: the first is where results come from.
     calls: Vec<u64>,
     /// A path the analysis cannot follow.
     lost: bool,
@@ -875,13 +874,13 @@ fn analyze(d: &Decoded, f: Function, resolve: &dyn Fn(Target) -> Option<Callee>)
             Val::Result(Origin::Alloc(s), off) => {
                 alloc = true;
                 ask(s);
-                result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
+                result.get_or_insert((ends.calls.first().copied().unwrap_or(f.start), off));
             }
             Val::Result(Origin::ReallocOfArg(n, o, s), off) => {
                 realloc(Some(n));
                 ptr_offset.get_or_insert(o);
                 ask(s);
-                result.get_or_insert((ends.first_call.unwrap_or(f.start), off));
+                result.get_or_insert((ends.calls.first().copied().unwrap_or(f.start), off));
             }
             Val::Result(Origin::Realloc, _) => realloc(None),
             _ => other = true,
@@ -1174,7 +1173,6 @@ fn call(s: &mut State, ins: &Instruction, callee: Option<Callee>, ends: &mut End
         _ => Val::Unknown,
     };
     if matches!(result, Val::Result(..)) {
-        ends.first_call.get_or_insert(ins.ip());
         ends.calls.push(ins.ip());
     }
     for r in CALLER_SAVED {
