@@ -32,6 +32,8 @@ struct Found {
     path: PathBuf,
     bytes: u64,
     state: FileState,
+    /// The site tables the file names.
+    tables: Vec<u64>,
 }
 
 fn examine(path: &Path, pid: u32) -> Option<Found> {
@@ -40,7 +42,9 @@ fn examine(path: &Path, pid: u32) -> Option<Found> {
         return None;
     }
     let mtime = meta.mtime() * 1_000_000_000 + meta.mtime_nsec();
-    let state = match Snapshot::read(path).ok().as_ref().and_then(|s| {
+    let read = Snapshot::read(path).ok();
+    let tables = read.as_ref().map_or(Vec::new(), |s| process::table_ids(&s.bytes));
+    let state = match read.as_ref().and_then(|s| {
         ProcessFile::parse(&s.bytes).ok().map(|pf| {
             let running = file_process_running(&pf);
             let profiled = pf.flags & flags::PROFILED != 0;
@@ -56,7 +60,7 @@ fn examine(path: &Path, pid: u32) -> Option<Found> {
         // Damaged, or written by another version: its process decides.
         None => FileState { running: process_exists(pid), profiled: true, empty: false, mtime },
     };
-    Some(Found { path: path.to_path_buf(), bytes: meta.blocks() * 512, state })
+    Some(Found { path: path.to_path_buf(), bytes: meta.blocks() * 512, state, tables })
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -103,6 +107,9 @@ pub fn run(args: Args) -> Result<()> {
             let _ = std::fs::remove_file(p);
         }
     }
+    // The shared site tables that only removed files named.
+    let named: Vec<u64> = found.iter().zip(&remove).filter(|(_, r)| !**r).flat_map(|(f, _)| f.tables.clone()).collect();
+    let (tables, table_bytes) = remove_unnamed_tables(&dir, &named, args.dry_run);
     let running = found.iter().filter(|f| f.state.running).count();
     let kept = found.len() - n - running;
     eprintln!(
@@ -112,5 +119,44 @@ pub fn run(args: Args) -> Result<()> {
         bytes.div_ceil(1024),
         dir.display()
     );
+    if tables > 0 {
+        eprintln!(
+            "alloctramp: {} {tables} shared site table{} that no remaining counters file names ({} KiB on disk)",
+            if args.dry_run { "would remove" } else { "removed" },
+            if tables == 1 { "" } else { "s" },
+            table_bytes.div_ceil(1024)
+        );
+    }
     Ok(())
+}
+
+/// Removes the shared site tables in `dir` that no remaining counters file
+/// names, once unused for `process::TABLE_GRACE_SECS` (a process starting
+/// may have just found one), with temporary ones as old; how many and
+/// their bytes on disk.
+fn remove_unnamed_tables(dir: &Path, named: &[u64], dry_run: bool) -> (usize, u64) {
+    let tables = dir.join(process::TABLES_DIR);
+    let Ok(entries) = std::fs::read_dir(&tables) else { return (0, 0) };
+    let mut found = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let id = process::shared_table_id(name).unwrap_or(0);
+        if id == 0 && !name.ends_with(".new") {
+            continue;
+        }
+        if let Some(meta) = e.path().symlink_metadata().ok().filter(|m| m.is_file()) {
+            found.push((e.path(), id, meta));
+        }
+    }
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    let used: Vec<(u64, i64)> = found.iter().map(|(_, id, m)| (*id, m.mtime())).collect();
+    let (mut n, mut bytes) = (0, 0);
+    for (remove, (path, _, meta)) in process::tables_to_remove(&used, named, now).into_iter().zip(&found) {
+        if remove && (dry_run || std::fs::remove_file(path).is_ok()) {
+            n += 1;
+            bytes += meta.blocks() * 512;
+        }
+    }
+    (n, bytes)
 }

@@ -1,6 +1,7 @@
 //! Shared pieces of the command line: mapping input files, one-line errors,
 //! and output that tolerates a closed pipe.
 
+use alloctramp_trampolines::process;
 use anyhow::{Context, Result};
 use std::fs::File;
 use std::io::{self, Write};
@@ -139,8 +140,38 @@ impl Snapshot {
             copy_words(&mut bytes[a..e], &map[a..e]);
             at = end.max(data + 1);
         }
+        let dir = path.parent().unwrap_or(Path::new("."));
+        process::read_in_shared_tables(&mut bytes, |id, size| shared_table(dir, id, size));
         Ok(Snapshot { bytes })
     }
+}
+
+/// The shared site table `id` of `size` bytes in `dir`'s tables directory
+/// (see `process::ModuleSlot::table_id`), if it is there and its bytes are
+/// the ones its id names. A table's bytes never change (its id is their
+/// hash), so each is read once per command: `serve` and `top` read the
+/// same files again and again.
+fn shared_table(dir: &Path, id: u64, size: u64) -> Option<Vec<u8>> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static READ: Mutex<Option<HashMap<u64, Vec<u8>>>> = Mutex::new(None);
+    let mut read = READ.lock().unwrap_or_else(|e| e.into_inner());
+    let read = read.get_or_insert_with(HashMap::new);
+    if let Some(t) = read.get(&id) {
+        return Some(t.clone());
+    }
+    let path = dir.join(process::TABLES_DIR).join(process::shared_table_name(id));
+    let file = open_regular(&path).ok()?;
+    if file.metadata().ok()?.len() != size {
+        return None;
+    }
+    let mut t = Vec::with_capacity(size as usize);
+    io::Read::read_to_end(&mut io::Read::take(file, size), &mut t).ok()?;
+    if process::table_id(&t) != id {
+        return None;
+    }
+    read.insert(id, t.clone());
+    Some(t)
 }
 
 /// Copies 8-byte words with single loads: a counter changing while it is

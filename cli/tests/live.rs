@@ -16,7 +16,7 @@ type Live = BTreeMap<(String, u32, String), (u64, u64, u64)>;
 /// Per site of server.c: (calls, live objects, live bytes, untracked frees).
 fn server_sites(s: &Server) -> BTreeMap<u32, (u64, u64, u64, u64)> {
     let file = s.dir.join(format!("{}.counters", s.pid()));
-    let bytes = std::fs::read(&file).unwrap();
+    let bytes = counters_bytes(&file);
     let pf = ProcessFile::parse(&bytes).unwrap();
     let mut m = BTreeMap::new();
     for module in pf.modules().unwrap() {

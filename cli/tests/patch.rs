@@ -440,8 +440,15 @@ fn a_program_whose_runtime_is_missing_runs_unprofiled_and_says_why_once() {
     let on =
         run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d), ("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", c)]);
     assert_eq!(on, (out, String::new(), 0));
-    let files: Vec<_> = std::fs::read_dir(&counters).unwrap().flatten().map(|e| e.path()).collect();
+    let files: Vec<_> = std::fs::read_dir(&counters)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "counters"))
+        .collect();
     assert_eq!(files.len(), 1, "{files:?}");
+    let tables = std::fs::read_dir(counters.join("tables")).unwrap().count();
+    assert_eq!(tables, 2, "the program's site table and the library's");
     let o = alloctramp().args(["report", "--format", "json"]).arg(&files[0]).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();

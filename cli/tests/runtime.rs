@@ -133,7 +133,7 @@ fn check_counts(config: Config) {
 /// tracking figure moved.
 fn assert_no_live_figures(file: &Path) {
     use alloctramp_trampolines::process::ProcessFile;
-    let bytes = std::fs::read(file).unwrap();
+    let bytes = counters_bytes(file);
     let pf = ProcessFile::parse(&bytes).unwrap();
     assert!(!pf.live(), "{}: ALLOCTRAMP_LIVE=0 counts only", file.display());
     for module in pf.modules().unwrap() {
@@ -153,7 +153,7 @@ fn assert_no_live_figures(file: &Path) {
 /// read from a counters file with the shared layout code.
 pub fn live_figures(file: &Path) -> BTreeMap<(String, u32, String), (u64, u64, u64)> {
     use alloctramp_trampolines::process::ProcessFile;
-    let bytes = std::fs::read(file).unwrap();
+    let bytes = counters_bytes(file);
     let pf = ProcessFile::parse(&bytes).unwrap();
     assert!(pf.live(), "{}: live tracking is on by default", file.display());
     let mut m = BTreeMap::new();
@@ -985,6 +985,122 @@ fn private_files_and_refusal_of_unsafe_directories() {
     let (_, e, rc) = run_program(&bin, &[], &[("ALLOCTRAMP_DIR", link.to_str().unwrap())]);
     assert_eq!(rc, expected.2);
     assert!(e.contains("not a directory"), "{e}");
+}
+
+/// The shared site tables in a counters directory's tables directory.
+fn shared_tables(dir: &Path) -> Vec<PathBuf> {
+    let mut t: Vec<PathBuf> =
+        std::fs::read_dir(dir.join("tables")).map(|d| d.map(|e| e.unwrap().path()).collect()).unwrap_or_default();
+    t.sort();
+    t
+}
+
+/// Sets a file's modification time `secs` seconds back.
+fn age(path: &Path, secs: u64) {
+    let then = std::time::SystemTime::now() - Duration::from_secs(secs);
+    std::fs::File::options().write(true).open(path).unwrap().set_modified(then).unwrap();
+}
+
+#[test]
+fn processes_of_one_patched_file_share_its_site_table() {
+    use alloctramp_trampolines::process::{self, ProcessFile};
+    let b = built(Config::default_o2());
+    let dir = counters_dir("shared-tables");
+    let bin = dir.join("basic");
+    patch_to(&b.path("basic"), &bin, &[]);
+    let expected = run_program(&b.path("basic"), &[], &[]);
+    let run = dir.join("run");
+    let on = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", run.to_str().unwrap())];
+    for _ in 0..2 {
+        assert_eq!(run_program(&bin, &[], &on), expected);
+    }
+    // One table, written once, that both files name and neither holds.
+    let tables = shared_tables(&run);
+    assert_eq!(tables.len(), 1, "{tables:?}");
+    let table = std::fs::read(&tables[0]).unwrap();
+    let id = process::table_id(&table);
+    assert_eq!(tables[0].file_name().unwrap().to_str().unwrap(), process::shared_table_name(id));
+    assert_eq!((mode(&run.join("tables")), mode(&tables[0])), (0o700, 0o600));
+    let files: Vec<PathBuf> = {
+        let mut f: Vec<PathBuf> = std::fs::read_dir(&run)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "counters"))
+            .collect();
+        f.sort();
+        f
+    };
+    assert_eq!(files.len(), 2);
+    let mut reports = Vec::new();
+    for f in &files {
+        let raw = std::fs::read(f).unwrap();
+        assert_eq!(process::shared_tables(&raw), [(0, id, table.len() as u64)], "{}", f.display());
+        assert!(!raw.windows(8).any(|w| w == &table[..8]), "{}: no copy of a table (its magic)", f.display());
+        let doc = report(f.to_str().unwrap(), &run);
+        assert!(figures(&doc).values().any(|v| v.0 > 0), "counted: {doc}");
+        reports.push(figures(&doc));
+    }
+    assert_eq!(reports[0], reports[1], "the same program, the same figures");
+
+    // A snapshot holds the table: it reads without the tables directory, a
+    // bare copy of the counters file does not, and says which is missing.
+    let snap = dir.join("basic.snapshot");
+    let o = alloctramp().arg("snapshot").arg(&files[0]).arg("-o").arg(&snap).output().unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let away = dir.join("tables-away");
+    std::fs::rename(run.join("tables"), &away).unwrap();
+    assert_eq!(figures(&report(snap.to_str().unwrap(), &run)), reports[0]);
+    assert_eq!(process::table_ids(&std::fs::read(&snap).unwrap()), [id]);
+    let o = alloctramp().arg("report").arg(&files[0]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!(
+            "module 0: its site table, tables/{} beside the counters file",
+            process::shared_table_name(id)
+        )) && err.contains(files[0].to_str().unwrap()),
+        "{err}"
+    );
+    std::fs::rename(&away, run.join("tables")).unwrap();
+
+    // A clean-up keeps a table while a file names it or it was used lately,
+    // and removes it after.
+    let clean = |keep: &str| {
+        let o = alloctramp().args(["clean", "--keep", keep, "--dir"]).arg(&run).output().unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    age(&tables[0], 3600);
+    let said = clean("1");
+    assert!(!said.contains("shared site table"), "{said}");
+    assert_eq!(shared_tables(&run), tables, "a kept file names it");
+    std::fs::write(run.join("tables").join("00000000000000aa.sites.99.new"), b"part").unwrap();
+    age(&tables[0], 0);
+    let said = clean("0");
+    assert!(said.contains("removed 1 counters file"), "{said}");
+    assert!(!said.contains("shared site table"), "used a moment ago: {said}");
+    assert_eq!(shared_tables(&run).len(), 2, "the table and the fresh temporary stay");
+    for t in shared_tables(&run) {
+        age(&t, 3600);
+    }
+    let said = clean("0");
+    assert!(said.contains("removed 2 shared site tables"), "{said}");
+    assert!(shared_tables(&run).is_empty());
+
+    // Where no table can be shared (the name is taken by a file), the
+    // process copies it into its own file, as before.
+    let copied = dir.join("copied");
+    std::fs::create_dir_all(&copied).unwrap();
+    std::fs::set_permissions(&copied, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    std::fs::write(copied.join("tables"), b"not a directory").unwrap();
+    let on = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", copied.to_str().unwrap())];
+    assert_eq!(run_program(&bin, &[], &on), expected);
+    let file = only_counters_file(&copied);
+    let raw = std::fs::read(&file).unwrap();
+    assert!(process::shared_tables(&raw).is_empty() && process::table_ids(&raw).is_empty());
+    assert_eq!(ProcessFile::parse(&raw).unwrap().modules().unwrap()[0].table.bytes(), &table[..]);
+    assert_eq!(figures(&report(file.to_str().unwrap(), &copied)), reports[0]);
 }
 
 #[test]

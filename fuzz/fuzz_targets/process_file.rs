@@ -1,5 +1,5 @@
 //! Any bytes as a process counters file, through everything `alloctramp
-//! report` does with one: an error, or figures that group, sort, total,
+//! report` does with one (its shared site tables read in first): an error, or figures that group, sort, total,
 //! diff and write in every format (pprof and OpenMetrics too) without a panic, and the call chains and
 //! mappings of its callers region.
 #![no_main]
@@ -10,7 +10,14 @@ use alloctramp_report::{csv, json, pprof, read, text};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(copy) = read::consistent_copy(data) else { return };
+    // The shared site tables a file names, read in from its own last bytes
+    // (bytes whose id is not the table's stay out).
+    let mut data = data.to_vec();
+    let tail = data.clone();
+    alloctramp_trampolines::process::read_in_shared_tables(&mut data, |_, size| {
+        tail.get(tail.len().saturating_sub(usize::try_from(size).unwrap_or(usize::MAX))..).map(<[u8]>::to_vec)
+    });
+    let Ok(copy) = read::consistent_copy(&data) else { return };
     let Ok(pf) = read::parse(&copy) else { return };
     // The callers region: chains and mappings, whatever the header says.
     let chains = pf.chains();

@@ -163,8 +163,13 @@ pub fn consistent_copy(bytes: &[u8]) -> Result<Vec<u8>, CopyError> {
     let mut out = pod::bytes_of(&**h).to_vec();
     let mut regions = Vec::new();
     for (m, sl) in h.published().iter().enumerate() {
-        for (at, size) in [(&sl.table_offset, &sl.table_size), (&sl.counters_offset, &sl.counters_size)] {
+        let regions_of_slot = [(&sl.table_offset, &sl.table_size), (&sl.counters_offset, &sl.counters_size)];
+        for (k, (at, size)) in regions_of_slot.into_iter().enumerate() {
             let (at, size) = (at.load(Ordering::Relaxed) as usize, size.load(Ordering::Relaxed) as usize);
+            if k == 0 && at == 0 {
+                // A shared table not read in: the copy's modules say so.
+                continue;
+            }
             let end = at.checked_add(size).filter(|&e| e <= bytes.len() && at >= head);
             let Some(end) = end else {
                 return Err(CopyError::RegionOutside { module: m });
@@ -383,5 +388,53 @@ pub(crate) mod tests {
         assert_eq!(consistent_copy(short), Err(CopyError::RegionOutside { module: 0 }));
         assert_eq!(CopyError::RegionOutside { module: 0 }.to_string(), "module 0: region outside the file");
         assert_eq!(consistent_copy(b"short"), Err(CopyError::Unreadable(ProcessFileError::NotProcessFile)));
+    }
+
+    /// `bytes` (from [`counters_file`]) with module 0's table moved out, as
+    /// a process that shares it writes its file; and the table.
+    pub fn sharing(bytes: &[u8]) -> (Vec<u8>, Vec<u8>) {
+        let pf = parse(bytes).unwrap();
+        let slot = &pf.header.modules[0];
+        let (at, size) = (slot.table_offset.load(Ordering::Relaxed), slot.table_size.load(Ordering::Relaxed));
+        let table = bytes[at as usize..(at + size) as usize].to_vec();
+        let mut shared = bytes.to_vec();
+        shared[at as usize..(at + size) as usize].fill(0);
+        let slot_at = process::MODULE_SLOTS_AT as usize;
+        shared[slot_at..slot_at + 8].copy_from_slice(&0u64.to_le_bytes());
+        shared[slot_at + 56..slot_at + 64].copy_from_slice(&process::table_id(&table).to_le_bytes());
+        (shared, table)
+    }
+
+    #[test]
+    fn a_shared_table_reads_in_when_its_bytes_have_its_id() {
+        let bytes = counters_file(true, &three_sites(), 0);
+        let expected = format!("{:?}", figures(&parse(&bytes).unwrap()).unwrap().sites);
+        let (shared, table) = sharing(&bytes);
+        let id = process::table_id(&table);
+        assert_eq!(process::shared_tables(&shared), [(0, id, table.len() as u64)]);
+        // Not read in: the module's table is missing, and the message says
+        // where it was looked for.
+        let e = figures(&parse(&shared).unwrap()).err().unwrap();
+        assert_eq!(e, ProcessFileError::SharedTable { module: 0, id });
+        assert!(e.to_string().contains(&format!("tables/{id:016x}.sites beside the counters file")), "{e}");
+        assert_eq!(consistent_copy(&shared), Err(CopyError::Unreadable(e)));
+        // Bytes that are not the table its id names stay out.
+        for wrong in [table[..table.len() - 1].to_vec(), [&table[..100], &[1u8], &table[101..]].concat()] {
+            let mut read = shared.clone();
+            process::read_in_shared_tables(&mut read, |_, _| Some(wrong.clone()));
+            assert_eq!(read, shared);
+        }
+        // Read in: the figures of the file that held its table, and a
+        // consistent copy that holds it too.
+        let mut read = shared.clone();
+        process::read_in_shared_tables(&mut read, |i, size| {
+            (i == id && size == table.len() as u64).then(|| table.clone())
+        });
+        assert_eq!(read.len() as u64 % layout::PAGE, table.len() as u64 % layout::PAGE);
+        assert_eq!(format!("{:?}", figures(&parse(&read).unwrap()).unwrap().sites), expected);
+        let copy = consistent_copy(&read).unwrap();
+        assert_eq!(format!("{:?}", figures(&parse(&copy).unwrap()).unwrap().sites), expected);
+        assert_eq!(process::table_ids(&copy), [id], "the copy keeps the table's id");
+        assert!(process::shared_tables(&copy).is_empty());
     }
 }

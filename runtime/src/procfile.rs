@@ -117,6 +117,20 @@ fn reserve_within(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
     }
 }
 
+/// Writes all of `data` at `off`; the error number if it cannot.
+fn write_at(fd: i32, data: &[u8], off: u64) -> Result<(), i32> {
+    let mut done = 0usize;
+    while let Some(rest) = data.get(done..).filter(|r| !r.is_empty()) {
+        // SAFETY: fd is the caller's; pwrite reads `rest`.
+        let n = unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), (off + done as u64) as i64) };
+        if n <= 0 {
+            return Err(if n < 0 { sys::errno() } else { libc::ENOSPC });
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
 /// What error `e` of a write or a reservation says, when it says the file
 /// system has no room.
 fn no_space(e: i32) -> Option<&'static str> {
@@ -330,7 +344,9 @@ impl ProcFile {
     ) -> Result<(u32, u64), &'static str> {
         let index = self.header.module_count.load(Ordering::Acquire);
         let Some(s) = self.slot(index) else { return Err("too many patched modules") };
-        let (table_off, counters_off, end) = process::module_region(table.len() as u64, counters_size, self.size);
+        let shared = self.share_table(table);
+        let copied = if shared.is_some() { &[][..] } else { table };
+        let (table_off, counters_off, end) = process::module_region(copied.len() as u64, counters_size, self.size);
         let mapped;
         let file = self.reopen()?;
         let fd = file.0;
@@ -346,17 +362,8 @@ impl ProcFile {
         // its pages before the copy). The shards given out so far get
         // their storage; the others get it as threads are given them
         // (`reserve_shard`).
-        let mut done = 0usize;
-        while done < table.len() {
-            // SAFETY: fd is ours; pwrite reads the rest of `table`.
-            let n = unsafe {
-                libc::pwrite(fd, table.as_ptr().add(done).cast(), table.len() - done, (table_off + done as u64) as i64)
-            };
-            if n <= 0 {
-                let e = if n < 0 { sys::errno() } else { libc::ENOSPC };
-                return undo(no_space(e).unwrap_or("cannot write the counters file"));
-            }
-            done += n as usize;
+        if let Err(e) = write_at(fd, copied, table_off) {
+            return undo(no_space(e).unwrap_or("cannot write the counters file"));
         }
         for (from, to) in shard_runs(crate::shards::RESERVED.load(Ordering::Acquire) | 1) {
             let at = counters_off + u64::from(from) * stride;
@@ -407,13 +414,66 @@ impl ProcFile {
             no_readaround(mapped, counters_size as usize);
         }
         self.size = end;
-        s.table_offset.store(table_off, Ordering::Relaxed);
+        s.table_offset.store(if shared.is_some() { 0 } else { table_off }, Ordering::Relaxed);
         s.table_size.store(table.len() as u64, Ordering::Relaxed);
+        s.table_id.store(shared.unwrap_or(0), Ordering::Relaxed);
         s.counters_offset.store(counters_off, Ordering::Relaxed);
         s.counters_size.store(counters_size, Ordering::Relaxed);
         s.bias.store(bias, Ordering::Relaxed);
         self.header.module_count.store(index + 1, Ordering::Release);
         Ok((index, mapped as u64))
+    }
+
+    /// Finds `table` among the shared tables beside the file (see
+    /// `process::ModuleSlot::table_id`), or makes it one; its id, or None
+    /// if it can be neither (the table is then copied into the file).
+    /// Every process of a patched file shares one table this way, rather
+    /// than each writing a copy of it into its own file at start-up (345 KB
+    /// for git, and for every one of the process files kept).
+    fn share_table(&self, table: &[u8]) -> Option<u64> {
+        let id = process::table_id(table);
+        let own = self.path.bytes();
+        let dir = own.iter().rposition(|&c| c == b'/').and_then(|i| own.get(..i)).unwrap_or(b".");
+        let mut tables = path_in(dir, process::TABLES_DIR.as_bytes());
+        let mut name = Buf::<64>::new();
+        name.hex16(id).str(".sites");
+        let mut path = path_in(tables.bytes(), name.bytes());
+        // SAFETY: the path is NUL-terminated.
+        let fd = unsafe { libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        if fd >= 0 {
+            let fd = Fd(fd);
+            // SAFETY: fstat fills a plain struct; futimens on our descriptor.
+            unsafe {
+                let mut st: libc::stat = std::mem::zeroed();
+                let ours = libc::fstat(fd.0, &mut st) == 0
+                    && st.st_mode & libc::S_IFMT == libc::S_IFREG
+                    && st.st_uid == libc::geteuid()
+                    && st.st_size as u64 == table.len() as u64;
+                // Its time says it is in use (a clean-up leaves tables
+                // touched lately, whose processes may not have published
+                // their modules yet).
+                return (ours && libc::futimens(fd.0, std::ptr::null()) == 0).then_some(id);
+            }
+        }
+        if sys::errno() != libc::ENOENT || within_limit(table.len() as u64).is_err() {
+            return None;
+        }
+        // Written aside and renamed into place: a table under its name is
+        // always whole. Two processes writing it at once write the same
+        // bytes.
+        ensure_dir(tables.c_str()).ok()?;
+        // SAFETY: getpid has no preconditions.
+        name.str(".").num(u64::from(unsafe { libc::getpid() } as u32)).str(".new");
+        let mut tmp = path_in(tables.bytes(), name.bytes());
+        let fd = Fd(create_file(tmp.c_str()).ok()?);
+        // SAFETY: NUL-terminated paths.
+        unsafe {
+            if write_at(fd.0, table, 0).is_err() || libc::rename(tmp.c_str().as_ptr(), path.c_str().as_ptr()) != 0 {
+                libc::unlink(tmp.c_str().as_ptr());
+                return None;
+            }
+        }
+        Some(id)
     }
 
     /// Publishes module `index`'s first site id (see
@@ -596,8 +656,9 @@ fn counted_nothing(f: &std::fs::File) -> bool {
 /// nothing before they replaced their program (a forked child that ran
 /// another program), and all but the `process::prune_to(keep)` newest of
 /// the others, with
-/// their leftover control and temporary files. Reads each file's first
-/// page, and the counters of those whose process ended without exiting.
+/// their leftover control and temporary files; then the shared site tables
+/// no remaining file names. Reads each file's header, and the counters of
+/// those whose process ended without exiting.
 /// With `within_bound` false, a directory with no more than `keep` counters
 /// files is left as it is (only its names are read). Not in signal context.
 pub fn prune(dir: &str, keep: usize, within_bound: bool) {
@@ -617,7 +678,7 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
     if !within_bound && names.iter().filter(|n| n.ends_with(".counters")).count() <= keep {
         return;
     }
-    let mut found: Vec<(u32, process::FileState)> = Vec::new();
+    let mut found: Vec<(u32, process::FileState, Vec<u64>)> = Vec::new();
     let mut strays: Vec<std::path::PathBuf> = Vec::new();
     for name in &names {
         let path = std::path::Path::new(dir).join(name);
@@ -648,6 +709,9 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
         let Some(h) = f.read_exact_at(&mut head, 0).ok().and_then(|()| process::Summary::read(&head)) else {
             continue;
         };
+        // The module slots, for the tables the file names.
+        let mut slots = vec![0u8; PROC_HEADER_SIZE as usize];
+        let tables = f.read_exact_at(&mut slots, 0).map_or(Vec::new(), |()| process::table_ids(&slots));
         let current = h.version == process::PROC_VERSION;
         let running = !h.exited && runs(h.pid, h.exe);
         // A file of another version: keep it like a snapshot.
@@ -658,11 +722,15 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
             empty: current && profiled && !running && !h.exited && counted_nothing(&f),
             mtime: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
         };
-        found.push((pid, state));
+        found.push((pid, state, tables));
     }
     let states: Vec<process::FileState> = found.iter().map(|f| f.1).collect();
-    for (remove, (pid, _)) in process::files_to_remove(&states, process::prune_to(keep)).into_iter().zip(&found) {
-        if remove {
+    let mut named = Vec::new();
+    for (remove, (pid, _, tables)) in process::files_to_remove(&states, process::prune_to(keep)).into_iter().zip(&found)
+    {
+        if !remove {
+            named.extend_from_slice(tables);
+        } else {
             let _ = std::fs::remove_file(format!("{dir}/{pid}.counters"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.control"));
             let _ = std::fs::remove_file(format!("{dir}/{pid}.unwind"));
@@ -673,6 +741,39 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
     }
     for p in strays {
         let _ = std::fs::remove_file(p);
+    }
+    remove_unnamed_tables(dir, &named);
+}
+
+/// Removes the shared tables in `dir` that no process file there names
+/// (`named`: the ids the remaining files name) once unused for
+/// `process::TABLE_GRACE_SECS`, and temporary ones as old.
+fn remove_unnamed_tables(dir: &str, named: &[u64]) {
+    let tables = path_in(dir.as_bytes(), process::TABLES_DIR.as_bytes());
+    let Ok(tables_dir) = std::str::from_utf8(tables.bytes()) else { return };
+    let mut found: Vec<(Path, u64, i64)> = Vec::new();
+    sys::for_each_dir_entry(tables_dir, |n| {
+        let Ok(name) = std::str::from_utf8(n) else { return };
+        // (A temporary one is never named: id 0.)
+        let id = process::shared_table_id(name).unwrap_or(0);
+        if id != 0 || name.ends_with(".new") {
+            let mut path = path_in(tables.bytes(), n);
+            // SAFETY: a NUL-terminated path; lstat fills a plain struct.
+            unsafe {
+                let mut st: libc::stat = std::mem::zeroed();
+                if libc::lstat(path.c_str().as_ptr(), &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG {
+                    found.push((path, id, st.st_mtime));
+                }
+            }
+        }
+    });
+    let used: Vec<(u64, i64)> = found.iter().map(|f| (f.1, f.2)).collect();
+    let now = sys::now_secs() as i64;
+    for (remove, (path, _, _)) in process::tables_to_remove(&used, named, now).into_iter().zip(&mut found) {
+        if remove {
+            // SAFETY: a NUL-terminated path.
+            unsafe { libc::unlink(path.c_str().as_ptr()) };
+        }
     }
 }
 

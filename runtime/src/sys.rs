@@ -40,6 +40,15 @@ impl<const N: usize> Buf<N> {
         }
         self.push(digits.get(i..).unwrap_or_default())
     }
+    /// `v` as 16 lower-case hex digits.
+    pub fn hex16(&mut self, v: u64) -> &mut Self {
+        let mut digits = [0u8; 16];
+        for (i, d) in digits.iter_mut().enumerate() {
+            let nibble = (v >> (60 - 4 * i)) & 0xf;
+            *d = if nibble < 10 { b'0' + nibble as u8 } else { b'a' + nibble as u8 - 10 };
+        }
+        self.push(&digits)
+    }
     pub fn bytes(&self) -> &[u8] {
         self.data.get(..self.len).unwrap_or_default()
     }

@@ -4,7 +4,8 @@
 //! ```text
 //! Header       PROC_HEADER_SIZE bytes: magic, version, pid, state, ...
 //!              MAX_MODULES module slots
-//! per module   a copy of its site table (page-aligned)
+//! per module   a copy of its site table (page-aligned), unless the table
+//!              is shared: `tables/ID.sites` beside the file
 //!              its counters (page-aligned), mapped by the runtime over the
 //!              module's .alloctramp.counters with MAP_SHARED|MAP_FIXED
 //! callers      (once callers capture was first switched on, page-aligned)
@@ -31,6 +32,10 @@ pub enum ProcessFileError {
     ModuleOutside { module: usize },
     /// A module's site table copy is unreadable.
     ModuleTable { module: usize, error: TableError },
+    /// A module's site table is a shared table (see [`shared_table_name`])
+    /// that was not read into the bytes: missing, or not the table its id
+    /// names.
+    SharedTable { module: usize, id: u64 },
 }
 
 impl ProcessFileError {
@@ -54,6 +59,12 @@ impl std::fmt::Display for ProcessFileError {
                 write!(f, "module {module}: region outside the file (truncated snapshot?)")
             }
             ProcessFileError::ModuleTable { module, error } => write!(f, "module {module}: {error}"),
+            ProcessFileError::SharedTable { module, id } => write!(
+                f,
+                "module {module}: its site table, {TABLES_DIR}/{} beside the counters file, is missing or \
+                 damaged (copy a process's figures with `alloctramp snapshot`, which includes its tables)",
+                shared_table_name(*id)
+            ),
         }
     }
 }
@@ -72,7 +83,7 @@ use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 pub const REQUEST_SIGNAL_VALUE: usize = 0x6174_7271; // "atrq"
 
 pub const PROC_MAGIC: [u8; 8] = *b"ATPROC\x00\x01";
-pub const PROC_VERSION: u32 = 4;
+pub const PROC_VERSION: u32 = 5;
 pub const PROC_HEADER_SIZE: u64 = size_of::<ProcHeader>() as u64;
 pub const MODULE_SLOT_SIZE: u64 = size_of::<ModuleSlot>() as u64;
 pub const MODULE_SLOTS_AT: u64 = offset_of!(ProcHeader, modules) as u64;
@@ -183,7 +194,8 @@ pub struct ProcHeader {
 /// One module's place in the process file.
 #[repr(C)]
 pub struct ModuleSlot {
-    /// File offset and size of the module's site table copy.
+    /// File offset and size of the module's site table copy; offset 0: the
+    /// table is the shared one [`table_id`](Self::table_id) names.
     pub table_offset: AtomicU64,
     pub table_size: AtomicU64,
     /// File offset and size of the module's counters.
@@ -199,7 +211,12 @@ pub struct ModuleSlot {
     /// event traces name sites); 0: none (no live tracking, or a file
     /// written before the field).
     pub first_id: AtomicU32,
-    pub reserved: [u8; 12],
+    pub reserved: [u8; 4],
+    /// The [`table_id`] of the module's site table (0: none computed). With
+    /// `table_offset` 0 the table is the file [`shared_table_name`] in
+    /// the [`TABLES_DIR`] directory beside the process file, which every
+    /// process of the same patched file shares.
+    pub table_id: AtomicU64,
 }
 
 // SAFETY: repr(C), integers, atomics of integers and byte arrays only.
@@ -261,6 +278,8 @@ pub const SLOT_FIELDS: &[(&str, usize, &str)] = &[
     ("unloaded", offset_of!(ModuleSlot, unloaded), "u32"),
     ("on", offset_of!(ModuleSlot, on), "u32"),
     ("first_id", offset_of!(ModuleSlot, first_id), "u32"),
+    ("reserved", offset_of!(ModuleSlot, reserved), "[u8; 4]"),
+    ("table_id", offset_of!(ModuleSlot, table_id), "u64"),
 ];
 
 // The layout is a file format: these offsets are documented and must not
@@ -276,6 +295,7 @@ const _: () = {
     assert!(offset_of!(ProcHeader, exe_ino) == 296);
     assert!(offset_of!(ProcHeader, modules) == 512);
     assert!(offset_of!(ModuleSlot, unloaded) == 40);
+    assert!(offset_of!(ModuleSlot, table_id) == 56);
     assert!(offset_of!(ProcHeader, callers_offset) == 304 && offset_of!(ProcHeader, callers_request_depth) == 336);
     assert!(offset_of!(ProcHeader, callers_sites) == 344);
     assert!(size_of::<ChainSlot>() == 96 && size_of::<MapEntry>() == 256);
@@ -704,6 +724,9 @@ impl<'a> ProcessFile<'a> {
         for (m, sl) in self.header.published().iter().enumerate() {
             let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as usize;
             let (to, ts) = (get(&sl.table_offset), get(&sl.table_size));
+            if to == 0 {
+                return Err(ProcessFileError::SharedTable { module: m, id: sl.table_id.load(Ordering::Relaxed) });
+            }
             let (co, cs) = (get(&sl.counters_offset), get(&sl.counters_size));
             let tb = to.checked_add(ts).and_then(|e| self.bytes.get(to..e));
             let cb = co.checked_add(cs).and_then(|e| self.bytes.get(co..e));
@@ -731,6 +754,117 @@ pub fn default_dir(xdg_runtime_dir: Option<&str>, uid: u32) -> String {
         Some(d) if d.starts_with('/') => format!("{d}/alloctramp"),
         _ => format!("/tmp/alloctramp-{uid}"),
     }
+}
+
+/// The directory, beside the process files, of the site tables they share
+/// (see [`ModuleSlot::table_id`]).
+pub const TABLES_DIR: &str = "tables";
+
+/// The file name of the shared site table with id `id` in [`TABLES_DIR`].
+pub fn shared_table_name(id: u64) -> String {
+    format!("{id:016x}.sites")
+}
+
+/// The id of a site table: a 64-bit hash of its bytes, never 0. Four lanes
+/// of 8-byte little-endian words (the last block zero-padded), each
+/// `lane = rotl(mul(lane ^ word, K[i]), 31)` from `K[i]`; then the length
+/// and the lanes folded together. Fast enough for every process to compute
+/// at start-up (about 40 us for a table of 1 MB); not a defence against
+/// a forged table, which only a user who can write the directory could
+/// place there.
+pub fn table_id(bytes: &[u8]) -> u64 {
+    const K: [u64; 4] = [0x9e37_79b9_7f4a_7c15, 0xc2b2_ae3d_27d4_eb4f, 0x1656_67b1_9e37_79f9, 0x85eb_ca77_c2b2_ae63];
+    let mut lanes = K;
+    let mix = |lanes: &mut [u64; 4], block: &[u8]| {
+        for ((lane, k), word) in lanes.iter_mut().zip(K).zip(block.chunks_exact(8)) {
+            let w = u64::from_le_bytes(word.try_into().unwrap_or_default());
+            *lane = (*lane ^ w).wrapping_mul(k).rotate_left(31);
+        }
+    };
+    let mut blocks = bytes.chunks_exact(32);
+    for block in &mut blocks {
+        mix(&mut lanes, block);
+    }
+    let rest = blocks.remainder();
+    if !rest.is_empty() {
+        let mut last = [0u8; 32];
+        for (d, &b) in last.iter_mut().zip(rest) {
+            *d = b;
+        }
+        mix(&mut lanes, &last);
+    }
+    let mut h = bytes.len() as u64;
+    for lane in lanes {
+        h = (h ^ lane).wrapping_mul(K[0]).rotate_left(27);
+    }
+    h ^= h >> 31;
+    h = h.wrapping_mul(K[1]);
+    h ^= h >> 29;
+    h.max(1)
+}
+
+/// The shared tables a process file's published modules name: (module,
+/// id, size) of each whose table is not in the file.
+pub fn shared_tables(bytes: &[u8]) -> Vec<(usize, u64, u64)> {
+    let Some(h) = crate::pod::copy::<ProcHeader>(bytes).filter(|h| h.magic == PROC_MAGIC) else {
+        return Vec::new();
+    };
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    h.published()
+        .iter()
+        .enumerate()
+        .filter(|(_, sl)| get(&sl.table_offset) == 0)
+        .map(|(m, sl)| (m, get(&sl.table_id), get(&sl.table_size)))
+        .collect()
+}
+
+/// Reads shared tables into the bytes of a process file (of this version),
+/// so that they read as one self-contained file: each table `table(id,
+/// size)` gives whose bytes have that id and size goes after the end,
+/// page-aligned, and its modules' slots point at it (keeping the id). A
+/// table it does not give stays shared: [`ProcessFile::modules`] then
+/// says which is missing.
+pub fn read_in_shared_tables(bytes: &mut Vec<u8>, mut table: impl FnMut(u64, u64) -> Option<Vec<u8>>) {
+    for (m, id, size) in shared_tables(bytes) {
+        let Some(t) = table(id, size).filter(|t| t.len() as u64 == size && table_id(t) == id) else { continue };
+        let at = (bytes.len() as u64).div_ceil(PAGE) * PAGE;
+        let slot = MODULE_SLOTS_AT as usize + m * MODULE_SLOT_SIZE as usize + offset_of!(ModuleSlot, table_offset);
+        let Some(field) = bytes.get_mut(slot..slot + 8) else { continue };
+        field.copy_from_slice(&at.to_le_bytes());
+        bytes.resize(at as usize, 0);
+        bytes.extend_from_slice(&t);
+    }
+}
+
+/// The ids of the site tables a process file's published modules name,
+/// shared or read in (see [`ModuleSlot::table_id`]).
+pub fn table_ids(bytes: &[u8]) -> Vec<u64> {
+    let Some(h) = crate::pod::copy::<ProcHeader>(bytes).filter(|h| h.magic == PROC_MAGIC) else {
+        return Vec::new();
+    };
+    if h.version.load(Ordering::Relaxed) != PROC_VERSION {
+        return Vec::new();
+    }
+    h.published().iter().map(|sl| sl.table_id.load(Ordering::Relaxed)).filter(|&id| id != 0).collect()
+}
+
+/// The id a shared table's file name gives ([`shared_table_name`]).
+pub fn shared_table_id(name: &str) -> Option<u64> {
+    let hex = name.strip_suffix(".sites").filter(|h| h.len() == 16)?;
+    u64::from_str_radix(hex, 16).ok().filter(|&id| id != 0)
+}
+
+/// Seconds a shared table stays after it was last used (written, or found
+/// by a process starting) although no process file names it: a process
+/// that has just found it names it in its file a moment later.
+pub const TABLE_GRACE_SECS: i64 = 60;
+
+/// Which shared tables to remove, given each one's id and when it was last
+/// used (seconds since the epoch), the ids the process files that stay
+/// name, and the time now: those none of them names, unused for
+/// [`TABLE_GRACE_SECS`].
+pub fn tables_to_remove(tables: &[(u64, i64)], named: &[u64], now: i64) -> Vec<bool> {
+    tables.iter().map(|&(id, used)| !named.contains(&id) && now.saturating_sub(used) >= TABLE_GRACE_SECS).collect()
 }
 
 /// What a clean-up needs to know of one process file.
@@ -1033,6 +1167,36 @@ mod tests {
         assert_eq!((args.len(), args[9].as_str(), args[10].as_str()), (11, "aaaaaaaaa", "a"));
         assert_eq!(again.published().len(), 1);
         assert!(crate::pod::copy::<ProcHeader>(&bytes[..100]).is_none());
+    }
+
+    #[test]
+    fn a_table_id_is_the_hash_of_every_byte() {
+        let table: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let id = table_id(&table);
+        assert_eq!(id, table_id(&table.clone()));
+        for at in [0, 31, 32, 500, 999] {
+            let mut other = table.clone();
+            other[at] ^= 1;
+            assert_ne!(table_id(&other), id, "byte {at}");
+        }
+        assert_ne!(table_id(&table[..999]), id);
+        let mut longer = table.clone();
+        longer.push(0);
+        assert_ne!(table_id(&longer), id, "a zero byte more (the last block is zero-padded)");
+        assert_ne!(table_id(&[]), 0);
+        assert_eq!(shared_table_name(0xab), "00000000000000ab.sites");
+        assert_eq!(shared_table_id(&shared_table_name(id)), Some(id));
+        for name in ["ab.sites", "00000000000000ab.sites.1.new", "000000000000000g.sites", "0000000000000000.sites"] {
+            assert_eq!(shared_table_id(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn only_unnamed_tables_unused_for_a_while_go() {
+        let now = 1_000_000;
+        let tables = [(1, now - 3600), (2, now - 3600), (3, now - 10), (0, now - 3600), (0, now)];
+        assert_eq!(tables_to_remove(&tables, &[2], now), [true, false, false, true, false]);
+        assert_eq!(tables_to_remove(&tables, &[], now + TABLE_GRACE_SECS), [true, true, true, true, true]);
     }
 
     #[test]

@@ -609,3 +609,14 @@ pub fn site_marks(rel: &str) -> Vec<SiteMark> {
     }
     v
 }
+
+/// A counters file's bytes with the shared site tables its modules name
+/// read in from the tables directory beside it, as every command reads
+/// them.
+pub fn counters_bytes(file: &Path) -> Vec<u8> {
+    use alloctramp_trampolines::process;
+    let mut bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let tables = file.parent().unwrap().join(process::TABLES_DIR);
+    process::read_in_shared_tables(&mut bytes, |id, _| std::fs::read(tables.join(process::shared_table_name(id))).ok());
+    bytes
+}
