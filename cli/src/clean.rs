@@ -133,10 +133,14 @@ pub fn run(args: Args) -> Result<()> {
 /// Removes the shared site tables in `dir` that no remaining counters file
 /// names, once unused for `process::TABLE_GRACE_SECS` (a process starting
 /// may have just found one), with temporary ones as old; how many and
-/// their bytes on disk.
+/// their bytes on disk. As the runtime does: each table is moved aside
+/// first, and put back if a process used it meanwhile. Only a tables
+/// directory that is one (not a link) of the counters directory's owner.
 fn remove_unnamed_tables(dir: &Path, named: &[u64], dry_run: bool) -> (usize, u64) {
     let tables = dir.join(process::TABLES_DIR);
-    let Ok(entries) = std::fs::read_dir(&tables) else { return (0, 0) };
+    let owner = std::fs::symlink_metadata(dir).ok().map(|m| m.uid());
+    let real = std::fs::symlink_metadata(&tables).is_ok_and(|m| m.is_dir() && Some(m.uid()) == owner);
+    let Some(entries) = real.then(|| std::fs::read_dir(&tables).ok()).flatten() else { return (0, 0) };
     let mut found = Vec::new();
     for e in entries.flatten() {
         let name = e.file_name();
@@ -152,8 +156,26 @@ fn remove_unnamed_tables(dir: &Path, named: &[u64], dry_run: bool) -> (usize, u6
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
     let used: Vec<(u64, i64)> = found.iter().map(|(_, id, m)| (*id, m.mtime())).collect();
     let (mut n, mut bytes) = (0, 0);
-    for (remove, (path, _, meta)) in process::tables_to_remove(&used, named, now).into_iter().zip(&found) {
-        if remove && (dry_run || std::fs::remove_file(path).is_ok()) {
+    for (remove, (path, id, meta)) in process::tables_to_remove(&used, named, now).into_iter().zip(&found) {
+        if !remove {
+            continue;
+        }
+        let gone = dry_run
+            || if *id == 0 {
+                std::fs::remove_file(path).is_ok()
+            } else {
+                let aside = path.with_extension(format!("sites.gc.{}.new", std::process::id()));
+                std::fs::rename(path, &aside).is_ok() && {
+                    let t = aside.symlink_metadata().map_or(now, |m| m.mtime());
+                    let unused = process::tables_to_remove(&[(*id, t)], &[], now) == [true];
+                    if !unused && std::fs::rename(&aside, path).is_ok() {
+                        false
+                    } else {
+                        std::fs::remove_file(&aside).is_ok()
+                    }
+                }
+            };
+        if gone {
             n += 1;
             bytes += meta.blocks() * 512;
         }

@@ -149,26 +149,40 @@ impl Snapshot {
 /// The shared site table `id` of `size` bytes in `dir`'s tables directory
 /// (see `process::ModuleSlot::table_id`), if it is there and its bytes are
 /// the ones its id names. A table's bytes never change (its id is their
-/// hash), so each is read once per command: `serve` and `top` read the
-/// same files again and again.
+/// hash), so each is read once per command (`serve` and `top` read the
+/// same files again and again), up to a bound on what is kept.
 fn shared_table(dir: &Path, id: u64, size: u64) -> Option<Vec<u8>> {
     use std::collections::HashMap;
+    use std::os::unix::fs::OpenOptionsExt;
     use std::sync::Mutex;
+    /// Bytes of tables kept at most (a table is about 60 bytes a site).
+    const KEPT: usize = 256 << 20;
     static READ: Mutex<Option<HashMap<u64, Vec<u8>>>> = Mutex::new(None);
+    if size > process::MAX_SHARED_TABLE {
+        return None;
+    }
     let mut read = READ.lock().unwrap_or_else(|e| e.into_inner());
     let read = read.get_or_insert_with(HashMap::new);
     if let Some(t) = read.get(&id) {
         return Some(t.clone());
     }
     let path = dir.join(process::TABLES_DIR).join(process::shared_table_name(id));
-    let file = open_regular(&path).ok()?;
-    if file.metadata().ok()?.len() != size {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY)
+        .open(&path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() != size {
         return None;
     }
     let mut t = Vec::with_capacity(size as usize);
     io::Read::read_to_end(&mut io::Read::take(file, size), &mut t).ok()?;
     if process::table_id(&t) != id {
         return None;
+    }
+    if read.values().map(Vec::len).sum::<usize>() + t.len() > KEPT {
+        read.clear();
     }
     read.insert(id, t.clone());
     Some(t)

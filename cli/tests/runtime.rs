@@ -1104,6 +1104,42 @@ fn processes_of_one_patched_file_share_its_site_table() {
 }
 
 #[test]
+fn a_process_that_prunes_the_directory_removes_the_tables_no_file_names() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("prune-tables");
+    let (first, second) = (dir.join("basic"), dir.join("uses_lib"));
+    patch_to(&b.path("basic"), &first, &[]);
+    patch_to(&b.path("uses_lib"), &second, &[]);
+    let run = dir.join("run");
+    let env = |keep: &'static str| {
+        [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", run.to_str().unwrap()), ("ALLOCTRAMP_KEEP", keep)]
+    };
+    assert_eq!(run_program(&first, &[], &env("8")).2, 0);
+    let old = shared_tables(&run);
+    assert_eq!(old.len(), 1);
+    // Unused for an hour, but named by the first process's file, which
+    // stays while the directory is within its bound.
+    age(&old[0], 3600);
+    let lib = [("LD_LIBRARY_PATH", b.dir.to_str().unwrap())];
+    let second_env: Vec<(&str, &str)> = env("8").into_iter().chain(lib).collect();
+    assert_eq!(run_program(&second, &[], &second_env).2, 0);
+    assert!(shared_tables(&run).contains(&old[0]), "{:?}", shared_tables(&run));
+    // Over the bound of one file: the exit of the next process removes the
+    // first process's file, and with it its table; the second's stays,
+    // named by the file kept.
+    let keep_one: Vec<(&str, &str)> = env("1").into_iter().chain(lib).collect();
+    assert_eq!(run_program(&second, &[], &keep_one).2, 0);
+    let left = shared_tables(&run);
+    assert!(!left.contains(&old[0]), "{left:?}");
+    assert!(!left.is_empty(), "the tables the kept file names stay");
+    let files = std::fs::read_dir(&run)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|e| e == "counters"))
+        .count();
+    assert_eq!(files, 1);
+}
+
+#[test]
 fn setuid_programs_leave_the_runtime_inert() {
     // Needs root (to make a setuid program) and an unprivileged user.
     // SAFETY: geteuid has no preconditions.

@@ -82,7 +82,7 @@ fn exact(name: &str, cc: &str, flags: &str) {
     let plain = Command::new(&bin).output().unwrap();
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
     // Off, then on from start.
-    let mut on_totals = Vec::new();
+    let (mut on_totals, mut on_dir) = (Vec::new(), None);
     for on in [false, true] {
         let counters = counters_dir(&format!("static-{name}-{on}"));
         let mut c = Command::new(&patched);
@@ -99,12 +99,27 @@ fn exact(name: &str, cc: &str, flags: &str) {
         if on {
             check(&counters, pid, "on from start");
             on_totals = totals(&files(&counters)[&pid], &counters);
+            on_dir = Some(counters);
         } else {
             // (The child leaves its empty file, as a dynamic program's
             // does: it ends with _exit.)
             assert!(!files(&counters).contains_key(&pid), "a process never profiled leaves no file");
         }
     }
+    // A second process in the same directory names the first one's site
+    // table (the static runtime's open, fstat, futimens and stat).
+    let counters = on_dir.unwrap();
+    let child = Command::new(&patched)
+        .env("ALLOCTRAMP", "on")
+        .env("ALLOCTRAMP_DIR", &counters)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!((o.status.code(), &o.stdout), (Some(0), &plain.stdout), "a second process");
+    assert_eq!(totals(&files(&counters)[&pid], &counters), on_totals, "a second process");
+    assert_eq!(std::fs::read_dir(counters.join("tables")).unwrap().count(), 1, "one table for both");
     // Stripped: the runtime's segments and the new tables have sections,
     // so `strip` keeps them.
     let stripped = patched.with_file_name("stripped");

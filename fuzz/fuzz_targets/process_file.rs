@@ -12,9 +12,16 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     // The shared site tables a file names, read in from its own last bytes
     // (bytes whose id is not the table's stay out).
+    // Slot 0 names the table of those bytes, so that some are read in.
+    use alloctramp_trampolines::process;
     let mut data = data.to_vec();
-    let tail = data.clone();
-    alloctramp_trampolines::process::read_in_shared_tables(&mut data, |_, size| {
+    let slot = process::MODULE_SLOTS_AT as usize;
+    let size = data.get(slot + 8..slot + 16).map_or(0, |s| u64::from_le_bytes(s.try_into().unwrap()));
+    let tail = data.get(data.len().saturating_sub(usize::try_from(size).unwrap_or(usize::MAX))..).unwrap_or(&[]).to_vec();
+    if let Some(id) = data.get_mut(slot + 56..slot + 64) {
+        id.copy_from_slice(&process::table_id(&tail).to_le_bytes());
+    }
+    process::read_in_shared_tables(&mut data, |_, size| {
         tail.get(tail.len().saturating_sub(usize::try_from(size).unwrap_or(usize::MAX))..).map(<[u8]>::to_vec)
     });
     let Ok(copy) = read::consistent_copy(&data) else { return };

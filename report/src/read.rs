@@ -436,5 +436,20 @@ pub(crate) mod tests {
         assert_eq!(format!("{:?}", figures(&parse(&copy).unwrap()).unwrap().sites), expected);
         assert_eq!(process::table_ids(&copy), [id], "the copy keeps the table's id");
         assert!(process::shared_tables(&copy).is_empty());
+
+        // A module that joined the file after the copy was made: the
+        // runtime put its counters where the copy ends, which is where a
+        // table read in would go. None is read in, and the copy is short.
+        let mut late = shared.clone();
+        let end = late.len() as u64;
+        let slot1 = process::MODULE_SLOTS_AT as usize + process::MODULE_SLOT_SIZE as usize;
+        for (field, v) in [(0usize, 0u64), (8, table.len() as u64), (16, end), (24, 4096), (56, id)] {
+            late[slot1 + field..slot1 + field + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        late[32..36].copy_from_slice(&2u32.to_le_bytes());
+        let before = late.clone();
+        process::read_in_shared_tables(&mut late, |_, _| Some(table.clone()));
+        assert_eq!(late, before, "nothing read in");
+        assert_eq!(consistent_copy(&late), Err(CopyError::RegionOutside { module: 1 }));
     }
 }

@@ -434,41 +434,62 @@ impl ProcFile {
         let id = process::table_id(table);
         let own = self.path.bytes();
         let dir = own.iter().rposition(|&c| c == b'/').and_then(|i| own.get(..i)).unwrap_or(b".");
+        // `DIR/tables/ID.sites.PID.new` must fit a path whole: a name cut
+        // short would be another file's.
+        if dir.len() + process::TABLES_DIR.len() + 48 > 250 {
+            return None;
+        }
         let mut tables = path_in(dir, process::TABLES_DIR.as_bytes());
         let mut name = Buf::<64>::new();
         name.hex16(id).str(".sites");
         let mut path = path_in(tables.bytes(), name.bytes());
-        // SAFETY: the path is NUL-terminated.
-        let fd = unsafe { libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        // SAFETY: the path is NUL-terminated (a FIFO there must not block).
+        let fd = unsafe {
+            libc::open(path.c_str().as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        };
         if fd >= 0 {
             let fd = Fd(fd);
-            // SAFETY: fstat fills a plain struct; futimens on our descriptor.
+            // SAFETY: fstat and stat fill plain structs; futimens on our
+            // descriptor; the path is NUL-terminated.
             unsafe {
-                let mut st: libc::stat = std::mem::zeroed();
+                let (mut st, mut named): (libc::stat, libc::stat) = (std::mem::zeroed(), std::mem::zeroed());
                 let ours = libc::fstat(fd.0, &mut st) == 0
                     && st.st_mode & libc::S_IFMT == libc::S_IFREG
                     && st.st_uid == libc::geteuid()
                     && st.st_size as u64 == table.len() as u64;
-                // Its time says it is in use (a clean-up leaves tables
-                // touched lately, whose processes may not have published
-                // their modules yet).
-                return (ours && libc::futimens(fd.0, std::ptr::null()) == 0).then_some(id);
+                if !ours {
+                    return None;
+                }
+                // Its time says it is in use: a clean-up leaves a table
+                // used lately, and puts back one it had moved aside to
+                // remove if it was used meanwhile. The name must still be
+                // the file's after that, or a clean-up took it: then it is
+                // written again.
+                if libc::futimens(fd.0, std::ptr::null()) == 0
+                    && libc::stat(path.c_str().as_ptr(), &mut named) == 0
+                    && (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
+                {
+                    return Some(id);
+                }
             }
-        }
-        if sys::errno() != libc::ENOENT || within_limit(table.len() as u64).is_err() {
+        } else if sys::errno() != libc::ENOENT {
             return None;
         }
-        // Written aside and renamed into place: a table under its name is
-        // always whole. Two processes writing it at once write the same
-        // bytes.
+        within_limit(table.len() as u64).ok()?;
+        // Written aside, to the disk if the directory is on one, and
+        // renamed into place: a table under its name is always whole. Two
+        // processes writing it at once write the same bytes.
         ensure_dir(tables.c_str()).ok()?;
         // SAFETY: getpid has no preconditions.
         name.str(".").num(u64::from(unsafe { libc::getpid() } as u32)).str(".new");
         let mut tmp = path_in(tables.bytes(), name.bytes());
         let fd = Fd(create_file(tmp.c_str()).ok()?);
-        // SAFETY: NUL-terminated paths.
+        // SAFETY: NUL-terminated paths; fd is ours.
         unsafe {
-            if write_at(fd.0, table, 0).is_err() || libc::rename(tmp.c_str().as_ptr(), path.c_str().as_ptr()) != 0 {
+            if write_at(fd.0, table, 0).is_err()
+                || libc::fdatasync(fd.0) != 0
+                || libc::rename(tmp.c_str().as_ptr(), path.c_str().as_ptr()) != 0
+            {
                 libc::unlink(tmp.c_str().as_ptr());
                 return None;
             }
@@ -749,8 +770,20 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
 /// (`named`: the ids the remaining files name) once unused for
 /// `process::TABLE_GRACE_SECS`, and temporary ones as old.
 fn remove_unnamed_tables(dir: &str, named: &[u64]) {
+    if dir.len() + process::TABLES_DIR.len() + 48 > 250 {
+        // (No table was shared there: see `share_table`.)
+        return;
+    }
     let tables = path_in(dir.as_bytes(), process::TABLES_DIR.as_bytes());
     let Ok(tables_dir) = std::str::from_utf8(tables.bytes()) else { return };
+    let mtime = |path: &mut Path| {
+        // SAFETY: a NUL-terminated path; lstat fills a plain struct.
+        unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            (libc::lstat(path.c_str().as_ptr(), &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG)
+                .then_some(st.st_mtime)
+        }
+    };
     let mut found: Vec<(Path, u64, i64)> = Vec::new();
     sys::for_each_dir_entry(tables_dir, |n| {
         let Ok(name) = std::str::from_utf8(n) else { return };
@@ -758,21 +791,40 @@ fn remove_unnamed_tables(dir: &str, named: &[u64]) {
         let id = process::shared_table_id(name).unwrap_or(0);
         if id != 0 || name.ends_with(".new") {
             let mut path = path_in(tables.bytes(), n);
-            // SAFETY: a NUL-terminated path; lstat fills a plain struct.
-            unsafe {
-                let mut st: libc::stat = std::mem::zeroed();
-                if libc::lstat(path.c_str().as_ptr(), &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG {
-                    found.push((path, id, st.st_mtime));
-                }
+            if let Some(t) = mtime(&mut path) {
+                found.push((path, id, t));
             }
         }
     });
     let used: Vec<(u64, i64)> = found.iter().map(|f| (f.1, f.2)).collect();
     let now = sys::now_secs() as i64;
-    for (remove, (path, _, _)) in process::tables_to_remove(&used, named, now).into_iter().zip(&mut found) {
-        if remove {
+    // SAFETY: getpid has no preconditions.
+    let pid = u64::from(unsafe { libc::getpid() } as u32);
+    for (remove, (path, id, _)) in process::tables_to_remove(&used, named, now).into_iter().zip(&mut found) {
+        if !remove {
+            continue;
+        }
+        if *id == 0 {
             // SAFETY: a NUL-terminated path.
             unsafe { libc::unlink(path.c_str().as_ptr()) };
+            continue;
+        }
+        // Moved aside first: a process that finds the table from now on
+        // finds none and writes it again; one that used it since it was
+        // looked at has set its time, and it goes back.
+        let mut aside = Buf::<32>::new();
+        aside.str(".gc.").num(pid).str(".new");
+        let mut moved = Path::new();
+        moved.push(path.bytes()).push(aside.bytes());
+        // SAFETY: NUL-terminated paths.
+        unsafe {
+            if libc::rename(path.c_str().as_ptr(), moved.c_str().as_ptr()) != 0 {
+                continue;
+            }
+            let unused = mtime(&mut moved).is_some_and(|t| process::tables_to_remove(&[(*id, t)], &[], now) == [true]);
+            if unused || libc::rename(moved.c_str().as_ptr(), path.c_str().as_ptr()) != 0 {
+                libc::unlink(moved.c_str().as_ptr());
+            }
         }
     }
 }

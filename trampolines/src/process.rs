@@ -760,6 +760,10 @@ pub fn default_dir(xdg_runtime_dir: Option<&str>, uid: u32) -> String {
 /// (see [`ModuleSlot::table_id`]).
 pub const TABLES_DIR: &str = "tables";
 
+/// The largest shared table a reader reads (a table takes about 60 bytes
+/// a site: this is millions of sites).
+pub const MAX_SHARED_TABLE: u64 = 1 << 30;
+
 /// The file name of the shared site table with id `id` in [`TABLES_DIR`].
 pub fn shared_table_name(id: u64) -> String {
     format!("{id:016x}.sites")
@@ -806,7 +810,9 @@ pub fn table_id(bytes: &[u8]) -> u64 {
 /// The shared tables a process file's published modules name: (module,
 /// id, size) of each whose table is not in the file.
 pub fn shared_tables(bytes: &[u8]) -> Vec<(usize, u64, u64)> {
-    let Some(h) = crate::pod::copy::<ProcHeader>(bytes).filter(|h| h.magic == PROC_MAGIC) else {
+    let Some(h) = crate::pod::copy::<ProcHeader>(bytes)
+        .filter(|h| h.magic == PROC_MAGIC && h.version.load(Ordering::Relaxed) == PROC_VERSION)
+    else {
         return Vec::new();
     };
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -823,9 +829,15 @@ pub fn shared_tables(bytes: &[u8]) -> Vec<(usize, u64, u64)> {
 /// size)` gives whose bytes have that id and size goes after the end,
 /// page-aligned, and its modules' slots point at it (keeping the id). A
 /// table it does not give stays shared: [`ProcessFile::modules`] then
-/// says which is missing.
+/// says which is missing. Bytes that end before a region their header
+/// names (a module that joined the file after the bytes were read, a cut
+/// copy) get no table: what went after their end would read as that
+/// region, and the region's error says the copy is short.
 pub fn read_in_shared_tables(bytes: &mut Vec<u8>, mut table: impl FnMut(u64, u64) -> Option<Vec<u8>>) {
-    for (m, id, size) in shared_tables(bytes) {
+    if !regions_within(bytes) {
+        return;
+    }
+    for (m, id, size) in shared_tables(bytes).into_iter().filter(|t| t.2 <= MAX_SHARED_TABLE) {
         let Some(t) = table(id, size).filter(|t| t.len() as u64 == size && table_id(t) == id) else { continue };
         let at = (bytes.len() as u64).div_ceil(PAGE) * PAGE;
         let slot = MODULE_SLOTS_AT as usize + m * MODULE_SLOT_SIZE as usize + offset_of!(ModuleSlot, table_offset);
@@ -834,6 +846,20 @@ pub fn read_in_shared_tables(bytes: &mut Vec<u8>, mut table: impl FnMut(u64, u64
         bytes.resize(at as usize, 0);
         bytes.extend_from_slice(&t);
     }
+}
+
+/// Whether every region the header of the process file in `bytes` names
+/// (each published module's counters and table copy, the callers region)
+/// ends within them.
+fn regions_within(bytes: &[u8]) -> bool {
+    let Some(h) = crate::pod::copy::<ProcHeader>(bytes) else { return false };
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let within = |at: u64, size: u64| at.checked_add(size).is_some_and(|end| end <= bytes.len() as u64);
+    let callers = get(&h.callers_offset);
+    h.published().iter().all(|sl| {
+        within(get(&sl.counters_offset), get(&sl.counters_size))
+            && (get(&sl.table_offset) == 0 || within(get(&sl.table_offset), get(&sl.table_size)))
+    }) && (callers == 0 || within(callers, callers_region_size(get(&h.callers_slots).min(1 << 24))))
 }
 
 /// The ids of the site tables a process file's published modules name,
@@ -1184,6 +1210,14 @@ mod tests {
         longer.push(0);
         assert_ne!(table_id(&longer), id, "a zero byte more (the last block is zero-padded)");
         assert_ne!(table_id(&[]), 0);
+        // The values docs/formats.md gives: the id is a file format.
+        let hundred: Vec<u8> = (0..100).collect();
+        assert_eq!(
+            [table_id(b""), table_id(b"alloctramp"), table_id(&hundred)],
+            [0x262250effd64ee51, 0x4c825a04492dfcbe, 0x5cc454b3ab54279b]
+        );
+        let doc = formats_md();
+        assert!(doc.contains("`table_id(\"alloctramp\")` is `0x4c825a04492dfcbe`"));
         assert_eq!(shared_table_name(0xab), "00000000000000ab.sites");
         assert_eq!(shared_table_id(&shared_table_name(id)), Some(id));
         for name in ["ab.sites", "00000000000000ab.sites.1.new", "000000000000000g.sites", "0000000000000000.sites"] {

@@ -182,6 +182,10 @@ pub unsafe extern "C" fn rename(old: *const c_char, new: *const c_char) -> c_int
     call!(libc::SYS_renameat, AT_FDCWD, old, AT_FDCWD, new) as c_int
 }
 #[unsafe(no_mangle)]
+pub extern "C" fn fdatasync(fd: c_int) -> c_int {
+    call!(libc::SYS_fdatasync, fd) as c_int
+}
+#[unsafe(no_mangle)]
 pub unsafe extern "C" fn futimens(fd: c_int, times: *const libc::timespec) -> c_int {
     call!(libc::SYS_utimensat, fd, 0usize, times, 0) as c_int
 }
