@@ -994,8 +994,10 @@ def part_patch():
     os.unlink(out)
     os.unlink(os.path.join(WORK, ".alloctramp-on", "patch-test.so"))
     sec = Section("Patching", "patch", f"`alloctramp patch` on `{f}` ({size / 2**20:.0f} MiB); the output is "
-                  f"{psize / 2**20:.0f} MiB, and its switched image (`$W/.alloctramp-on/out.so`, written with it) "
-                  "the same.")
+                  f"{psize / 2**20:.0f} MiB, and its switched image (`$W/.alloctramp-on/out.so`, written with it, "
+                  "on a second thread) the same. Peak RSS is the kernel's (`/usr/bin/time`'s maximum resident set): "
+                  "it counts the pages of the mapped input the command holds, which it lets go once the analysis "
+                  "has read them and as the writers copy them out.")
     SECTIONS.append(sec)
     sec.table(["figure", "command", "value"], [
         [f"wall time (median of {RUNS})", f"`alloctramp patch {f} -o $W/out.so`", f"{s:.2f} s"],

@@ -1,7 +1,7 @@
 //! `alloctramp patch`: write a patched copy of an ELF file.
 
 use crate::sites::parse_entries;
-use crate::util::{Input, Staged, check_output_path};
+use crate::util::{Input, ReleaseBehind, Staged, check_output_path};
 use alloctramp_patcher::write::{PatchOptions, patch};
 use alloctramp_trampolines::layout;
 use anyhow::{Context, Result, anyhow, bail};
@@ -76,10 +76,18 @@ fn remove_image(output: &Path) -> Result<()> {
     }
 }
 
-/// Writes the switched image of the patched file `output`, just written
-/// (`layout::IMAGE_DIR`), with the file's modification time, by which the
-/// runtime knows it belongs to the file.
-fn write_image(output: &Path, mode: u32, patched: &alloctramp_patcher::write::Patched) -> Result<()> {
+/// The switched image of the patched file `output` (`layout::IMAGE_DIR`),
+/// written aside, with whether its directory was made for it. Written
+/// while the output is (the two are about the same size: a large library's
+/// take a quarter of a second each); renamed into place once the output is,
+/// with its time, by which the runtime knows it belongs to the file
+/// ([`commit_image`]).
+fn stage_image(
+    output: &Path,
+    mode: u32,
+    patched: &alloctramp_patcher::write::Patched,
+    input: &Input,
+) -> Result<(Staged, bool)> {
     let image = image_path(output)?;
     let dir = image.parent().unwrap_or(Path::new("."));
     let made = match std::fs::create_dir(dir) {
@@ -87,14 +95,28 @@ fn write_image(output: &Path, mode: u32, patched: &alloctramp_patcher::write::Pa
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
         Err(e) => return Err(e).with_context(|| format!("{}: cannot create the directory", dir.display())),
     };
-    let time = std::fs::metadata(output).and_then(|m| m.modified()).with_context(|| format!("{}", output.display()))?;
     let mut staged = Staged::default();
-    let written = staged
-        .add_sparse(&image, mode, |w| patched.write_image_sparse(w))
-        .and_then(|()| staged.set_modified(&image, time))
-        .and_then(|()| staged.commit());
+    let original = patched.original_offset();
+    match staged.add_sparse(&image, mode, |w| patched.write_image_sparse(&mut ReleaseBehind::new(input, original, w))) {
+        Ok(()) => Ok((staged, made)),
+        Err(e) => {
+            drop(staged);
+            if made {
+                let _ = std::fs::remove_dir(dir);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Renames the staged image of `output` into place, with the output's
+/// modification time.
+fn commit_image(output: &Path, (staged, made): (Staged, bool)) -> Result<()> {
+    let image = image_path(output)?;
+    let time = std::fs::metadata(output).and_then(|m| m.modified()).with_context(|| format!("{}", output.display()));
+    let written = time.and_then(|time| staged.set_modified(&image, time)).and_then(|()| staged.commit());
     if written.is_err() && made {
-        let _ = std::fs::remove_dir(dir);
+        let _ = std::fs::remove_dir(image.parent().unwrap_or(Path::new(".")));
     }
     written
 }
@@ -256,7 +278,11 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         static_runtime,
         threads: 0,
     };
+    // The analysis read the input whole, planning reads parts of it, and
+    // writing copies it out again, page after page.
+    input.release(0, input.map.len());
     let patched = patch(&input.map, &analysis, &opts).with_context(|| format!("{}", args.input.display()))?;
+    input.release(0, input.map.len());
 
     // The runtime copy and the output are renamed into place together,
     // after both are written: a failure leaves neither.
@@ -272,20 +298,43 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
             staged.add(&copy, 0o755, |w| w.write_all(&bytes))?;
         }
     }
-    // Runs of zero pages in the input (a sparse file) stay holes.
+    // Runs of zero pages in the input (a sparse file) stay holes. The
+    // image is written on a thread of its own meanwhile.
     let mode = in_meta.permissions().mode() & 0o7777;
-    staged.add_sparse(&output, mode, |w| patched.write_sparse(w))?;
+    let with_image = !args.no_image && !patched.switched.is_empty();
+    let original = patched.original_offset();
+    let (written, image) = std::thread::scope(|scope| {
+        let image = with_image.then(|| scope.spawn(|| stage_image(&output, mode & 0o755, &patched, &input)));
+        let written =
+            staged.add_sparse(&output, mode, |w| patched.write_sparse(&mut ReleaseBehind::new(&input, original, w)));
+        let image = image.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        (written, image)
+    });
+    let image = match image {
+        Some(Ok((staged_image, made))) if written.is_err() => {
+            // The output failed: the image goes with it.
+            drop(staged_image);
+            if made {
+                let _ = std::fs::remove_dir(image_path(&output)?.parent().unwrap_or(Path::new(".")));
+            }
+            None
+        }
+        image => image,
+    };
+    written?;
     staged.commit()?;
     // Without an image (asked, none to write, or one that cannot be
     // written), an earlier patch's goes: the runtime would not use it, and
     // it takes the space of the file.
-    if args.no_image || patched.switched.is_empty() {
-        remove_image(&output)?;
-    } else if let Err(e) = write_image(&output, mode & 0o755, &patched) {
-        let _ = remove_image(&output);
-        eprintln!(
-            "alloctramp: {e:#}; processes switched on at start-up write their sites instead (--no-image writes none)"
-        );
+    match image.map(|i| i.and_then(|i| commit_image(&output, i))) {
+        None => remove_image(&output)?,
+        Some(Ok(())) => {}
+        Some(Err(e)) => {
+            let _ = remove_image(&output);
+            eprintln!(
+                "alloctramp: {e:#}; processes switched on at start-up write their sites instead (--no-image writes none)"
+            );
+        }
     }
     for s in patched.skipped.iter().filter(|s| s.reason.is_loss()) {
         let site = &analysis.scan.sites[s.site];

@@ -33,6 +33,73 @@ impl Input {
     }
 }
 
+impl Input {
+    /// Lets the system take back the pages of the mapping from `from` to
+    /// `to` (rounded inwards to pages) that the process holds: a later read
+    /// maps them again from the file. A large input is read whole while it
+    /// is analysed, then in parts, then once more as it is copied out: its
+    /// pages need not stay in the process all along (117 MB of the
+    /// 400 MB patching libLLVM took).
+    pub fn release(&self, from: usize, to: usize) {
+        let (from, to) = (from.next_multiple_of(4096), to.min(self.map.len()) / 4096 * 4096);
+        if from < to {
+            // SAFETY: a private, read-only mapping of a file this process
+            // never writes: the pages dropped are read from the file again
+            // when touched (the file is not rewritten in place: see `of`).
+            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from) };
+        }
+    }
+}
+
+/// A writer of a patched file that lets the input's pages go as soon as it
+/// has copied them out (see [`Input::release`]): the patched file holds the
+/// input whole from `original` on, in order. Another writer of the same
+/// input (the switched image, written at the same time) maps again what it
+/// still needs, from the page cache.
+pub struct ReleaseBehind<'a, W> {
+    pub inner: W,
+    input: &'a Input,
+    original: u64,
+    pos: u64,
+    released: u64,
+}
+
+impl<'a, W> ReleaseBehind<'a, W> {
+    /// `inner`, writing a patched file whose original starts at `original`.
+    pub fn new(input: &'a Input, original: u64, inner: W) -> ReleaseBehind<'a, W> {
+        ReleaseBehind { inner, input, original, pos: 0, released: 0 }
+    }
+
+    fn moved(&mut self, pos: u64) {
+        const STEP: u64 = 8 << 20;
+        self.pos = pos;
+        let done = pos.saturating_sub(self.original);
+        if done >= self.released + STEP {
+            self.input.release(self.released as usize, done as usize);
+            self.released = done;
+        }
+    }
+}
+
+impl<W: Write> Write for ReleaseBehind<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.moved(self.pos + n as u64);
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<W: io::Seek> io::Seek for ReleaseBehind<'_, W> {
+    fn seek(&mut self, to: io::SeekFrom) -> io::Result<u64> {
+        let pos = self.inner.seek(to)?;
+        self.moved(pos);
+        Ok(pos)
+    }
+}
+
 /// Opens a file for reading without blocking on a FIFO or a device (they
 /// are refused: only regular files are read).
 pub fn open_regular(path: &Path) -> Result<File> {

@@ -46,6 +46,13 @@ pub struct Patched<'a> {
 }
 
 impl Patched<'_> {
+    /// Where the original file starts in the patched file (and in its
+    /// image): byte `i` of the original is written at this offset plus `i`,
+    /// after every byte of the original before it.
+    pub fn original_offset(&self) -> u64 {
+        self.head.len()
+    }
+
     /// Gives the patched file's bytes, in order, in pieces.
     fn pieces(&self, mut put: impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
         self.head.pieces(&mut put)?;
