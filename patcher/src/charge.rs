@@ -743,6 +743,7 @@ mod tests {
             vaddr: Vaddr(at),
             offset: FileOffset(at),
             len: 5,
+            original: [0; 8],
             form: SiteForm::CallRel32,
             entry,
             via,

@@ -189,6 +189,8 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
             vaddr: hook.at,
             offset,
             len: JUMP_LEN as u8,
+            // (The table records the jump the plan makes: see `emit`.)
+            original: [0; 8],
             form: SiteForm::JmpRel32,
             entry: h.entry,
             via: Via::Direct,

@@ -273,6 +273,8 @@ pub enum Decision {
 pub struct SitePlan {
     pub addr: Vaddr,
     pub len: u8,
+    /// The instruction's first bytes (see [`crate::scan::Site::original`]).
+    pub original: [u8; 8],
     pub form: SiteForm,
     /// Index in [`Plan::entries`].
     pub entry: usize,
@@ -1471,7 +1473,15 @@ fn plan_sites_in_turn(text: &mut Cursor, input: &SitesInput) -> (Vec<SitePlan>, 
             }
             _ => None,
         };
-        sites.push(SitePlan { addr: site.vaddr, len: site.len, form: site.form, entry: site.entry, decision, hook });
+        sites.push(SitePlan {
+            addr: site.vaddr,
+            len: site.len,
+            original: site.original,
+            form: site.form,
+            entry: site.entry,
+            decision,
+            hook,
+        });
         programs.extend(unwind);
     }
     (sites, programs)
@@ -1575,6 +1585,7 @@ fn plan_sites_parallel(
                 sites.push(SitePlan {
                     addr: site.vaddr,
                     len: site.len,
+                    original: site.original,
                     form: site.form,
                     entry: site.entry,
                     decision,

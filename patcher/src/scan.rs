@@ -28,6 +28,10 @@ pub struct Site {
     pub vaddr: Vaddr,
     pub offset: FileOffset,
     pub len: u8,
+    /// The instruction's first bytes (up to `len`), read while the scan
+    /// has them at hand: the site table records them, and the input's
+    /// code need not be read again.
+    pub original: [u8; 8],
     /// How its instruction reaches the entry point.
     pub form: SiteForm,
     /// Index into [`Scan::entries`].
@@ -616,10 +620,16 @@ fn classify(elf: &Elf, t: &Targets, ins: &Instruction, absolute_immediates: bool
     let site = |form: SiteForm, entry: usize, via: Via, target: u64, out: &mut Found| {
         // A section outside every segment cannot be patched at run time.
         let Ok(offset) = site_offset(elf, ip) else { return };
+        let mut original = [0u8; 8];
+        let bytes = elf.bytes_at(ip, ins.len()).unwrap_or(&[]);
+        for (o, &b) in original.iter_mut().zip(bytes) {
+            *o = b;
+        }
         out.sites.push(Site {
             vaddr: Vaddr(ip),
             offset,
             len: ins.len() as u8,
+            original,
             form,
             entry,
             via,

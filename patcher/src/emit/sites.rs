@@ -38,7 +38,7 @@ pub(super) fn table(elf: &Elf, a: &Analysis, plan: &Plan) -> Vec<u8> {
             // file holds.
             let orig = match &site.hook {
                 Some(h) => h.jump.1.get(..site.len as usize).unwrap_or(&[]),
-                None => elf.bytes_at(site.addr.0, site.len as usize).unwrap_or(&[]),
+                None => site.original.get(..usize::from(site.len)).unwrap_or(&site.original),
             };
             let n = orig.len().min(8);
             original[..n].copy_from_slice(&orig[..n]);
