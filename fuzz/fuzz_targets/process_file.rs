@@ -17,7 +17,8 @@ fuzz_target!(|data: &[u8]| {
     let mut data = data.to_vec();
     let slot = process::MODULE_SLOTS_AT as usize;
     let size = data.get(slot + 8..slot + 16).map_or(0, |s| u64::from_le_bytes(s.try_into().unwrap()));
-    let tail = data.get(data.len().saturating_sub(usize::try_from(size).unwrap_or(usize::MAX))..).unwrap_or(&[]).to_vec();
+    let tail =
+        data.get(data.len().saturating_sub(usize::try_from(size).unwrap_or(usize::MAX))..).unwrap_or(&[]).to_vec();
     if let Some(id) = data.get_mut(slot + 56..slot + 64) {
         id.copy_from_slice(&process::table_id(&tail).to_le_bytes());
     }
