@@ -109,6 +109,17 @@ fn stage_image(
     }
 }
 
+/// Drops a staged image of `output` that will not be renamed into place,
+/// with the directory made for it.
+fn drop_image(output: &Path, image: Option<Result<(Staged, bool)>>) {
+    if let Some(Ok((staged, made))) = image {
+        drop(staged);
+        if made && let Ok(image) = image_path(output) {
+            let _ = std::fs::remove_dir(image.parent().unwrap_or(Path::new(".")));
+        }
+    }
+}
+
 /// Renames the staged image of `output` into place, with the output's
 /// modification time.
 fn commit_image(output: &Path, (staged, made): (Staged, bool)) -> Result<()> {
@@ -285,44 +296,50 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
     input.release(0, input.map.len());
 
     // The runtime copy and the output are renamed into place together,
-    // after both are written: a failure leaves neither.
-    let mut staged = Staged::default();
-    if let (RuntimeLink::Origin, false) = (&args.runtime_link, statik) {
-        let dir = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let copy = dir.join(layout::RUNTIME_SONAME);
-        check_output_path(&copy)?;
-        let same = std::fs::canonicalize(&copy).is_ok_and(|c| c == runtime)
-            || std::fs::read(&copy).ok() == std::fs::read(&runtime).ok();
-        if !same {
-            let bytes = std::fs::read(&runtime).with_context(|| format!("{}: cannot read", runtime.display()))?;
-            staged.add(&copy, 0o755, |w| w.write_all(&bytes))?;
-        }
-    }
-    // Runs of zero pages in the input (a sparse file) stay holes. The
-    // image is written on a thread of its own meanwhile.
+    // after both are written: a failure leaves neither. Runs of zero pages
+    // in the input (a sparse file) stay holes.
     let mode = in_meta.permissions().mode() & 0o7777;
-    let with_image = !args.no_image && !patched.switched.is_empty();
     let original = patched.original_offset();
+    let stage_output = || -> Result<Staged> {
+        let mut staged = Staged::default();
+        if let (RuntimeLink::Origin, false) = (&args.runtime_link, statik) {
+            let dir = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let copy = dir.join(layout::RUNTIME_SONAME);
+            check_output_path(&copy)?;
+            let same = std::fs::canonicalize(&copy).is_ok_and(|c| c == runtime)
+                || std::fs::read(&copy).ok() == std::fs::read(&runtime).ok();
+            if !same {
+                let bytes = std::fs::read(&runtime).with_context(|| format!("{}: cannot read", runtime.display()))?;
+                staged.add(&copy, 0o755, |w| w.write_all(&bytes))?;
+            }
+        }
+        staged.add_sparse(&output, mode, |w| patched.write_sparse(&mut ReleaseBehind::new(&input, original, w)))?;
+        Ok(staged)
+    };
+    // The image is written on a thread of its own meanwhile.
+    let with_image = !args.no_image && !patched.switched.is_empty();
     let (written, image) = std::thread::scope(|scope| {
         let image = with_image.then(|| scope.spawn(|| stage_image(&output, mode & 0o755, &patched, &input)));
-        let written =
-            staged.add_sparse(&output, mode, |w| patched.write_sparse(&mut ReleaseBehind::new(&input, original, w)));
+        let written = stage_output();
         let image = image.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
         (written, image)
     });
-    let image = match image {
-        Some(Ok((staged_image, made))) if written.is_err() => {
-            // The output failed: the image goes with it.
-            drop(staged_image);
-            if made {
-                let _ = std::fs::remove_dir(image_path(&output)?.parent().unwrap_or(Path::new(".")));
-            }
-            None
+    let (staged, image) = match written {
+        Ok(staged) => (staged, image),
+        // The file and its image may not both fit where they go: the file
+        // alone, as when the image is what does not fit.
+        Err(e) if with_image => {
+            drop_image(&output, image);
+            let staged = stage_output()?;
+            let why = anyhow!("{}: no room for its switched image beside it ({e:#})", output.display());
+            (staged, Some(Err(why)))
         }
-        image => image,
+        Err(e) => return Err(e),
     };
-    written?;
-    staged.commit()?;
+    if let Err(e) = staged.commit() {
+        drop_image(&output, image);
+        return Err(e);
+    }
     // Without an image (asked, none to write, or one that cannot be
     // written), an earlier patch's goes: the runtime would not use it, and
     // it takes the space of the file.

@@ -25,7 +25,7 @@ impl Input {
         if !meta.is_file() {
             anyhow::bail!("{}: not a regular file", path.display());
         }
-        // SAFETY: the mapping is read-only and private. A file truncated by
+        // SAFETY: the mapping is read-only (and shared). A file truncated by
         // another process while mapped would raise SIGBUS; inputs are
         // programs and libraries that are not rewritten in place.
         let map = unsafe { memmap2::Mmap::map(file) }.with_context(|| format!("{}: cannot map", path.display()))?;
@@ -43,9 +43,9 @@ impl Input {
     pub fn release(&self, from: usize, to: usize) {
         let (from, to) = (from.next_multiple_of(4096), to.min(self.map.len()) / 4096 * 4096);
         if from < to {
-            // SAFETY: a private, read-only mapping of a file this process
-            // never writes: the pages dropped are read from the file again
-            // when touched (the file is not rewritten in place: see `of`).
+            // SAFETY: a shared, read-only mapping of a file: the pages
+            // dropped are those of the page cache, mapped again when touched
+            // (the file is not rewritten in place: see `of`).
             let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from) };
         }
     }

@@ -167,6 +167,48 @@ fn patch_writes_the_switched_image_beside_the_output() {
 }
 
 #[test]
+fn a_file_with_room_for_itself_but_not_its_image_is_written_without_it() {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        skip(test_name(), "needs root, to mount a small tmpfs");
+        return;
+    }
+    let b = built(Config::default_o2());
+    let roomy = scratch("image-room-sizes");
+    patch_to(&b.path("basic"), &roomy.join("basic"), &[]);
+    let expected = std::fs::read(roomy.join("basic")).unwrap();
+    let used = |p: &Path| std::fs::metadata(p).unwrap().blocks() * 512;
+    let runtime_file = roomy.join(alloctramp_trampolines::layout::RUNTIME_SONAME);
+    let (file, runtime) = (used(&roomy.join("basic")), used(&runtime_file));
+    // Room for the file and the runtime beside it, and half the image.
+    let dir = scratch("image-room");
+    let size = (file + runtime + file / 2).next_multiple_of(4096);
+    let mounted =
+        Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}")]).arg("tmpfs").arg(&dir).status();
+    if !mounted.is_ok_and(|s| s.success()) {
+        skip(test_name(), "mount -t tmpfs refused");
+        return;
+    }
+    let outcome = std::panic::catch_unwind(|| {
+        for _ in 0..4 {
+            let o = alloctramp().arg("patch").arg(b.path("basic")).arg("-o").arg(dir.join("basic")).output().unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(o.status.success(), "{err}");
+            assert!(err.contains("write their sites instead"), "{err}");
+            assert!(std::fs::read(dir.join("basic")).unwrap() == expected, "the file, whole");
+            let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+            assert_eq!(left.len(), 2, "the file and the runtime, no image, nothing temporary: {left:?}");
+            std::fs::remove_file(dir.join("basic")).unwrap();
+        }
+    });
+    let _ = Command::new("umount").arg(&dir).status();
+    if let Err(p) = outcome {
+        std::panic::resume_unwind(p);
+    }
+}
+
+#[test]
 fn gdb_sets_breakpoints_and_shows_source_lines() {
     let b = built(Config { opt: "-O0", pie: true, extra: "" });
     let dir = scratch("gdb");

@@ -189,8 +189,15 @@ pub fn add(elf: &Elf, scan: &mut Scan, hookable: &[Hookable]) {
             vaddr: hook.at,
             offset,
             len: JUMP_LEN as u8,
-            // (The table records the jump the plan makes: see `emit`.)
-            original: [0; 8],
+            // (The table records the jump the plan makes, once patched:
+            // see `emit`.)
+            original: {
+                let mut o = [0u8; 8];
+                for (d, &b) in o.iter_mut().zip(elf.bytes_at(hook.at.0, JUMP_LEN).unwrap_or(&[])) {
+                    *d = b;
+                }
+                o
+            },
             form: SiteForm::JmpRel32,
             entry: h.entry,
             via: Via::Direct,
