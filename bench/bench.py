@@ -255,8 +255,9 @@ def read_header(path):
     return h
 
 
-def counters_files():
-    d = os.path.join(WORK, "counters")
+def counters_files(d=None):
+    """The counters files in D (default: $W/counters), oldest first (not the shared site tables beside them)."""
+    d = d or os.path.join(WORK, "counters")
     return sorted((os.path.join(d, f) for f in os.listdir(d) if f.endswith(".counters")), key=os.path.getmtime)
 
 
@@ -1366,8 +1367,8 @@ def attribution_shares(exe, counters):
     listed = {w["function"] for w in doc["wrappers"]}
     passing = {w["function"] for w in doc["wrappers"] if w["countable"]}
     total, outside, outside_passing, rows = 0, 0, 0, {}
-    for f in sorted(os.listdir(counters)):
-        rep = json.loads(output([AT, "report", "--format", "json", os.path.join(counters, f)], env=base_env()))
+    for f in counters_files(counters):
+        rep = json.loads(output([AT, "report", "--format", "json", f], env=base_env()))
         for r in rep["sites"]:
             if r["kind"] == "free":
                 continue
@@ -1485,9 +1486,8 @@ def rust_attribution(sec):
         env = base_env({"ALLOCTRAMP": "on", "ALLOCTRAMP_CALLERS": "8", "ALLOCTRAMP_DIR": counters})
         subprocess.run([copy], check=True, env=env, capture_output=True)
         total, in_rows, in_chains, rows = 0, 0, 0, {}
-        for f in sorted(os.listdir(counters)):
-            rep = json.loads(output([AT, "report", "--callers", "--format", "json", os.path.join(counters, f)],
-                                    env=base_env()))
+        for f in counters_files(counters):
+            rep = json.loads(output([AT, "report", "--callers", "--format", "json", f], env=base_env()))
             for r in rep["sites"]:
                 if r["kind"] == "free":
                     continue
