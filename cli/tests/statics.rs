@@ -106,17 +106,20 @@ fn exact(name: &str, cc: &str, flags: &str) {
             assert!(!files(&counters).contains_key(&pid), "a process never profiled leaves no file");
         }
     }
+    // On from start in `counters`: its pid and output.
+    let on_from_start = |bin: &Path, counters: &Path| {
+        let child = Command::new(bin)
+            .env("ALLOCTRAMP", "on")
+            .env("ALLOCTRAMP_DIR", counters)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        (child.id(), child.wait_with_output().unwrap())
+    };
     // A second process in the same directory names the first one's site
     // table (the static runtime's open, fstat, futimens and stat).
     let counters = on_dir.unwrap();
-    let child = Command::new(&patched)
-        .env("ALLOCTRAMP", "on")
-        .env("ALLOCTRAMP_DIR", &counters)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    let o = child.wait_with_output().unwrap();
+    let (pid, o) = on_from_start(&patched, &counters);
     assert_eq!((o.status.code(), &o.stdout), (Some(0), &plain.stdout), "a second process");
     assert_eq!(totals(&files(&counters)[&pid], &counters), on_totals, "a second process");
     assert_eq!(std::fs::read_dir(counters.join("tables")).unwrap().count(), 1, "one table for both");
@@ -126,14 +129,7 @@ fn exact(name: &str, cc: &str, flags: &str) {
     std::fs::copy(&patched, &stripped).unwrap();
     assert!(Command::new("strip").arg(&stripped).status().unwrap().success());
     let counters = counters_dir(&format!("static-{name}-stripped"));
-    let child = Command::new(&stripped)
-        .env("ALLOCTRAMP", "on")
-        .env("ALLOCTRAMP_DIR", &counters)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    let o = child.wait_with_output().unwrap();
+    let (pid, o) = on_from_start(&stripped, &counters);
     assert_eq!((o.status.code(), &o.stdout), (Some(0), &plain.stdout), "stripped");
     // (Without .symtab, rows have no function names: the lines are the
     // DWARF's, which strip removed too; compare totals.)

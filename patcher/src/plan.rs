@@ -294,6 +294,19 @@ pub struct HookPlan {
 }
 
 impl SitePlan {
+    /// The plan of the scan's `site`.
+    fn of(site: &ScanSite, decision: Decision, hook: Option<Box<HookPlan>>) -> SitePlan {
+        SitePlan {
+            addr: site.vaddr,
+            len: site.len,
+            original: site.original,
+            form: site.form,
+            entry: site.entry,
+            decision,
+            hook,
+        }
+    }
+
     pub fn trampoline(&self) -> Option<&Trampoline> {
         match &self.decision {
             Decision::Patched(t) => Some(t),
@@ -1473,15 +1486,7 @@ fn plan_sites_in_turn(text: &mut Cursor, input: &SitesInput) -> (Vec<SitePlan>, 
             }
             _ => None,
         };
-        sites.push(SitePlan {
-            addr: site.vaddr,
-            len: site.len,
-            original: site.original,
-            form: site.form,
-            entry: site.entry,
-            decision,
-            hook,
-        });
+        sites.push(SitePlan::of(site, decision, hook));
         programs.extend(unwind);
     }
     (sites, programs)
@@ -1582,15 +1587,7 @@ fn plan_sites_parallel(
                         Decision::Patched(place_trampoline(text, t))
                     }
                 };
-                sites.push(SitePlan {
-                    addr: site.vaddr,
-                    len: site.len,
-                    original: site.original,
-                    form: site.form,
-                    entry: site.entry,
-                    decision,
-                    hook: None,
-                });
+                sites.push(SitePlan::of(site, decision, None));
             }
         }
         Some(())
