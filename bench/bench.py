@@ -1052,10 +1052,11 @@ def part_switch():
 
 def part_memory():
     sec = Section("Memory", "memory",
-                  "Runtime memory per site: the process counters file holds a copy of each module's site table and "
-                  "its counters (shards x 64-byte cells), from when the module first switches on. The runtime reserves "
+                  "Runtime memory per site: the process counters file holds each module's counters (shards x 64-byte "
+                  "cells), from when the module first switches on, and names its site table, of which the counters "
+                  "directory holds one copy (`tables/`) for all the processes of a patched file. The runtime reserves "
                   "the storage of every byte a thread may write before it writes (a write fault on a full file system "
-                  "would be SIGBUS): the table, shard 0 and the shard of each thread given one. Size is what the file "
+                  "would be SIGBUS): shard 0 and the shard of each thread given one. Size is what the file "
                   "spans, allocated what the file system holds (st_blocks); on tmpfs that is memory.")
     SECTIONS.append(sec)
     rows = []
@@ -1083,12 +1084,12 @@ def part_memory():
         counters = sum(m["counters"] for m in h["modules"])
         rows.append([what, f"{sites:,}", f"{table / sites:,.0f}", f"{counters / sites:,.0f}",
                      f"{h['file_size'] / sites:,.0f}", f"{h['file_allocated'] / sites:,.0f}"])
-    sec.table(["process", "sites", "table copy bytes/site", "counters reserved bytes/site", "file size bytes/site", "file allocated bytes/site"], rows)
+    sec.table(["process", "sites", "site table bytes/site (shared)", "counters reserved bytes/site", "file size bytes/site", "file allocated bytes/site"], rows)
     per = []
     for _, h in cases:
         sites = sum(m["sites"] for m in h["modules"])
         per.append((h["file_allocated"] / sites, h["file_size"] / sites, sites))
-    TARGETS.append(("runtime memory per site (counters file: site table copy and counters, per site)",
+    TARGETS.append(("runtime memory per site (counters file: counters, per site; the site table is shared)",
                     f"{per[0][0]:,.0f} bytes allocated ({per[0][1]:,.0f} reserved) holding {os.path.basename(f)} switched on; "
                     f"{per[1][0]:,.0f} bytes ({per[1][1]:,.0f} reserved) after the C++ workload", "(reported)", "", sec.title))
 

@@ -3,7 +3,8 @@
 //! `/proc/allocinfo` layout, JSON or CSV.
 //!
 //! - [`read`]: a counters file's bytes to [`Figures`] (names from the site
-//!   table copy in the file, figures summed over the shards), and consistent
+//!   tables in the bytes, shared ones read in first, figures summed over the
+//!   shards), and consistent
 //!   copies of a file that a process is writing (snapshots).
 //! - [`model`]: figures ([`Fig`]), rows, grouping, selection and sorting,
 //!   totals, and the difference of two sets of figures.

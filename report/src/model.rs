@@ -159,8 +159,8 @@ pub struct ModuleInfo {
     pub sites: u32,
     pub on: bool,
     pub unloaded: bool,
-    /// Bytes of the module's site table copy and of its counters in the
-    /// process file.
+    /// Bytes of the module's site table (in the process file or shared) and
+    /// of its counters in the process file.
     pub table_size: u64,
     pub counters_size: u64,
     /// Where the module is loaded (run-time address minus file address;

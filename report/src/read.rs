@@ -1,5 +1,6 @@
 //! From a counters file's bytes to [`Figures`]: every site's names (from the
-//! site table copy in the file) and figures (its cell summed over the
+//! site table in the bytes: a shared one is read in first, see
+//! `process::read_in_shared_tables`) and figures (its cell summed over the
 //! shards); and consistent copies of a file that a process is writing.
 
 use crate::model::{Fig, Figures, ModuleInfo, ProcessInfo, SiteInfo};
