@@ -57,7 +57,7 @@ impl Input {
 /// input (the switched image, written at the same time) maps again what it
 /// still needs, from the page cache.
 pub struct ReleaseBehind<'a, W> {
-    pub inner: W,
+    inner: W,
     input: &'a Input,
     original: u64,
     pos: u64,

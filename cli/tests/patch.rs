@@ -482,12 +482,7 @@ fn a_program_whose_runtime_is_missing_runs_unprofiled_and_says_why_once() {
     let on =
         run_program(&dir.join("uses_lib"), &[], &[("LD_LIBRARY_PATH", d), ("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", c)]);
     assert_eq!(on, (out, String::new(), 0));
-    let files: Vec<_> = std::fs::read_dir(&counters)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "counters"))
-        .collect();
+    let files = counters_files(&counters);
     assert_eq!(files.len(), 1, "{files:?}");
     let tables = std::fs::read_dir(counters.join("tables")).unwrap().count();
     assert_eq!(tables, 2, "the program's site table and the library's");

@@ -37,11 +37,7 @@ pub fn report(target: &str, dir: &Path) -> Value {
 
 /// The single counters file a finished run left in `dir`.
 pub fn only_counters_file(dir: &Path) -> PathBuf {
-    let files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "counters"))
-        .collect();
+    let files = counters_files(dir);
     assert_eq!(files.len(), 1, "counters files in {}: {files:?}", dir.display());
     files[0].clone()
 }
@@ -1021,15 +1017,7 @@ fn processes_of_one_patched_file_share_its_site_table() {
     let id = process::table_id(&table);
     assert_eq!(tables[0].file_name().unwrap().to_str().unwrap(), process::shared_table_name(id));
     assert_eq!((mode(&run.join("tables")), mode(&tables[0])), (0o700, 0o600));
-    let files: Vec<PathBuf> = {
-        let mut f: Vec<PathBuf> = std::fs::read_dir(&run)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "counters"))
-            .collect();
-        f.sort();
-        f
-    };
+    let files = counters_files(&run);
     assert_eq!(files.len(), 2);
     let mut reports = Vec::new();
     for f in &files {
@@ -1132,11 +1120,7 @@ fn a_process_that_prunes_the_directory_removes_the_tables_no_file_names() {
     let left = shared_tables(&run);
     assert!(!left.contains(&old[0]), "{left:?}");
     assert!(!left.is_empty(), "the tables the kept file names stay");
-    let files = std::fs::read_dir(&run)
-        .unwrap()
-        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|e| e == "counters"))
-        .count();
-    assert_eq!(files, 1);
+    assert_eq!(counters_files(&run).len(), 1);
 }
 
 #[test]

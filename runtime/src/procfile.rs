@@ -117,6 +117,13 @@ fn reserve_within(fd: i32, off: u64, len: u64) -> Result<(), &'static str> {
     }
 }
 
+/// Whether the names of shared tables beside the process files in `dir`
+/// (`DIR/tables/ID.sites.gc.PID.new`, the longest) fit a [`Path`] whole: a
+/// name cut short would be another file's.
+fn tables_fit(dir: &[u8]) -> bool {
+    dir.len() + process::TABLES_DIR.len() + 48 <= 250
+}
+
 /// Writes all of `data` at `off`; the error number if it cannot.
 fn write_at(fd: i32, data: &[u8], off: u64) -> Result<(), i32> {
     let mut done = 0usize;
@@ -434,9 +441,7 @@ impl ProcFile {
         let id = process::table_id(table);
         let own = self.path.bytes();
         let dir = own.iter().rposition(|&c| c == b'/').and_then(|i| own.get(..i)).unwrap_or(b".");
-        // `DIR/tables/ID.sites.PID.new` must fit a path whole: a name cut
-        // short would be another file's.
-        if dir.len() + process::TABLES_DIR.len() + 48 > 250 {
+        if !tables_fit(dir) {
             return None;
         }
         let mut tables = path_in(dir, process::TABLES_DIR.as_bytes());
@@ -770,7 +775,7 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
 /// (`named`: the ids the remaining files name) once unused for
 /// `process::TABLE_GRACE_SECS`, and temporary ones as old.
 fn remove_unnamed_tables(dir: &str, named: &[u64]) {
-    if dir.len() + process::TABLES_DIR.len() + 48 > 250 {
+    if !tables_fit(dir.as_bytes()) {
         // (No table was shared there: see `share_table`.)
         return;
     }

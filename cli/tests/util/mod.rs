@@ -610,6 +610,18 @@ pub fn site_marks(rel: &str) -> Vec<SiteMark> {
     v
 }
 
+/// The counters files in `dir`, in name order (not the shared site tables
+/// beside them).
+pub fn counters_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "counters"))
+        .collect();
+    files.sort();
+    files
+}
+
 /// A counters file's bytes with the shared site tables its modules name
 /// read in from the tables directory beside it, as every command reads
 /// them.
