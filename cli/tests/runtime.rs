@@ -944,6 +944,30 @@ fn clean_removes_the_empty_file_of_a_forked_child_that_ran_another_program() {
     assert_eq!(left, [(3, false)], "the killed parent's stays: {by_pid}");
 }
 
+/// A parent that forked reads, at exit, only the files of processes given
+/// higher PIDs than its own (its children's), not the whole directory: an
+/// empty file left before it started waits for a prune past the bound.
+#[test]
+fn a_parent_that_forked_removes_its_children_s_empty_files_and_reads_no_older_file() {
+    let (out, dir) = run_forker("fork-exec-older", &["exec-killed".into()]);
+    assert_eq!(out.2, -1, "killed by its signal");
+    let bin = dir.join("forker");
+    let out = run_program(&bin, &["exec".into()], &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    assert_eq!(out, ("parent 7\n".to_string(), String::new(), 0));
+    let (files, by_pid) = forker_files(&dir);
+    let left: Vec<(u64, bool)> = files.iter().map(|f| (f.mallocs, f.exited)).collect();
+    assert_eq!(
+        left,
+        [(0, false), (3, false), (7, true)],
+        "the first child's empty file and the killed parent's stay, the second child's went: {by_pid}"
+    );
+    // A prune that reads every file removes it.
+    let o = alloctramp().arg("clean").arg("--dir").arg(&dir).arg("--keep").arg("10").output().unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let (files, by_pid) = forker_files(&dir);
+    assert_eq!(files.len(), 2, "{by_pid}");
+}
+
 fn mode(p: &Path) -> u32 {
     std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions()) & 0o7777
 }

@@ -543,7 +543,9 @@ pub fn at_exit() {
     // A process that keeps its file keeps the directory within its
     // bound; others leave that to the watcher threads.
     if state::PROFILED.load(Ordering::Relaxed) {
-        prune(FORKED.load(Ordering::Relaxed));
+        // SAFETY: getpid has no preconditions.
+        let me = FORKED.load(Ordering::Relaxed).then(|| unsafe { libc::getpid() } as u32);
+        prune(me);
     }
 }
 
@@ -552,12 +554,13 @@ pub fn at_exit() {
 static KEEP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(process::DEFAULT_KEEP);
 
 /// Prunes the counters directory, at exit in a process that keeps its file.
-/// `within_bound` (a process that forked) reads every file, so that the
-/// empty files its children left when they ran other programs go; without
-/// it, a directory within its bound costs only the reading of its names.
-fn prune(within_bound: bool) {
+/// A process that forked (`children_of`: its PID) reads the files of
+/// processes with higher PIDs, so that the empty files its children left
+/// when they ran other programs go; otherwise a directory within its bound
+/// costs only the reading of its names.
+fn prune(children_of: Option<u32>) {
     if let Some(dir) = DIR.get() {
-        procfile::prune(dir, KEEP.load(Ordering::Relaxed), within_bound);
+        procfile::prune(dir, KEEP.load(Ordering::Relaxed), children_of);
     }
 }
 
@@ -565,7 +568,7 @@ fn prune(within_bound: bool) {
 /// (the program does not wait for it): a process that never profiles reads
 /// only the directory's names.
 fn prune_over_bound() {
-    prune(false);
+    prune(None);
 }
 
 /// Called by a module's init stub.

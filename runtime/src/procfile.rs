@@ -685,9 +685,15 @@ fn counted_nothing(f: &std::fs::File) -> bool {
 /// their leftover control and temporary files; then the shared site tables
 /// no remaining file names. Reads each file's header, and the counters of
 /// those whose process ended without exiting.
-/// With `within_bound` false, a directory with no more than `keep` counters
-/// files is left as it is (only its names are read). Not in signal context.
-pub fn prune(dir: &str, keep: usize, within_bound: bool) {
+/// A directory with no more than `keep` counters files is left as it is
+/// (only its names are read), but for the files of processes with a PID
+/// above `children_of`'s, when given: a process that forked looks at the
+/// files its children may have left (they were given higher PIDs, unless
+/// the PIDs wrapped around meanwhile: such a file waits for a prune past
+/// the bound). Of those, only the files of processes that ended without
+/// profiling or counting go (the bound is not passed), and the tables stay.
+/// Not in signal context.
+pub fn prune(dir: &str, keep: usize, children_of: Option<u32>) {
     use std::os::unix::fs::FileExt;
     use std::os::unix::fs::MetadataExt;
     use std::os::unix::fs::OpenOptionsExt;
@@ -701,15 +707,20 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
     }) {
         return;
     }
-    if !within_bound && names.iter().filter(|n| n.ends_with(".counters")).count() <= keep {
+    let over = names.iter().filter(|n| n.ends_with(".counters")).count() > keep;
+    if !over && children_of.is_none() {
         return;
     }
+    let read = |pid: u32| over || children_of.is_some_and(|me| pid > me);
     let mut found: Vec<(u32, process::FileState, Vec<u64>)> = Vec::new();
     let mut strays: Vec<std::path::PathBuf> = Vec::new();
     for name in &names {
         let path = std::path::Path::new(dir).join(name);
         let Some((pid, kind)) = name.split_once('.') else { continue };
         let Ok(pid) = pid.parse::<u32>() else { continue };
+        if !read(pid) {
+            continue;
+        }
         match kind {
             "counters" => {}
             // (A trace file of an ended process that a drainer reads is
@@ -735,9 +746,15 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
         let Some(h) = f.read_exact_at(&mut head, 0).ok().and_then(|()| process::Summary::read(&head)) else {
             continue;
         };
-        // The module slots, for the tables the file names.
-        let mut slots = vec![0u8; PROC_HEADER_SIZE as usize];
-        let tables = f.read_exact_at(&mut slots, 0).map_or(Vec::new(), |()| process::table_ids(&slots));
+        // The module slots, for the tables the file names (only a prune
+        // that reads every file removes tables).
+        let tables = match over {
+            true => {
+                let mut slots = vec![0u8; PROC_HEADER_SIZE as usize];
+                f.read_exact_at(&mut slots, 0).map_or(Vec::new(), |()| process::table_ids(&slots))
+            }
+            false => Vec::new(),
+        };
         let current = h.version == process::PROC_VERSION;
         let running = !h.exited && runs(h.pid, h.exe);
         // A file of another version: keep it like a snapshot.
@@ -752,8 +769,8 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
     }
     let states: Vec<process::FileState> = found.iter().map(|f| f.1).collect();
     let mut named = Vec::new();
-    for (remove, (pid, _, tables)) in process::files_to_remove(&states, process::prune_to(keep)).into_iter().zip(&found)
-    {
+    let bound = if over { process::prune_to(keep) } else { usize::MAX };
+    for (remove, (pid, _, tables)) in process::files_to_remove(&states, bound).into_iter().zip(&found) {
         if !remove {
             named.extend_from_slice(tables);
         } else {
@@ -768,7 +785,9 @@ pub fn prune(dir: &str, keep: usize, within_bound: bool) {
     for p in strays {
         let _ = std::fs::remove_file(p);
     }
-    remove_unnamed_tables(dir, &named);
+    if over {
+        remove_unnamed_tables(dir, &named);
+    }
 }
 
 /// Removes the shared tables in `dir` that no process file there names
