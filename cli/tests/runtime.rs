@@ -486,6 +486,10 @@ fn switched_on_at_start_the_code_is_the_switched_image_not_copied_pages() {
     // program's): the sites are written.
     for (name, env) in [("image-later", &[][..]), ("image-signal", &[("ALLOCTRAMP_SWITCH", "signal")][..])] {
         let mut s = Server::start(name, env);
+        // Its modules registered (its file is there before): a module that
+        // registers once profiling is on switches on at registration, by
+        // the image.
+        assert_eq!(s.cmd("round"), "done");
         assert!(s.switch("enable").status.success(), "{name}");
         assert_eq!(s.cmd("round"), "done");
         assert_eq!(code_path(&s.pid(), &s.dir), own(&s), "{name}");
