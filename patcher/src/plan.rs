@@ -28,6 +28,7 @@ use alloctramp_trampolines::codegen::{self, CodegenError, TrampolineSpec};
 use alloctramp_trampolines::entry::{Kind, Target};
 use alloctramp_trampolines::frames;
 use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
+use alloctramp_trampolines::template::{self, Template};
 use object::LittleEndian as LE;
 use object::elf;
 use object::read::elf::ProgramHeader as _;
@@ -1318,7 +1319,7 @@ impl SitesInput<'_, '_> {
 
     /// The site's trampoline at `at`, with its unwind entry.
     fn make(&self, i: usize, site: &ScanSite, spec: &TrampolineSpec, at: u64, scratch: &mut Scratch) -> Made {
-        let t = match trampoline(spec, at) {
+        let t = match trampoline(spec, at, &mut scratch.templates) {
             Ok(t) => t,
             Err(reason) => return Made::Skipped(reason),
         };
@@ -1353,12 +1354,17 @@ impl SitesInput<'_, '_> {
 }
 
 /// What one planning thread keeps from site to site: gimli's unwind
-/// context, and the stack rows of the trampolines made so far.
+/// context, the stack rows of the trampolines made so far, and the
+/// templates of their shapes.
 #[derive(Default)]
 struct Scratch {
     cfi: gimli::UnwindContext<usize>,
     frames: KnownFrames,
+    templates: Templates,
 }
+
+/// Trampoline templates by shape (None: the shape has none).
+type Templates = std::collections::HashMap<TrampolineSpec, Option<Template>>;
 
 /// Stack rows by trampoline shape. Trampolines of one shape and length are
 /// the same instructions but for the values of their operands (addresses,
@@ -1520,15 +1526,16 @@ fn plan_sites_parallel(
     };
     let n = a.scan.sites.len();
     let mut lengths: std::collections::HashMap<TrampolineSpec, Option<usize>> = std::collections::HashMap::new();
+    let mut templates = Templates::new();
     let mut cursor = text.offset;
     let mut expect: Vec<(u64, Option<usize>)> = Vec::with_capacity(n);
     for (i, site) in a.scan.sites.iter().enumerate() {
         let at = cursor.wrapping_add(text.delta);
         let len = match spec(i, site) {
             Err(_) => None,
-            Ok(spec) => {
-                *lengths.entry(shape_of(&spec)).or_insert_with(|| trampoline(&spec, at).ok().map(|t| t.code.len()))
-            }
+            Ok(spec) => *lengths
+                .entry(shape_of(&spec))
+                .or_insert_with(|| trampoline(&spec, at, &mut templates).ok().map(|t| t.code.len())),
         };
         if let Some(len) = len {
             cursor = align(cursor + len as u64, 16);
@@ -1547,9 +1554,9 @@ fn plan_sites_parallel(
         let handles: Vec<_> = (0..n)
             .step_by(run)
             .map(|first| {
-                let (expect, spec) = (&expect, &spec);
+                let (expect, spec, templates) = (&expect, &spec, &templates);
                 std::thread::Builder::new().spawn_scoped(scope, move || {
-                    let mut scratch = Scratch::default();
+                    let mut scratch = Scratch { templates: templates.clone(), ..Scratch::default() };
                     let mut out = Vec::with_capacity(run);
                     let last = (first + run).min(n);
                     for (i, (&(at, len), site)) in
@@ -1638,13 +1645,18 @@ fn place_eh_frame(
     }
 }
 
-/// A site's trampoline at `at`, if every entry of it is in reach of the
-/// site's jump (but the traced entry, which is then left unused).
-fn trampoline(spec: &TrampolineSpec, at: u64) -> std::result::Result<codegen::Trampoline, SkipReason> {
+/// A site's trampoline at `at` (from its shape's template when it has one:
+/// see [`template`]), if every entry of it is in reach of the site's jump
+/// (but the traced entry, which is then left unused).
+fn trampoline(
+    spec: &TrampolineSpec,
+    at: u64,
+    templates: &mut Templates,
+) -> std::result::Result<codegen::Trampoline, SkipReason> {
     if spec.len < 5 {
         return Err(SkipReason::TooShort { len: spec.len });
     }
-    let mut t = codegen::trampoline(spec, at).map_err(SkipReason::Codegen)?;
+    let mut t = template::trampoline(templates, spec, at).map_err(SkipReason::Codegen)?;
     let reaches = |e: u16| codegen::site_jump(spec.site, at + u64::from(e)).is_some();
     if ![0, t.drain, t.count, t.callers].into_iter().all(reaches) {
         return Err(SkipReason::OutOfRange);

@@ -10,6 +10,8 @@
 //! * `codegen` (feature `codegen`): the trampolines and stubs.
 //! * `frames` (feature `codegen`): where a trampoline keeps the stack, for
 //!   its unwind rows.
+//! * `template` (feature `codegen`): trampolines of one shape made from
+//!   one generated trampoline.
 
 pub mod addr;
 #[cfg(feature = "codegen")]
@@ -21,4 +23,6 @@ pub mod frames;
 pub mod layout;
 pub mod pod;
 pub mod process;
+#[cfg(feature = "codegen")]
+pub mod template;
 pub mod trace;
