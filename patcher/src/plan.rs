@@ -28,7 +28,7 @@ use alloctramp_trampolines::codegen::{self, CodegenError, TrampolineSpec};
 use alloctramp_trampolines::entry::{Kind, Target};
 use alloctramp_trampolines::frames;
 use alloctramp_trampolines::layout::{self, PAGE, SiteForm};
-use alloctramp_trampolines::template::{self, Template};
+use alloctramp_trampolines::template::{self, Templates};
 use object::LittleEndian as LE;
 use object::elf;
 use object::read::elf::ProgramHeader as _;
@@ -244,7 +244,58 @@ pub struct EhFramePlan {
 pub struct Code {
     pub addr: Vaddr,
     pub offset: FileOffset,
-    pub bytes: Vec<u8>,
+    pub bytes: Bytes,
+}
+
+/// Code's bytes: its own, or how a trampoline's are made again from its
+/// shape's template as the file is written (the plan of a large library
+/// does not hold its tens of megabytes of trampolines).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Bytes {
+    Own(Vec<u8>),
+    Made(template::Made),
+}
+
+impl Default for Bytes {
+    fn default() -> Bytes {
+        Bytes::Own(Vec::new())
+    }
+}
+
+impl From<Vec<u8>> for Bytes {
+    fn from(b: Vec<u8>) -> Bytes {
+        Bytes::Own(b)
+    }
+}
+
+impl Bytes {
+    pub fn len(&self) -> usize {
+        match self {
+            Bytes::Own(b) => b.len(),
+            Bytes::Made(m) => m.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, made if they are a template's (None: they cannot be).
+    pub fn made(&self) -> Option<std::borrow::Cow<'_, [u8]>> {
+        match self {
+            Bytes::Own(b) => Some(std::borrow::Cow::Borrowed(b)),
+            Bytes::Made(m) => m.code().map(std::borrow::Cow::Owned),
+        }
+    }
+
+    /// The bytes of code the plan made itself (a stub's; a trampoline's from
+    /// a template has none here).
+    pub fn own(&self) -> &[u8] {
+        match self {
+            Bytes::Own(b) => b,
+            Bytes::Made(_) => &[],
+        }
+    }
 }
 
 /// A site's trampoline.
@@ -684,7 +735,7 @@ pub fn plan<'a>(elf: &Elf<'a>, a: &Analysis, opts: &PatchOptions) -> Result<Plan
     if !programs.is_empty() {
         programs.insert(0, ehframe::vector_stub_program(vectors.addr.0, vectors.bytes.len() as u64));
         programs.insert(1, ehframe::leaf_stub_program(wide.addr.0, wide.bytes.len() as u64));
-        programs.insert(2, ehframe::trace_stub_program(trace.addr.0, &trace.bytes));
+        programs.insert(2, ehframe::trace_stub_program(trace.addr.0, trace.bytes.own()));
     }
     // A call to a wrapper that counts for what the wrapper allocates must
     // be patched: the calls inside the wrapper may count nothing.
@@ -1047,7 +1098,8 @@ struct TextContext {
 
 /// Places generated code at the cursor; the next code starts 16-byte
 /// aligned.
-fn place_code(text: &mut Cursor, bytes: Vec<u8>) -> Code {
+fn place_code(text: &mut Cursor, bytes: impl Into<Bytes>) -> Code {
+    let bytes = bytes.into();
     let r = text.place(bytes.len() as u64, 1);
     text.offset = align(text.offset, 16);
     Code { addr: r.addr, offset: r.offset, bytes }
@@ -1226,8 +1278,9 @@ const PARALLEL_FROM: usize = 512;
 /// What a site becomes before its code is placed.
 enum Made {
     Skipped(SkipReason),
-    /// Its trampoline, and the trampoline's unwind entry if it has one.
-    Code(codegen::Trampoline, Option<ehframe::Program>),
+    /// Its trampoline, the trampoline's unwind entry if it has one, and
+    /// how its code is made again if it came from a template.
+    Code(codegen::Trampoline, Option<ehframe::Program>, Option<template::Made>),
 }
 
 /// What planning the sites reads: the module's code context, the
@@ -1319,21 +1372,28 @@ impl SitesInput<'_, '_> {
 
     /// The site's trampoline at `at`, with its unwind entry.
     fn make(&self, i: usize, site: &ScanSite, spec: &TrampolineSpec, at: u64, scratch: &mut Scratch) -> Made {
-        let t = match trampoline(spec, at, &mut scratch.templates) {
+        let (t, made) = match trampoline(spec, at, &mut scratch.templates) {
             Ok(t) => t,
             Err(reason) => return Made::Skipped(reason),
         };
         let entries = t.entries();
+        let len = made.as_ref().map_or(t.code.len(), |m| m.len());
+        // (A trampoline from a template has its code made only where its
+        // shape's stack rows are not known yet.)
+        let code = || match &made {
+            Some(m) => m.code().map(std::borrow::Cow::Owned),
+            None => Some(std::borrow::Cow::Borrowed(&t.code[..])),
+        };
         let found: std::result::Result<_, &'static str> = match self.sources {
             None => Err("the file has no .eh_frame_hdr to extend"),
             Some(src) => scratch
                 .frames
-                .of(spec, &t.code, at, entries)
+                .of(spec, len, code, at, entries)
                 .map_err(|_| "the trampoline's stack cannot be followed")
                 .and_then(|frames| {
                     ehframe::Entry {
                         addr: at,
-                        len: t.code.len() as u64,
+                        len: len as u64,
                         frames,
                         ret: site.vaddr.0 + u64::from(site.len),
                         tail: site.form.is_tail(),
@@ -1348,7 +1408,7 @@ impl SitesInput<'_, '_> {
             // An exception through a hook's call must find an entry: without
             // one the site stays as it is.
             Err(why) if spec.hook && self.unwinds => Made::Skipped(SkipReason::NoUnwind(why)),
-            found => Made::Code(t, found.ok()),
+            found => Made::Code(t, found.ok(), made),
         }
     }
 }
@@ -1363,9 +1423,6 @@ struct Scratch {
     templates: Templates,
 }
 
-/// Trampoline templates by shape (None: the shape has none).
-type Templates = std::collections::HashMap<TrampolineSpec, Option<Template>>;
-
 /// Stack rows by trampoline shape. Trampolines of one shape and length are
 /// the same instructions but for the values of their operands (addresses,
 /// counter displacements), so their rows are the same: following the code
@@ -1375,33 +1432,40 @@ struct KnownFrames(std::collections::HashMap<(TrampolineSpec, usize, [u32; 5]), 
 
 impl KnownFrames {
     /// The stack rows of `code`, the trampoline of `spec` at `at` with
-    /// `entries` (see [`frames::frames`]).
-    fn of(
+    /// `entries`, `len` bytes long (see [`frames::frames`]); `code` gives
+    /// the code where the rows are not known (None: it cannot be made).
+    fn of<'c>(
         &mut self,
         spec: &TrampolineSpec,
-        code: &[u8],
+        len: usize,
+        code: impl FnOnce() -> Option<std::borrow::Cow<'c, [u8]>>,
         at: u64,
         entries: [u32; 5],
     ) -> std::result::Result<&frames::Frames, frames::FramesError> {
         use std::collections::hash_map::Entry;
-        match self.0.entry((spec.shape(), code.len(), entries)) {
+        let rows = |code: Option<std::borrow::Cow<'c, [u8]>>| {
+            frames::frames(&code.unwrap_or_default(), at, &entries, spec.target)
+        };
+        match self.0.entry((spec.shape(), len, entries)) {
             Entry::Occupied(known) => {
-                debug_assert_eq!(
-                    Ok(known.get()),
-                    frames::frames(code, at, &entries, spec.target).as_ref(),
-                    "trampolines of one shape have one stack"
-                );
+                debug_assert_eq!(Ok(known.get()), rows(code()).as_ref(), "trampolines of one shape have one stack");
                 Ok(known.into_mut())
             }
-            Entry::Vacant(new) => Ok(new.insert(frames::frames(code, at, &entries, spec.target)?)),
+            Entry::Vacant(new) => Ok(new.insert(rows(code())?)),
         }
     }
 }
 
 /// Places a made trampoline's code at the cursor.
-fn place_trampoline(text: &mut Cursor, t: codegen::Trampoline) -> Trampoline {
+/// (A trampoline from a template keeps how to make its code again instead
+/// of the code.)
+fn place_trampoline(text: &mut Cursor, t: codegen::Trampoline, made: Option<template::Made>) -> Trampoline {
     let (drain, count, callers, traced, flags) = (t.drain, t.count, t.callers, t.traced, t.flags);
-    Trampoline { code: place_code(text, t.code), drain, count, callers, traced, flags }
+    let bytes = match made {
+        Some(m) => Bytes::Made(m),
+        None => Bytes::Own(t.code),
+    };
+    Trampoline { code: place_code(text, bytes), drain, count, callers, traced, flags }
 }
 
 /// Per site, the earlier one its bytes overlap, by address or by file
@@ -1479,9 +1543,9 @@ fn plan_sites_in_turn(text: &mut Cursor, input: &SitesInput) -> (Vec<SitePlan>, 
             Some(reason) => Decision::Skipped(reason),
             None => match input.make(i, site, &input.spec(i, site, target), at, &mut scratch) {
                 Made::Skipped(reason) => Decision::Skipped(reason),
-                Made::Code(t, found) => {
+                Made::Code(t, found, made) => {
                     unwind = found;
-                    Decision::Patched(place_trampoline(text, t))
+                    Decision::Patched(place_trampoline(text, t, made))
                 }
             },
         };
@@ -1533,9 +1597,11 @@ fn plan_sites_parallel(
         let at = cursor.wrapping_add(text.delta);
         let len = match spec(i, site) {
             Err(_) => None,
-            Ok(spec) => *lengths
-                .entry(shape_of(&spec))
-                .or_insert_with(|| trampoline(&spec, at, &mut templates).ok().map(|t| t.code.len())),
+            Ok(spec) => *lengths.entry(shape_of(&spec)).or_insert_with(|| {
+                trampoline(&spec, at, &mut templates)
+                    .ok()
+                    .map(|(t, made)| made.as_ref().map_or(t.code.len(), |m| m.len()))
+            }),
         };
         if let Some(len) = len {
             cursor = align(cursor + len as u64, 16);
@@ -1568,7 +1634,9 @@ fn plan_sites_parallel(
                             Ok(spec) => input.make(i, site, &spec, at, &mut scratch),
                         };
                         let as_expected = match (&m, len) {
-                            (Made::Code(t, _), Some(len)) => t.code.len() == len,
+                            (Made::Code(t, _, made), Some(len)) => {
+                                made.as_ref().map_or(t.code.len(), |m| m.len()) == len
+                            }
                             (Made::Skipped(_), None) => true,
                             _ => false,
                         };
@@ -1588,10 +1656,10 @@ fn plan_sites_parallel(
                 let (i, site) = (sites.len(), &a.scan.sites[sites.len()]);
                 let decision = match m {
                     Made::Skipped(reason) => Decision::Skipped(reason),
-                    Made::Code(t, unwind) => {
+                    Made::Code(t, unwind, made) => {
                         debug_assert_eq!(text.offset.wrapping_add(text.delta), expect[i].0);
                         programs.extend(unwind);
-                        Decision::Patched(place_trampoline(text, t))
+                        Decision::Patched(place_trampoline(text, t, made))
                     }
                 };
                 sites.push(SitePlan::of(site, decision, None));
@@ -1652,11 +1720,11 @@ fn trampoline(
     spec: &TrampolineSpec,
     at: u64,
     templates: &mut Templates,
-) -> std::result::Result<codegen::Trampoline, SkipReason> {
+) -> std::result::Result<(codegen::Trampoline, Option<template::Made>), SkipReason> {
     if spec.len < 5 {
         return Err(SkipReason::TooShort { len: spec.len });
     }
-    let mut t = template::trampoline(templates, spec, at).map_err(SkipReason::Codegen)?;
+    let (mut t, made) = template::trampoline(templates, spec, at).map_err(SkipReason::Codegen)?;
     let reaches = |e: u16| codegen::site_jump(spec.site, at + u64::from(e)).is_some();
     if ![0, t.drain, t.count, t.callers].into_iter().all(reaches) {
         return Err(SkipReason::OutOfRange);
@@ -1666,7 +1734,7 @@ fn trampoline(
     if !reaches(t.traced) {
         t.traced = 0;
     }
-    Ok(t)
+    Ok((t, made))
 }
 
 /// The section headers of the copied tables, found by type and address

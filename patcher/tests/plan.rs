@@ -601,7 +601,9 @@ fn every_trampoline_has_an_unwind_entry_and_the_input_keeps_its_own() {
             let Some(t) = s.trampoline() else { continue };
             let entries = [0, t.drain, t.count, t.callers, t.traced].map(u32::from);
             let target = a.scan.sites.iter().find(|x| x.vaddr == s.addr).unwrap().target.0;
-            let f = alloctramp_trampolines::frames::frames(&t.code.bytes, t.code.addr.0, &entries, target).unwrap();
+            let f =
+                alloctramp_trampolines::frames::frames(&t.code.bytes.made().unwrap(), t.code.addr.0, &entries, target)
+                    .unwrap();
             for c in f.calls.iter().filter(|c| c.target && !s.form.is_tail()) {
                 let ret = t.code.addr.0 + u64::from(c.offset + c.len);
                 let row = table

@@ -48,7 +48,7 @@ struct Field {
 
 /// The per-site values a trampoline of a shape depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Values {
+pub struct Values {
     at: u64,
     site: u64,
     target: u64,
@@ -71,7 +71,7 @@ impl Values {
 }
 
 /// A trampoline of one shape, with the rules for its varying operands.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Template {
     shape: TrampolineSpec,
     made: Trampoline,
@@ -136,27 +136,7 @@ impl Template {
         if spec.shape() != self.shape {
             return None;
         }
-        let v = Values::of(spec, at);
-        let mut code = self.made.code.clone();
-        for f in &self.fields {
-            let mut value = v.base(f.base).wrapping_add(f.addend);
-            if let Some(end) = f.relative_to {
-                value = value.wrapping_sub(at.wrapping_add(u64::from(end)) as i64);
-            }
-            let at = f.at as usize;
-            let bytes = match (f.size, f.bits) {
-                (4, false) => i32::try_from(value).ok()?.to_le_bytes(),
-                // (Two's complement for a negative value.)
-                (4, true) => {
-                    u32::try_from(value).ok().or_else(|| i32::try_from(value).ok().map(|v| v as u32))?.to_le_bytes()
-                }
-                _ => {
-                    code.get_mut(at..at + 8)?.copy_from_slice(&value.to_le_bytes());
-                    continue;
-                }
-            };
-            code.get_mut(at..at + 4)?.copy_from_slice(&bytes);
-        }
+        let code = self.code(&Values::of(spec, at))?;
         let m = &self.made;
         Some(Trampoline {
             code,
@@ -166,6 +146,49 @@ impl Template {
             flags: m.flags,
             traced: m.traced,
             undo: m.undo.clone(),
+        })
+    }
+
+    /// Whether every operand fits for these values.
+    fn fits(&self, v: &Values) -> bool {
+        self.fields.iter().all(|f| f.bytes(v).is_some())
+    }
+
+    /// The code for these values.
+    fn code(&self, v: &Values) -> Option<Vec<u8>> {
+        let mut code = self.made.code.clone();
+        for f in &self.fields {
+            let at = f.at as usize;
+            match f.bytes(v)? {
+                Encoded::Four(b) => code.get_mut(at..at + 4)?.copy_from_slice(&b),
+                Encoded::Eight(b) => code.get_mut(at..at + 8)?.copy_from_slice(&b),
+            }
+        }
+        Some(code)
+    }
+}
+
+/// An operand's bytes.
+enum Encoded {
+    Four([u8; 4]),
+    Eight([u8; 8]),
+}
+
+impl Field {
+    /// The operand's bytes for these values; None if the value does not
+    /// fit.
+    fn bytes(&self, v: &Values) -> Option<Encoded> {
+        let mut value = v.base(self.base).wrapping_add(self.addend);
+        if let Some(end) = self.relative_to {
+            value = value.wrapping_sub(v.at.wrapping_add(u64::from(end)) as i64);
+        }
+        Some(match (self.size, self.bits) {
+            (4, false) => Encoded::Four(i32::try_from(value).ok()?.to_le_bytes()),
+            // (Two's complement for a negative value.)
+            (4, true) => Encoded::Four(
+                u32::try_from(value).ok().or_else(|| i32::try_from(value).ok().map(|v| v as u32))?.to_le_bytes(),
+            ),
+            _ => Encoded::Eight(value.to_le_bytes()),
         })
     }
 }
@@ -280,20 +303,66 @@ fn read(b: &[u8], bits: bool) -> Option<i64> {
     })
 }
 
-/// A site's trampoline from its shape's template when there is one (made,
-/// or derived now, in `templates`), else from the assembler.
+/// How a trampoline's code is made again from its shape's template: kept
+/// instead of the code (a few dozen bytes instead of hundreds, for each
+/// of a hundred thousand trampolines), and made as the file is written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Made {
+    template: std::sync::Arc<Template>,
+    values: Values,
+}
+
+impl Made {
+    /// The code's length.
+    pub fn len(&self) -> usize {
+        self.template.made.code.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The code (None never happens: the same values made it before).
+    pub fn code(&self) -> Option<Vec<u8>> {
+        self.template.code(&self.values)
+    }
+}
+
+/// Templates by shape (None: the shape has none).
+pub type Templates = std::collections::HashMap<TrampolineSpec, Option<std::sync::Arc<Template>>>;
+
+/// A site's trampoline from its shape's template when there is one (found
+/// in `templates`, or derived now), with how to make its code: the
+/// trampoline's own `code` is then left empty (nothing is copied until the
+/// code is written); else from the assembler, with its code.
 pub fn trampoline(
-    templates: &mut std::collections::HashMap<TrampolineSpec, Option<Template>>,
+    templates: &mut Templates,
     spec: &TrampolineSpec,
     at: u64,
-) -> Result<Trampoline, CodegenError> {
-    let template = templates.entry(spec.shape()).or_insert_with(|| Template::derive(spec, at));
-    match template.as_ref().and_then(|t| t.make(spec, at)) {
+) -> Result<(Trampoline, Option<Made>), CodegenError> {
+    let template = templates.entry(spec.shape()).or_insert_with(|| Template::derive(spec, at).map(std::sync::Arc::new));
+    let values = Values::of(spec, at);
+    match template.as_ref().filter(|t| spec.shape() == t.shape && t.fits(&values)) {
         Some(t) => {
-            debug_assert_eq!(Some(&t), codegen::trampoline(spec, at).ok().as_ref(), "a template's trampoline");
-            Ok(t)
+            let made = Made { template: t.clone(), values };
+            let m = &t.made;
+            let trampoline = Trampoline {
+                code: Vec::new(),
+                drain: m.drain,
+                count: m.count,
+                callers: m.callers,
+                flags: m.flags,
+                traced: m.traced,
+                undo: m.undo.clone(),
+            };
+            debug_assert_eq!(
+                Some(Trampoline { code: made.code().unwrap_or_default(), ..trampoline.clone() }),
+                codegen::trampoline(spec, at).ok(),
+                "a template's trampoline"
+            );
+            Ok((trampoline, Some(made)))
         }
-        None => codegen::trampoline(spec, at),
+        None => Ok((codegen::trampoline(spec, at)?, None)),
     }
 }
 
@@ -345,12 +414,19 @@ mod tests {
         let far = AT + (3 << 30);
         assert_eq!(t.make(&spec, far), None);
         // Through the cache: the same trampolines.
-        let mut cache = std::collections::HashMap::new();
+        let mut cache = Templates::new();
         for index in [300, 301, 5000] {
             let s = TrampolineSpec { index, ..spec.clone() };
-            assert_eq!(trampoline(&mut cache, &s, AT).unwrap(), codegen::trampoline(&s, AT).unwrap());
+            let (t, made) = trampoline(&mut cache, &s, AT).unwrap();
+            let want = codegen::trampoline(&s, AT).unwrap();
+            // The code is made when asked for.
+            assert!(t.code.is_empty());
+            let made = made.unwrap();
+            assert_eq!((made.len(), made.code().as_ref()), (want.code.len(), Some(&want.code)));
+            assert_eq!(Trampoline { code: want.code.clone(), ..t }, want);
         }
         assert_eq!(cache.len(), 1);
-        assert_eq!(trampoline(&mut cache, &spec, far).ok(), codegen::trampoline(&spec, far).ok());
+        let (t, made) = trampoline(&mut cache, &spec, far).unwrap();
+        assert_eq!((Some(t), made), (codegen::trampoline(&spec, far).ok(), None));
     }
 }

@@ -42,11 +42,13 @@ pub(crate) struct Head {
     parts: Vec<(u64, Part)>,
 }
 
-/// A part's bytes: its own, or one byte repeated.
+/// A part's bytes: its own, one byte repeated, or a trampoline's made
+/// from its template when written.
 #[derive(Debug)]
 enum Part {
     Bytes(Vec<u8>),
     Fill(u8, u64),
+    Made(alloctramp_trampolines::template::Made),
 }
 
 impl Part {
@@ -54,6 +56,7 @@ impl Part {
         match self {
             Part::Bytes(b) => b.len() as u64,
             Part::Fill(_, n) => *n,
+            Part::Made(m) => m.len() as u64,
         }
     }
 }
@@ -82,6 +85,23 @@ impl Head {
         );
         if !bytes.is_empty() {
             self.parts.push((r.offset.0, Part::Bytes(bytes)));
+        }
+    }
+
+    /// Writes a part of code: its bytes, or how they are made.
+    fn put_code(&mut self, r: Region, bytes: crate::plan::Bytes) {
+        match bytes {
+            crate::plan::Bytes::Own(b) => self.put(r, b),
+            crate::plan::Bytes::Made(m) => {
+                assert_eq!(
+                    m.len() as u64,
+                    r.size,
+                    "a trampoline of {} bytes where the plan has {:#x}",
+                    m.len(),
+                    r.size
+                );
+                self.parts.push((r.offset.0, Part::Made(m)));
+            }
         }
     }
 
@@ -123,6 +143,9 @@ impl Head {
             match part {
                 Part::Bytes(b) => put(b)?,
                 Part::Fill(byte, n) => repeat(put, *byte, *n)?,
+                Part::Made(m) => {
+                    put(&m.code().ok_or_else(|| std::io::Error::other("a trampoline's template failed"))?)?
+                }
             }
             at = off + part.len();
         }

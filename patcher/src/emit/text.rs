@@ -6,7 +6,8 @@ use super::Head;
 use crate::plan::Plan;
 
 /// Moves the segment's code into `head`, with `int3` between and after:
-/// no copy of it is built.
+/// no copy of it is built (and a trampoline from a template is made as the
+/// head is written).
 pub(super) fn fill(plan: &mut Plan, head: &mut Head) {
     let (start, end) = (plan.text.offset.0, plan.text.offset.0 + plan.text.size);
     // (A part for each code, and one for each run of int3 before it.)
@@ -35,7 +36,7 @@ pub(super) fn fill(plan: &mut Plan, head: &mut Head) {
         let (offset, len) = (code.offset.0, code.bytes.len() as u64);
         assert!(offset >= at && offset + len <= end, "code at {offset:#x} out of order or outside the text");
         head.fill(at, offset - at, 0xcc);
-        head.put(
+        head.put_code(
             crate::plan::Region { offset: code.offset, addr: code.addr, size: len },
             std::mem::take(&mut code.bytes),
         );
