@@ -524,14 +524,41 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
         Err(e) => return Err(anyhow!("{}: {e}", dir.display())),
     };
     let mut found: Vec<(u32, String)> = Vec::new();
+    // Files that cannot be read are said, not listed: those of running
+    // processes, and with `all` every one.
+    let mut unreadable: Vec<String> = Vec::new();
+    let runs = |p: &Path| {
+        let pid = p.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok());
+        pid.is_some_and(|pid| Path::new("/proc").join(pid.to_string()).exists())
+    };
     for f in discover(entries) {
-        let Found::Readable(src) = f else { continue };
+        let src = match f {
+            Found::Readable(src) => src,
+            Found::Unreadable(p, why) => {
+                if all || runs(&p) {
+                    unreadable.push(format!("{}: {why}", p.display()));
+                }
+                continue;
+            }
+        };
         let running = src.running;
         if !running && !all {
             continue;
         }
-        let Ok(pf) = src.parse() else { continue };
-        let Ok(figs) = read::figures(&pf) else { continue };
+        let pf = match read::parse(&src.input.bytes) {
+            Ok(pf) => pf,
+            Err(e) => {
+                unreadable.push(format!("{}: {e}", src.path.display()));
+                continue;
+            }
+        };
+        let figs = match read::figures(&pf) {
+            Ok(f) => f,
+            Err(e) => {
+                unreadable.push(format!("{}: {}", src.path.display(), read::ReadError(e)));
+                continue;
+            }
+        };
         let pid = pf.pid;
         let state = if running {
             if pf.on {
@@ -563,7 +590,12 @@ fn list(dir: &Path, view: &View, all: bool) -> Result<()> {
         found.push((pid, format!("{pid:>8} {state:<8} {live:>12} {sites:>7} {:<24} {command}", names.join(","))));
     }
     found.sort();
-    if found.is_empty() && !view.quiet {
+    if !view.quiet {
+        for u in &unreadable {
+            eprintln!("alloctramp: {u} (not listed)");
+        }
+    }
+    if found.is_empty() && unreadable.is_empty() && !view.quiet {
         eprintln!("alloctramp: no process of yours runs patched code (looked in {})", dir.display());
     }
     emit(|w| {

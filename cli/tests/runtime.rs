@@ -1078,6 +1078,27 @@ fn processes_of_one_patched_file_share_its_site_table() {
         )) && err.contains(files[0].to_str().unwrap()),
         "{err}"
     );
+    // The process list says which files it cannot read, and why; without
+    // --all, files of ended processes are not its business.
+    let list = |all: bool| {
+        let mut c = alloctramp();
+        c.args(["report", "--dir"]).arg(&run);
+        if all {
+            c.arg("--all");
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{o:?}");
+        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (out, err) = list(true);
+    assert!(out.is_empty(), "{out}");
+    for f in &files {
+        let said = err.lines().filter(|l| l.contains(f.to_str().unwrap())).collect::<Vec<_>>();
+        assert!(said.len() == 1 && said[0].contains("tables/") && said[0].ends_with("(not listed)"), "{err}");
+    }
+    assert_eq!(err.lines().count(), files.len(), "{err}");
+    let (out, err) = list(false);
+    assert!(out.is_empty() && !err.contains("not listed"), "{out}{err}");
     std::fs::rename(&away, run.join("tables")).unwrap();
 
     // A clean-up keeps a table while a file names it or it was used lately,

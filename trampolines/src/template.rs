@@ -136,9 +136,13 @@ impl Template {
         if spec.shape() != self.shape {
             return None;
         }
-        let code = self.code(&Values::of(spec, at))?;
+        Some(self.with_code(self.code(&Values::of(spec, at))?))
+    }
+
+    /// The trampoline of the template's shape with this code.
+    fn with_code(&self, code: Vec<u8>) -> Trampoline {
         let m = &self.made;
-        Some(Trampoline {
+        Trampoline {
             code,
             drain: m.drain,
             count: m.count,
@@ -146,7 +150,7 @@ impl Template {
             flags: m.flags,
             traced: m.traced,
             undo: m.undo.clone(),
-        })
+        }
     }
 
     /// Whether every operand fits for these values.
@@ -345,16 +349,7 @@ pub fn trampoline(
     match template.as_ref().filter(|t| spec.shape() == t.shape && t.fits(&values)) {
         Some(t) => {
             let made = Made { template: t.clone(), values };
-            let m = &t.made;
-            let trampoline = Trampoline {
-                code: Vec::new(),
-                drain: m.drain,
-                count: m.count,
-                callers: m.callers,
-                flags: m.flags,
-                traced: m.traced,
-                undo: m.undo.clone(),
-            };
+            let trampoline = t.with_code(Vec::new());
             debug_assert_eq!(
                 Some(Trampoline { code: made.code().unwrap_or_default(), ..trampoline.clone() }),
                 codegen::trampoline(spec, at).ok(),
