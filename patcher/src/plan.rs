@@ -1724,7 +1724,14 @@ fn trampoline(
     if spec.len < 5 {
         return Err(SkipReason::TooShort { len: spec.len });
     }
-    let (mut t, made) = template::trampoline(templates, spec, at).map_err(SkipReason::Codegen)?;
+    #[cfg(test)]
+    let made = match tests::NO_TEMPLATES.get() {
+        true => codegen::trampoline(spec, at).map(|t| (t, None)),
+        false => template::trampoline(templates, spec, at),
+    };
+    #[cfg(not(test))]
+    let made = template::trampoline(templates, spec, at);
+    let (mut t, made) = made.map_err(SkipReason::Codegen)?;
     let reaches = |e: u16| codegen::site_jump(spec.site, at + u64::from(e)).is_some();
     if ![0, t.drain, t.count, t.callers].into_iter().all(reaches) {
         return Err(SkipReason::OutOfRange);
@@ -1844,6 +1851,36 @@ mod tests {
     thread_local! {
         /// Lay trampolines out by shapes that ignore the counter index.
         pub(super) static WRONG_SHAPES: Cell<bool> = const { Cell::new(false) };
+        /// Make every trampoline with the assembler.
+        pub(super) static NO_TEMPLATES: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Trampolines made from templates, kept as templates and values and
+    /// made again as the file is written: the same file as with every
+    /// trampoline from the assembler, in turn and on threads.
+    #[test]
+    fn templates_give_the_assembler_s_file() {
+        for name in ["every_c", "libatshared.so", "cxx_new_delete"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbins/golden").join(name);
+            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let a = crate::analyze(&data, name, None, &[]).unwrap();
+            let elf = Elf::parse(&data).unwrap();
+            let opts = |threads| PatchOptions { threads, ..PatchOptions::default() };
+            NO_TEMPLATES.set(true);
+            let want = crate::write::patch(&data, &a, &opts(1)).unwrap().to_vec();
+            NO_TEMPLATES.set(false);
+            for threads in [1, 3] {
+                let p = plan(&elf, &a, &opts(threads)).unwrap();
+                let made = p
+                    .sites
+                    .iter()
+                    .filter(|s| matches!(s.trampoline().map(|t| &t.code.bytes), Some(Bytes::Made(_))))
+                    .count();
+                assert!(made > 0, "{name}: no trampoline from a template");
+                let file = crate::write::patch(&data, &a, &opts(threads)).unwrap().to_vec();
+                assert!(file == want, "{name} on {threads} threads: the files differ");
+            }
+        }
     }
 
     /// Shapes that predict wrong lengths: the threads' check sees it, the

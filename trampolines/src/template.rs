@@ -8,15 +8,22 @@
 //! counter displacements and immediates (which depend on the site's index).
 //! Generating each with the assembler took most of the time of patching a
 //! large library (libLLVM-15, 119,759 sites in 175 shapes: 3.8 s, 2.65 s
-//! with templates, for the same bytes). A [`Template`] is derived from three generations of one
-//! spec with its site, target, index and address moved: every operand that
-//! differs between them must follow one rule (a constant, the site, the
-//! target or a multiple of the index, plus a constant; as an absolute value
-//! or relative to the instruction's end) that gives all three exactly, and
-//! the template must give back the second and third trampolines byte for
-//! byte. Otherwise the shape has no template and each of its trampolines is
+//! with templates, for the same bytes).
+//!
+//! A [`Template`] comes from four generations of one spec with its site,
+//! target, index and address moved. Every operand that differs between the
+//! first three (found with the decoder's constant offsets) must follow one
+//! rule that gives all three exactly: a constant, the site, the target or a
+//! multiple of the index, plus a constant, as an absolute value or relative
+//! to the instruction's end; no other byte may differ. The template must
+//! then give back the second, third and fourth trampolines byte for byte.
+//! Otherwise the shape has no template and each of its trampolines is
 //! generated. A template also refuses a site whose operands would not fit
-//! (the assembler then says why).
+//! (the assembler then says why). Where the assembler would pick a shorter
+//! encoding for one site (a jump within 128 bytes of its target: never a
+//! site's return or target, which are in the original code), a template
+//! keeps its shape's: the same instructions, the length the patcher laid
+//! the trampoline out by.
 
 use crate::codegen::{self, CodegenError, Trampoline, TrampolineSpec};
 use iced_x86::{Decoder, DecoderOptions, Instruction, OpKind};
@@ -78,11 +85,19 @@ pub struct Template {
     fields: Vec<Field>,
 }
 
-/// Moves of the values for the second and third generations. The index
-/// moves only within its shape's class; the moves are such that no two
-/// rules give the same values at all three (the site and target moves are
-/// not one multiple of the index moves).
-const MOVES: [(i64, i64, i64, i64); 2] = [(0x1_0340, 0x2351, -0x4a73, 7), (-0x2_7a10, -0x1c07, 0x6e3d, 12)];
+/// Moves of the values (address, site, target, index) for the second and
+/// third generations, which the rules are fitted to, and a fourth, which
+/// only checks them. A value moves the other way where this way does not
+/// fit, and the index only within its shape's class; the moves are such
+/// that no two rules give the same values at the first three (the site and
+/// target moves differ and are not whole multiples of the index moves).
+const MOVES: [(i64, i64, i64, i64); 3] =
+    [(0x1_0340, 0x2351, -0x4a73, 7), (-0x2_7a10, -0x1c07, 0x6e3d, 12), (0x3_3330, 0x611d, 0x1d29, 29)];
+
+/// `v` moved by `by`, or the other way if that does not fit.
+fn moved(v: u64, by: i64) -> Option<u64> {
+    v.checked_add_signed(by).or_else(|| v.checked_add_signed(by.checked_neg()?))
+}
 
 impl Template {
     /// The template of `spec`'s shape, from `spec`'s trampoline at `at`;
@@ -93,18 +108,14 @@ impl Template {
         let mut others = Vec::new();
         for (da, ds, dt, di) in MOVES {
             let index = moved_index(spec.index, di)?;
-            let moved = TrampolineSpec {
-                site: spec.site.checked_add_signed(ds)?,
-                target: spec.target.checked_add_signed(dt)?,
-                index,
-                ..spec.clone()
-            };
-            if moved.shape() != spec.shape() {
+            let other =
+                TrampolineSpec { site: moved(spec.site, ds)?, target: moved(spec.target, dt)?, index, ..spec.clone() };
+            if other.shape() != spec.shape() {
                 return None;
             }
-            let at = at.checked_add_signed(da)?;
-            let t = codegen::trampoline(&moved, at).ok()?;
-            others.push((Values::of(&moved, at), moved, t));
+            let at = moved(at, da)?;
+            let t = codegen::trampoline(&other, at).ok()?;
+            others.push((Values::of(&other, at), other, t));
         }
         let same_but_code = |t: &Trampoline| {
             t.code.len() == first.code.len()
@@ -115,12 +126,13 @@ impl Template {
         if !others.iter().all(|(_, _, t)| same_but_code(t)) {
             return None;
         }
+        // The rules from the first three; all four, made again, are what
+        // the assembler made.
         let samples: Vec<(Values, &[u8])> = std::iter::once((v0, first.code.as_slice()))
-            .chain(others.iter().map(|(v, _, t)| (*v, t.code.as_slice())))
+            .chain(others.iter().take(2).map(|(v, _, t)| (*v, t.code.as_slice())))
             .collect();
         let fields = fields(&first.code, at, &samples)?;
         let template = Template { shape: spec.shape(), made: first, fields };
-        // The template gives back what the assembler made.
         for (v, moved, t) in &others {
             if template.make(moved, v.at).as_ref() != Some(t) {
                 return None;
@@ -368,18 +380,19 @@ mod tests {
 
     const AT: u64 = 0x428000;
 
-    /// Every trampoline form gets a template, at a small index (a shape of
-    /// its own), ones in the shadow map's ids (the traced entry's record
-    /// word holds the index shifted left by 15: from 65,536 on, past the
-    /// sign bit of its 32-bit immediate) and one beyond, and makes what the
-    /// assembler makes for other sites, targets, indices and places of its
-    /// shape.
+    /// Every trampoline form gets a template, at small indices (a shape
+    /// each), ones in the shadow map's ids (the traced entry's record word
+    /// holds the index shifted left by 15: from 65,536 on, past the sign
+    /// bit of its 32-bit immediate) and ones beyond, at the classes' edges,
+    /// and makes what the assembler makes for other sites, targets, indices
+    /// and places of its shape.
     #[test]
     fn templates_make_what_the_assembler_makes() {
         for (name, spec) in specs() {
-            for index in [3, 300, 100_000, 140_000] {
+            for index in [3, 127, 128, 300, 65_535, 100_000, 131_071, 131_072, 140_000] {
                 let spec = TrampolineSpec { index, ..spec.clone() };
                 let t = Template::derive(&spec, AT).unwrap_or_else(|| panic!("{name} at index {index}: no template"));
+                // (65,535 moved by 901 crosses 65,536.)
                 for (da, ds, dt, di) in [(0, 0, 0, 0), (0x88, 0x1000, 0x20, 1), (0x5_0000, -0x301, 0x7777, 901)] {
                     let index = moved_index(index, di).unwrap();
                     let other = TrampolineSpec {
