@@ -102,8 +102,11 @@ impl TrampolineSpec {
     /// the target (rel32 operands), and the counter index beyond what
     /// 8-bit operands hold (displacements and immediates; an index beyond
     /// the shadow map's ids takes another path). Specs of one shape give
-    /// trampolines of one length wherever their entries are in reach; the
-    /// patcher, which lays trampolines out by these lengths, checks each.
+    /// trampolines of one length wherever their entries are in reach (but
+    /// where the assembler shortens a jump to a target within 128 bytes:
+    /// never a site's return or target, which are in the original code);
+    /// the patcher, which lays trampolines out by these lengths, checks
+    /// each, and makes them from one template (`template`).
     pub fn shape(&self) -> TrampolineSpec {
         let index = match self.index {
             i if i < 128 => i,
