@@ -365,18 +365,24 @@ fn events_of_a_signal_handler_that_interrupts_a_record_are_lost_and_counted_neve
     let sites = sites_of(&r.trace, "trace/signals.c");
     let id = |name: &str| sites[&mark_line("trace/signals.c", name)].clone();
     let (m, mf, s) = (id("M"), id("MF"), id("S"));
-    // One thread, so one stream, in the order recorded: every event's time
-    // is after the one before (a record written twice, or a slot published
-    // unwritten and read from an earlier lap, would repeat a time: the
-    // stream cannot go back). The main thread's malloc and free alternate,
+    // One thread, so one stream, in the order recorded: no event's time is
+    // before the one before (a slot published unwritten and read from an
+    // earlier lap would go back), and no record repeats the one before (a
+    // record written twice). Two events may share a time: after the thread
+    // moved to another CPU, whose time stamp counter a virtual machine may
+    // keep a little behind, an event can read an earlier count than the one
+    // before, and the stream writes it at the later time
+    // (`trace::ctf::Stream` never goes back). The main thread's malloc and
+    // free alternate,
     // but where events were lost, each free freeing what the malloc
     // returned (glibc's malloc gives the loop the same chunk every time).
     let (mut time, mut breaks, mut last, mut handler) = (0u64, 0u64, None, 0u64);
     let mut main_ptr: Option<String> = None;
+    let mut before = None;
     for (n, f) in r.trace.iter().filter(|(n, _)| n != "site") {
         let t: u64 = f["time"].parse().unwrap();
-        assert!(t > time, "{n} {f:?} at {t}, after {time}");
-        time = t;
+        assert!(t >= time && before != Some((n, f)), "{n} {f:?} at {t}, after {before:?} at {time}");
+        (time, before) = (t, Some((n, f)));
         let site = &f["site"];
         if *site == m || *site == mf {
             let kind = (n.as_str(), site == &m);
