@@ -1377,7 +1377,7 @@ impl SitesInput<'_, '_> {
             Err(reason) => return Made::Skipped(reason),
         };
         let entries = t.entries();
-        let len = made.as_ref().map_or(t.code.len(), |m| m.len());
+        let len = code_len(&t, made.as_ref());
         // (A trampoline from a template has its code made only where its
         // shape's stack rows are not known yet.)
         let code = || match &made {
@@ -1454,6 +1454,12 @@ impl KnownFrames {
             Entry::Vacant(new) => Ok(new.insert(rows(code())?)),
         }
     }
+}
+
+/// The length of a trampoline's code: its own, or what its template
+/// makes (the trampoline's own is empty then).
+fn code_len(t: &codegen::Trampoline, made: Option<&template::Made>) -> usize {
+    made.map_or(t.code.len(), template::Made::len)
 }
 
 /// Places a made trampoline's code at the cursor.
@@ -1598,9 +1604,7 @@ fn plan_sites_parallel(
         let len = match spec(i, site) {
             Err(_) => None,
             Ok(spec) => *lengths.entry(shape_of(&spec)).or_insert_with(|| {
-                trampoline(&spec, at, &mut templates)
-                    .ok()
-                    .map(|(t, made)| made.as_ref().map_or(t.code.len(), |m| m.len()))
+                trampoline(&spec, at, &mut templates).ok().map(|(t, made)| code_len(&t, made.as_ref()))
             }),
         };
         if let Some(len) = len {
@@ -1634,9 +1638,7 @@ fn plan_sites_parallel(
                             Ok(spec) => input.make(i, site, &spec, at, &mut scratch),
                         };
                         let as_expected = match (&m, len) {
-                            (Made::Code(t, _, made), Some(len)) => {
-                                made.as_ref().map_or(t.code.len(), |m| m.len()) == len
-                            }
+                            (Made::Code(t, _, made), Some(len)) => code_len(t, made.as_ref()) == len,
                             (Made::Skipped(_), None) => true,
                             _ => false,
                         };
