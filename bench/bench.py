@@ -777,9 +777,9 @@ def part_git():
         "bench/bench.py). The commit ids and the log must be identical in every variant. The patched variants set "
         "GIT_EXEC_PATH to the patched git's directory, so git's own subprocesses (gc's repack and pack-objects, "
         "commit's maintenance, ...) are patched and profiled too, each with its own start-up and counters file; "
-        "switched on with live tracking, each maps the switched image `alloctramp patch` writes beside the patched "
-        "git (`$W/patched/.alloctramp-on/git`) instead of copying the code pages that hold sites; counting only has "
-        "no image and writes the sites. "
+        "switched on, each maps the switched image of its mode that `alloctramp patch` writes beside the patched "
+        "git (`$W/patched/.alloctramp-on/git` for live tracking, `$W/patched/.alloctramp-count/git` for counting "
+        "only) instead of copying the code pages that hold sites. "
         "heaptrack and DHAT wrap each of the 15 commands and trace only the process they start.",
     )
     SECTIONS.append(sec)
@@ -993,10 +993,12 @@ def part_patch():
     s = med(runs)
     psize = os.path.getsize(out)
     os.unlink(out)
-    os.unlink(os.path.join(WORK, ".alloctramp-on", "patch-test.so"))
+    for image in (".alloctramp-on", ".alloctramp-count"):
+        os.unlink(os.path.join(WORK, image, "patch-test.so"))
     sec = Section("Patching", "patch", f"`alloctramp patch` on `{f}` ({size / 2**20:.0f} MiB); the output is "
-                  f"{psize / 2**20:.0f} MiB, and its switched image (`$W/.alloctramp-on/out.so`, written with it, "
-                  "on a second thread) the same. Peak RSS is the kernel's (`/usr/bin/time`'s maximum resident set): "
+                  f"{psize / 2**20:.0f} MiB, and each of its two switched images (`$W/.alloctramp-on/out.so` and "
+                  "`$W/.alloctramp-count/out.so`, written with it, one after the other on a second thread) the same. "
+                  "Peak RSS is the kernel's (`/usr/bin/time`'s maximum resident set): "
                   "it counts the pages of the mapped input the command holds, which it lets go once the analysis "
                   "has read them and as the writers copy them out.")
     SECTIONS.append(sec)

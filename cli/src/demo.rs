@@ -114,6 +114,7 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
         runtime: None,
         runtime_link: RuntimeLink::Origin,
         no_library_unwind: false,
+        images: vec![patch::ImageArg::Live, patch::ImageArg::Count],
         no_image: false,
         skip_allocator_layers: false,
     })?;

@@ -3,7 +3,7 @@
 use crate::sites::parse_entries;
 use crate::util::{Input, ReleaseBehind, Staged, check_output_path};
 use alloctramp_patcher::write::{PatchOptions, patch};
-use alloctramp_trampolines::layout;
+use alloctramp_trampolines::layout::{self, Image};
 use anyhow::{Context, Result, anyhow, bail};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -17,6 +17,22 @@ pub enum RuntimeLink {
     /// The runtime's absolute path at patch time (works in setuid programs,
     /// where $ORIGIN is not expanded).
     Absolute,
+}
+
+/// A switched image, as `--images` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ImageArg {
+    Live,
+    Count,
+}
+
+impl ImageArg {
+    fn image(self) -> Image {
+        match self {
+            ImageArg::Live => Image::Live,
+            ImageArg::Count => Image::Count,
+        }
+    }
 }
 
 /// Write a patched copy of an ELF file: original code untouched, one
@@ -44,11 +60,15 @@ pub struct Args {
     /// chains then end at the first frame in one of them).
     #[arg(long)]
     pub no_library_unwind: bool,
-    /// Do not write the switched image (DIR/.alloctramp-on/NAME beside the
-    /// output): a copy whose sites already jump to their trampolines, which
-    /// processes switched on at start-up map instead of copying every code
-    /// page that holds a site.
-    #[arg(long)]
+    /// The switched images to write beside the output: copies whose sites
+    /// already jump to their trampolines, which processes switched on at
+    /// start-up map instead of copying every code page that holds a site.
+    /// `live` (DIR/.alloctramp-on/NAME) serves live tracking, `count`
+    /// (DIR/.alloctramp-count/NAME) counting only (ALLOCTRAMP_LIVE=0).
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "IMAGE,...", default_values = ["live", "count"])]
+    pub images: Vec<ImageArg>,
+    /// Write no switched image (and remove those an earlier patch wrote).
+    #[arg(long, conflicts_with = "images")]
     pub no_image: bool,
     #[command(flatten)]
     pub wrappers: crate::sites::WrapperArgs,
@@ -59,37 +79,70 @@ pub struct Args {
     pub skip_allocator_layers: bool,
 }
 
-/// The path of the switched image of the file at `output`.
-fn image_path(output: &Path) -> Result<std::path::PathBuf> {
+/// The path of the switched image `image` of the file at `output`.
+fn image_path(output: &Path, image: Image) -> Result<std::path::PathBuf> {
     let dir = output.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    Ok(dir.join(layout::IMAGE_DIR).join(output.file_name().context("output path has no file name")?))
+    Ok(dir.join(image.dir()).join(output.file_name().context("output path has no file name")?))
 }
 
-/// Removes the switched image of the file at `output`, if there is one.
-fn remove_image(output: &Path) -> Result<()> {
-    let image = image_path(output)?;
-    match std::fs::symlink_metadata(&image) {
+/// Removes the switched image `image` of the file at `output`, if there is
+/// one.
+fn remove_image(output: &Path, image: Image) -> Result<()> {
+    let path = image_path(output, image)?;
+    match std::fs::symlink_metadata(&path) {
         Ok(m) if m.is_file() => {
-            std::fs::remove_file(&image).with_context(|| format!("{}: cannot remove", image.display()))
+            std::fs::remove_file(&path).with_context(|| format!("{}: cannot remove", path.display()))
         }
         _ => Ok(()),
     }
 }
 
-/// The switched image of the patched file `output` (`layout::IMAGE_DIR`),
-/// written aside, with whether its directory was made for it. Written
-/// while the output is (the two are about the same size: a large library's
-/// take a quarter of a second each); renamed into place once the output is,
-/// with its time, by which the runtime knows it belongs to the file
-/// ([`commit_image`]).
+/// A switched image written aside, with whether its directory was made
+/// for it.
+struct StagedImage {
+    image: Image,
+    staged: Staged,
+    made: bool,
+}
+
+impl StagedImage {
+    /// Removes the image written aside, and the directory made for it.
+    fn drop_with_dir(self, output: &Path) {
+        drop(self.staged);
+        if self.made
+            && let Ok(path) = image_path(output, self.image)
+        {
+            let _ = std::fs::remove_dir(path.parent().unwrap_or(Path::new(".")));
+        }
+    }
+
+    /// Renames the image into place, with the output's modification time,
+    /// by which the runtime knows it belongs to the file.
+    fn commit(self, output: &Path) -> Result<()> {
+        let path = image_path(output, self.image)?;
+        let time =
+            std::fs::metadata(output).and_then(|m| m.modified()).with_context(|| format!("{}", output.display()));
+        let written = time.and_then(|time| self.staged.set_modified(&path, time)).and_then(|()| self.staged.commit());
+        if written.is_err() && self.made {
+            let _ = std::fs::remove_dir(path.parent().unwrap_or(Path::new(".")));
+        }
+        written
+    }
+}
+
+/// The switched image `image` of the patched file `output`, written aside
+/// while the output is (each is about the output's size: a large library's
+/// take a quarter of a second each), and renamed into place once the output
+/// is ([`StagedImage::commit`]).
 fn stage_image(
     output: &Path,
+    image: Image,
     mode: u32,
     patched: &alloctramp_patcher::write::Patched,
     input: &Input,
-) -> Result<(Staged, bool)> {
-    let image = image_path(output)?;
-    let dir = image.parent().unwrap_or(Path::new("."));
+) -> Result<StagedImage> {
+    let path = image_path(output, image)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
     let made = match std::fs::create_dir(dir) {
         Ok(()) => true,
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
@@ -97,39 +150,14 @@ fn stage_image(
     };
     let mut staged = Staged::default();
     let original = patched.original_offset();
-    match staged.add_sparse(&image, mode, |w| patched.write_image_sparse(&mut ReleaseBehind::new(input, original, w))) {
-        Ok(()) => Ok((staged, made)),
+    let write = |w: &mut _| patched.write_image_sparse(image, &mut ReleaseBehind::new(input, original, w));
+    match staged.add_sparse(&path, mode, write) {
+        Ok(()) => Ok(StagedImage { image, staged, made }),
         Err(e) => {
-            drop(staged);
-            if made {
-                let _ = std::fs::remove_dir(dir);
-            }
+            StagedImage { image, staged, made }.drop_with_dir(output);
             Err(e)
         }
     }
-}
-
-/// Drops a staged image of `output` that will not be renamed into place,
-/// with the directory made for it.
-fn drop_image(output: &Path, image: Option<Result<(Staged, bool)>>) {
-    if let Some(Ok((staged, made))) = image {
-        drop(staged);
-        if made && let Ok(image) = image_path(output) {
-            let _ = std::fs::remove_dir(image.parent().unwrap_or(Path::new(".")));
-        }
-    }
-}
-
-/// Renames the staged image of `output` into place, with the output's
-/// modification time.
-fn commit_image(output: &Path, (staged, made): (Staged, bool)) -> Result<()> {
-    let image = image_path(output)?;
-    let time = std::fs::metadata(output).and_then(|m| m.modified()).with_context(|| format!("{}", output.display()));
-    let written = time.and_then(|time| staged.set_modified(&image, time)).and_then(|()| staged.commit());
-    if written.is_err() && made {
-        let _ = std::fs::remove_dir(image.parent().unwrap_or(Path::new(".")));
-    }
-    written
 }
 
 /// Finds the runtime library.
@@ -316,41 +344,66 @@ pub fn write_patched(args: &Args, warn_entries: bool) -> Result<Summary> {
         staged.add_sparse(&output, mode, |w| patched.write_sparse(&mut ReleaseBehind::new(&input, original, w)))?;
         Ok(staged)
     };
-    // The image is written on a thread of its own meanwhile.
-    let with_image = !args.no_image && !patched.switched.is_empty();
-    let (written, image) = std::thread::scope(|scope| {
-        let image = with_image.then(|| scope.spawn(|| stage_image(&output, mode & 0o755, &patched, &input)));
+    // The images are written on a thread of their own meanwhile, one after
+    // the other.
+    let wanted: Vec<Image> = if args.no_image {
+        vec![]
+    } else {
+        patched.images().filter(|i| args.images.iter().any(|a| a.image() == *i)).collect()
+    };
+    let (written, images) = std::thread::scope(|scope| {
+        let images = (!wanted.is_empty()).then(|| {
+            scope.spawn(|| {
+                wanted.iter().map(|&i| (i, stage_image(&output, i, mode & 0o755, &patched, &input))).collect::<Vec<_>>()
+            })
+        });
         let written = stage_output();
-        let image = image.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-        (written, image)
+        let images = images.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        (written, images.unwrap_or_default())
     });
-    let (staged, image) = match written {
-        Ok(staged) => (staged, image),
-        // The file and its image may not both fit where they go: the file
-        // alone, as when the image is what does not fit.
-        Err(e) if with_image => {
-            drop_image(&output, image);
+    let drop_all = |images: Vec<(Image, Result<StagedImage>)>| {
+        for (_, staged) in images {
+            if let Ok(staged) = staged {
+                staged.drop_with_dir(&output);
+            }
+        }
+    };
+    let (staged, images) = match written {
+        Ok(staged) => (staged, images),
+        // The file and its images may not all fit where they go: the file
+        // alone, as when the images are what does not fit.
+        Err(e) if !images.is_empty() => {
+            let kinds: Vec<Image> = images.iter().map(|(i, _)| *i).collect();
+            drop_all(images);
             let staged = stage_output()?;
-            let why = anyhow!("{}: no room for its switched image beside it ({e:#})", output.display());
-            (staged, Some(Err(why)))
+            let why = |i: Image| {
+                anyhow!("{}: no room for its switched image ({}) beside it ({e:#})", output.display(), i.name())
+            };
+            (staged, kinds.into_iter().map(|i| (i, Err(why(i)))).collect())
         }
         Err(e) => return Err(e),
     };
     if let Err(e) = staged.commit() {
-        drop_image(&output, image);
+        drop_all(images);
         return Err(e);
     }
-    // Without an image (asked, none to write, or one that cannot be
-    // written), an earlier patch's goes: the runtime would not use it, and
-    // it takes the space of the file.
-    match image.map(|i| i.and_then(|i| commit_image(&output, i))) {
-        None => remove_image(&output)?,
-        Some(Ok(())) => {}
-        Some(Err(e)) => {
-            let _ = remove_image(&output);
-            eprintln!(
-                "alloctramp: {e:#}; processes switched on at start-up write their sites instead (--no-image writes none)"
-            );
+    // An image not written (not asked, none to write, or one that cannot be
+    // written) that an earlier patch wrote goes: the runtime would not use
+    // it, and it takes the space of the file.
+    let mut images = images;
+    for image in Image::ALL {
+        match images.iter().position(|(i, _)| *i == image).map(|at| images.swap_remove(at).1) {
+            None => remove_image(&output, image)?,
+            Some(staged) => {
+                if let Err(e) = staged.and_then(|s| s.commit(&output)) {
+                    let _ = remove_image(&output, image);
+                    eprintln!(
+                        "alloctramp: {e:#}; processes switched on at start-up ({}) write their sites instead \
+                         (--no-image writes none)",
+                        image.name()
+                    );
+                }
+            }
         }
     }
     for s in patched.skipped.iter().filter(|s| s.reason.is_loss()) {

@@ -209,6 +209,7 @@ pub fn cached_patch(file: &Path, entries: &[String], cache: &Path, role: Role) -
         runtime: Some(runtime),
         runtime_link: RuntimeLink::Origin,
         no_library_unwind: false,
+        images: vec![patch::ImageArg::Live, patch::ImageArg::Count],
         no_image: false,
         skip_allocator_layers: role.whole_process,
     };

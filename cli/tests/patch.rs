@@ -138,32 +138,46 @@ fn elf_checkers_accept_and_strip_keeps_it_running() {
 }
 
 #[test]
-fn patch_writes_the_switched_image_beside_the_output() {
+fn patch_writes_the_switched_images_beside_the_output() {
+    use alloctramp_trampolines::layout::Image;
     use std::os::unix::fs::MetadataExt;
     let b = built(Config::default_o2());
     let dir = scratch("image-out");
     let out = dir.join("basic");
     patch_to(&b.path("basic"), &out, &[]);
-    let image = dir.join(alloctramp_trampolines::layout::IMAGE_DIR).join("basic");
-    let (file, img) = (std::fs::metadata(&out).unwrap(), std::fs::metadata(&image).unwrap());
-    assert_eq!((img.len(), img.mtime(), img.mtime_nsec()), (file.len(), file.mtime(), file.mtime_nsec()));
-    assert_eq!(img.mode() & 0o7777, file.mode() & 0o755);
+    let path = |image: Image| dir.join(image.dir()).join("basic");
     let bytes = std::fs::read(&out).unwrap();
-    assert!(std::fs::read(&image).unwrap() == alloctramp_patcher::image::switched_image(&bytes).unwrap());
-    assert!(std::fs::read(&image).unwrap() != bytes);
-    // Without one, an image left by an earlier patch goes too.
+    let file = std::fs::metadata(&out).unwrap();
+    for image in Image::ALL {
+        let img = std::fs::metadata(path(image)).unwrap();
+        assert_eq!((img.len(), img.mtime(), img.mtime_nsec()), (file.len(), file.mtime(), file.mtime_nsec()));
+        assert_eq!(img.mode() & 0o7777, file.mode() & 0o755);
+        let written = std::fs::read(path(image)).unwrap();
+        assert!(written == alloctramp_patcher::image::switched_image(&bytes, image).unwrap(), "{image:?}");
+        assert!(written != bytes);
+    }
+    assert!(std::fs::read(path(Image::Live)).unwrap() != std::fs::read(path(Image::Count)).unwrap());
+    // Only the images asked for: an earlier patch's other image goes.
+    patch_to(&b.path("basic"), &out, &["--images", "live"]);
+    assert!(path(Image::Live).exists() && !path(Image::Count).exists());
+    patch_to(&b.path("basic"), &out, &["--images=count,live"]);
+    assert!(path(Image::Live).exists() && path(Image::Count).exists());
+    // Without any, the images left by an earlier patch go too.
     patch_to(&b.path("basic"), &out, &["--no-image"]);
-    assert!(!image.exists());
+    assert!(!path(Image::Live).exists() && !path(Image::Count).exists());
     assert!(std::fs::read(&out).unwrap() == bytes, "the same output");
     // An image that cannot be written (its directory's name is a file's)
-    // is a warning: the output is written.
+    // is a warning: the output and the other image are written.
     let dir = scratch("image-blocked");
-    std::fs::write(dir.join(alloctramp_trampolines::layout::IMAGE_DIR), b"").unwrap();
+    std::fs::write(dir.join(Image::Count.dir()), b"").unwrap();
     let o = alloctramp().arg("patch").arg(b.path("basic")).arg("-o").arg(dir.join("basic")).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
+    assert!(err.contains("switched on at start-up (count) write their sites instead"), "{err}");
     assert!(err.contains("--no-image writes none"), "{err}");
+    assert_eq!(err.matches("write their sites instead").count(), 1, "{err}");
     assert!(std::fs::read(dir.join("basic")).unwrap() == bytes, "the output is written");
+    assert!(dir.join(Image::Live.dir()).join("basic").is_file(), "the other image is written");
 }
 
 #[test]
@@ -331,14 +345,19 @@ fn expect_refused(args: &[&std::ffi::OsStr], out: &Path, what: &str) {
     assert!(stderr.contains(what), "expected {what:?}: {stderr}");
     assert!(!out.exists(), "no output left behind: {}", out.display());
     let images = out.parent().unwrap().join(alloctramp_trampolines::layout::IMAGE_DIR);
-    assert!(!images.join(out.file_name().unwrap()).exists(), "no image left behind: {}", out.display());
+    let counting = out.parent().unwrap().join(alloctramp_trampolines::layout::COUNT_IMAGE_DIR);
+    for dir in [&images, &counting] {
+        assert!(!dir.join(out.file_name().unwrap()).exists(), "no image left behind: {}", out.display());
+    }
     // Temporary files (`.NAME.alloctramp-PID-N`), beside the output and
     // among the images of the files patched before.
-    let leftovers: Vec<_> = [out.parent().unwrap(), &images]
+    let leftovers: Vec<_> = [out.parent().unwrap(), &images, &counting]
         .iter()
         .flat_map(|d| std::fs::read_dir(d).into_iter().flatten())
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains(".alloctramp-") && e.path() != images)
+        .filter(|e| {
+            e.file_name().to_string_lossy().contains(".alloctramp-") && e.path() != images && e.path() != counting
+        })
         .collect();
     assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
 }

@@ -408,9 +408,21 @@ fn switched_on_at_start_the_code_is_the_switched_image_not_copied_pages() {
     assert_eq!(s.figures(), round_figures(2));
     s.quit();
 
-    // Counting only wants other jumps than the image holds: the sites are
-    // written (their pages copied), and count exactly.
-    let mut s = Server::start("image-count", &[("ALLOCTRAMP", "on"), ("ALLOCTRAMP_LIVE", "0")]);
+    // Counting only wants the jumps of the counting image: its code is
+    // that image's, and counts exactly. Without that image (patched with
+    // `--images live`), the sites are written (their pages copied).
+    let counting = [("ALLOCTRAMP", "on"), ("ALLOCTRAMP_LIVE", "0")];
+    let count_image = |s: &Server| s.dir.join(layout::COUNT_IMAGE_DIR).join("server.bin").display().to_string();
+    let mut s = Server::start("image-count", &counting);
+    assert_eq!(s.cmd("round"), "done");
+    assert_eq!(code_path(&s.pid(), &s.dir), count_image(&s));
+    assert_eq!(copied_kb(&s.pid(), &count_image(&s)), 0, "no code page copied");
+    assert_eq!(s.figures(), round_figures(1));
+    s.quit();
+    let no_count_image = |bin: &Path| {
+        std::fs::remove_file(bin.parent().unwrap().join(layout::COUNT_IMAGE_DIR).join("server.bin")).unwrap()
+    };
+    let mut s = Server::start_prepared("image-count-none", &counting, None, no_count_image);
     assert_eq!(s.cmd("round"), "done");
     assert_eq!(code_path(&s.pid(), &s.dir), own(&s));
     assert!(copied_kb(&s.pid(), &own(&s)) > 0);

@@ -45,10 +45,10 @@ fuzz_target!(|data: &[u8]| {
     let mut other = Vec::new();
     patch(data, &analysis, &threads).expect("patches on 3 threads").write_to(&mut other).expect("writing to memory");
     assert!(out == other, "3 threads give another file");
-    // The switched image, written with the file or read from it.
-    if !patched.switched.is_empty() {
-        let image = alloctramp_patcher::image::switched_image(&out).expect("a patched file has an image");
-        assert!(patched.image_to_vec() == image, "the image written differs from the one read");
+    // The switched images, written with the file or read from it.
+    for image in patched.images() {
+        let bytes = alloctramp_patcher::image::switched_image(&out, image).expect("a patched file has its images");
+        assert!(patched.image_to_vec(image) == bytes, "the image written differs from the one read");
     }
     let again = alloctramp_patcher::analyze(&out, "fuzz.patched", None, &[]).expect("a patched file analyzes");
     assert!(patch(&out, &again, &opts).is_err(), "a patched file is refused");

@@ -11,7 +11,7 @@ use crate::elf::Elf;
 use crate::error::Result;
 use crate::{Analysis, emit, plan};
 use alloctramp_trampolines::addr::Vaddr;
-use alloctramp_trampolines::layout;
+use alloctramp_trampolines::layout::{self, Image};
 
 pub use crate::plan::{PatchOptions, SkipReason, is_patched};
 
@@ -39,11 +39,14 @@ pub struct Patched<'a> {
     pub text_size: u64,
     pub table_size: u64,
     pub counters_size: u64,
-    /// The switched image's jumps (`layout::switched_site`): (offset in
-    /// the patched file, bytes), in file order; none when the file has no
-    /// image (no patched site, or one the image could not switch).
-    pub switched: Vec<(u64, [u8; 5])>,
+    /// Each switched image's jumps ([`Image::site`]): (offset in the
+    /// patched file, bytes), in file order; no entry for an image the file
+    /// does not have (no patched site, or one the image could not switch).
+    pub switched: Vec<(Image, Vec<Jump>)>,
 }
+
+/// A switched image's jump: (offset in the patched file, bytes).
+pub type Jump = (u64, [u8; 5]);
 
 impl Patched<'_> {
     /// Where the original file starts in the patched file (and in its
@@ -74,11 +77,7 @@ impl Patched<'_> {
 
     /// The bytes of `pieces`, with `over` (offset, bytes; in file order,
     /// apart) in place of the bytes they cover.
-    fn pieces_over(
-        &self,
-        over: &[(u64, [u8; 5])],
-        mut put: impl FnMut(&[u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
+    fn pieces_over(&self, over: &[Jump], mut put: impl FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
         let (mut pos, mut k) = (0u64, 0usize);
         self.pieces(|mut p| {
             while !p.is_empty() {
@@ -119,13 +118,28 @@ impl Patched<'_> {
         self.sparse(w, &[])
     }
 
-    /// Writes the patched file's switched image (`layout::IMAGE_DIR`) as
-    /// [`write_sparse`](Self::write_sparse) writes the file.
-    pub fn write_image_sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W) -> std::io::Result<u64> {
-        self.sparse(w, &self.switched)
+    /// The switched images the file has.
+    pub fn images(&self) -> impl Iterator<Item = Image> + '_ {
+        self.switched.iter().map(|(image, _)| *image)
     }
 
-    fn sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W, over: &[(u64, [u8; 5])]) -> std::io::Result<u64> {
+    /// The jumps of the switched image `image` (none if the file has no
+    /// such image).
+    fn jumps(&self, image: Image) -> &[Jump] {
+        self.switched.iter().find(|(i, _)| *i == image).map_or(&[], |(_, jumps)| jumps)
+    }
+
+    /// Writes the patched file's switched image `image` as
+    /// [`write_sparse`](Self::write_sparse) writes the file.
+    pub fn write_image_sparse<W: std::io::Write + std::io::Seek>(
+        &self,
+        image: Image,
+        w: &mut W,
+    ) -> std::io::Result<u64> {
+        self.sparse(w, self.jumps(image))
+    }
+
+    fn sparse<W: std::io::Write + std::io::Seek>(&self, w: &mut W, over: &[Jump]) -> std::io::Result<u64> {
         const BLOCK: usize = 4096;
         // `pos` bytes given so far; `written` where the writer stands; a
         // block that spans pieces is gathered in `partial` first.
@@ -171,12 +185,12 @@ impl Patched<'_> {
         self.gather(&[])
     }
 
-    /// The switched image in one buffer.
-    pub fn image_to_vec(&self) -> Vec<u8> {
-        self.gather(&self.switched)
+    /// The switched image `image` in one buffer.
+    pub fn image_to_vec(&self, image: Image) -> Vec<u8> {
+        self.gather(self.jumps(image))
     }
 
-    fn gather(&self, over: &[(u64, [u8; 5])]) -> Vec<u8> {
+    fn gather(&self, over: &[Jump]) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.head.len() as usize + self.original.len() + self.tail.len());
         self.pieces_over(over, |p| {
             v.extend_from_slice(p);
@@ -200,21 +214,30 @@ pub fn patch<'a>(data: &'a [u8], a: &Analysis, opts: &PatchOptions) -> Result<Pa
     let out = emit::emit(&elf, a, &mut plan);
     // Every byte of the input is at its offset plus the head's length. A
     // site whose five bytes are not together in the file (never seen) or
-    // that cannot jump to its trampoline leaves the file without an image.
-    let jumps: Option<Vec<(u64, [u8; 5])>> = plan
-        .sites
-        .iter()
-        .filter_map(|site| {
-            let t = site.trampoline()?;
-            let s =
-                layout::Site { addr: site.addr.0, trampoline: t.code.addr.0, len: site.len, ..layout::Site::default() };
-            let at = elf.offset_of(site.addr).map(|o| o.0);
-            let together = at.is_some() && elf.offset_of(Vaddr(site.addr.0 + 4)).map(|o| o.0) == at.map(|o| o + 4);
-            Some(at.filter(|_| together).zip(layout::switched_site(&s)).map(|(at, j)| (at + out.head.len(), j)))
-        })
-        .collect();
-    let mut switched = jumps.unwrap_or_default();
-    switched.sort_unstable_by_key(|j| j.0);
+    // that cannot jump to its image's entry leaves the file without that
+    // image.
+    let jumps = |image: Image| -> Option<Vec<Jump>> {
+        let mut jumps: Vec<Jump> = plan
+            .sites
+            .iter()
+            .filter_map(|site| {
+                let t = site.trampoline()?;
+                let s = layout::Site {
+                    addr: site.addr.0,
+                    trampoline: t.code.addr.0,
+                    len: site.len,
+                    count: t.count,
+                    ..layout::Site::default()
+                };
+                let at = elf.offset_of(site.addr).map(|o| o.0);
+                let together = at.is_some() && elf.offset_of(Vaddr(site.addr.0 + 4)).map(|o| o.0) == at.map(|o| o + 4);
+                Some(at.filter(|_| together).zip(image.site(&s)).map(|(at, j)| (at + out.head.len(), j)))
+            })
+            .collect::<Option<_>>()?;
+        jumps.sort_unstable_by_key(|j| j.0);
+        (!jumps.is_empty()).then_some(jumps)
+    };
+    let switched = Image::ALL.into_iter().filter_map(|image| Some((image, jumps(image)?))).collect();
     Ok(Patched {
         head: out.head,
         original: data,

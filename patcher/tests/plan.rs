@@ -452,7 +452,7 @@ fn code_that_two_sections_cover_gives_each_site_once() {
     let p = plan_of(&d, &a, &opts()).unwrap();
     assert_patched_sites_apart(&p, &a);
     let out = patch(&d, &a, &opts()).unwrap().to_vec();
-    alloctramp_patcher::image::switched_image(&out).expect("the patched file's image");
+    alloctramp_patcher::image::switched_image(&out, layout::Image::Live).expect("the patched file's image");
 }
 
 /// Sites whose bytes overlap, by address or only in the file (calls
@@ -645,7 +645,8 @@ fn a_search_table_entry_outside_eh_frame_gives_no_unwind_entries() {
 }
 
 #[test]
-fn the_switched_image_is_the_file_with_a_jump_to_each_trampoline() {
+fn the_switched_images_are_the_file_with_a_jump_to_each_trampoline_s_entry() {
+    use layout::Image;
     for name in FIXTURES {
         let data = fixture(name);
         let a = analysis(&data, name);
@@ -653,34 +654,47 @@ fn the_switched_image_is_the_file_with_a_jump_to_each_trampoline() {
         let file = patched.to_vec();
         let elf = Elf::parse(&file).unwrap();
         let table = layout::Table::parse(&file[layout::table_after_phdrs(&file).unwrap()..]).unwrap();
-        let writes = alloctramp_patcher::image::switched_writes(&file).unwrap();
-        assert_eq!(writes.len(), patched.sites, "{name}: one jump per patched site");
-        // Each jump lands on its site's trampoline, at the site's offset.
-        let mut want = std::collections::BTreeMap::new();
-        for s in table.sites().filter(|s| s.trampoline != 0) {
-            let at = elf.offset_of(alloctramp_trampolines::addr::Vaddr(s.addr)).unwrap();
-            want.insert(at.0, (s.addr, s.trampoline));
+        assert_eq!(patched.images().collect::<Vec<_>>(), Image::ALL, "{name}: every image");
+        let mut counted = 0;
+        for image in Image::ALL {
+            let writes = alloctramp_patcher::image::switched_writes(&file, image).unwrap();
+            assert_eq!(writes.len(), patched.sites, "{name}: one jump per patched site");
+            // Each jump lands on its site's entry for the image (the
+            // trampoline's start, or its counting entry), at the site's
+            // offset.
+            let mut want = std::collections::BTreeMap::new();
+            for s in table.sites().filter(|s| s.trampoline != 0) {
+                let at = elf.offset_of(alloctramp_trampolines::addr::Vaddr(s.addr)).unwrap();
+                let entry = if image == Image::Live { s.trampoline } else { s.trampoline + u64::from(s.count) };
+                counted += usize::from(image == Image::Count && s.count != 0);
+                want.insert(at.0, (s.addr, entry));
+            }
+            for (at, jump) in &writes {
+                let (addr, entry) = want[&at.0];
+                assert_eq!(jump[0], 0xe9, "{name}: {at}");
+                let rel = i32::from_le_bytes(jump[1..].try_into().unwrap());
+                assert_eq!(addr.wrapping_add(5).wrapping_add(rel as i64 as u64), entry, "{name}: {at}");
+            }
+            // The image differs from the file in those bytes only, read
+            // from the file or written with it.
+            let theirs = patched.switched.iter().find(|(i, _)| *i == image).map(|(_, j)| j.clone());
+            assert_eq!(theirs, Some(writes.iter().map(|(at, j)| (at.0, *j)).collect::<Vec<_>>()), "{name}");
+            let bytes = alloctramp_patcher::image::switched_image(&file, image).unwrap();
+            assert!(patched.image_to_vec(image) == bytes, "{name}");
+            assert_eq!(bytes.len(), file.len(), "{name}");
+            let mut expected = file.clone();
+            for (at, jump) in &writes {
+                expected[at.0 as usize..at.0 as usize + 5].copy_from_slice(jump);
+            }
+            assert!(bytes == expected, "{name}: the image differs from the file elsewhere");
+            assert!(
+                writes.iter().all(|(at, j)| &file[at.0 as usize..at.0 as usize + 5] != j),
+                "{name}: a site unchanged"
+            );
         }
-        for (at, jump) in &writes {
-            let (addr, trampoline) = want[&at.0];
-            assert_eq!(jump[0], 0xe9, "{name}: {at}");
-            let rel = i32::from_le_bytes(jump[1..].try_into().unwrap());
-            assert_eq!(addr.wrapping_add(5).wrapping_add(rel as i64 as u64), trampoline, "{name}: {at}");
-        }
-        // The image differs from the file in those bytes only, read from
-        // the file or written with it.
-        assert_eq!(patched.switched, writes.iter().map(|(at, j)| (at.0, *j)).collect::<Vec<_>>(), "{name}");
-        let image = alloctramp_patcher::image::switched_image(&file).unwrap();
-        assert!(patched.image_to_vec() == image, "{name}");
-        assert_eq!(image.len(), file.len(), "{name}");
-        let mut expected = file.clone();
-        for (at, jump) in &writes {
-            expected[at.0 as usize..at.0 as usize + 5].copy_from_slice(jump);
-        }
-        assert!(image == expected, "{name}: the image differs from the file elsewhere");
-        assert!(writes.iter().all(|(at, j)| &file[at.0 as usize..at.0 as usize + 5] != j), "{name}: a site unchanged");
+        assert!(counted > 0, "{name}: the counting image's jumps are not the live image's");
         // An unpatched file has no image.
-        let e = alloctramp_patcher::image::switched_writes(&data).unwrap_err();
+        let e = alloctramp_patcher::image::switched_writes(&data, Image::Count).unwrap_err();
         assert!(e.to_string().contains("not a file patched by alloctramp"), "{name}: {e}");
     }
 }

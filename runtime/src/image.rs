@@ -1,13 +1,14 @@
-//! Switching a module on at start-up by mapping its switched image over its
-//! code (`layout::IMAGE_DIR`).
+//! Switching a module on at start-up by mapping one of its switched images
+//! over its code (`layout::Image`).
 //!
 //! Writing a site copies the page it is on, and a program's sites are on
 //! most of its code pages: switching git on copies 609 of its 654 code
 //! pages in every process it starts, which costs more than the rest of a
-//! short command's profiling. The image is a copy of the patched file with
-//! its sites switched, written beside it by `alloctramp patch`; its pages
-//! are in the page cache once, shared by every process that maps them,
-//! like the file's own.
+//! short command's profiling. An image is a copy of the patched file with
+//! its sites switched, written beside it by `alloctramp patch`: one whose
+//! sites jump to their trampolines' start (live tracking), one whose sites
+//! jump to the entry that only counts. Its pages are in the page cache
+//! once, shared by every process that maps them, like the file's own.
 //!
 //! The image is used only when it is the module's code with its sites
 //! switched, checked without reading the code (reading both would cost a
@@ -26,8 +27,9 @@
 //!   following a symbolic link;
 //! * every page of the code is still the file's (`/proc/self/pagemap`):
 //!   nothing, such as a debugger's breakpoint, changed it in memory;
-//! * every site wants the image's jump to its trampoline's start (live
-//!   tracking; no trace, callers capture or fault injection).
+//! * every site wants the image's jump: to its trampoline's start (live
+//!   tracking) or to its counting entry (counting only), with no trace,
+//!   callers capture or fault injection.
 //!
 //! It is then mapped privately at a free address with the code's
 //! protection and moved over the code with one `mremap`. Anything else,
@@ -39,7 +41,7 @@
 //! read it still find the code's symbols.
 
 use crate::sys::{self, Buf};
-use alloctramp_trampolines::layout::{self, PAGE, Table};
+use alloctramp_trampolines::layout::{Image, PAGE, Table};
 
 /// The module's code mapping: the one private, read-and-execute mapping
 /// of a file that holds all its sites.
@@ -84,13 +86,14 @@ fn code_mapping(lo: u64, hi: u64) -> Option<Code> {
     if read && fits { found } else { None }
 }
 
-/// The image's path for the file at `path`: `DIR/IMAGE_DIR/NAME`.
-fn image_path(path: &[u8]) -> Option<Buf<4096>> {
+/// The path of the image `image` of the file at `path`:
+/// `DIR/IMAGE-DIR/NAME`.
+fn image_path(path: &[u8], image: Image) -> Option<Buf<4096>> {
     let slash = path.iter().rposition(|&c| c == b'/')?;
     let (dir, name) = (path.get(..slash)?, path.get(slash + 1..)?);
     let mut b = Buf::new();
-    b.push(dir).push(b"/").str(layout::IMAGE_DIR).push(b"/").push(name);
-    (b.bytes().len() == dir.len() + layout::IMAGE_DIR.len() + 2 + name.len() && !name.is_empty()).then_some(b)
+    b.push(dir).push(b"/").str(image.dir()).push(b"/").push(name);
+    (b.bytes().len() == dir.len() + image.dir().len() + 2 + name.len() && !name.is_empty()).then_some(b)
 }
 
 /// Whether every page of `[start, end)` that is in memory is still a page
@@ -162,28 +165,28 @@ fn map(fd: &sys::Fd, at: u64, len: usize, prot: i32, offset: u64) -> Option<u64>
     (p != libc::MAP_FAILED).then_some(p as u64)
 }
 
-/// Maps the switched image of the module whose sites `table` lists (at
-/// run-time addresses `bias` plus theirs, within `span`) over its code, if
-/// it has one. The caller wants every site with a trampoline to jump to
-/// its start ([`layout::switched_site`]). Returns whether it did; on false
-/// the code is the module's, its sites as they were (see the end).
+/// Maps the switched image `image` of the module whose sites `table` lists
+/// (at run-time addresses `bias` plus theirs, within `span`) over its
+/// code, if it has one. The caller wants every site with a trampoline to
+/// jump to the image's entry ([`Image::site`]). Returns whether it did; on
+/// false the code is the module's, its sites as they were (see the end).
 ///
 /// # Safety
 /// The caller is the process's only thread, with its signals blocked, and
 /// the module stays mapped.
-pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64)) -> bool {
+pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64), image: Image) -> bool {
     let (lo, hi) = span;
     // The image's first and last jumps, which it must hold.
     let n = table.header.site_count as usize;
-    let jump = |i: usize| table.get_site(i).and_then(|s| layout::switched_site(&s).map(|j| (s.addr, j)));
+    let jump = |i: usize| table.get_site(i).and_then(|s| image.site(&s).map(|j| (s.addr, j)));
     let (Some(first), Some(last)) = ((0..n).find_map(jump), (0..n).rev().find_map(jump)) else { return false };
     let Some(mut code) = code_mapping(lo, hi) else { return false };
-    let Some(mut path) = image_path(code.path.bytes()) else { return false };
+    let Some(mut path) = image_path(code.path.bytes(), image) else { return false };
     let len = (code.end - code.start) as usize;
     if code.start % PAGE != 0 || code.offset % PAGE != 0 || len == 0 || !unwritten(code.start, code.end) {
         return false;
     }
-    let (Some((fd, image)), Some((module_fd, module))) =
+    let (Some((fd, img)), Some((module_fd, module))) =
         (open_file(&mut path, libc::O_NOFOLLOW), open_file(&mut code.path, 0))
     else {
         return false;
@@ -194,12 +197,11 @@ pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64)) -> bool {
     // the maps line is the file system's, which on btrfs and overlayfs is
     // not the one stat gives.)
     let mapped = module.st_ino == code.inode;
-    let same = image.st_size == module.st_size
-        && image.st_mtime == module.st_mtime
-        && image.st_mtime_nsec == module.st_mtime_nsec;
-    let trusted = image.st_uid == 0 || image.st_uid == me || image.st_uid == module.st_uid;
-    let safe = image.st_mode & libc::S_IFMT == libc::S_IFREG && image.st_mode & 0o022 == 0;
-    let fits = u64::try_from(image.st_size).is_ok_and(|size| size >= code.offset + len as u64);
+    let same =
+        img.st_size == module.st_size && img.st_mtime == module.st_mtime && img.st_mtime_nsec == module.st_mtime_nsec;
+    let trusted = img.st_uid == 0 || img.st_uid == me || img.st_uid == module.st_uid;
+    let safe = img.st_mode & libc::S_IFMT == libc::S_IFREG && img.st_mode & 0o022 == 0;
+    let fits = u64::try_from(img.st_size).is_ok_and(|size| size >= code.offset + len as u64);
     if !(mapped && same && trusted && safe && fits) {
         return false;
     }
@@ -210,7 +212,7 @@ pub unsafe fn adopt(table: &Table, bias: u64, span: (u64, u64)) -> bool {
     // from offset 0 at the ELF header (`layout::table_after_phdrs`).
     let bytes = table.bytes();
     let table_at = (bytes.as_ptr() as u64).wrapping_sub(bias.wrapping_add(table.header.ehdr_addr));
-    let table_end = table_at.checked_add(bytes.len() as u64).filter(|&e| e <= image.st_size as u64);
+    let table_end = table_at.checked_add(bytes.len() as u64).filter(|&e| e <= img.st_size as u64);
     let Some(head_len) = table_end.map(|e| e.next_multiple_of(PAGE) as usize) else { return false };
     let Some(head) = map(&fd, 0, head_len, libc::PROT_READ, 0) else { return false };
     let head = Scratch(head, head_len);

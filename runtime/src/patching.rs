@@ -17,7 +17,7 @@
 use crate::state::{LIVE, Sites, records_chains};
 use crate::sys;
 use alloctramp_trampolines::entry::Kind;
-use alloctramp_trampolines::layout::{self, PAGE, Table};
+use alloctramp_trampolines::layout::{self, Image, PAGE, Table};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 
 const INT3: u8 = 0xcc;
@@ -139,17 +139,19 @@ impl Drop for Handling {
     }
 }
 
-/// Whether every site with a trampoline wants the jump to its trampoline's
-/// start, the jump a switched image holds ([`layout::switched_site`]):
-/// switched on with live tracking, no trace of every site, no callers
-/// capture and no fault spec (the arms of [`wanted`] before live tracking's
-/// are then never taken, and it gives entry 0).
-fn wants_start(on: Sites) -> bool {
-    on == Sites::On
-        && LIVE.load(Ordering::Relaxed)
+/// The switched image whose jump every site with a trampoline wants
+/// ([`Image::site`]), if there is one: switched on, with no trace of every
+/// site, no callers capture and no fault spec (the arms of [`wanted`]
+/// before live tracking's are then never taken), [`Image::Live`] with live
+/// tracking (it gives entry 0) and [`Image::Count`] without (the counting
+/// entry).
+fn wanted_image(on: Sites) -> Option<Image> {
+    let plain = on == Sites::On
         && crate::state::live_entry(1) == 0
         && crate::state::CALLERS.load(Ordering::Relaxed) == 0
-        && !crate::fault::any()
+        && !crate::fault::any();
+    let live = LIVE.load(Ordering::Relaxed);
+    plain.then_some(if live { Image::Live } else { Image::Count })
 }
 
 /// The mappings of a module's code that a switch made writable, with the
@@ -244,11 +246,12 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     // site is written once, without the protocol's traps and barriers.
     // Only this thread could start another, and it is busy here.
     let alone = sys::threads() == Some(1);
-    // Alone, with every site wanting its trampoline's start, the module's
-    // switched image may replace its code without copying a page (and
-    // without the check above, which reads every page the image replaces).
-    let image = alone && wants_start(on) && HANDLING.load(Ordering::Relaxed) == 0;
-    if !image && !differs() {
+    // Alone, with every site wanting the jump of one of the module's
+    // switched images, the image may replace its code without copying a
+    // page (and without the check above, which reads every page the image
+    // replaces).
+    let image = wanted_image(on).filter(|_| alone && HANDLING.load(Ordering::Relaxed) == 0);
+    if image.is_none() && !differs() {
         return Ok(());
     }
     if barrier == sys::Barrier::None && !alone {
@@ -265,12 +268,15 @@ pub unsafe fn switch_module(m: &Module, on: Sites, barrier: sys::Barrier) -> Res
     let (lo, hi) = m.span;
     let blocked = alone.then(sys::SignalsBlocked::new);
     debug_assert!(
-        !image || table.sites().filter(active).all(|s| layout::switched_site(&s) == Some(wanted(table, bias, &s, on))),
-        "wants_start disagrees with wanted"
+        image.is_none_or(|i| table.sites().filter(active).all(|s| i.site(&s) == Some(wanted(table, bias, &s, on)))),
+        "wanted_image disagrees with wanted"
     );
-    // SAFETY: this thread is alone with its signals blocked (`blocked`);
-    // the module stays mapped (caller).
-    if image && (unsafe { crate::image::adopt(table, bias, m.span) } || !differs()) {
+    let adopted = image.is_some_and(|image| {
+        // SAFETY: this thread is alone with its signals blocked (`blocked`);
+        // the module stays mapped (caller).
+        unsafe { crate::image::adopt(table, bias, m.span, image) }
+    });
+    if image.is_some() && (adopted || !differs()) {
         return Ok(());
     }
     let unprotected = Unprotected::new(lo, hi)?;

@@ -52,25 +52,63 @@ pub fn site_jump(site: u64, target: u64) -> Option<[u8; 5]> {
     Some([0xe9, b[0], b[1], b[2], b[3]])
 }
 
-/// The directory, beside a patched file, that holds its *switched image*
-/// under the same name: a copy of the file whose patched sites already
-/// jump to their trampolines' start (counting and tracking live bytes,
-/// [`switched_site`]). A process switched on at start-up maps the image's
-/// code over its own instead of writing every site (which copies every
-/// page that holds one), after checking that the image belongs to the file
-/// (its time, size and site table: `runtime/src/image.rs`). The same
-/// name keeps profilers that name code by its file (`perf report`'s
-/// DSO column) showing the program's name.
-pub const IMAGE_DIR: &str = ".alloctramp-on";
+/// A patched file's *switched images*: beside the file, one directory per
+/// image holds, under the file's name, a copy of the file whose patched
+/// sites already jump to one of their trampolines' entries. A process
+/// switched on at start-up maps the image of its mode over its code
+/// instead of writing every site (which copies every page that holds one),
+/// after checking that the image belongs to the file (its time, size and
+/// site table: `runtime/src/image.rs`). The same name keeps profilers that
+/// name code by its file (`perf report`'s DSO column) showing the
+/// program's name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Image {
+    /// Every site jumps to its trampoline's start, which counts and tracks
+    /// live bytes ([`IMAGE_DIR`]).
+    Live,
+    /// Every site jumps to the entry that only counts ([`Site::count`];
+    /// [`COUNT_IMAGE_DIR`]).
+    Count,
+}
 
-/// The bytes a switched image holds at `site`: `jmp` to its trampoline's
-/// start, or `None` for a site without a trampoline (or too short to
-/// hold a jump), which keeps its original bytes.
-pub fn switched_site(site: &Site) -> Option<[u8; 5]> {
-    if site.trampoline == 0 || site.len < 5 {
-        return None;
+/// The directory of the [`Image::Live`] image.
+pub const IMAGE_DIR: &str = ".alloctramp-on";
+/// The directory of the [`Image::Count`] image.
+pub const COUNT_IMAGE_DIR: &str = ".alloctramp-count";
+
+impl Image {
+    /// Every image, in the order `alloctramp patch` writes them.
+    pub const ALL: [Image; 2] = [Image::Live, Image::Count];
+
+    /// The directory, beside the patched file, that holds it.
+    pub fn dir(self) -> &'static str {
+        match self {
+            Image::Live => IMAGE_DIR,
+            Image::Count => COUNT_IMAGE_DIR,
+        }
     }
-    site_jump(site.addr, site.entry_at(0))
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Image::Live => "live",
+            Image::Count => "count",
+        }
+    }
+
+    /// The bytes it holds at `site`: `jmp` to the site's entry for the
+    /// image, or `None` for a site without a trampoline (or too short to
+    /// hold a jump), which keeps its original bytes.
+    pub fn site(self, site: &Site) -> Option<[u8; 5]> {
+        if site.trampoline == 0 || site.len < 5 {
+            return None;
+        }
+        let entry = match self {
+            Image::Live => 0,
+            Image::Count => site.count,
+        };
+        site_jump(site.addr, site.entry_at(entry))
+    }
 }
 
 /// Section names.
