@@ -118,11 +118,18 @@ pub fn pid_file(pid: u32, dir: &Path) -> Result<PathBuf> {
     {
         bail!("process {pid} belongs to another user (uid {owner}); run alloctramp as that user");
     }
-    if let Some(d) = dir_from_environ(pid) {
-        let q = d.join(process::counters_file_name(pid));
-        if q.exists() {
-            return Ok(q);
+    let elsewhere = dir_from_environ(pid).map(|d| d.join(process::counters_file_name(pid)));
+    // A forked child of a process that never profiled makes its file a
+    // few milliseconds after the fork.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+    loop {
+        if let Some(q) = [Some(&p), elsewhere.as_ref()].into_iter().flatten().find(|q| q.exists()) {
+            return Ok(q.clone());
         }
+        if std::time::Instant::now() >= deadline || !process_exists(pid) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
     bail!("process {pid} ({}) runs no patched code (no {})", comm.trim(), p.display())

@@ -890,6 +890,12 @@ fn a_never_profiled_parent_s_forked_child_switched_on_later_counts_exactly() {
     assert!(header_only(&pfile), "never profiled: the header only");
     let child = s.cmd("fork").strip_prefix("child ").expect("child PID").to_string();
     let cfile = s.dir.join(format!("{child}.counters"));
+    // Its watcher thread makes it a few milliseconds after the fork.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !cfile.exists() {
+        assert!(std::time::Instant::now() < deadline, "the child's file never came: {}", cfile.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert!(header_only(&cfile), "the child of a process that never profiled: the header only");
     // The process list counts the modules not in the files yet, and their
     // sites: as many as once they joined.
@@ -941,6 +947,29 @@ fn a_forked_child_that_runs_another_program_leaves_no_counters_file() {
     let (files, by_pid) = forker_files(&dir);
     let left: Vec<(u64, bool)> = files.iter().map(|f| (f.mallocs, f.exited)).collect();
     assert_eq!(left, [(7, true)], "the parent's file alone: {by_pid}");
+}
+
+/// A child forked by a process that never profiled makes its counters
+/// file only some milliseconds after the fork, in its watcher thread: one
+/// that runs another program at once makes none (here, though its parent
+/// is killed before any exit handler could remove one).
+#[test]
+fn a_never_profiled_parent_s_child_that_runs_another_program_at_once_makes_no_file() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("fork-exec-off");
+    let bin = dir.join("forker");
+    patch_to(&b.path("forker"), &bin, &[]);
+    let out = run_program(&bin, &["exec-killed".into()], &[("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+    assert_eq!(out, (String::new(), String::new(), -1), "killed by its signal");
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".counters"))
+        .collect();
+    assert_eq!(files.len(), 1, "the killed parent's file alone: {files:?}");
+    let (parsed, by_pid) = forker_files(&dir);
+    let v: Vec<(u64, bool, bool)> = parsed.iter().map(|f| (f.mallocs, f.on, f.exited)).collect();
+    assert_eq!(v, [(0, false, false)], "never profiled, killed: {by_pid}");
 }
 
 #[test]

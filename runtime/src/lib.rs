@@ -204,8 +204,8 @@ fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
 
 /// Starts the watcher thread; if it cannot start, the file says no watcher
 /// listens (so `alloctramp enable` says why instead of waiting).
-fn start_watcher() {
-    if !control::start_watcher(prune_over_bound) {
+fn start_watcher(first: fn()) {
+    if !control::start_watcher(first) {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
@@ -228,6 +228,28 @@ extern "C" fn after_fork_in_parent() {
     FORKED.store(true, Ordering::Relaxed);
 }
 
+/// How long a forked child of a process that never profiled waits, in its
+/// watcher thread, before it makes its counters file: most such children
+/// run another program at once (a shell's, `make`'s, git's), which needs
+/// none, and so pay no more than the thread for it.
+const CHILD_FILE_DELAY_NS: u64 = 10_000_000;
+
+/// Makes the counters file of a forked child whose file was deferred
+/// ([`CHILD_FILE_DELAY_NS`]), in its watcher thread; then the thread waits
+/// for requests as every watcher does (or ends if there is no file).
+fn deferred_child_file() {
+    let mut left = libc::timespec { tv_sec: 0, tv_nsec: CHILD_FILE_DELAY_NS as i64 };
+    // SAFETY: nanosleep reads and writes the two local timespecs; the
+    // thread's signals are blocked, so it only returns early on error.
+    while unsafe { libc::nanosleep(&left, &mut left) } != 0 && sys::errno() == libc::EINTR {}
+    let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
+    if EXITING.load(Ordering::Acquire) {
+        return;
+    }
+    registry::adopt_deferred_file(open_process_file(dir, mode));
+    state::publish_state();
+}
+
 extern "C" fn after_fork_in_child() {
     FORKED.store(false, Ordering::Relaxed);
     shards::after_fork_in_child();
@@ -243,7 +265,14 @@ extern "C" fn after_fork_in_child() {
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
     // The child profiled only if its sites are on now.
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
-    registry::reopen_after_fork(|| open_process_file(dir, mode));
+    // A child of a process that never profiled has nothing to count into
+    // its file until a request switches it on, and the request needs the
+    // file: its watcher makes it a little later (`deferred_child_file`),
+    // unless the child has run another program by then.
+    let defer =
+        mode == Switch::Thread && !state::PROFILED.load(Ordering::Relaxed) && !traced && registry::all_pending();
+    registry::FILE_DEFERRED.store(defer, Ordering::Relaxed);
+    registry::reopen_after_fork(|| if defer { None } else { open_process_file(dir, mode) });
     callers::after_fork_in_child();
     if traced {
         // (A module that cannot be switched keeps its traced entries, which
@@ -255,8 +284,10 @@ extern "C" fn after_fork_in_child() {
     if fault::any() {
         registry::publish_fail_sites();
     }
-    if mode == Switch::Thread && procfile::header().is_some() {
-        start_watcher();
+    if defer {
+        start_watcher(deferred_child_file);
+    } else if mode == Switch::Thread && procfile::header().is_some() {
+        start_watcher(prune_over_bound);
     }
 }
 
@@ -451,7 +482,7 @@ fn init() {
         }
     }
     if mode == Switch::Thread && have_file {
-        start_watcher();
+        start_watcher(prune_over_bound);
     }
 }
 
@@ -512,9 +543,13 @@ static FINI: extern "C" fn() = {
     run
 };
 
+/// The process is exiting: a forked child's deferred file is not made.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
 /// The runtime's work at exit (a destructor of the runtime; in a static
 /// program, a hook on the program's own destructors).
 pub fn at_exit() {
+    EXITING.store(true, Ordering::Release);
     if procfile::header().is_none() {
         return;
     }

@@ -362,7 +362,8 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         // thread, which can take this lock) keeps the module out of its
         // file until it first switches on: a program run a thousand times
         // without profiling writes no table and reserves no counters.
-        let pending = defer && proc.is_some() && want() == Sites::Off && !state::PROFILED.load(Ordering::Relaxed);
+        let file = proc.is_some() || FILE_DEFERRED.load(Ordering::Relaxed);
+        let pending = defer && file && want() == Sites::Off && !state::PROFILED.load(Ordering::Relaxed);
         if !pending
             && defer
             && let Err(e) = t.check_order()
@@ -881,6 +882,33 @@ static SHARD_REFUSED: AtomicBool = AtomicBool::new(false);
 /// Takes the reason the last placement failed, if one did.
 pub fn take_place_error() -> Option<&'static str> {
     PLACE_ERROR.with(Option::take)
+}
+
+/// A forked child of a process that never profiled makes its counters
+/// file later, in its watcher thread (`deferred_child_file` in lib.rs):
+/// until then, modules that register are pending, as with the file.
+pub static FILE_DEFERRED: AtomicBool = AtomicBool::new(false);
+
+/// Whether every registered module is pending: none joined the process
+/// file (the process never switched on).
+pub fn all_pending() -> bool {
+    slots().filter(|s| s.is_active()).all(|s| s.pending.load(Ordering::Relaxed))
+}
+
+/// Gives a forked child whose file was deferred its file (`None`: it
+/// could not be made, and the process is not profiled): its pending
+/// modules count in it as they would have from the fork on.
+pub fn adopt_deferred_file(f: Option<ProcFile>) {
+    PROC.with(|p| {
+        if let Some(f) = &f {
+            for slot in slots().filter(|s| s.is_active() && s.pending.load(Ordering::Relaxed)) {
+                count_pending(f, slot.site_count.load(Ordering::Relaxed), true);
+            }
+            crate::procfile::set_header(f.header);
+        }
+        *p = f;
+        FILE_DEFERRED.store(false, Ordering::Relaxed);
+    });
 }
 
 /// Adds a module of `sites` sites to the file's count of modules not in

@@ -333,6 +333,10 @@ pub unsafe extern "C" fn getrandom(buf: *mut c_void, n: usize, flags: u32) -> is
     call!(libc::SYS_getrandom, buf, n, flags) as isize
 }
 #[unsafe(no_mangle)]
+pub unsafe extern "C" fn nanosleep(req: *const libc::timespec, rem: *mut libc::timespec) -> c_int {
+    call!(libc::SYS_nanosleep, req, rem) as c_int
+}
+#[unsafe(no_mangle)]
 pub unsafe extern "C" fn clock_gettime(clock: c_int, ts: *mut libc::timespec) -> c_int {
     call!(libc::SYS_clock_gettime, clock, ts) as c_int
 }

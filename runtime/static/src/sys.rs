@@ -18,8 +18,17 @@ pub fn host(word: usize) -> u64 {
 
 // The static runtime's own thread-local words, in the block the patcher
 // places in front of the program's: errno (an int at 0) and the forking
-// flag (a byte at 4).
-global_asm!(".pushsection .tbss,\"awT\",@nobits", ".p2align 2", "alloctramp_static_tls:", ".zero 8", ".popsection",);
+// flag (a byte at 4). Global but hidden: code inlined into another
+// codegen unit than this one's names it too.
+global_asm!(
+    ".pushsection .tbss,\"awT\",@nobits",
+    ".p2align 2",
+    ".globl alloctramp_static_tls",
+    ".hidden alloctramp_static_tls",
+    "alloctramp_static_tls:",
+    ".zero 8",
+    ".popsection",
+);
 
 /// The calling thread's words.
 fn words() -> *mut u8 {
