@@ -115,18 +115,23 @@ fn leftovers(dir: &Path) -> Vec<String> {
         std::fs::read_dir(d)
             .map_or(vec![], |r| r.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
     };
-    // The switched images' directory, which `patch` keeps: the images in it.
-    let images = alloctramp_trampolines::layout::IMAGE_DIR;
-    let mut left: Vec<String> = names(dir).into_iter().filter(|n| n != RUNTIME && n != images).collect();
-    left.extend(names(&dir.join(images)).into_iter().map(|n| format!("{images}/{n}")));
+    // The switched images' directories, which `patch` keeps: the images
+    // in them.
+    let dirs = alloctramp_trampolines::layout::Image::ALL.map(|i| i.dir());
+    let mut left: Vec<String> =
+        names(dir).into_iter().filter(|n| n != RUNTIME && !dirs.contains(&n.as_str())).collect();
+    for images in dirs {
+        left.extend(names(&dir.join(images)).into_iter().map(|n| format!("{images}/{n}")));
+    }
     left
 }
 
-/// Removes a patched output and its switched image.
+/// Removes a patched output and its switched images.
 fn remove_output(out: &Path) {
     let _ = std::fs::remove_file(out);
-    let image = out.parent().unwrap().join(alloctramp_trampolines::layout::IMAGE_DIR).join(out.file_name().unwrap());
-    let _ = std::fs::remove_file(image);
+    for image in alloctramp_trampolines::layout::Image::ALL {
+        let _ = std::fs::remove_file(out.parent().unwrap().join(image.dir()).join(out.file_name().unwrap()));
+    }
 }
 
 /// A refusal's text without the file name and numbers: the reason.

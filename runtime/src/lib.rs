@@ -246,7 +246,7 @@ fn deferred_child_file() {
     if EXITING.load(Ordering::Acquire) {
         return;
     }
-    registry::adopt_deferred_file(open_process_file(dir, mode));
+    registry::adopt_deferred_file(open_process_file(dir, mode), &EXITING);
     state::publish_state();
 }
 
@@ -269,8 +269,14 @@ extern "C" fn after_fork_in_child() {
     // its file until a request switches it on, and the request needs the
     // file: its watcher makes it a little later (`deferred_child_file`),
     // unless the child has run another program by then.
-    let defer =
-        mode == Switch::Thread && !state::PROFILED.load(Ordering::Relaxed) && !traced && registry::all_pending();
+    // Not with callers capture or fault specs set: their regions and
+    // header fields are made with the file, at fork.
+    let defer = mode == Switch::Thread
+        && !state::PROFILED.load(Ordering::Relaxed)
+        && !traced
+        && registry::all_pending()
+        && state::CALLERS.load(Ordering::Relaxed) == 0
+        && !fault::any();
     registry::FILE_DEFERRED.store(defer, Ordering::Relaxed);
     registry::reopen_after_fork(|| if defer { None } else { open_process_file(dir, mode) });
     callers::after_fork_in_child();
@@ -549,7 +555,9 @@ static EXITING: AtomicBool = AtomicBool::new(false);
 /// The runtime's work at exit (a destructor of the runtime; in a static
 /// program, a hook on the program's own destructors).
 pub fn at_exit() {
-    EXITING.store(true, Ordering::Release);
+    // (Under the registry's lock: a deferred file that arrives later
+    // removes itself.)
+    PROC.with(|_| EXITING.store(true, Ordering::Release));
     if procfile::header().is_none() {
         return;
     }

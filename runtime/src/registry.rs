@@ -897,17 +897,25 @@ pub fn all_pending() -> bool {
 
 /// Gives a forked child whose file was deferred its file (`None`: it
 /// could not be made, and the process is not profiled): its pending
-/// modules count in it as they would have from the fork on.
-pub fn adopt_deferred_file(f: Option<ProcFile>) {
+/// modules count in it as they would have from the fork on. If the
+/// process is exiting meanwhile (`exiting`, set under the same lock), the
+/// file goes instead, as the file of a process that never profiled.
+pub fn adopt_deferred_file(f: Option<ProcFile>, exiting: &AtomicBool) {
     PROC.with(|p| {
-        if let Some(f) = &f {
-            for slot in slots().filter(|s| s.is_active() && s.pending.load(Ordering::Relaxed)) {
-                count_pending(f, slot.site_count.load(Ordering::Relaxed), true);
-            }
-            crate::procfile::set_header(f.header);
-        }
-        *p = f;
         FILE_DEFERRED.store(false, Ordering::Relaxed);
+        let Some(mut f) = f else { return };
+        if exiting.load(Ordering::Acquire) {
+            f.remove();
+            crate::procfile::clear_header();
+            return;
+        }
+        // (A module being unloaded stays pending until `unregister` takes
+        // it away under this lock.)
+        for slot in slots().filter(|s| s.pending.load(Ordering::Relaxed)) {
+            count_pending(&f, slot.site_count.load(Ordering::Relaxed), true);
+        }
+        crate::procfile::set_header(f.header);
+        *p = Some(f);
     });
 }
 
@@ -1085,9 +1093,11 @@ pub fn unregister(table: *const u8) {
             foreign::close(i);
             forget_rows();
             let idx = slot.file_index.load(Ordering::Relaxed);
-            let pending = slot.pending.swap(false, Ordering::Relaxed);
             let sites = slot.site_count.load(Ordering::Relaxed);
             PROC.with(|p| {
+                // (Under the lock: a deferred file counts the slots still
+                // pending as it arrives, `adopt_deferred_file`.)
+                let pending = slot.pending.swap(false, Ordering::Relaxed);
                 if let (Some(f), true) = (p.as_ref(), idx != u32::MAX) {
                     f.set_unloaded(idx);
                 }
