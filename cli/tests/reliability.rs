@@ -249,7 +249,7 @@ fn switching_fifty_times_interrupts_no_system_call() {
 }
 
 #[test]
-fn the_watcher_thread_blocks_every_signal_and_holds_no_descriptor() {
+fn the_watcher_thread_blocks_every_signal_holds_no_descriptor_and_takes_no_arena() {
     let dir = counters_dir("watcher");
     let bin = build("signals", &dir);
     let patched = dir.join("signals.patched");
@@ -298,6 +298,26 @@ fn the_watcher_thread_blocks_every_signal_and_holds_no_descriptor() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(fds(pid), fds(plain.child.id()));
+    // It takes no memory from the C library as it starts: glibc gives a
+    // thread's first allocation an arena of its own, a 64 MiB-aligned
+    // reservation of 64 MiB whose start is read-write and the rest not.
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let anon: Vec<(u64, u64, String)> = maps
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (s, e) = f.first()?.split_once('-')?;
+            (f.len() == 5).then(|| (u64::from_str_radix(s, 16).ok(), u64::from_str_radix(e, 16).ok(), f[1].to_string()))
+        })
+        .filter_map(|(s, e, p)| Some((s?, e?, p)))
+        .collect();
+    const ARENA: u64 = 64 << 20;
+    let arenas = anon
+        .windows(2)
+        .filter(|w| w[0].0 % ARENA == 0 && w[0].2 == "rw-p" && w[1].2 == "---p" && w[0].1 == w[1].0)
+        .filter(|w| w[1].1 - w[0].0 == ARENA)
+        .count();
+    assert_eq!(arenas, 0, "a C library arena in the patched process: {maps}");
     // SAFETY: kill(2) with the child's pid.
     assert_eq!(unsafe { libc::kill(plain.child.id() as i32, libc::SIGTERM) }, 0);
     assert_eq!(plain.finish().1, Some(0));
