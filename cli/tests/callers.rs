@@ -613,3 +613,26 @@ fn one_site_chosen_on_a_running_process() {
     }
     s.quit();
 }
+
+/// A process that never profiled but records call chains
+/// (`ALLOCTRAMP_CALLERS`) gives a forked child its counters file at the
+/// fork, with the chains' region (a child of a process that never profiled
+/// otherwise makes it later): switched on, the child's chains count every
+/// call.
+#[test]
+fn a_never_profiled_parent_recording_chains_forks_a_child_whose_chains_count() {
+    let mut s = crate::runtime::Server::start("callers-fork", &[("ALLOCTRAMP_CALLERS", "4")]);
+    assert_eq!(s.cmd("round"), "done");
+    let child = s.cmd("fork").strip_prefix("child ").expect("child PID").to_string();
+    assert!(s.dir.join(format!("{child}.counters")).exists(), "the child's file, made at the fork");
+    let on = alloctramp().args(["enable", "--dir"]).arg(&s.dir).arg(&child).output().unwrap();
+    assert!(on.status.success(), "{}", String::from_utf8_lossy(&on.stderr));
+    assert_eq!(s.cmd("round"), "done");
+    let sums = chain_sums(&child, &s.dir);
+    for (k, &(calls, sum, named)) in &sums {
+        assert_eq!(sum, calls, "{k:?}: every call has its chain");
+        assert!(named || calls == 0, "{k:?}: frames named");
+    }
+    assert!(sums.values().any(|&(_, sum, _)| sum >= 5), "round's malloc(100) x5: {sums:?}");
+    s.quit();
+}
