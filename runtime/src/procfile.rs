@@ -698,17 +698,16 @@ pub fn prune(dir: &str, keep: usize, children_of: Option<u32>) {
     use std::os::unix::fs::MetadataExt;
     use std::os::unix::fs::OpenOptionsExt;
     // (Directories are read with getdents64, not std's read_dir: see
-    // `sys::for_each_dir_entry`.) A directory within its bound is only
-    // counted, without allocating: the watcher thread that prunes as it
-    // starts then takes no memory from the C library (whose first
-    // allocation on a thread makes it an arena of its own).
-    let mut files = 0usize;
-    if !sys::for_each_dir_entry(dir, |n| files += usize::from(n.ends_with(b".counters"))) {
-        return;
-    }
-    let over = files > keep;
-    if !over && children_of.is_none() {
-        return;
+    // `sys::for_each_dir_entry`.) Without children to look for, a
+    // directory is first only counted, without allocating: the watcher
+    // thread that prunes as it starts then takes no memory from the C
+    // library (whose first allocation on a thread makes it an arena of its
+    // own) unless the directory is over its bound.
+    if children_of.is_none() {
+        let mut files = 0usize;
+        if !sys::for_each_dir_entry(dir, |n| files += usize::from(n.ends_with(b".counters"))) || files <= keep {
+            return;
+        }
     }
     let mut names: Vec<String> = Vec::new();
     if !sys::for_each_dir_entry(dir, |n| {
@@ -719,6 +718,9 @@ pub fn prune(dir: &str, keep: usize, children_of: Option<u32>) {
         return;
     }
     let over = names.iter().filter(|n| n.ends_with(".counters")).count() > keep;
+    if !over && children_of.is_none() {
+        return;
+    }
     let read = |pid: u32| over || children_of.is_some_and(|me| pid > me);
     let mut found: Vec<(u32, process::FileState, Vec<u64>)> = Vec::new();
     let mut strays: Vec<std::path::PathBuf> = Vec::new();
