@@ -850,7 +850,8 @@ def part_instructions():
     whole = (ir["off", n2] - ir["off", n1]) - (ir["unpatched", n2] - ir["unpatched", n1])
     sec.para(
         f"Fixed start-up difference, profiling off: {startup_ir:,} instructions for the whole process (the runtime "
-        f"loading, registering the module and creating its files), of which {lp['off', n1] - lp['unpatched', n1]:+,} "
+        f"loading, registering the module and starting its watcher thread, which makes the counters file 10 ms "
+        f"later in a process that lives that long), of which {lp['off', n1] - lp['unpatched', n1]:+,} "
         "inside the loop (where not 0: the heap's layout differs for the thread's first malloc; the same at both "
         f"sizes). Over the whole process, the patched program's two sizes differ by {whole:+,} instructions more "
         "than the unpatched program's (where not 0: start-up varies by a few instructions from run to run).")

@@ -119,8 +119,8 @@ pub fn pid_file(pid: u32, dir: &Path) -> Result<PathBuf> {
         bail!("process {pid} belongs to another user (uid {owner}); run alloctramp as that user");
     }
     let elsewhere = dir_from_environ(pid).map(|d| d.join(process::counters_file_name(pid)));
-    // A forked child of a process that never profiled makes its file a
-    // few milliseconds after the fork.
+    // A process that starts with profiling off (and a forked child of a
+    // process that never profiled) makes its file 10 ms after it starts.
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
     loop {
         if let Some(q) = [Some(&p), elsewhere.as_ref()].into_iter().flatten().find(|q| q.exists()) {

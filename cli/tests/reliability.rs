@@ -372,6 +372,7 @@ fn counters_files_of_processes_that_never_profiled_do_not_pile_up() {
         );
         t.send("round");
         assert_eq!(t.line(), "done\n");
+        process_file(&dir, t.child.id());
         t
     };
     patch_to(&b.path("server"), &dir.join("server"), &[]);

@@ -217,13 +217,9 @@ impl Server {
         // The counters go to ALLOCTRAMP_DIR if `env` names one.
         let dir = env.iter().find(|e| e.0 == "ALLOCTRAMP_DIR").map_or(dir, |e| PathBuf::from(e.1));
         let talk = Talk::spawn(command.env("ALLOCTRAMP_DIR", &dir), env);
-        // The runtime creates the counters file before main runs.
-        let file = dir.join(format!("{}.counters", talk.child.id()));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !file.exists() {
-            assert!(Instant::now() < deadline, "{} never appeared", file.display());
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        // The runtime creates the counters file before main runs, or 10 ms
+        // after the start of a process that starts with profiling off.
+        process_file(&dir, talk.child.id());
         Server { talk, dir }
     }
     pub fn pid(&self) -> String {
@@ -646,7 +642,7 @@ fn stress(mode: &str) {
     assert_eq!(line.trim(), "started");
     let pid = child.id();
     let sig = libc::SIGRTMAX() - 7;
-    let file = dir.join(format!("{pid}.counters"));
+    let file = process_file(&dir, pid);
     // No control file: each signal toggles. The watcher is asked on and
     // off in turn, faster than it can follow (requests fold together).
     let mut last = 0;
@@ -959,17 +955,87 @@ fn a_never_profiled_parent_s_child_that_runs_another_program_at_once_makes_no_fi
     let dir = counters_dir("fork-exec-off");
     let bin = dir.join("forker");
     patch_to(&b.path("forker"), &bin, &[]);
-    let out = run_program(&bin, &["exec-killed".into()], &[("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
-    assert_eq!(out, (String::new(), String::new(), -1), "killed by its signal");
-    let files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".counters"))
-        .collect();
-    assert_eq!(files.len(), 1, "the killed parent's file alone: {files:?}");
+    let child = Command::new(&bin)
+        .arg("exec-killed")
+        .env("ALLOCTRAMP_DIR", &dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let parent = child.id();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!((o.status.code(), &o.stdout[..], &o.stderr[..]), (None, &b""[..], &b""[..]), "killed by its signal");
+    // The parent, never profiled, makes its file 10 ms after it starts if
+    // it lives that long, and, killed, cannot remove it.
+    let files = counters_files(&dir);
+    assert!(
+        files.iter().all(|f| f.ends_with(format!("{parent}.counters"))),
+        "the killed parent's file at most: {files:?}"
+    );
     let (parsed, by_pid) = forker_files(&dir);
     let v: Vec<(u64, bool, bool)> = parsed.iter().map(|f| (f.mallocs, f.on, f.exited)).collect();
-    assert_eq!(v, [(0, false, false)], "never profiled, killed: {by_pid}");
+    assert!(v.iter().all(|f| *f == (0, false, false)), "never profiled, killed: {by_pid}");
+}
+
+/// The names created in (or moved into) `dir` while `f` runs.
+fn created_in(dir: &Path, f: impl FnOnce()) -> Vec<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+    // SAFETY: plain system calls on a descriptor this function owns and
+    // closes, and a buffer it owns.
+    unsafe {
+        let fd = libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC);
+        assert!(fd >= 0);
+        assert!(libc::inotify_add_watch(fd, path.as_ptr(), libc::IN_CREATE | libc::IN_MOVED_TO) >= 0);
+        f();
+        let mut names = Vec::new();
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+            if n <= 0 {
+                break;
+            }
+            let mut at = 0;
+            while at + 16 <= n as usize {
+                let len = u32::from_ne_bytes(buf[at + 12..at + 16].try_into().unwrap()) as usize;
+                let name = &buf[at + 16..at + 16 + len];
+                let end = name.iter().position(|&c| c == 0).unwrap_or(len);
+                names.push(String::from_utf8_lossy(&name[..end]).into_owned());
+                at += 16 + len;
+            }
+        }
+        libc::close(fd);
+        names
+    }
+}
+
+/// A process that starts with profiling off makes its counters file 10 ms
+/// after it starts: a short one makes none, and a request that arrives
+/// before the file waits for it.
+#[test]
+fn a_process_started_off_makes_its_file_only_if_it_lives_and_is_enabled_at_once() {
+    let b = built(Config::default_o2());
+    let dir = counters_dir("start-off-file");
+    let bin = dir.join("basic");
+    patch_to(&b.path("basic"), &bin, &[]);
+    let made = created_in(&dir, || {
+        let (out, err, code) = run_program(&bin, &[], &[("ALLOCTRAMP_DIR", dir.to_str().unwrap())]);
+        assert_eq!((err.as_str(), code), ("", 0), "{out}");
+    });
+    assert_eq!(made, Vec::<String>::new(), "a process that ended at once made no file");
+
+    // Enabled as soon as it runs: the command waits for the file.
+    let server = dir.join("server");
+    patch_to(&b.path("server"), &server, &[]);
+    let mut talk = Talk::spawn(Command::new(&server).env("ALLOCTRAMP_DIR", &dir), &[]);
+    let pid = talk.child.id().to_string();
+    let o = alloctramp().arg("enable").arg("--dir").arg(&dir).arg(&pid).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    talk.send("round");
+    assert_eq!(talk.line(), "done\n");
+    assert_eq!(figures(&report(&pid, &dir)), round_figures(1));
+    talk.send("quit");
+    assert_eq!(talk.finish().1, Some(0));
 }
 
 #[test]

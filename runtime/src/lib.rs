@@ -5,9 +5,10 @@
 //! a panic aborts (it never unwinds into C). Its personality routine
 //! (`unwinding`) lets exceptions pass trampolines.
 //!
-//! At start-up it creates the process's counters file, starts the watcher
-//! thread that waits for requests (or installs the control signal's
-//! handler), and registers every patched module already loaded (the SIGTRAP
+//! At start-up it creates the process's counters file (a process that
+//! starts with profiling off makes it 10 ms later, from its watcher thread),
+//! starts the watcher thread that waits for requests (or installs the
+//! control signal's handler), and registers every patched module already loaded (the SIGTRAP
 //! handler of the patching protocol waits for the first switch); modules loaded later register from their init stub, and
 //! unregister from their fini stub. At exit, a process that never profiled
 //! removes its file.
@@ -173,16 +174,27 @@ fn switch_mode() -> Switch {
     }
 }
 
-/// Creates the process file for the current pid.
-fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
+/// Makes the counters directory if it is missing and checks it (ours, not
+/// open to others); says why not in one line.
+fn counters_dir_ready(dir: &str) -> bool {
     let mut d = sys::Buf::<256>::new();
     d.str(dir);
     if let Err(e) = procfile::ensure_dir(d.c_str()) {
         let mut m = sys::Buf::<512>::new();
         m.str(e).str(": ").str(dir).str(" (profiling is unavailable)");
         sys::log(m.bytes());
-        return None;
+        return false;
     }
+    true
+}
+
+/// Creates the process file for the current pid.
+fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
+    counters_dir_ready(dir).then(|| create_process_file(dir, mode)).flatten()
+}
+
+/// Creates the process file for the current pid in `dir`, which is ready.
+fn create_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() } as u32;
     let signal = if let Switch::Signal(n) = mode { n as u32 } else { 0 };
@@ -207,6 +219,8 @@ fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
 fn start_watcher(first: fn()) {
     if !control::start_watcher(first) {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
+        // A deferred file will not come.
+        registry::adopt_deferred_file(None, &EXITING);
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
                 f.header.watcher.store(0, Ordering::Release);
@@ -228,17 +242,19 @@ extern "C" fn after_fork_in_parent() {
     FORKED.store(true, Ordering::Relaxed);
 }
 
-/// How long a forked child of a process that never profiled waits, in its
-/// watcher thread, before it makes its counters file: most such children
-/// run another program at once (a shell's, `make`'s, git's), which needs
-/// none, and so pay no more than the thread for it.
-const CHILD_FILE_DELAY_NS: u64 = 10_000_000;
+/// How long a process that never profiled waits, in its watcher thread,
+/// before it makes its counters file: most such processes are short (a
+/// shell's, `make`'s or git's commands, and forked children that run
+/// another program at once), need none, and so pay no more than the
+/// thread for it.
+const FILE_DELAY_NS: u64 = 10_000_000;
 
-/// Makes the counters file of a forked child whose file was deferred
-/// ([`CHILD_FILE_DELAY_NS`]), in its watcher thread; then the thread waits
-/// for requests as every watcher does (or ends if there is no file).
-fn deferred_child_file() {
-    let mut left = libc::timespec { tv_sec: 0, tv_nsec: CHILD_FILE_DELAY_NS as i64 };
+/// Makes the counters file of a process whose file was deferred
+/// ([`FILE_DELAY_NS`]), in its watcher thread, and keeps the directory
+/// within its bound as every watcher does as it starts; then the thread
+/// waits for requests (or ends if there is no file).
+fn deferred_file() {
+    let mut left = libc::timespec { tv_sec: 0, tv_nsec: FILE_DELAY_NS as i64 };
     // SAFETY: nanosleep reads and writes the two local timespecs; the
     // thread's signals are blocked, so it only returns early on error.
     while unsafe { libc::nanosleep(&left, &mut left) } != 0 && sys::errno() == libc::EINTR {}
@@ -248,6 +264,9 @@ fn deferred_child_file() {
     }
     registry::adopt_deferred_file(open_process_file(dir, mode), &EXITING);
     state::publish_state();
+    if procfile::header().is_some() {
+        prune_over_bound();
+    }
 }
 
 extern "C" fn after_fork_in_child() {
@@ -267,8 +286,8 @@ extern "C" fn after_fork_in_child() {
     state::PROFILED.store(state::is_on(), Ordering::Relaxed);
     // A child of a process that never profiled has nothing to count into
     // its file until a request switches it on, and the request needs the
-    // file: its watcher makes it a little later (`deferred_child_file`),
-    // unless the child has run another program by then.
+    // file: its watcher makes it a little later (`deferred_file`), unless
+    // the child has run another program by then.
     // Not with callers capture or fault specs set: their regions and
     // header fields are made with the file, at fork.
     let defer = mode == Switch::Thread
@@ -291,7 +310,7 @@ extern "C" fn after_fork_in_child() {
         registry::publish_fail_sites();
     }
     if defer {
-        start_watcher(deferred_child_file);
+        start_watcher(deferred_file);
     } else if mode == Switch::Thread && procfile::header().is_some() {
         start_watcher(prune_over_bound);
     }
@@ -394,14 +413,8 @@ fn init() {
     shards::init();
     shards::set_reserve(registry::reserve_shard);
     let on = env_flag("ALLOCTRAMP", ["on", "off"], false, "profiling stays off");
-
     let dir = counters_dir();
-    let f = open_process_file(&dir, mode);
-    let have_file = f.is_some();
-    PROC.with(|p| *p = f);
-    // Fault injection acts on sites that are on: specs at start switch
-    // profiling on.
-    let fail = have_file && std::env::var("ALLOCTRAMP_FAIL").is_ok_and(|v| fault::set_from_env(v.as_bytes()));
+    let fail_spec = std::env::var("ALLOCTRAMP_FAIL").ok();
     // ALLOCTRAMP_TRACE=on records for a drainer outside; =DIR (a path:
     // it has a slash) drains too; =on:PID (what `alloctramp run --trace`
     // sets, PID its own) records only in a process whose parent is PID:
@@ -422,7 +435,27 @@ fn init() {
     // SAFETY: getppid has no preconditions.
     let for_me = |pid: i32| pid == unsafe { libc::getppid() };
     let recording = trace_value == "on" || matches!(parent, Some(Ok(pid)) if for_me(pid));
-    let traced = have_file && live && (trace_dir.is_some() || recording);
+    let wants_trace = live && (trace_dir.is_some() || recording);
+    let callers_value = std::env::var("ALLOCTRAMP_CALLERS").ok();
+    let capture = callers_value.as_deref().is_some_and(|v| callers::depth_from_env(v) != Some(0));
+
+    // A process that starts with nothing to count (off, switched by its
+    // watcher thread, with no fault spec, trace or callers capture, whose
+    // regions and header fields come with the file) has no use for its
+    // file until a request switches it on, and the request needs the
+    // file: the watcher makes it a little later (`deferred_file`), so a
+    // short command run without profiling makes none. Meanwhile its
+    // modules register pending, as with the file.
+    let ready = counters_dir_ready(&dir);
+    let defer = ready && mode == Switch::Thread && !on && fail_spec.is_none() && !wants_trace && !capture;
+    registry::FILE_DEFERRED.store(defer, Ordering::Relaxed);
+    let f = if ready && !defer { create_process_file(&dir, mode) } else { None };
+    let have_file = f.is_some();
+    PROC.with(|p| *p = f);
+    // Fault injection acts on sites that are on: specs at start switch
+    // profiling on.
+    let fail = have_file && fail_spec.is_some_and(|v| fault::set_from_env(v.as_bytes()));
+    let traced = have_file && wants_trace;
     // Without its file the process is not profiled: figures nobody can
     // read would cost the program what profiling costs.
     let on = (on || fail || traced) && have_file;
@@ -448,7 +481,7 @@ fn init() {
         }
     }
     registry::CAPTURE.store(callers::capture as *const () as usize as u64, Ordering::Relaxed);
-    if let Ok(v) = std::env::var("ALLOCTRAMP_CALLERS") {
+    if let Some(v) = callers_value {
         match callers::depth_from_env(&v) {
             Some(d) => {
                 if let Err(e) = callers::set_depth(d) {
@@ -487,7 +520,9 @@ fn init() {
             );
         }
     }
-    if mode == Switch::Thread && have_file {
+    if defer {
+        start_watcher(deferred_file);
+    } else if mode == Switch::Thread && have_file {
         start_watcher(prune_over_bound);
     }
 }
@@ -549,7 +584,7 @@ static FINI: extern "C" fn() = {
     run
 };
 
-/// The process is exiting: a forked child's deferred file is not made.
+/// The process is exiting: a deferred file is not made.
 static EXITING: AtomicBool = AtomicBool::new(false);
 
 /// The runtime's work at exit (a destructor of the runtime; in a static

@@ -884,9 +884,10 @@ pub fn take_place_error() -> Option<&'static str> {
     PLACE_ERROR.with(Option::take)
 }
 
-/// A forked child of a process that never profiled makes its counters
-/// file later, in its watcher thread (`deferred_child_file` in lib.rs):
-/// until then, modules that register are pending, as with the file.
+/// A process that never profiled (from its start, or a forked child of
+/// one) makes its counters file later, in its watcher thread
+/// (`deferred_file` in lib.rs): until then, modules that register are
+/// pending, as with the file.
 pub static FILE_DEFERRED: AtomicBool = AtomicBool::new(false);
 
 /// Whether every registered module is pending: none joined the process
@@ -895,7 +896,7 @@ pub fn all_pending() -> bool {
     slots().filter(|s| s.is_active()).all(|s| s.pending.load(Ordering::Relaxed))
 }
 
-/// Gives a forked child whose file was deferred its file (`None`: it
+/// Gives a process whose file was deferred its file (`None`: it
 /// could not be made, and the process is not profiled): its pending
 /// modules count in it as they would have from the fork on. If the
 /// process is exiting meanwhile (`exiting`, set under the same lock), the

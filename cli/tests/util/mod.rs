@@ -622,6 +622,18 @@ pub fn counters_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// The counters file of process `pid` in `dir`, once it is there: a
+/// process that starts with profiling off makes it 10 ms after it starts.
+pub fn process_file(dir: &Path, pid: u32) -> PathBuf {
+    let file = dir.join(format!("{pid}.counters"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !file.exists() {
+        assert!(std::time::Instant::now() < deadline, "no counters file of process {pid} in {}", dir.display());
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    file
+}
+
 /// A counters file's bytes with the shared site tables its modules name
 /// read in from the tables directory beside it, as every command reads
 /// them.
