@@ -79,6 +79,14 @@ pub fn file_process_running(pf: &ProcessFile) -> bool {
     }
 }
 
+/// Whether process `pid` has the runtime library mapped (a dynamically
+/// linked patched program; a static one carries it in its own file).
+fn maps_runtime(pid: u32) -> bool {
+    let name = format!("/{}", alloctramp_trampolines::layout::RUNTIME_SONAME);
+    std::fs::read(format!("/proc/{pid}/maps"))
+        .is_ok_and(|m| m.split(|&b| b == b'\n').any(|l| l.ends_with(name.as_bytes())))
+}
+
 /// `ALLOCTRAMP_DIR` as set in a running process's environment (readable
 /// for our own processes).
 fn dir_from_environ(pid: u32) -> Option<PathBuf> {
@@ -120,18 +128,29 @@ pub fn pid_file(pid: u32, dir: &Path) -> Result<PathBuf> {
     }
     let elsewhere = dir_from_environ(pid).map(|d| d.join(process::counters_file_name(pid)));
     // A process that starts with profiling off (and a forked child of a
-    // process that never profiled) makes its file 10 ms after it starts.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+    // process that never profiled) makes its file 10 ms after it starts:
+    // waited for half a second, or five once the runtime is seen loaded
+    // (a busy machine may run its watcher thread late).
+    let start = std::time::Instant::now();
+    let waited = |limit_ms| start.elapsed() >= std::time::Duration::from_millis(limit_ms);
     loop {
         if let Some(q) = [Some(&p), elsewhere.as_ref()].into_iter().flatten().find(|q| q.exists()) {
             return Ok(q.clone());
         }
-        if std::time::Instant::now() >= deadline || !process_exists(pid) {
+        if !process_exists(pid) || waited(5000) || (waited(500) && !maps_runtime(pid)) {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    if maps_runtime(pid) {
+        bail!(
+            "process {pid} ({}) runs patched code but has no counters file {} (its stderr says why, or it uses \
+             another ALLOCTRAMP_DIR)",
+            comm.trim(),
+            p.display()
+        )
+    }
     bail!("process {pid} ({}) runs no patched code (no {})", comm.trim(), p.display())
 }
 

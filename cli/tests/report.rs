@@ -633,6 +633,28 @@ fn expect_error(o: &Output, what: &str) {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// A patched process whose runtime could not make its counters file (its
+/// directory is open to other users) is named as such, once the command
+/// has waited for the file.
+#[test]
+fn a_patched_process_without_its_file_is_told_apart_from_an_unpatched_one() {
+    let dir = counters_dir("no-file");
+    let open_dir = dir.join("open");
+    std::fs::create_dir_all(&open_dir).unwrap();
+    std::fs::set_permissions(&open_dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let bin = dir.join("server");
+    patch_to(&built(Config::default_o2()).path("server"), &bin, &[]);
+    let mut talk = Talk::spawn(Command::new(&bin).env("ALLOCTRAMP_DIR", &open_dir), &[]);
+    talk.send("round");
+    assert_eq!(talk.line(), "done\n");
+    let pid = talk.child.id().to_string();
+    let o = alloctramp().args(["enable", "--dir"]).arg(&open_dir).arg(&pid).output().unwrap();
+    expect_error(&o, "runs patched code but has no counters file");
+    talk.send("quit");
+    let (_, code) = talk.finish();
+    assert_eq!(code, Some(0));
+}
+
 #[test]
 fn errors_are_one_line_with_status_2() {
     let dir = counters_dir("errors");
