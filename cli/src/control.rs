@@ -79,12 +79,28 @@ pub fn file_process_running(pf: &ProcessFile) -> bool {
     }
 }
 
-/// Whether process `pid` has the runtime library mapped (a dynamically
-/// linked patched program; a static one carries it in its own file).
-fn maps_runtime(pid: u32) -> bool {
+/// Whether process `pid` runs the runtime: its library is mapped (a
+/// dynamically linked patched program), or a thread is named as the
+/// watcher names itself (a static program carries the runtime in its own
+/// file).
+fn runs_runtime(pid: u32) -> bool {
     let name = format!("/{}", alloctramp_trampolines::layout::RUNTIME_SONAME);
-    std::fs::read(format!("/proc/{pid}/maps"))
-        .is_ok_and(|m| m.split(|&b| b == b'\n').any(|l| l.ends_with(name.as_bytes())))
+    let mapped = std::fs::read(format!("/proc/{pid}/maps"))
+        .is_ok_and(|m| m.split(|&b| b == b'\n').any(|l| l.ends_with(name.as_bytes())));
+    mapped
+        || std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| {
+            tasks.flatten().any(|t| std::fs::read(t.path().join("comm")).is_ok_and(|c| c.trim_ascii() == b"alloctramp"))
+        })
+}
+
+/// Whether the counters file at `path` is the one of the process now
+/// running under its pid (not one left before an `exec`, or by an earlier
+/// process given the same pid).
+fn file_of_running_process(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = vec![0u8; process::PROC_HEADER_SIZE as usize];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head)).is_ok()
+        && ProcessFile::parse(&head).is_ok_and(|pf| file_process_running(&pf))
 }
 
 /// `ALLOCTRAMP_DIR` as set in a running process's environment (readable
@@ -114,10 +130,11 @@ pub fn parse_target(target: &str) -> Target {
 /// own `ALLOCTRAMP_DIR` points. The error says why there is none.
 pub fn pid_file(pid: u32, dir: &Path) -> Result<PathBuf> {
     let p = dir.join(process::counters_file_name(pid));
-    if p.exists() {
+    let running = process_exists(pid);
+    if p.exists() && (!running || file_of_running_process(&p)) {
         return Ok(p);
     }
-    if !process_exists(pid) {
+    if !running {
         bail!("no process {pid} (and no counters file {})", p.display());
     }
     if let Some(owner) = process_owner(pid)
@@ -128,25 +145,31 @@ pub fn pid_file(pid: u32, dir: &Path) -> Result<PathBuf> {
     }
     let elsewhere = dir_from_environ(pid).map(|d| d.join(process::counters_file_name(pid)));
     // A process that starts with profiling off (and a forked child of a
-    // process that never profiled) makes its file 10 ms after it starts:
-    // waited for half a second, or five once the runtime is seen loaded
-    // (a busy machine may run its watcher thread late).
+    // process that never profiled) makes its file 10 ms after it starts
+    // (replacing one an earlier program under its pid left): waited for
+    // half a second, or five once the runtime is seen running (a busy
+    // machine may run its watcher thread late).
     let start = std::time::Instant::now();
     let waited = |limit_ms| start.elapsed() >= std::time::Duration::from_millis(limit_ms);
+    let files = || [Some(&p), elsewhere.as_ref()].into_iter().flatten().filter(|q| q.exists());
     loop {
-        if let Some(q) = [Some(&p), elsewhere.as_ref()].into_iter().flatten().find(|q| q.exists()) {
+        if let Some(q) = files().find(|q| file_of_running_process(q)) {
             return Ok(q.clone());
         }
-        if !process_exists(pid) || waited(5000) || (waited(500) && !maps_runtime(pid)) {
+        if !process_exists(pid) || waited(5000) || (waited(500) && !runs_runtime(pid)) {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    // The file an earlier program under this pid left: its final figures.
+    if let Some(q) = files().next() {
+        return Ok(q.clone());
+    }
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-    if maps_runtime(pid) {
+    if runs_runtime(pid) {
         bail!(
-            "process {pid} ({}) runs patched code but has no counters file {} (its stderr says why, or it uses \
-             another ALLOCTRAMP_DIR)",
+            "process {pid} ({}) runs patched code but has no counters file {} (its directory was unusable, \
+             see the process's stderr at its start)",
             comm.trim(),
             p.display()
         )

@@ -138,7 +138,8 @@ fn steps(cc: &str, tmp: &Path) -> Result<()> {
     let pid = child.id();
     let out = BufReader::new(child.stdout.take().unwrap());
     let mut ex = Example { child, out };
-    // The runtime creates the counters file before main runs.
+    // The runtime creates the counters file before main runs (10 ms after
+    // the start, if the example starts with profiling off).
     let file = counters.join(alloctramp_trampolines::process::counters_file_name(pid));
     let deadline = Instant::now() + Duration::from_secs(10);
     while !file.exists() {

@@ -272,6 +272,9 @@ fn the_watcher_thread_blocks_every_signal_holds_no_descriptor_and_takes_no_arena
     }
     let found = watchers(pid);
     assert_eq!(found.len(), 1);
+    // Started off, the process has its file 10 ms later, made by the
+    // watcher: what follows holds after that too.
+    process_file(&dir, pid);
     let status = std::fs::read_to_string(found[0].join("status")).unwrap();
     let blocked = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).unwrap().trim().to_string();
     // Every signal but SIGKILL and SIGSTOP, which cannot be blocked, and

@@ -133,9 +133,12 @@ fn counters_dir() -> String {
 }
 
 /// The command line as the kernel keeps it: argv[0] and each argument,
-/// each ended by a NUL (the process file keeps what fits).
-fn command_name() -> Vec<u8> {
-    std::fs::read("/proc/self/cmdline").unwrap_or_default()
+/// each ended by a NUL, as much as the process file keeps. Read without
+/// allocating: the watcher thread makes a deferred file, and a thread's
+/// first allocation would cost the process a C library arena.
+fn command_name(buf: &mut [u8; process::COMMAND_LEN]) -> &[u8] {
+    let n = sys::read_small_file(c"/proc/self/cmdline", buf).unwrap_or(0);
+    buf.get(..n).unwrap_or_default()
 }
 
 /// How a running process hears requests.
@@ -174,15 +177,26 @@ fn switch_mode() -> Switch {
     }
 }
 
+/// Whether a failure to make the process file is told on stderr: not by
+/// a file deferred to the watcher thread, when the program may have closed
+/// its stderr and reused the descriptor.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Say {
+    Errors,
+    Nothing,
+}
+
 /// Makes the counters directory if it is missing and checks it (ours, not
 /// open to others); says why not in one line.
-fn counters_dir_ready(dir: &str) -> bool {
+fn counters_dir_ready(dir: &str, say: Say) -> bool {
     let mut d = sys::Buf::<256>::new();
     d.str(dir);
     if let Err(e) = procfile::ensure_dir(d.c_str()) {
-        let mut m = sys::Buf::<512>::new();
-        m.str(e).str(": ").str(dir).str(" (profiling is unavailable)");
-        sys::log(m.bytes());
+        if say == Say::Errors {
+            let mut m = sys::Buf::<512>::new();
+            m.str(e).str(": ").str(dir).str(" (profiling is unavailable)");
+            sys::log(m.bytes());
+        }
         return false;
     }
     true
@@ -190,25 +204,36 @@ fn counters_dir_ready(dir: &str) -> bool {
 
 /// Creates the process file for the current pid.
 fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
-    counters_dir_ready(dir).then(|| create_process_file(dir, mode)).flatten()
+    counters_dir_ready(dir, Say::Errors).then(|| create_process_file(dir, mode, Say::Errors, |_| {})).flatten()
 }
 
-/// Creates the process file for the current pid in `dir`, which is ready.
-fn create_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
+/// Creates the process file for the current pid in `dir`, which is ready;
+/// `init` completes its header before it can be seen.
+fn create_process_file(
+    dir: &str,
+    mode: Switch,
+    say: Say,
+    init: impl FnOnce(&process::ProcHeader),
+) -> Option<procfile::ProcFile> {
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() } as u32;
     let signal = if let Switch::Signal(n) = mode { n as u32 } else { 0 };
-    match procfile::ProcFile::create(dir.as_bytes(), pid, signal, mode == Switch::Thread, &command_name()) {
+    let mut command = [0u8; process::COMMAND_LEN];
+    let watcher = mode == Switch::Thread;
+    match procfile::ProcFile::create(dir.as_bytes(), pid, signal, watcher, command_name(&mut command), init) {
         Ok(f) => {
-            let ctl = format!("{dir}/{}", process::control_file_name(pid));
-            control::CONTROL_PATH.set(ctl.as_bytes());
+            let mut name = sys::Buf::<32>::new();
+            name.num(u64::from(pid)).str(process::CONTROL_SUFFIX);
+            control::CONTROL_PATH.set(procfile::path_in(dir.as_bytes(), name.bytes()).bytes());
             procfile::set_header(f.header);
             Some(f)
         }
         Err(e) => {
-            let mut m = sys::Buf::<512>::new();
-            m.str(e).str(" in ").str(dir).str(" (profiling is unavailable)");
-            sys::log(m.bytes());
+            if say == Say::Errors {
+                let mut m = sys::Buf::<512>::new();
+                m.str(e).str(" in ").str(dir).str(" (profiling is unavailable)");
+                sys::log(m.bytes());
+            }
             None
         }
     }
@@ -220,7 +245,7 @@ fn start_watcher(first: fn()) {
     if !control::start_watcher(first) {
         sys::log(b"cannot start the watcher thread; this process cannot be switched while it runs");
         // A deferred file will not come.
-        registry::adopt_deferred_file(None, &EXITING);
+        registry::make_deferred_file(&EXITING, |_| None);
         PROC.with(|p| {
             if let Some(f) = p.as_ref() {
                 f.header.watcher.store(0, Ordering::Release);
@@ -252,19 +277,22 @@ const FILE_DELAY_NS: u64 = 10_000_000;
 /// Makes the counters file of a process whose file was deferred
 /// ([`FILE_DELAY_NS`]), in its watcher thread, and keeps the directory
 /// within its bound as every watcher does as it starts; then the thread
-/// waits for requests (or ends if there is no file).
+/// waits for requests (or ends if there is no file). The file is made
+/// under the registry's lock, complete (its pending modules counted, its
+/// state published) before it can be seen; an exit meanwhile waits for
+/// the lock, then removes it. It says nothing if it cannot be made: the
+/// program may have closed its stderr by now and reused the descriptor,
+/// and a request then says that the process has no file.
 fn deferred_file() {
     let mut left = libc::timespec { tv_sec: 0, tv_nsec: FILE_DELAY_NS as i64 };
     // SAFETY: nanosleep reads and writes the two local timespecs; the
     // thread's signals are blocked, so it only returns early on error.
     while unsafe { libc::nanosleep(&left, &mut left) } != 0 && sys::errno() == libc::EINTR {}
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
-    if EXITING.load(Ordering::Acquire) {
-        return;
-    }
-    registry::adopt_deferred_file(open_process_file(dir, mode), &EXITING);
-    state::publish_state();
-    if procfile::header().is_some() {
+    let made = registry::make_deferred_file(&EXITING, |init| {
+        counters_dir_ready(dir, Say::Nothing).then(|| create_process_file(dir, mode, Say::Nothing, init)).flatten()
+    });
+    if made {
         prune_over_bound();
     }
 }
@@ -446,10 +474,10 @@ fn init() {
     // file: the watcher makes it a little later (`deferred_file`), so a
     // short command run without profiling makes none. Meanwhile its
     // modules register pending, as with the file.
-    let ready = counters_dir_ready(&dir);
+    let ready = counters_dir_ready(&dir, Say::Errors);
     let defer = ready && mode == Switch::Thread && !on && fail_spec.is_none() && !wants_trace && !capture;
     registry::FILE_DEFERRED.store(defer, Ordering::Relaxed);
-    let f = if ready && !defer { create_process_file(&dir, mode) } else { None };
+    let f = if ready && !defer { create_process_file(&dir, mode, Say::Errors, |_| {}) } else { None };
     let have_file = f.is_some();
     PROC.with(|p| *p = f);
     // Fault injection acts on sites that are on: specs at start switch

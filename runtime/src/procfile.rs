@@ -1,5 +1,6 @@
 //! The per-process counters file (format in `alloctramp_trampolines::process`):
-//! created at start-up in a per-user directory, grown as modules join it
+//! created at start-up (10 ms later in a process that starts with profiling
+//! off) in a per-user directory, grown as modules join it
 //! (when they first switch on, or at registration in a process that
 //! profiled), its counter regions mapped over each module's counters. Every
 //! byte the process writes through a mapping has its storage first
@@ -224,7 +225,15 @@ fn identity(fd: i32) -> Option<(u64, u64)> {
 impl ProcFile {
     /// Creates the process file, complete with its header, under its final
     /// name `dir/PID.counters`, and closes it.
-    pub fn create(dir: &[u8], pid: u32, signal: u32, watcher: bool, command: &[u8]) -> Result<ProcFile, &'static str> {
+    /// `init` completes the header before the file can be seen.
+    pub fn create(
+        dir: &[u8],
+        pid: u32,
+        signal: u32,
+        watcher: bool,
+        command: &[u8],
+        init: impl FnOnce(&ProcHeader),
+    ) -> Result<ProcFile, &'static str> {
         // Written under a temporary name and renamed once the header is
         // complete, so a reader never sees a partial header.
         let mut name = pid_name(pid, ".counters.new");
@@ -276,6 +285,7 @@ impl ProcFile {
         header.exe_dev.store(exe_dev, r);
         header.exe_ino.store(exe_ino, r);
         ProcHeader::set_text(&header.command, command);
+        init(header);
         // SAFETY: NUL-terminated paths; on failure the mapping is ours to drop.
         unsafe {
             if libc::rename(tmp.c_str().as_ptr(), path.c_str().as_ptr()) != 0 {

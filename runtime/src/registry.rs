@@ -8,6 +8,7 @@ use crate::state::{self, LIVE, Sites, WANT, want};
 use crate::{foreign, live, sys};
 use alloctramp_trampolines::layout::{self, CONTROL_SIZE, ControlBlock, Table, UNWIND_ROW_SIZE, UnwindRow};
 use alloctramp_trampolines::pod;
+use alloctramp_trampolines::process::ProcHeader;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -896,28 +897,32 @@ pub fn all_pending() -> bool {
     slots().filter(|s| s.is_active()).all(|s| s.pending.load(Ordering::Relaxed))
 }
 
-/// Gives a process whose file was deferred its file (`None`: it
-/// could not be made, and the process is not profiled): its pending
-/// modules count in it as they would have from the fork on. If the
-/// process is exiting meanwhile (`exiting`, set under the same lock), the
-/// file goes instead, as the file of a process that never profiled.
-pub fn adopt_deferred_file(f: Option<ProcFile>, exiting: &AtomicBool) {
+/// Makes the file of a process whose file was deferred, with `make`
+/// (given what completes the header before the file can be seen), under
+/// the registry's lock: its pending modules count in it as they would have
+/// from the start, and none registers or goes meanwhile. Not if the
+/// process is exiting (`exiting`, set under the same lock). Returns
+/// whether the process has its file now.
+pub fn make_deferred_file(exiting: &AtomicBool, make: impl FnOnce(&dyn Fn(&ProcHeader)) -> Option<ProcFile>) -> bool {
     PROC.with(|p| {
         FILE_DEFERRED.store(false, Ordering::Relaxed);
-        let Some(mut f) = f else { return };
         if exiting.load(Ordering::Acquire) {
-            f.remove();
-            crate::procfile::clear_header();
-            return;
+            return false;
         }
         // (A module being unloaded stays pending until `unregister` takes
         // it away under this lock.)
-        for slot in slots().filter(|s| s.pending.load(Ordering::Relaxed)) {
-            count_pending(&f, slot.site_count.load(Ordering::Relaxed), true);
-        }
+        let init = |h: &ProcHeader| {
+            for slot in slots().filter(|s| s.pending.load(Ordering::Relaxed)) {
+                h.pending_modules.fetch_add(1, Ordering::Relaxed);
+                h.pending_sites.fetch_add(u64::from(slot.site_count.load(Ordering::Relaxed)), Ordering::Relaxed);
+            }
+            state::publish_state_to(h);
+        };
+        let Some(f) = make(&init) else { return false };
         crate::procfile::set_header(f.header);
         *p = Some(f);
-    });
+        true
+    })
 }
 
 /// Adds a module of `sites` sites to the file's count of modules not in
@@ -1097,7 +1102,7 @@ pub fn unregister(table: *const u8) {
             let sites = slot.site_count.load(Ordering::Relaxed);
             PROC.with(|p| {
                 // (Under the lock: a deferred file counts the slots still
-                // pending as it arrives, `adopt_deferred_file`.)
+                // pending as it is made, `make_deferred_file`.)
                 let pending = slot.pending.swap(false, Ordering::Relaxed);
                 if let (Some(f), true) = (p.as_ref(), idx != u32::MAX) {
                     f.set_unloaded(idx);

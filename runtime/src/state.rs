@@ -86,27 +86,34 @@ pub static PROFILED: AtomicBool = AtomicBool::new(false);
 /// Writes the wanted state and the live-tracking flags into the process
 /// file's header.
 pub fn publish_state() {
+    if let Some(h) = procfile::header() {
+        publish_state_to(h);
+    } else if is_on() {
+        PROFILED.store(true, Ordering::Relaxed);
+    }
+}
+
+/// [`publish_state`] into a header (of a file not yet published).
+pub fn publish_state_to(h: &alloctramp_trampolines::process::ProcHeader) {
     use alloctramp_trampolines::process::flags;
     if is_on() {
         PROFILED.store(true, Ordering::Relaxed);
     }
-    if let Some(h) = procfile::header() {
-        let mut f = 0;
-        if PROFILED.load(Ordering::Relaxed) {
-            f |= flags::PROFILED;
-        }
-        if LIVE.load(Ordering::Relaxed) {
-            f |= flags::LIVE;
-        }
-        if want() == Sites::Frees {
-            f |= flags::DRAINING;
-        }
-        if INCOMPLETE.load(Ordering::Relaxed) {
-            f |= flags::INCOMPLETE;
-        }
-        h.flags.store(f, Ordering::Release);
-        h.state.store(u32::from(is_on()), Ordering::Release);
+    let mut f = 0;
+    if PROFILED.load(Ordering::Relaxed) {
+        f |= flags::PROFILED;
     }
+    if LIVE.load(Ordering::Relaxed) {
+        f |= flags::LIVE;
+    }
+    if want() == Sites::Frees {
+        f |= flags::DRAINING;
+    }
+    if INCOMPLETE.load(Ordering::Relaxed) {
+        f |= flags::INCOMPLETE;
+    }
+    h.flags.store(f, Ordering::Release);
+    h.state.store(u32::from(is_on()), Ordering::Release);
 }
 
 pub fn report_error(e: &str) {

@@ -122,7 +122,7 @@ pub struct ProcHeader {
     pub start_time: AtomicU64,
     /// The command line: argv[0], then each argument, each ended by a NUL
     /// (cut to leave a NUL at the end), NUL-padded.
-    pub command: [AtomicU8; 112],
+    pub command: [AtomicU8; COMMAND_LEN],
     /// Nanoseconds the last switch took.
     pub last_switch_ns: AtomicU64,
     /// Sites rewritten by the last switch.
@@ -1024,8 +1024,14 @@ pub fn fail_file_name(pid: u32) -> String {
 /// switches on a signal (`ALLOCTRAMP_SWITCH=signal`); the runtime never
 /// creates it.
 pub fn control_file_name(pid: u32) -> String {
-    format!("{pid}.control")
+    format!("{pid}{CONTROL_SUFFIX}")
 }
+
+/// What follows the pid in a control file's name.
+pub const CONTROL_SUFFIX: &str = ".control";
+
+/// Bytes of the command line a process file keeps ([`ProcHeader::command`]).
+pub const COMMAND_LEN: usize = 112;
 
 /// The unwind file's magic and version.
 pub const UNWIND_MAGIC: [u8; 8] = *b"ATUNWD\x00\x01";
