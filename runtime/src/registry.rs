@@ -415,7 +415,7 @@ pub unsafe fn register(table: *const u8, module: &Segments, inert: bool) {
         slot.file_index.store(file_index, Ordering::Relaxed);
         slot.pending.store(pending, Ordering::Relaxed);
         if pending && let Some(f) = proc.as_ref() {
-            count_pending(f, h.site_count, true);
+            count_pending(f.header, h.site_count, true);
         }
         set_unwind(slot, &t, table as u64, module.room);
         slot.busy.store(true, Ordering::Relaxed);
@@ -913,8 +913,7 @@ pub fn make_deferred_file(exiting: &AtomicBool, make: impl FnOnce(&dyn Fn(&ProcH
         // it away under this lock.)
         let init = |h: &ProcHeader| {
             for slot in slots().filter(|s| s.pending.load(Ordering::Relaxed)) {
-                h.pending_modules.fetch_add(1, Ordering::Relaxed);
-                h.pending_sites.fetch_add(u64::from(slot.site_count.load(Ordering::Relaxed)), Ordering::Relaxed);
+                count_pending(h, slot.site_count.load(Ordering::Relaxed), true);
             }
             state::publish_state_to(h);
         };
@@ -927,8 +926,7 @@ pub fn make_deferred_file(exiting: &AtomicBool, make: impl FnOnce(&dyn Fn(&ProcH
 
 /// Adds a module of `sites` sites to the file's count of modules not in
 /// it yet (`add`), or takes it away.
-fn count_pending(f: &ProcFile, sites: u32, add: bool) {
-    let h = f.header;
+fn count_pending(h: &ProcHeader, sites: u32, add: bool) {
     if add {
         h.pending_modules.fetch_add(1, Ordering::Relaxed);
         h.pending_sites.fetch_add(u64::from(sites), Ordering::Relaxed);
@@ -961,7 +959,7 @@ unsafe fn place(slot: &Slot) -> bool {
         .map_or(0, |m| m.base.load(Ordering::Acquire));
     PROC.with(|proc| {
         let Some(f) = proc.as_mut() else { return };
-        count_pending(f, h.site_count, false);
+        count_pending(f.header, h.site_count, false);
         if ordered.is_err() || own == 0 {
             return;
         }
@@ -1108,7 +1106,7 @@ pub fn unregister(table: *const u8) {
                     f.set_unloaded(idx);
                 }
                 if let (Some(f), true) = (p.as_ref(), pending) {
-                    count_pending(f, sites, false);
+                    count_pending(f.header, sites, false);
                 }
             });
         }
@@ -1266,7 +1264,7 @@ pub fn reopen_after_fork(make: impl FnOnce() -> Option<ProcFile>) {
             // Its private counters, copied with the process, never counted:
             // it joins the child's file as it would have joined the parent's.
             if let Some(f) = &f {
-                count_pending(f, t.header.site_count, true);
+                count_pending(f.header, t.header.site_count, true);
             }
             continue;
         }
