@@ -385,7 +385,7 @@ pub fn run(mut args: Args) -> Result<()> {
         let why = if args.on {
             "profiling was unavailable; see its messages above"
         } else {
-            "profiling was never switched on, so it removed its file at exit"
+            "profiling was never switched on, so it kept no file"
         };
         eprintln!("alloctramp: {} left no counters file in {} ({why})", program.display(), dir.display());
         std::process::exit(code);
