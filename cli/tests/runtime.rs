@@ -293,7 +293,8 @@ fn switching_a_live_process_by_command_signal_and_file() {
     assert_eq!(s.figures(), zero());
 
     // A bare signal with no control file toggles.
-    assert!(!s.dir.join(format!("{}.control", s.pid())).exists(), "the runtime creates no control file");
+    let control = s.dir.join(alloctramp_trampolines::process::control_file_name(s.pid().parse().unwrap()));
+    assert!(!control.exists(), "the runtime creates no control file");
     let sig = 64 - 7; // SIGRTMAX - 7, the default
     assert!(Command::new("kill").arg(format!("-{sig}")).arg(s.pid()).status().unwrap().success());
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -305,7 +306,7 @@ fn switching_a_live_process_by_command_signal_and_file() {
     assert_eq!(s.figures(), round_figures(1));
 
     // Bad text in the control file: a warning, nothing switched.
-    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "sideways\n").unwrap();
+    std::fs::write(&control, "sideways\n").unwrap();
     assert!(Command::new("kill").arg(format!("-{sig}")).arg(s.pid()).status().unwrap().success());
     std::thread::sleep(Duration::from_millis(100));
     assert!(report(&s.pid(), &s.dir)["on"].as_bool().unwrap());
@@ -313,7 +314,7 @@ fn switching_a_live_process_by_command_signal_and_file() {
     assert_eq!(s.figures(), round_figures(2));
 
     // The control file's words, carried out on the signal.
-    std::fs::write(s.dir.join(format!("{}.control", s.pid())), "off\n").unwrap();
+    std::fs::write(&control, "off\n").unwrap();
     assert!(Command::new("kill").arg(format!("-{sig}")).arg(s.pid()).status().unwrap().success());
     let deadline = Instant::now() + Duration::from_secs(5);
     while report(&s.pid(), &s.dir)["on"].as_bool().unwrap() {
@@ -324,7 +325,7 @@ fn switching_a_live_process_by_command_signal_and_file() {
     // A signal queued as `alloctramp` queues its requests' (whose request
     // another signal's handling may have taken already) never toggles, and
     // reads no control file.
-    std::fs::remove_file(s.dir.join(format!("{}.control", s.pid()))).unwrap();
+    std::fs::remove_file(&control).unwrap();
     let generation = report(&s.pid(), &s.dir)["generation"].as_u64().unwrap();
     let value = libc::sigval { sival_ptr: alloctramp_trampolines::process::REQUEST_SIGNAL_VALUE as *mut libc::c_void };
     // SAFETY: sigqueue(3) with the server's pid, its control signal and a value.
@@ -955,23 +956,27 @@ fn a_never_profiled_parent_s_child_that_runs_another_program_at_once_makes_no_fi
     let dir = counters_dir("fork-exec-off");
     let bin = dir.join("forker");
     patch_to(&b.path("forker"), &bin, &[]);
-    let child = Command::new(&bin)
-        .arg("exec-killed")
-        .env("ALLOCTRAMP_DIR", &dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let parent = child.id();
-    let o = child.wait_with_output().unwrap();
-    assert_eq!((o.status.code(), &o.stdout[..], &o.stderr[..]), (None, &b""[..], &b""[..]), "killed by its signal");
-    // The parent, never profiled, makes its file 10 ms after it starts if
-    // it lives that long, and, killed, cannot remove it.
+    let mut parent = 0;
+    let made = created_in(&dir, || {
+        let child = Command::new(&bin)
+            .arg("exec-killed")
+            .env("ALLOCTRAMP_DIR", &dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        parent = child.id();
+        let o = child.wait_with_output().unwrap();
+        let out = (o.status.code(), &o.stdout[..], &o.stderr[..]);
+        assert_eq!(out, (None, &b""[..], &b""[..]), "killed by its signal");
+    });
+    // The child made no file, not even for a moment. The parent, never
+    // profiled, makes its file 10 ms after it starts if it lives that long,
+    // and, killed, cannot remove it.
+    let mine = [format!("{parent}.counters.new"), format!("{parent}.counters")];
+    assert!(made.iter().all(|n| mine.contains(n)), "the killed parent's file at most: {made:?}");
     let files = counters_files(&dir);
-    assert!(
-        files.iter().all(|f| f.ends_with(format!("{parent}.counters"))),
-        "the killed parent's file at most: {files:?}"
-    );
+    assert!(files.len() <= 1 && files.iter().all(|f| f.ends_with(&mine[1])), "{files:?}");
     let (parsed, by_pid) = forker_files(&dir);
     let v: Vec<(u64, bool, bool)> = parsed.iter().map(|f| (f.mallocs, f.on, f.exited)).collect();
     assert!(v.iter().all(|f| *f == (0, false, false)), "never profiled, killed: {by_pid}");

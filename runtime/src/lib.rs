@@ -202,9 +202,15 @@ fn counters_dir_ready(dir: &str, say: Say) -> bool {
     true
 }
 
-/// Creates the process file for the current pid.
-fn open_process_file(dir: &str, mode: Switch) -> Option<procfile::ProcFile> {
-    counters_dir_ready(dir, Say::Errors).then(|| create_process_file(dir, mode, Say::Errors, |_| {})).flatten()
+/// Creates the process file for the current pid, in `dir` if it is ready
+/// (see [`create_process_file`]).
+fn open_process_file(
+    dir: &str,
+    mode: Switch,
+    say: Say,
+    init: impl FnOnce(&process::ProcHeader),
+) -> Option<procfile::ProcFile> {
+    counters_dir_ready(dir, say).then(|| create_process_file(dir, mode, say, init)).flatten()
 }
 
 /// Creates the process file for the current pid in `dir`, which is ready;
@@ -289,9 +295,7 @@ fn deferred_file() {
     // thread's signals are blocked, so it only returns early on error.
     while unsafe { libc::nanosleep(&left, &mut left) } != 0 && sys::errno() == libc::EINTR {}
     let (Some(dir), Some(&mode)) = (DIR.get(), MODE.get()) else { return };
-    let made = registry::make_deferred_file(&EXITING, |init| {
-        counters_dir_ready(dir, Say::Nothing).then(|| create_process_file(dir, mode, Say::Nothing, init)).flatten()
-    });
+    let made = registry::make_deferred_file(&EXITING, |init| open_process_file(dir, mode, Say::Nothing, init));
     if made {
         prune_over_bound();
     }
@@ -325,7 +329,7 @@ extern "C" fn after_fork_in_child() {
         && state::CALLERS.load(Ordering::Relaxed) == 0
         && !fault::any();
     registry::FILE_DEFERRED.store(defer, Ordering::Relaxed);
-    registry::reopen_after_fork(|| if defer { None } else { open_process_file(dir, mode) });
+    registry::reopen_after_fork(|| if defer { None } else { open_process_file(dir, mode, Say::Errors, |_| {}) });
     callers::after_fork_in_child();
     if traced {
         // (A module that cannot be switched keeps its traced entries, which
